@@ -1,0 +1,30 @@
+# Two commands on a fresh machine (see README):
+#   make run    set up .venv and train the tiny SDXL model on the built-in demo set (CPU)
+#   make test   set up .venv and run the test suite (what CI runs)
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# The CPU wheel of torch; a bare `torch` would pull a multi-GB CUDA build. GPU users:
+# `make setup TORCH=` keeps the torch already in the venv (create it with your CUDA torch first).
+TORCH  ?= torch==2.13.0
+ARGS   ?=
+
+.PHONY: setup run test plan clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(if $(TORCH),$(BIN)/python -m pip install -q $(TORCH))
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test]'
+	touch $@
+
+run: setup
+	$(BIN)/python -m runner +preset=sdxl_24gb $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest -q $(ARGS)
+
+clean:
+	rm -rf $(VENV) outputs multirun .pytest_cache

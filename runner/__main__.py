@@ -1,0 +1,77 @@
+"""``python -m runner +preset=sdxl_24gb train.steps=200``
+
+One run, top to bottom: compose -> validate -> build trainer -> apply plugins -> loop -> report.
+Each step is a function in runner/ that tests call on its own.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+import hydra
+from accelerate.utils import set_seed
+from omegaconf import DictConfig
+
+from runner import registry
+from runner.errors import UserError
+from runner.loop import make_accelerator, train
+from runner.report import summary, write_run_info
+from runner.run import build_plugins, build_trainer, make_context, output_dir
+from runner.validate import conf_dir, precheck, validate
+
+log = logging.getLogger("runner")
+
+
+def run(cfg: DictConfig) -> float | None:
+    """The Hydra task: one job of a run or of a ``-m`` sweep."""
+    validate(cfg)                                               # validate
+    if cfg.mode == "plugins":
+        print(registry.format_plugin_list())
+        return None
+    out = output_dir(cfg)
+    write_run_info(out, cfg)
+    schedule = build_plugins(cfg)
+    log.info("plugin order:\n%s", schedule.describe())
+    ctx = make_context(cfg, schedule, out)
+    ctx.run_phase("configure_process")                          # before anything touches CUDA
+    ctx.trainer = build_trainer(cfg)                            # build trainer
+    set_seed(cfg.train.seed)                                    # random init is reproducible, so resume is exact
+    ctx.models = ctx.trainer.build_models("cpu")
+    ctx.accelerator = make_accelerator(cfg, ctx.device)
+    ctx.apply_setup_phases()                                    # apply plugins
+    result = train(ctx)                                         # loop
+    ctx.run_phase("teardown")
+    print(summary(result, out))                                 # report
+    if result.interrupted_by is not None:
+        sys.exit(128 + result.interrupted_by)
+    return result.losses[-1] if result.losses else None
+
+
+def _task(cfg: DictConfig) -> float | None:
+    try:
+        return run(cfg)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+
+
+def main() -> None:
+    registry.load_all()                                         # compose (with friendly errors)
+    args, _ = _hydra_args()
+    if not (args.help or args.hydra_help or args.info or args.shell_completion):
+        try:
+            precheck(args.overrides, multirun=args.multirun)
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(e.exit_code)
+    hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(_task)()
+
+
+def _hydra_args():
+    from hydra._internal.utils import get_args_parser
+
+    return get_args_parser().parse_known_args(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    main()

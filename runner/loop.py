@@ -1,0 +1,210 @@
+"""The managed training loop, on accelerate.
+
+The runner, not the trainer, decides which samples make up each step. ``SampleOrder`` maps a
+global sample position to a dataset index (a fresh seeded permutation per epoch) and every
+sample gets a seed from its position, so:
+
+* resume is exact: step k always sees the same samples with the same noise;
+* a step can be cut into any number of micro-batches (gradient accumulation now, OOM
+  splitting later) without skipping, repeating or re-randomising a sample.
+
+accelerate provides device handling, autocast for mixed precision, fp16 gradient scaling and
+clipping; we keep the accumulation loop explicit because micro-batch sizes may change at run
+time (and ``accelerator.accumulate`` assumes a fixed count).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from diffusers.optimization import get_scheduler
+from tqdm.auto import tqdm
+
+from runner.context import RunContext
+from runner.errors import UserError
+from runner.report import MetricsWriter, memory_in_use
+from runner.train_state import TrainState, find_checkpoint, load_checkpoint, save_checkpoint
+from runner.trainer import batch_len, encode, move_batch, slice_batch
+
+log = logging.getLogger("runner")
+
+
+class SampleOrder:
+    """Global sample position -> dataset index, one seeded permutation per epoch."""
+
+    def __init__(self, num_samples: int, seed: int) -> None:
+        if num_samples <= 0:
+            raise UserError("The dataset is empty: data.path must hold at least one image with a caption.")
+        self.n = num_samples
+        self.seed = seed
+        self._perms: dict[int, list[int]] = {}
+
+    def _perm(self, epoch: int) -> list[int]:
+        if epoch not in self._perms:
+            g = torch.Generator().manual_seed(self.seed * 7919 + epoch)
+            self._perms = {epoch: torch.randperm(self.n, generator=g).tolist()}
+        return self._perms[epoch]
+
+    def indices(self, start: int, count: int) -> list[int]:
+        return [self._perm(p // self.n)[p % self.n] for p in range(start, start + count)]
+
+    def sample_seeds(self, start: int, count: int) -> torch.Tensor:
+        return torch.tensor([self.seed * 1_000_003 + p for p in range(start, start + count)], dtype=torch.int64)
+
+
+def build_optimizer(cfg: Any, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The plain optimizer; memory-saving optimizers come from the optimizer group/plugins."""
+    if not params:
+        raise UserError("Nothing to train: the trainer marked no parameter as trainable (check model.train).")
+    return torch.optim.AdamW(
+        params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=False
+    )
+
+
+class StopRequest:
+    """SIGINT/SIGTERM handler: the first signal asks the loop to save and stop after the step."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> StopRequest:
+        for s in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._old[s] = signal.signal(s, self._handle)
+            except ValueError:  # not the main thread (e.g. inside some test runners)
+                pass
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:  # second signal: give up immediately
+            raise KeyboardInterrupt
+        self.signum = signum
+        log.warning("%s received: finishing this step, saving a checkpoint and stopping", signal.Signals(signum).name)
+
+    def __exit__(self, *exc: Any) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+@dataclass
+class TrainResult:
+    steps_done: int
+    losses: list[float] = field(default_factory=list)
+    interrupted_by: int | None = None
+    checkpoint: Path | None = None
+    seconds_per_step: float = math.nan
+
+
+def make_accelerator(cfg: Any, device: torch.device) -> Accelerator:
+    """A fresh Accelerator for this job.
+
+    accelerate keeps a process-wide singleton state; Hydra's ``-m`` runs jobs one after another
+    in the same process, and jobs may differ in mixed precision, so the state is reset first.
+    """
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    precision = cfg.train.mixed_precision
+    if device.type == "cpu" and precision != "no" and not cfg.train.cpu_autocast:
+        # bf16/fp16 autocast on a CPU without native bf16 matmuls is emulated: the tiny SDXL
+        # step measured 12 s instead of 1.4 s here. Presets target GPUs, so on CPU we train in
+        # float32 unless asked otherwise.
+        log.info("train.mixed_precision=%s applies on CUDA; this CPU run uses float32 "
+                 "(train.cpu_autocast=true forces %s autocast on CPU)", precision, precision)
+        precision = "no"
+    return Accelerator(mixed_precision=precision, cpu=device.type == "cpu")
+
+
+def train(ctx: RunContext) -> TrainResult:
+    """Run ``cfg.train.steps`` optimizer steps of ``ctx.trainer`` on ``ctx.models``."""
+    cfg, models, trainer = ctx.cfg, ctx.models, ctx.trainer
+    out = ctx.output_dir
+    accelerator = ctx.accelerator
+    batch_size, micro = cfg.train.batch_size, cfg.train.batch_size // cfg.train.grad_accum
+    dataset = trainer.dataset()
+    from runner.data import collate
+
+    order = SampleOrder(len(dataset), cfg.train.seed)
+
+    ctx.optimizer = build_optimizer(cfg.optimizer, list(models.trainable_parameters()))
+    ctx.run_phase("wrap_optimizer")
+    scheduler = get_scheduler(
+        cfg.train.lr_scheduler, ctx.optimizer, num_warmup_steps=cfg.train.lr_warmup_steps, num_training_steps=cfg.train.steps
+    )
+    state = TrainState(micro_batch_size=micro)
+    if cfg.train.resume:
+        ckpt = find_checkpoint(cfg.train.resume)
+        state = load_checkpoint(ckpt, models, ctx.optimizer, scheduler)
+        micro = state.micro_batch_size or micro
+        log.info("resumed from %s at step %d (%d samples seen)", ckpt, state.step, state.samples_seen)
+    optimizer, scheduler = accelerator.prepare(ctx.optimizer, scheduler)
+    params = list(models.trainable_parameters())
+    for name, m in models.items():
+        m.train(name in models.trained)
+
+    metrics = MetricsWriter(out / "metrics.jsonl", append=bool(cfg.train.resume))
+    ckpt_root = out / "checkpoints"
+    result = TrainResult(steps_done=state.step)
+    bar = tqdm(total=cfg.train.steps, initial=state.step, disable=not cfg.train.progress, desc="train", dynamic_ncols=True)
+    step_times: list[float] = []
+    with StopRequest() as stop:
+        while state.step < cfg.train.steps:
+            t0 = time.perf_counter()
+            ctx.run_phase("on_step_start", state.step)
+            start = state.samples_seen
+            raw = collate([dataset[i] for i in order.indices(start, batch_size)])
+            raw["sample_seed"] = order.sample_seeds(start, batch_size)
+            step_loss = 0.0
+            for lo in range(0, batch_size, micro):
+                mb = move_batch(slice_batch(raw, lo, min(lo + micro, batch_size)), ctx.device)
+                with ctx.step_context(), accelerator.autocast():
+                    enc = encode(trainer, models, mb)
+                    loss = trainer.loss(models, enc)
+                weight = batch_len(mb) / batch_size
+                accelerator.backward(loss * weight)
+                step_loss += float(loss.detach()) * weight
+            if cfg.train.max_grad_norm > 0:
+                accelerator.clip_grad_norm_(params, cfg.train.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            state.step += 1
+            state.samples_seen += batch_size
+            ctx.run_phase("on_step_end", state.step)
+            dt = time.perf_counter() - t0
+            step_times.append(dt)
+            mem = memory_in_use(ctx.device)
+            row = {"step": state.step, "loss": step_loss, "lr": scheduler.get_last_lr()[0], "s_per_step": dt,
+                   "samples_seen": state.samples_seen, "micro_batch_size": micro, **mem}
+            metrics.write(row)
+            result.losses.append(step_loss)
+            bar.set_postfix(loss=f"{step_loss:.4f}", s_step=f"{dt:.2f}", mem=f"{mem['memory_in_use_gb']:.2f}GB")
+            bar.update(1)
+            due = cfg.train.checkpoint_every and state.step % cfg.train.checkpoint_every == 0
+            if due or state.step == cfg.train.steps or stop.signum is not None:
+                state.micro_batch_size = micro
+                result.checkpoint = save_checkpoint(ckpt_root, state, models, ctx.optimizer, scheduler, cfg.train.keep_checkpoints)
+            if stop.signum is not None:
+                result.interrupted_by = stop.signum
+                break
+    bar.close()
+    metrics.close()
+    result.steps_done = state.step
+    if step_times:
+        tail = step_times[1:] or step_times  # the first step includes one-off warm-up
+        result.seconds_per_step = sum(tail) / len(tail)
+    return result
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,147 @@
+"""Plugin base class, lifecycle phases and declared ordering.
+
+A plugin is one file under ``plugins/`` (or in a third-party package) with:
+
+* a dataclass config, which is also its Hydra schema (group = its kind, option = its name);
+* a ``Plugin`` subclass that implements only the phases it needs;
+* a plain function that does the work without the runner (its "twin"), which the phase calls.
+
+Phases run in this fixed order (see ``PHASES``)::
+
+    configure_process  env vars / allocator settings, before any CUDA initialisation
+    transform_models   quantize, cast, attach adapters: on host or meta, before placement
+    place_models       decide where each module lives (device, host, streamed)
+    wrap_execution     checkpointing, activation offload, tiling, attention
+    wrap_optimizer     8-bit, paged or host-resident optimizer state
+    on_step_start / on_step_end / on_oom   step hooks
+    teardown
+
+Within one phase, plugins are ordered by their declared ``after``/``before`` constraints
+(names are ``"kind"`` or ``"kind/name"``); ties are broken by the fixed ``KINDS`` order, so the
+result never depends on import order. The runner logs the final order at start.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from runner.errors import UserError
+
+if TYPE_CHECKING:
+    from runner.context import RunContext
+
+log = logging.getLogger("runner")
+
+KINDS: tuple[str, ...] = ("allocator", "quantization", "offload", "checkpoint", "tiling")
+"""Plugin kinds, in the order used to break ties inside a phase."""
+
+SETUP_PHASES: tuple[str, ...] = (
+    "configure_process",
+    "transform_models",
+    "place_models",
+    "wrap_execution",
+    "wrap_optimizer",
+)
+STEP_HOOKS: tuple[str, ...] = ("on_step_start", "on_step_end", "on_oom")
+PHASES: tuple[str, ...] = SETUP_PHASES + STEP_HOOKS + ("teardown",)
+
+
+@dataclass
+class PluginConfig:
+    """Base schema of every plugin config. ``name`` records which implementation was chosen."""
+
+    name: str = "none"
+
+
+class Plugin:
+    """Base class. Subclasses set ``kind``, ``name``, ``Config`` and override some phases."""
+
+    kind: ClassVar[str] = ""
+    name: ClassVar[str] = ""
+    Config: ClassVar[type] = PluginConfig
+    description: ClassVar[str] = ""
+    after: ClassVar[tuple[str, ...]] = ()
+    before: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+
+    @property
+    def key(self) -> str:
+        return f"{self.kind}/{self.name}"
+
+    # Lifecycle (all optional). ``ctx`` is the RunContext.
+    def configure_process(self, ctx: RunContext) -> None: ...
+    def transform_models(self, ctx: RunContext) -> None: ...
+    def place_models(self, ctx: RunContext) -> None: ...
+    def wrap_execution(self, ctx: RunContext) -> None: ...
+    def wrap_optimizer(self, ctx: RunContext) -> None: ...
+    def on_step_start(self, ctx: RunContext, step: int) -> None: ...
+    def on_step_end(self, ctx: RunContext, step: int) -> None: ...
+    def on_oom(self, ctx: RunContext, step: int, error: BaseException) -> None: ...
+    def teardown(self, ctx: RunContext) -> None: ...
+
+    def implements(self, phase: str) -> bool:
+        return getattr(type(self), phase) is not getattr(Plugin, phase)
+
+    def validate(self, cfg: Any) -> None:
+        """Check this plugin's settings against the whole run config; raise UserError."""
+
+    def __repr__(self) -> str:
+        return f"<{self.key}>"
+
+
+def _matches(ref: str, plugin: Plugin) -> bool:
+    return ref == plugin.kind or ref == plugin.key
+
+
+def order_for_phase(plugins: list[Plugin], phase: str) -> list[Plugin]:
+    """Plugins implementing ``phase``, topologically sorted by their after/before declarations.
+
+    A cycle is a configuration error (two plugins that each insist on running first).
+    """
+    active = [p for p in plugins if p.implements(phase)]
+    rank = {p.key: (KINDS.index(p.kind) if p.kind in KINDS else len(KINDS), p.kind, p.name) for p in active}
+    edges: dict[str, set[str]] = {p.key: set() for p in active}  # key -> keys that must run first
+    for p in active:
+        for q in active:
+            if p is q:
+                continue
+            if any(_matches(ref, q) for ref in p.after) or any(_matches(ref, p) for ref in q.before):
+                edges[p.key].add(q.key)
+    ordered: list[Plugin] = []
+    done: set[str] = set()
+    remaining = {p.key: p for p in active}
+    while remaining:
+        ready = sorted((k for k in remaining if edges[k] <= done), key=rank.__getitem__)
+        if not ready:
+            cycle = ", ".join(sorted(remaining))
+            raise UserError(f"Plugins {cycle} declare a circular order in phase '{phase}'; remove one 'after'/'before'.")
+        k = ready[0]
+        ordered.append(remaining.pop(k))
+        done.add(k)
+    return ordered
+
+
+@dataclass
+class PluginSchedule:
+    """The final per-phase order of a set of plugins, computed once and logged at start."""
+
+    plugins: list[Plugin]
+    by_phase: dict[str, list[Plugin]] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, plugins: list[Plugin]) -> PluginSchedule:
+        return cls(plugins, {ph: order_for_phase(plugins, ph) for ph in PHASES})
+
+    def describe(self) -> str:
+        lines = []
+        for ph in PHASES:
+            if self.by_phase[ph]:
+                lines.append(f"  {ph:<18} " + " -> ".join(p.key for p in self.by_phase[ph]))
+        return "\n".join(lines) if lines else "  (no plugin phases)"
+
+    def run(self, phase: str, ctx: RunContext, *args: Any) -> None:
+        for p in self.by_phase[phase]:
+            getattr(p, phase)(ctx, *args)

@@ -1,0 +1,75 @@
+"""Run outputs: metrics.jsonl, the resolved config with package versions, the final summary."""
+from __future__ import annotations
+
+import json
+import platform
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+PACKAGES = ("torch", "diffusers", "transformers", "peft", "accelerate", "bitsandbytes", "safetensors",
+            "hydra-core", "omegaconf")
+
+
+class MetricsWriter:
+    """One JSON object per line, flushed every row so a crash loses at most the current step."""
+
+    def __init__(self, path: Path, append: bool = False) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(path, "a" if append else "w", encoding="utf-8")
+
+    def write(self, row: dict[str, Any]) -> None:
+        self._f.write(json.dumps(row) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def memory_in_use(device: torch.device) -> dict[str, float]:
+    """Device memory in use for the progress bar and metrics (process RSS on CPU)."""
+    rss = psutil.Process().memory_info().rss
+    if device.type == "cuda":
+        return {
+            "memory_in_use_gb": torch.cuda.memory_allocated(device) / 2**30,
+            "memory_peak_gb": torch.cuda.max_memory_allocated(device) / 2**30,
+            "host_rss_gb": rss / 2**30,
+        }
+    return {"memory_in_use_gb": rss / 2**30, "host_rss_gb": rss / 2**30}
+
+
+def package_versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def write_run_info(out: Path, cfg: DictConfig) -> None:
+    """resolved_config.yaml (every value, interpolations resolved) + versions.json."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "resolved_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    (out / "versions.json").write_text(json.dumps(package_versions(), indent=2) + "\n")
+
+
+def summary(result: Any, out: Path) -> str:
+    losses = result.losses
+    if not losses:
+        return f"No step was run. Outputs in {out}"
+    k = max(1, len(losses) // 5)
+    first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
+    lines = [
+        f"steps: {result.steps_done}   loss: {first:.4f} (first {k}) -> {last:.4f} (last {k})   "
+        f"s/step: {result.seconds_per_step:.3f}",
+        f"outputs: {out}  (metrics.jsonl, resolved_config.yaml, versions.json, checkpoints/)",
+    ]
+    if result.checkpoint:
+        lines.append(f"checkpoint: {result.checkpoint}  (resume with train.resume={result.checkpoint})")
+    return "\n".join(lines)

@@ -1,0 +1,205 @@
+"""Atomic training checkpoints and resume.
+
+Why our own format and not ``accelerate.Accelerator.save_state``: that writes whole models
+(including a frozen multi-GB base next to a few MB of LoRA weights) and writes in place, so a
+crash mid-write leaves a half checkpoint that looks complete. Here a checkpoint is a directory::
+
+    checkpoints/step-00000010/
+        trainable.safetensors   trained parameters only (full fine-tune or LoRA), by name
+        optimizer.pt            optimizer state_dict
+        scheduler.pt            LR scheduler state_dict
+        rng.pt                  torch CPU (and CUDA) RNG states, python and numpy RNG
+        state.json              step, samples seen, micro-batch size, format version
+    checkpoints/latest          name of the newest complete checkpoint
+
+It is written into a hidden temporary directory, each file fsynced, then renamed into place;
+``latest`` is replaced atomically afterwards. A reader therefore sees either the previous
+checkpoint or the new one, never a torn one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from runner.errors import UserError
+from runner.trainer import ModelSet
+
+FORMAT_VERSION = 1
+FILES = ("trainable.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt", "state.json")
+
+
+@dataclass
+class TrainState:
+    step: int = 0  # optimizer steps completed
+    samples_seen: int = 0
+    micro_batch_size: int = 0  # 0 = as configured
+    format_version: int = FORMAT_VERSION
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def trainable_state_dict(models: ModelSet) -> dict[str, torch.Tensor]:
+    return {n: p.detach().to("cpu").contiguous() for n, p in models.named_trainable_parameters()}
+
+
+def save_checkpoint(
+    root: Path,
+    state: TrainState,
+    models: ModelSet,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    keep: int = 2,
+) -> Path:
+    """Write ``root/step-N`` atomically, point ``root/latest`` at it, prune to ``keep``."""
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{state.step:08d}"
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    save_file(trainable_state_dict(models), str(tmp / "trainable.safetensors"))
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(scheduler.state_dict() if scheduler is not None else {}, tmp / "scheduler.pt")
+    torch.save(rng_state(), tmp / "rng.pt")
+    (tmp / "state.json").write_text(json.dumps(asdict(state), indent=2))
+    for name in FILES:
+        _fsync_file(tmp / name)
+    _fsync_dir(tmp)
+    if final.exists():  # re-saving the same step (e.g. interrupted right after a save)
+        old = root / f".old-{final.name}-{os.getpid()}"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    latest_tmp = root / f".latest-{os.getpid()}"
+    latest_tmp.write_text(final.name + "\n")
+    _fsync_file(latest_tmp)
+    os.replace(latest_tmp, root / "latest")
+    _fsync_dir(root)
+    _prune(root, keep, final)
+    return final
+
+
+def _prune(root: Path, keep: int, newest: Path) -> None:
+    if keep <= 0:
+        return
+    ckpts = sorted(p for p in root.glob("step-*") if p.is_dir())
+    for p in ckpts[:-keep]:
+        if p != newest:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """Resolve ``train.resume``: a checkpoint dir, a ``checkpoints`` dir, or a run dir."""
+    p = Path(path)
+    if (p / "state.json").is_file():
+        return p
+    for root in (p, p / "checkpoints"):
+        latest = root / "latest"
+        if latest.is_file():
+            target = root / latest.read_text().strip()
+            if (target / "state.json").is_file():
+                return target
+            raise UserError(
+                f"train.resume: {latest} points at '{target.name}', which is missing or incomplete. "
+                f"Resume from one of the complete checkpoints in {root} instead."
+            )
+    raise UserError(
+        f"train.resume={str(path)!r} holds no checkpoint: expected a directory with state.json "
+        "(checkpoints/step-N) or a run directory with checkpoints/latest."
+    )
+
+
+def _load(path: Path, what: str) -> Any:
+    if not path.is_file():
+        raise UserError(f"Checkpoint file {path} is missing; the checkpoint is incomplete. Resume from another one.")
+    try:
+        if path.suffix == ".safetensors":
+            return load_file(str(path))
+        if path.suffix == ".json":
+            return json.loads(path.read_text())
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except (SafetensorError, json.JSONDecodeError, RuntimeError, EOFError, OSError, ValueError) as e:
+        raise UserError(
+            f"Checkpoint file {path} is corrupt ({what} could not be read: {str(e).splitlines()[0]}). "
+            "Resume from an earlier checkpoint in the same directory or start without train.resume."
+        ) from None
+
+
+def load_checkpoint(
+    ckpt: Path, models: ModelSet, optimizer: torch.optim.Optimizer, scheduler: Any
+) -> TrainState:
+    """Restore weights, optimizer, scheduler and RNG from ``ckpt``; return the saved state."""
+    raw_state = _load(ckpt / "state.json", "the step state")
+    try:
+        state = TrainState(**raw_state)
+    except TypeError:
+        raise UserError(f"Checkpoint file {ckpt / 'state.json'} has unexpected fields {sorted(raw_state)}.") from None
+    weights = _load(ckpt / "trainable.safetensors", "the trained weights")
+    params = dict(models.named_trainable_parameters())
+    missing, unexpected = sorted(set(params) - set(weights)), sorted(set(weights) - set(params))
+    if missing or unexpected:
+        raise UserError(
+            f"Checkpoint {ckpt} does not match this model: {len(missing)} trained parameters missing "
+            f"(e.g. {missing[:2]}), {len(unexpected)} unexpected (e.g. {unexpected[:2]}). "
+            "Resume with the same trainer, model.size and model.train settings it was saved with."
+        )
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(weights[name].to(p.dtype))
+    opt_state = _load(ckpt / "optimizer.pt", "the optimizer state")
+    try:
+        optimizer.load_state_dict(opt_state)
+    except (ValueError, KeyError) as e:
+        raise UserError(f"Checkpoint file {ckpt / 'optimizer.pt'} does not match this optimizer: {e}") from None
+    sched_state = _load(ckpt / "scheduler.pt", "the scheduler state")
+    if scheduler is not None and sched_state:
+        scheduler.load_state_dict(sched_state)
+    set_rng_state(_load(ckpt / "rng.pt", "the RNG state"))
+    return state

@@ -1,0 +1,132 @@
+"""The public trainer protocol (managed mode).
+
+A trainer describes *what* is trained; the runner owns *how*: the loop, the optimizer, device
+placement, precision, micro-batching, checkpoints and every memory plugin. A user's own trainer
+implements the four required methods below and is selected with
+``trainer._target_=my_module.MyTrainer`` or through the ``runner.trainers`` entry point group.
+
+Contract, in the order the runner calls it:
+
+1. ``__init__(cfg)`` receives the whole composed run config (``cfg.model``, ``cfg.data``,
+   ``cfg.trainer`` ...). It must not allocate models yet.
+2. ``build_models(device)`` returns a :class:`ModelSet`. ``device="meta"`` is used by the
+   planner: build the same modules without allocating storage.
+3. ``dataset()`` returns a map-style dataset of per-sample dicts. The runner decides the
+   sample order (seeded, resumable) and slices batches itself, so that micro-batches can be
+   split after an out-of-memory error without skipping or repeating a sample.
+4. ``encode(models, batch)`` (optional) turns raw samples into conditioning with the frozen
+   models (VAE, text encoders) under ``no_grad``. Keeping it apart from ``loss`` is what lets the
+   caching/parking plugins replace or relocate that work.
+5. ``loss(models, batch)`` returns a scalar loss for the batch (mean over samples).
+6. ``example_batch(batch_size, device)`` returns an *encoded* batch with the right shapes,
+   for the planner; tensors may live on ``meta``.
+
+Randomness: ``batch["sample_seed"]`` holds one int64 seed per sample. Draw per-sample noise
+with :func:`per_sample_randn` so that the result does not depend on how a batch is split.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+Batch = dict[str, Any]
+
+
+@dataclass
+class ModelSet:
+    """Named modules of one trainer, and which of them are trained.
+
+    ``trained`` names modules that have trainable parameters (full fine-tune or LoRA); every
+    other module is frozen and may be quantized, parked on the host or skipped entirely when
+    its outputs are cached. ``blocks`` optionally names, per module, the repeated blocks that
+    checkpointing and offload plugins should operate on (default: discovered automatically).
+    """
+
+    modules: dict[str, nn.Module]
+    trained: set[str] = field(default_factory=set)
+    blocks: dict[str, list[nn.Module]] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> nn.Module:
+        return self.modules[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.modules
+
+    def items(self) -> Iterable[tuple[str, nn.Module]]:
+        return self.modules.items()
+
+    def frozen(self) -> dict[str, nn.Module]:
+        return {n: m for n, m in self.modules.items() if n not in self.trained}
+
+    def trainable_parameters(self) -> Iterator[nn.Parameter]:
+        for name in sorted(self.trained):
+            for p in self.modules[name].parameters():
+                if p.requires_grad:
+                    yield p
+
+    def named_trainable_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        for name in sorted(self.trained):
+            for pname, p in self.modules[name].named_parameters():
+                if p.requires_grad:
+                    yield f"{name}.{pname}", p
+
+
+@runtime_checkable
+class Trainer(Protocol):
+    """What a managed-mode trainer implements. See the module docstring for the contract."""
+
+    def build_models(self, device: str | torch.device = "cpu") -> ModelSet: ...
+
+    def dataset(self) -> Any: ...
+
+    def loss(self, models: ModelSet, batch: Batch) -> torch.Tensor: ...
+
+    def example_batch(self, batch_size: int, device: str | torch.device = "meta") -> Batch: ...
+
+
+def encode(trainer: Any, models: ModelSet, batch: Batch) -> Batch:
+    """Call the trainer's optional ``encode`` step; identity when the trainer has none."""
+    fn = getattr(trainer, "encode", None)
+    return fn(models, batch) if fn is not None else batch
+
+
+def per_sample_randn(
+    seeds: torch.Tensor, shape: tuple[int, ...], device: torch.device | str, dtype: torch.dtype
+) -> torch.Tensor:
+    """Noise of shape ``(len(seeds), *shape)`` where row i depends only on ``seeds[i]``.
+
+    Generated on the CPU (one generator per sample, cheap at these sizes) and moved, so the
+    numbers are identical on every device and for every micro-batch split.
+    """
+    rows = []
+    for s in seeds.tolist():
+        g = torch.Generator().manual_seed(int(s))
+        rows.append(torch.randn(shape, generator=g, dtype=torch.float32))
+    return torch.stack(rows).to(device=device, dtype=dtype)
+
+
+def per_sample_rand(seeds: torch.Tensor, salt: int, device: torch.device | str) -> torch.Tensor:
+    """One uniform [0, 1) number per sample, independent of the noise drawn from the same seed."""
+    out = []
+    for s in seeds.tolist():
+        g = torch.Generator().manual_seed(int(s) * 1_000_003 + salt)
+        out.append(torch.rand((), generator=g))
+    return torch.stack(out).to(device)
+
+
+def move_batch(batch: Mapping[str, Any], device: torch.device | str) -> Batch:
+    """Move every tensor of a batch to ``device``; other values are kept as they are."""
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+
+def slice_batch(batch: Mapping[str, Any], start: int, stop: int) -> Batch:
+    """Rows ``start:stop`` of a batch (tensors and lists alike)."""
+    return {k: v[start:stop] if isinstance(v, (torch.Tensor, list, tuple)) else v for k, v in batch.items()}
+
+
+def batch_len(batch: Mapping[str, Any]) -> int:
+    return len(batch["sample_seed"])

@@ -1,0 +1,210 @@
+"""Flux: train the transformer (fully or with LoRA) with the rectified-flow matching loss.
+
+Conditioning as in diffusers' ``FluxPipeline``: the CLIP text encoder's pooled output goes to
+``pooled_projections``, the T5 encoder's last hidden state to ``encoder_hidden_states``; latents
+are ``(z - shift_factor) * scaling_factor`` of the 16-channel VAE, packed 2x2 into 64-wide tokens
+with the pipeline's own ``_pack_latents`` / ``_prepare_latent_image_ids``.
+
+Loss: ``x_t = (1 - t) x0 + t noise``, target ``noise - x0`` (the velocity), MSE over the packed
+tokens. ``t`` per sample is logit-normal by default, ``sigmoid(N(0, 1))``, which concentrates
+training on middle noise levels as SD3/Flux trainers do (diffusers'
+``compute_density_for_timestep_sampling("logit_normal")``); it is obtained from the sample's
+uniform draw through the normal quantile function, so it stays a function of the sample seed
+alone. ``trainer.timestep_sampling=uniform`` uses the uniform draw directly.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from runner.errors import UserError, valid_list
+from runner.registry import register_trainer
+from runner.trainer import Batch, ModelSet, per_sample_rand, per_sample_randn
+from runner.trainers import model_configs
+from runner.trainers.common import (
+    DiffusersTrainer,
+    clip_tokenizer,
+    compute_dtype,
+    sample_latents,
+    t5_tokenizer,
+    tokenize,
+    vae_scale_factor,
+)
+
+TIMESTEP_SAMPLING = ("logit_normal", "uniform")
+VAE_SALT = 1
+TIMESTEP_SALT = 2
+
+
+@dataclass
+class FluxTrainerConfig:
+    _target_: str = "runner.trainers.flux.FluxTrainer"
+    guidance: float = 1.0  # value fed to the guidance embedding (guidance-distilled models only)
+    timestep_sampling: str = "logit_normal"  # logit_normal | uniform
+
+
+@functools.lru_cache(maxsize=1)
+def _flux_pipeline() -> type:
+    """diffusers' FluxPipeline class, for its packing helpers (the layout the model was trained on).
+
+    Importing the pipeline module makes transformers import image processors that warn about a
+    missing torchvision; the Flux trainer uses none, so the import runs with transformers'
+    logging at error level.
+    """
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
+    finally:
+        hf_logging.set_verbosity(level)
+    return FluxPipeline
+
+
+def _pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    b, c, h, w = latents.shape
+    return _flux_pipeline()._pack_latents(latents, b, c, h, w)
+
+
+def _image_ids(h: int, w: int, device: torch.device) -> torch.Tensor:
+    """2-D (tokens, 3) ids, as recent diffusers expects; float32 so large grids stay exact."""
+    return _flux_pipeline()._prepare_latent_image_ids(1, h // 2, w // 2, device, torch.float32)
+
+
+class FluxTrainer(DiffusersTrainer):
+    """Flux transformer, rectified-flow matching loss."""
+
+    Config = FluxTrainerConfig
+    denoiser = "transformer"
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__(cfg)
+        self.guidance = float(cfg.trainer.get("guidance", 1.0))
+        self.timestep_sampling = str(cfg.trainer.get("timestep_sampling", "logit_normal"))
+        if self.timestep_sampling not in TIMESTEP_SAMPLING:
+            raise UserError(
+                f"Unknown trainer.timestep_sampling '{self.timestep_sampling}'. "
+                f"Valid values: {valid_list(self.timestep_sampling, TIMESTEP_SAMPLING)}."
+            )
+        res = self.resolution()
+        if res <= 0 or res % 16:
+            raise UserError(
+                f"data.resolution={res} is not usable for Flux: it must be a positive multiple of 16 "
+                f"(VAE factor 8 times the 2x2 latent packing)."
+            )
+
+    def module_classes(self) -> dict[str, type]:
+        from diffusers import AutoencoderKL, FluxTransformer2DModel
+        from transformers import CLIPTextModel, T5EncoderModel
+
+        return {
+            "transformer": FluxTransformer2DModel,
+            "vae": AutoencoderKL,
+            "text_encoder": CLIPTextModel,
+            "text_encoder_2": T5EncoderModel,
+        }
+
+    def size_configs(self) -> dict[str, dict[str, Any]]:
+        return model_configs.flux_configs(self.size)
+
+    def default_tokenizer(self, name: str) -> Any:
+        if name == "tokenizer":
+            return clip_tokenizer(model_configs.CLIP_MAX_LENGTH)
+        return t5_tokenizer(model_configs.FLUX_T5_MAX_LENGTH[self.size])
+
+    def t5_max_length(self) -> int:
+        """T5 prompt length: the tokenizer's ``model_max_length``, capped at FLUX.1-dev's 512.
+
+        Taken from the tokenizer rather than from ``model.size`` so that a real folder used with
+        the default ``size=tiny`` still gets 512 tokens; the generated tokenizer carries the
+        size's length (64 tiny, 512 full), which a saved folder then keeps.
+        """
+        tok = self.tokenizer("tokenizer_2")
+        return int(min(tok.model_max_length, model_configs.FLUX_T5_MAX_LENGTH["full"]))
+
+    # -- protocol -------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode(self, models: ModelSet, batch: Batch) -> Batch:
+        """Pixels and captions to latents and conditioning, on the batch's device."""
+        pixels = batch["pixel_values"]
+        device = pixels.device
+        seeds = batch["sample_seed"]
+        vae, clip, t5 = models["vae"], models["text_encoder"], models["text_encoder_2"]
+
+        dist = vae.encode(pixels.to(compute_dtype(vae))).latent_dist
+        shift = vae.config.shift_factor or 0.0
+        latents = (sample_latents(dist, seeds, VAE_SALT) - shift) * vae.config.scaling_factor
+
+        captions = list(batch["caption"])
+        tok1 = self.tokenizer("tokenizer")
+        ids1 = tokenize(tok1, captions, int(min(tok1.model_max_length, clip.config.max_position_embeddings)), device)
+        pooled = clip(ids1).pooler_output
+        ids2 = tokenize(self.tokenizer("tokenizer_2"), captions, self.t5_max_length(), device)
+        prompt_embeds = t5(ids2).last_hidden_state
+        return {
+            "latents": latents,
+            "prompt_embeds": prompt_embeds,
+            "pooled_prompt_embeds": pooled,
+            "sample_seed": seeds,
+        }
+
+    def timesteps(self, seeds: torch.Tensor) -> torch.Tensor:
+        """t in (0, 1) per sample, computed on the CPU from the sample's uniform draw."""
+        u = per_sample_rand(seeds, TIMESTEP_SALT, "cpu")
+        if self.timestep_sampling == "uniform":
+            return u
+        return torch.sigmoid(torch.special.ndtri(u.clamp(1e-6, 1 - 1e-6)))
+
+    def loss(self, models: ModelSet, batch: Batch) -> torch.Tensor:
+        """Flow-matching MSE between predicted and true velocity (noise - x0), in float32."""
+        x0 = batch["latents"].float()
+        seeds = batch["sample_seed"]
+        device = x0.device
+        b, _, h, w = x0.shape
+        noise = per_sample_randn(seeds, tuple(x0.shape[1:]), device, torch.float32)
+        t = self.timesteps(seeds).to(device)
+        tt = t.view(b, 1, 1, 1)
+        x_t = (1.0 - tt) * x0 + tt * noise
+        target = _pack_latents(noise - x0)
+
+        transformer = models["transformer"]
+        dt = compute_dtype(transformer)
+        prompt_embeds = batch["prompt_embeds"]
+        guidance = None
+        if transformer.config.guidance_embeds:
+            guidance = torch.full((b,), self.guidance, device=device, dtype=torch.float32)
+        pred = transformer(
+            hidden_states=_pack_latents(x_t).to(dt),
+            timestep=t.to(dt),  # the model multiplies by 1000 itself
+            guidance=guidance,
+            pooled_projections=batch["pooled_prompt_embeds"].to(dt),
+            encoder_hidden_states=prompt_embeds.to(dt),
+            txt_ids=torch.zeros(prompt_embeds.shape[1], 3, device=device, dtype=torch.float32),
+            img_ids=_image_ids(h, w, device),
+            return_dict=False,
+        )[0]
+        return F.mse_loss(pred.float(), target, reduction="mean")
+
+    def example_batch(self, batch_size: int, device: str | torch.device = "meta") -> Batch:
+        """An encoded batch with the shapes ``encode`` gives at ``data.resolution``."""
+        vae_cfg = self.component_config("vae")
+        clip_cfg = self.component_config("text_encoder")
+        t5_cfg = self.component_config("text_encoder_2")
+        side = self.resolution() // vae_scale_factor(vae_cfg)
+        b, dt = batch_size, self.storage_dtype
+        return {
+            "latents": self.example_tensor((b, int(vae_cfg["latent_channels"]), side, side), device, torch.float32, 0),
+            "prompt_embeds": self.example_tensor((b, self.t5_max_length(), int(t5_cfg["d_model"])), device, dt, 1),
+            "pooled_prompt_embeds": self.example_tensor((b, int(clip_cfg["hidden_size"])), device, dt, 2),
+            "sample_seed": self.example_seeds(b, device),
+        }
+
+
+register_trainer(
+    "flux", "runner.trainers.flux.FluxTrainer", FluxTrainerConfig, "Flux transformer, rectified-flow matching loss"
+)

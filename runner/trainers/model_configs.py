@@ -1,0 +1,298 @@
+"""Architecture config dicts of the built-in model families, in two sizes.
+
+No model hub can be reached, so every model is built from one of these dicts (random init) unless
+``model.path`` points at local weights. ``"full"`` reproduces the published architectures (the
+values of the ``config.json`` files of stabilityai/stable-diffusion-xl-base-1.0 and
+black-forest-labs/FLUX.1-dev), so that the planner sees real parameter counts and activation
+shapes when it builds them on ``meta``. ``"tiny"`` keeps each architecture family and every
+structural feature the trainers depend on (SDXL's ``text_time`` added conditioning fed by two
+text encoders, an 8x VAE, Flux's guidance embedding, 2x2 packing and gated-GELU T5) but with
+widths of a few dozen channels, so tests and the demo run on a CPU in seconds.
+
+The dicts are plain data: diffusers models take them through ``Model.from_config(d)``,
+transformers models through ``ConfigClass(**d)`` (see :func:`runner.trainers.common.build_module`).
+Use the accessor functions, which return deep copies, so a caller cannot change the tables.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from runner.errors import UserError, valid_list
+
+SIZES = ("tiny", "full")
+
+# ---- tokenizer geometry ---------------------------------------------------------------------
+# The tiny CLIP tokenizer (see common.clip_tokenizer) has 256 byte symbols, their "</w>" forms and
+# the two specials: ids 0..511, <|startoftext|> = 512, <|endoftext|> = 513.
+TINY_CLIP_VOCAB = 514
+TINY_CLIP_BOS = 512
+TINY_CLIP_EOS = 513
+# transformers.ByT5Tokenizer: 3 specials + 256 bytes + 125 extra ids.
+TINY_T5_VOCAB = 384
+CLIP_MAX_LENGTH = 77
+
+# ---- CLIP text encoders -----------------------------------------------------------------------
+_CLIP_L = {  # openai/clip-vit-large-patch14 text tower (SDXL text_encoder, Flux text_encoder)
+    "vocab_size": 49408,
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "projection_dim": 768,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "max_position_embeddings": CLIP_MAX_LENGTH,
+    "hidden_act": "quick_gelu",
+    "layer_norm_eps": 1e-5,
+    "bos_token_id": 0,
+    "eos_token_id": 2,  # 2 selects transformers' legacy "argmax id" pooling, as in the real config
+    "pad_token_id": 1,
+}
+_CLIP_BIGG = {  # laion/CLIP-ViT-bigG-14 text tower (SDXL text_encoder_2, with projection)
+    **_CLIP_L,
+    "hidden_size": 1280,
+    "intermediate_size": 5120,
+    "projection_dim": 1280,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 20,
+    "hidden_act": "gelu",
+}
+_CLIP_TINY = {
+    "vocab_size": TINY_CLIP_VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "projection_dim": 32,
+    "num_hidden_layers": 2,  # >= 2: SDXL reads the penultimate hidden state
+    "num_attention_heads": 4,
+    "max_position_embeddings": CLIP_MAX_LENGTH,
+    "hidden_act": "quick_gelu",
+    "layer_norm_eps": 1e-5,
+    "bos_token_id": TINY_CLIP_BOS,
+    "eos_token_id": TINY_CLIP_EOS,
+    "pad_token_id": TINY_CLIP_EOS,
+}
+_CLIP_TINY_2 = {**_CLIP_TINY, "hidden_act": "gelu", "projection_dim": 32}
+
+# ---- VAEs ------------------------------------------------------------------------------------
+_VAE_SDXL = {
+    "in_channels": 3,
+    "out_channels": 3,
+    "latent_channels": 4,
+    "block_out_channels": [128, 256, 512, 512],
+    "down_block_types": ["DownEncoderBlock2D"] * 4,
+    "up_block_types": ["UpDecoderBlock2D"] * 4,
+    "layers_per_block": 2,
+    "norm_num_groups": 32,
+    "act_fn": "silu",
+    "sample_size": 1024,
+    "scaling_factor": 0.13025,
+    "force_upcast": True,
+}
+_VAE_FLUX = {
+    **_VAE_SDXL,
+    "latent_channels": 16,
+    "scaling_factor": 0.3611,
+    "shift_factor": 0.1159,
+    "use_quant_conv": False,
+    "use_post_quant_conv": False,
+}
+_VAE_TINY = {
+    **_VAE_SDXL,
+    # Four blocks, as in the real VAE: three downsamplers, i.e. the same factor 8.
+    "block_out_channels": [8, 16, 16, 16],
+    "layers_per_block": 1,
+    "norm_num_groups": 8,
+    "sample_size": 64,
+    "force_upcast": False,
+}
+_VAE_FLUX_TINY = {
+    **_VAE_TINY,
+    "latent_channels": 16,
+    "scaling_factor": 0.3611,
+    "shift_factor": 0.1159,
+    "use_quant_conv": False,
+    "use_post_quant_conv": False,
+}
+
+# ---- denoisers ------------------------------------------------------------------------------
+_UNET_SDXL = {
+    "sample_size": 128,
+    "in_channels": 4,
+    "out_channels": 4,
+    "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+    "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+    "mid_block_type": "UNetMidBlock2DCrossAttn",
+    "block_out_channels": [320, 640, 1280],
+    "layers_per_block": 2,
+    "transformer_layers_per_block": [1, 2, 10],
+    "attention_head_dim": [5, 10, 20],
+    "cross_attention_dim": 2048,  # 768 (CLIP-L) + 1280 (bigG)
+    "use_linear_projection": True,
+    "addition_embed_type": "text_time",
+    "addition_time_embed_dim": 256,
+    "projection_class_embeddings_input_dim": 2816,  # 6 time ids * 256 + 1280 pooled
+    "norm_num_groups": 32,
+    "norm_eps": 1e-5,
+    "flip_sin_to_cos": True,
+    "freq_shift": 0,
+    "act_fn": "silu",
+}
+_UNET_SDXL_TINY = {
+    **_UNET_SDXL,
+    "sample_size": 8,
+    "block_out_channels": [32, 64],
+    "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"],
+    "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"],
+    "layers_per_block": 2,
+    "transformer_layers_per_block": [1, 2],
+    "attention_head_dim": [2, 4],
+    "cross_attention_dim": 64,  # 32 + 32: the two tiny text encoders
+    "addition_time_embed_dim": 8,
+    "projection_class_embeddings_input_dim": 6 * 8 + 32,  # time ids + pooled (projection_dim)
+    "norm_num_groups": 32,
+}
+_FLUX_TRANSFORMER = {
+    "patch_size": 1,
+    "in_channels": 64,  # 16 latent channels * 2x2 packing
+    "num_layers": 19,
+    "num_single_layers": 38,
+    "attention_head_dim": 128,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 4096,  # T5-XXL d_model
+    "pooled_projection_dim": 768,  # CLIP-L hidden size (pooler output)
+    "guidance_embeds": True,  # FLUX.1-dev is guidance-distilled
+    "axes_dims_rope": [16, 56, 56],  # sums to attention_head_dim
+}
+_FLUX_TRANSFORMER_TINY = {
+    **_FLUX_TRANSFORMER,
+    "num_layers": 1,
+    "num_single_layers": 2,
+    "attention_head_dim": 16,
+    "num_attention_heads": 2,
+    "joint_attention_dim": 32,
+    "pooled_projection_dim": 32,
+    "axes_dims_rope": [4, 6, 6],
+}
+_T5_XXL = {  # google/t5-v1_1-xxl encoder (Flux text_encoder_2)
+    "vocab_size": 32128,
+    "d_model": 4096,
+    "d_ff": 10240,
+    "d_kv": 64,
+    "num_heads": 64,
+    "num_layers": 24,
+    "feed_forward_proj": "gated-gelu",
+    "relative_attention_num_buckets": 32,
+    "relative_attention_max_distance": 128,
+    "layer_norm_epsilon": 1e-6,
+    "dropout_rate": 0.1,
+    "tie_word_embeddings": False,
+    "pad_token_id": 0,
+    "eos_token_id": 1,
+}
+_T5_TINY = {
+    **_T5_XXL,
+    "vocab_size": TINY_T5_VOCAB,
+    "d_model": 32,
+    "d_ff": 64,
+    "d_kv": 8,
+    "num_heads": 4,
+    "num_layers": 2,
+}
+
+_SD15_UNET = {  # stable-diffusion-v1-5 unet/config.json (~860 M params)
+    "sample_size": 64,
+    "in_channels": 4,
+    "out_channels": 4,
+    "down_block_types": ["CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"],
+    "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"],
+    "block_out_channels": [320, 640, 1280, 1280],
+    "layers_per_block": 2,
+    "attention_head_dim": 8,
+    "cross_attention_dim": 768,
+    "norm_num_groups": 32,
+    "norm_eps": 1e-5,
+    "flip_sin_to_cos": True,
+    "freq_shift": 0,
+    "act_fn": "silu",
+}
+_SD3_MEDIUM = {  # stable-diffusion-3-medium transformer/config.json (~2.0 B params)
+    "sample_size": 128,
+    "patch_size": 2,
+    "in_channels": 16,
+    "out_channels": 16,
+    "num_layers": 24,
+    "attention_head_dim": 64,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 4096,
+    "caption_projection_dim": 1536,
+    "pooled_projection_dim": 2048,
+    "pos_embed_max_size": 192,
+}
+_SD35_LARGE = {  # stable-diffusion-3.5-large transformer/config.json (~8.1 B params)
+    **_SD3_MEDIUM,
+    "num_layers": 38,
+    "num_attention_heads": 38,
+    "caption_projection_dim": 2432,
+    "qk_norm": "rms_norm",
+}
+
+_SDXL = {
+    "full": {"unet": _UNET_SDXL, "vae": _VAE_SDXL, "text_encoder": _CLIP_L, "text_encoder_2": _CLIP_BIGG},
+    "tiny": {"unet": _UNET_SDXL_TINY, "vae": _VAE_TINY, "text_encoder": _CLIP_TINY, "text_encoder_2": _CLIP_TINY_2},
+}
+_FLUX = {
+    "full": {"transformer": _FLUX_TRANSFORMER, "vae": _VAE_FLUX, "text_encoder": _CLIP_L, "text_encoder_2": _T5_XXL},
+    "tiny": {
+        "transformer": _FLUX_TRANSFORMER_TINY,
+        "vae": _VAE_FLUX_TINY,
+        "text_encoder": _CLIP_TINY,
+        "text_encoder_2": _T5_TINY,
+    },
+}
+# T5 prompt length: FLUX.1-dev's pipeline default is 512; the tiny byte-level tokenizer needs
+# one token per byte, 64 keeps short captions whole.
+FLUX_T5_MAX_LENGTH = {"full": 512, "tiny": 64}
+
+# Denoiser-only tables for the planner: name -> (diffusers class name, config).
+DENOISERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "sd15": ("UNet2DConditionModel", _SD15_UNET),
+    "sdxl": ("UNet2DConditionModel", _UNET_SDXL),
+    "sd3": ("SD3Transformer2DModel", _SD3_MEDIUM),
+    "sd35_large": ("SD3Transformer2DModel", _SD35_LARGE),
+    "flux": ("FluxTransformer2DModel", _FLUX_TRANSFORMER),
+}
+
+
+def _check_size(size: str) -> None:
+    if size not in SIZES:
+        raise UserError(f"Unknown model.size '{size}'. Valid sizes: {valid_list(size, SIZES)}.")
+
+
+def sdxl_configs(size: str) -> dict[str, dict[str, Any]]:
+    """Config dicts of the SDXL modules (unet, vae, text_encoder, text_encoder_2) of one size."""
+    _check_size(size)
+    return copy.deepcopy(_SDXL[size])
+
+
+def flux_configs(size: str) -> dict[str, dict[str, Any]]:
+    """Config dicts of the Flux modules (transformer, vae, text_encoder, text_encoder_2) of one size."""
+    _check_size(size)
+    return copy.deepcopy(_FLUX[size])
+
+
+def denoiser_config(name: str) -> tuple[str, dict[str, Any]]:
+    """(diffusers class name, config dict) of a full-size denoiser: sd15, sdxl, sd3, sd35_large, flux."""
+    if name not in DENOISERS:
+        raise UserError(f"Unknown denoiser '{name}'. Valid names: {valid_list(name, DENOISERS)}.")
+    cls_name, cfg = DENOISERS[name]
+    return cls_name, copy.deepcopy(cfg)
+
+
+def build_denoiser(name: str, device: str = "meta", dtype: Any = None) -> Any:
+    """Build a full-size denoiser by name; on ``meta`` by default (no storage, for planning)."""
+    import diffusers
+    import torch
+
+    from runner.trainers.common import build_module
+
+    cls_name, cfg = denoiser_config(name)
+    return build_module(getattr(diffusers, cls_name), cfg, device, dtype or torch.float32)

@@ -1,0 +1,192 @@
+"""SDXL: train the U-Net (fully or with LoRA) with the DDPM noise-prediction loss.
+
+The recipe is diffusers' ``train_text_to_image_sdxl.py`` reduced to the trainer protocol:
+VAE latents times ``scaling_factor``; prompt embeddings from the penultimate hidden states of
+both CLIP text encoders, concatenated; the pooled, projected output of the second encoder and
+the six ``time_ids`` (original size, crop top-left, target size) as the added conditioning.
+
+Every random draw (VAE posterior sample, noise, timestep) comes from the sample's own seed, so
+the loss of a batch is the mean of the losses of any split of it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from runner.errors import UserError, valid_list
+from runner.registry import register_trainer
+from runner.trainer import Batch, ModelSet, per_sample_rand, per_sample_randn
+from runner.trainers import model_configs
+from runner.trainers.common import (
+    DiffusersTrainer,
+    clip_tokenizer,
+    compute_dtype,
+    sample_latents,
+    tokenize,
+    vae_scale_factor,
+)
+
+PREDICTION_TYPES = ("epsilon", "v_prediction")
+NUM_TRAIN_TIMESTEPS = 1000
+# Salts for the per-sample draws (see common.salted / per_sample_rand).
+VAE_SALT = 1
+TIMESTEP_SALT = 2
+
+
+@dataclass
+class SDXLTrainerConfig:
+    _target_: str = "runner.trainers.sdxl.SDXLTrainer"
+    prediction_type: str = "epsilon"  # epsilon | v_prediction
+
+
+class SDXLTrainer(DiffusersTrainer):
+    """SDXL U-Net, DDPM loss (epsilon or v-prediction)."""
+
+    Config = SDXLTrainerConfig
+    denoiser = "unet"
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__(cfg)
+        self.prediction_type = str(cfg.trainer.get("prediction_type", "epsilon"))
+        if self.prediction_type not in PREDICTION_TYPES:
+            raise UserError(
+                f"Unknown trainer.prediction_type '{self.prediction_type}'. "
+                f"Valid values: {valid_list(self.prediction_type, PREDICTION_TYPES)}."
+            )
+        res = self.resolution()
+        if res <= 0 or res % 8:
+            raise UserError(
+                f"data.resolution={res} is not usable for SDXL: it must be a positive multiple of 8 (the VAE factor)."
+            )
+        self._schedulers: dict[str, Any] = {}
+
+    def module_classes(self) -> dict[str, type]:
+        from diffusers import AutoencoderKL, UNet2DConditionModel
+        from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+        return {
+            "unet": UNet2DConditionModel,
+            "vae": AutoencoderKL,
+            "text_encoder": CLIPTextModel,
+            "text_encoder_2": CLIPTextModelWithProjection,
+        }
+
+    def size_configs(self) -> dict[str, dict[str, Any]]:
+        return model_configs.sdxl_configs(self.size)
+
+    def default_tokenizer(self, name: str) -> Any:
+        return clip_tokenizer(model_configs.CLIP_MAX_LENGTH)
+
+    def scheduler(self, device: torch.device) -> Any:
+        """One DDPMScheduler per device: ``add_noise`` moves its tables to the samples' device
+        and keeps them there, so a shared instance would flip between CPU, CUDA and meta."""
+        key = str(device)
+        if key not in self._schedulers:
+            from diffusers import DDPMScheduler
+
+            self._schedulers[key] = DDPMScheduler(
+                num_train_timesteps=NUM_TRAIN_TIMESTEPS,
+                beta_schedule="scaled_linear",
+                beta_start=0.00085,
+                beta_end=0.012,
+                prediction_type=self.prediction_type,
+            )
+        return self._schedulers[key]
+
+    # -- protocol -------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode(self, models: ModelSet, batch: Batch) -> Batch:
+        """Pixels and captions to latents and conditioning, on the batch's device.
+
+        Inputs go to the device of ``pixel_values`` (the runner's compute device) rather than
+        to each module's parameters, so modules parked elsewhere by an offload plugin still
+        receive inputs where they will run.
+        """
+        pixels = batch["pixel_values"]
+        device = pixels.device
+        seeds = batch["sample_seed"]
+        vae, te1, te2 = models["vae"], models["text_encoder"], models["text_encoder_2"]
+
+        dist = vae.encode(pixels.to(compute_dtype(vae))).latent_dist
+        latents = sample_latents(dist, seeds, VAE_SALT) * vae.config.scaling_factor
+
+        captions = list(batch["caption"])
+        tok1, tok2 = self.tokenizer("tokenizer"), self.tokenizer("tokenizer_2")
+        ids1 = tokenize(tok1, captions, self._max_length(tok1, te1.config), device)
+        ids2 = tokenize(tok2, captions, self._max_length(tok2, te2.config), device)
+        out1 = te1(ids1, output_hidden_states=True)
+        out2 = te2(ids2, output_hidden_states=True)
+        h1 = out1.hidden_states[-2]
+        prompt_embeds = torch.cat([h1, out2.hidden_states[-2].to(h1.dtype)], dim=-1)
+
+        b, _, h, w = pixels.shape
+        original = batch.get("original_size")
+        crop = batch.get("crop_top_left")
+        if not isinstance(original, torch.Tensor):
+            original = torch.tensor([[h, w]] * b)
+        if not isinstance(crop, torch.Tensor):
+            crop = torch.zeros(b, 2)
+        target = torch.tensor([[h, w]] * b)
+        time_ids = torch.cat([original.float().to(device), crop.float().to(device), target.float().to(device)], dim=1)
+        return {
+            "latents": latents,
+            "prompt_embeds": prompt_embeds,
+            "pooled_prompt_embeds": out2.text_embeds,
+            "time_ids": time_ids,
+            "sample_seed": seeds,
+        }
+
+    @staticmethod
+    def _max_length(tokenizer: Any, encoder_config: Any) -> int:
+        return int(min(tokenizer.model_max_length, encoder_config.max_position_embeddings))
+
+    def loss(self, models: ModelSet, batch: Batch) -> torch.Tensor:
+        """Mean squared error of the U-Net's epsilon (or v) prediction, in float32."""
+        latents = batch["latents"].float()
+        seeds = batch["sample_seed"]
+        device = latents.device
+        sched = self.scheduler(device)
+        n = sched.config.num_train_timesteps
+        noise = per_sample_randn(seeds, tuple(latents.shape[1:]), device, torch.float32)
+        timesteps = (per_sample_rand(seeds, TIMESTEP_SALT, "cpu") * n).long().clamp_(0, n - 1).to(device)
+        noisy = sched.add_noise(latents, noise, timesteps)
+        target = noise if self.prediction_type == "epsilon" else sched.get_velocity(latents, noise, timesteps)
+
+        unet = models["unet"]
+        dt = compute_dtype(unet)
+        pred = unet(
+            noisy.to(dt),
+            timesteps,
+            encoder_hidden_states=batch["prompt_embeds"].to(dt),
+            added_cond_kwargs={
+                "text_embeds": batch["pooled_prompt_embeds"].to(dt),
+                "time_ids": batch["time_ids"].to(dt),
+            },
+            return_dict=False,
+        )[0]
+        return F.mse_loss(pred.float(), target.float(), reduction="mean")
+
+    def example_batch(self, batch_size: int, device: str | torch.device = "meta") -> Batch:
+        """An encoded batch with the shapes ``encode`` gives at ``data.resolution``."""
+        unet_cfg = self.component_config("unet")
+        vae_cfg = self.component_config("vae")
+        te1, te2 = self.component_config("text_encoder"), self.component_config("text_encoder_2")
+        side = self.resolution() // vae_scale_factor(vae_cfg)
+        length = min(model_configs.CLIP_MAX_LENGTH, int(te1["max_position_embeddings"]))
+        cross_dim = int(te1["hidden_size"]) + int(te2["hidden_size"])
+        b, dt = batch_size, self.storage_dtype
+        res = float(self.resolution())
+        time_ids = torch.tensor([[res, res, 0.0, 0.0, res, res]] * b)
+        return {
+            "latents": self.example_tensor((b, int(unet_cfg["in_channels"]), side, side), device, torch.float32, 0),
+            "prompt_embeds": self.example_tensor((b, length, cross_dim), device, dt, 1),
+            "pooled_prompt_embeds": self.example_tensor((b, int(te2["projection_dim"])), device, dt, 2),
+            "time_ids": time_ids.to(device),
+            "sample_seed": self.example_seeds(b, device),
+        }
+
+
+register_trainer("sdxl", "runner.trainers.sdxl.SDXLTrainer", SDXLTrainerConfig, "SDXL U-Net, DDPM loss")

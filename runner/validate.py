@@ -1,0 +1,160 @@
+"""Composition pre-check and semantic validation, with messages a user can act on.
+
+Hydra already rejects a misspelled key or a wrong type when it composes against the
+structured schemas, but its message has no suggestion and comes from deep inside Hydra. So the
+entry point composes once itself (cheap: ~0.1 s), turns any composition error into a
+:class:`UserError` that names the key and the closest valid one, and only then hands over to
+``hydra.main`` for the real run, ``--help``, ``--cfg`` and ``-m``.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from runner import registry
+from runner.config import DTYPES, MODES, PRECISIONS, SIZES
+from runner.errors import UserError, did_you_mean, valid_list
+
+MAX_SWEEP_CHECKS = 64
+
+
+def conf_dir() -> Path:
+    """The shipped conf/ tree: beside the package in a checkout, inside it in a wheel."""
+    pkg = Path(__file__).resolve().parent
+    for cand in (pkg / "conf", pkg.parent / "conf"):
+        if (cand / "config.yaml").is_file():
+            return cand
+    raise RuntimeError(f"conf/config.yaml not found next to {pkg}; the installation is incomplete")
+
+
+def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
+    """Compose the run config like ``python -m runner`` would, raising UserError on bad input."""
+    registry.load_all()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            try:
+                return compose(config_name="config", overrides=list(overrides))
+            except (ConfigCompositionException, MissingConfigException, OverrideParseException, OmegaConfBaseException) as e:
+                raise _friendly(e, overrides) from None
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def expand_sweeps(overrides: Sequence[str]) -> list[list[str]]:
+    """Every combination a ``-m`` sweep would run (capped), as plain override lists."""
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    choices = []
+    for o in parsed:
+        key = o.get_key_element()
+        if o.is_sweep_override():
+            choices.append([f"{key}={v}" for v in o.sweep_string_iterator()])
+        else:
+            choices.append([o.input_line])
+    return [list(c) for c in itertools.islice(itertools.product(*choices), MAX_SWEEP_CHECKS)]
+
+
+def precheck(overrides: Sequence[str], multirun: bool) -> None:
+    """Compose (each sweep combination when ``multirun``) and validate; raise UserError."""
+    try:
+        combos = expand_sweeps(overrides) if multirun else [list(overrides)]
+    except OverrideParseException as e:
+        raise UserError(f"Could not parse the command-line overrides: {e}") from None
+    for combo in combos:
+        validate(compose_config(combo))
+
+
+def _group_keys(overrides: Sequence[str], path: str) -> list[str]:
+    """Valid child keys at ``path`` given the group choices among ``overrides``.
+
+    Called while compose_config's Hydra context is still initialised.
+    """
+    choices = [o for o in overrides if "=" in o and "." not in o.split("=", 1)[0]]
+    try:
+        cfg = compose(config_name="config", overrides=choices)
+    except Exception:
+        return []
+    node = OmegaConf.select(cfg, path) if path else cfg
+    return [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
+
+
+def _friendly(err: Exception, overrides: Sequence[str]) -> UserError:
+    cause: Any = err
+    while cause.__cause__ is not None and not isinstance(cause, OmegaConfBaseException):
+        cause = cause.__cause__
+    if isinstance(err, MissingConfigException) or isinstance(cause, MissingConfigException):
+        e = err if isinstance(err, MissingConfigException) else cause
+        missing = getattr(e, "missing_cfg_file", "") or ""
+        group, _, option = str(missing).rpartition("/")
+        options = list(getattr(e, "options", None) or [])
+        if group and options:
+            what = {"trainer": "trainer", "preset": "preset"}.get(group, f"{group} plugin")
+            return UserError(
+                f"Unknown {what} '{option}' (from '{group}={option}'). Valid names: {valid_list(option, options)}."
+            )
+        return UserError(f"Configuration error: {e}")
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
+        full_key = str(getattr(cause, "full_key", "") or "")
+        parent, _, key = full_key.rpartition(".")
+        valid = _group_keys(overrides, parent)
+        hint = did_you_mean(key, valid)
+        where = f"'{parent}'" if parent else "the root config"
+        listing = f" Valid keys in {where}: {', '.join(sorted(valid))}." if valid else ""
+        return UserError(f"Unknown config key '{full_key}'.{hint}{listing}")
+    if isinstance(cause, ValidationError):
+        full_key = str(getattr(cause, "full_key", "") or "")
+        return UserError(f"Bad value for '{full_key}': {cause.msg}.")
+    return UserError(f"Configuration error: {str(err).strip()}")
+
+
+def _one_of(cfg: DictConfig, key: str, valid: Sequence[str]) -> None:
+    value = OmegaConf.select(cfg, key)
+    if value not in valid:
+        raise UserError(f"{key}={value!r} is not valid. Valid values: {valid_list(str(value), valid)}.")
+
+
+def _positive(cfg: DictConfig, key: str, allow_zero: bool = False) -> None:
+    value = OmegaConf.select(cfg, key)
+    if value is None or value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise UserError(f"{key}={value!r} is not valid: it must be a number {bound}.")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Semantic checks that schemas cannot express; each names the key and the valid values."""
+    _one_of(cfg, "mode", MODES)
+    _one_of(cfg, "model.size", SIZES)
+    _one_of(cfg, "model.dtype", DTYPES)
+    _one_of(cfg, "model.train", ("full", "lora"))
+    _one_of(cfg, "train.mixed_precision", PRECISIONS)
+    _one_of(cfg, "train.device", ("auto", "cpu", "cuda"))
+    for key in ("train.steps", "train.batch_size", "train.grad_accum", "optimizer.lr", "model.lora_rank"):
+        _positive(cfg, key)
+    for key in ("train.checkpoint_every", "train.max_grad_norm", "train.lr_warmup_steps"):
+        _positive(cfg, key, allow_zero=True)
+    if cfg.budget_gb is not None:
+        _positive(cfg, "budget_gb")
+    if cfg.train.batch_size % cfg.train.grad_accum:
+        raise UserError(
+            f"train.batch_size={cfg.train.batch_size} is not divisible by train.grad_accum={cfg.train.grad_accum}; "
+            "choose a grad_accum that divides the batch size."
+        )
+    if cfg.optimizer.name not in ("adamw",):
+        raise UserError(f"optimizer.name={cfg.optimizer.name!r} is not valid. Valid values: adamw.")
+    if cfg.train.resume is not None and not Path(cfg.train.resume).exists():
+        raise UserError(
+            f"train.resume={cfg.train.resume!r} does not exist. Give a run directory or one of its "
+            "checkpoints/step-* directories."
+        )
+    for kind in ("allocator", "quantization", "offload", "checkpoint", "tiling"):
+        plugin_cls = registry.get_plugin(kind, cfg[kind].name)
+        plugin_cls(cfg[kind]).validate(cfg)

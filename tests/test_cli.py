@@ -1,0 +1,60 @@
+"""The command line as a user meets it: help, --cfg, mode=plugins, errors without tracebacks, -m."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "runner", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_help_lists_the_groups():
+    r = cli("--help")
+    assert r.returncode == 0, r.stderr
+    for group in ("allocator", "checkpoint", "offload", "quantization", "tiling", "trainer", "preset"):
+        assert group in r.stdout, group
+
+
+def test_cfg_job_prints_the_composed_config():
+    r = cli("+preset=constrained", "--cfg", "job")
+    assert r.returncode == 0, r.stderr
+    assert "budget_gb: 12" in r.stdout and "name: blocks" in r.stdout
+
+
+def test_mode_plugins_lists_every_plugin_with_parameters():
+    r = cli("mode=plugins")
+    assert r.returncode == 0, r.stderr
+    assert "checkpoint:" in r.stdout and "checkpoint.every_n" in r.stdout
+    assert "allocator.expandable_segments" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [(["train.stepz=3"], "Did you mean 'steps'"),
+     (["train.steps=abc"], "train.steps"),
+     (["offload=strem"], "Valid names"),
+     (["data.path=/no/such/folder", "train.steps=1"], "/no/such/folder")],
+)
+def test_user_errors_exit_nonzero_without_traceback(args, needle, tmp_path):
+    r = cli(*args, f"output_dir={tmp_path}")
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert needle in r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+
+
+def test_multirun_gives_each_job_its_own_directory(tmp_path):
+    r = cli("-m", "+preset=sdxl_24gb,constrained", "train.steps=2", "train.progress=false",
+            f"hydra.sweep.dir={tmp_path}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    jobs = sorted(p for p in tmp_path.iterdir() if p.is_dir() and (p / "metrics.jsonl").exists())
+    assert len(jobs) == 2, list(tmp_path.iterdir())
+    assert all(len((j / "metrics.jsonl").read_text().splitlines()) == 2 for j in jobs)

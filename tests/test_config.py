@@ -1,0 +1,104 @@
+"""Configs are tested by composing them: every preset, every error a user is likely to make."""
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from runner.errors import UserError
+from runner.validate import compose_config, conf_dir, expand_sweeps, precheck, validate
+
+PRESETS = sorted(p.stem for p in (conf_dir() / "preset").glob("*.yaml"))
+
+
+def test_presets_shipped():
+    assert {"sdxl_24gb", "flux_24gb", "constrained"} <= set(PRESETS)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_composes_and_validates(preset):
+    cfg = compose_config([f"+preset={preset}"])
+    validate(cfg)
+    assert cfg.preset == preset
+    assert cfg.budget_gb == (12 if preset == "constrained" else 24)
+    for kind in ("allocator", "quantization", "offload", "checkpoint", "tiling"):
+        assert cfg[kind].name, kind
+
+
+def test_default_config_is_tiny_sdxl():
+    cfg = compose_config([])
+    validate(cfg)
+    assert cfg.model.size == "tiny"
+    assert cfg.trainer._target_.endswith("SDXLTrainer")
+    assert cfg.checkpoint.name == "none" and cfg.offload.name == "none"
+
+
+def test_overrides_reach_every_public_key():
+    cfg = compose_config(["+preset=sdxl_24gb", "train.steps=7", "model.size=full", "budget_gb=10.5",
+                          "checkpoint.every_n=3", "checkpoint.mode=every_n"])
+    assert (cfg.train.steps, cfg.model.size, cfg.budget_gb) == (7, "full", 10.5)
+    assert cfg.checkpoint.every_n == 3
+
+
+def test_preset_picks_plugins_and_cli_can_change_them():
+    assert compose_config(["+preset=sdxl_24gb"]).checkpoint.name == "blocks"
+    assert compose_config(["+preset=sdxl_24gb", "checkpoint=none"]).checkpoint.name == "none"
+    assert compose_config(["+preset=flux_24gb"]).trainer._target_.endswith("FluxTrainer")
+
+
+def test_misspelled_key_suggests_the_closest():
+    with pytest.raises(UserError) as e:
+        compose_config(["train.stepz=3"])
+    msg = str(e.value)
+    assert "train.stepz" in msg and "Did you mean 'steps'" in msg
+
+
+def test_misspelled_plugin_param_suggests_within_the_chosen_plugin():
+    with pytest.raises(UserError) as e:
+        compose_config(["checkpoint=blocks", "checkpoint.every_m=2"])
+    assert "checkpoint.every_m" in str(e.value) and "every_n" in str(e.value)
+
+
+def test_wrong_type_names_the_key():
+    with pytest.raises(UserError) as e:
+        compose_config(["train.steps=many"])
+    assert "train.steps" in str(e.value) and "many" in str(e.value)
+
+
+def test_unknown_plugin_lists_valid_names_closest_first():
+    with pytest.raises(UserError) as e:
+        compose_config(["checkpoint=blokcs"])
+    msg = str(e.value)
+    assert "blokcs" in msg and "Valid names: blocks" in msg
+
+
+def test_unknown_preset_and_trainer():
+    with pytest.raises(UserError, match="sdxl_24gb"):
+        compose_config(["+preset=sdxl_24"])
+    with pytest.raises(UserError, match="Valid names: sdxl"):
+        compose_config(["trainer=sdx"])
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [("model.size=huge", "model.size"), ("train.mixed_precision=fp8", "train.mixed_precision"),
+     ("train.steps=0", "train.steps"), ("train.grad_accum=3", "train.grad_accum"),
+     ("model.train=dora", "model.train"), ("budget_gb=-1", "budget_gb"), ("mode=fly", "mode")],
+)
+def test_semantic_errors_name_the_key(override, key):
+    with pytest.raises(UserError) as e:
+        validate(compose_config([override]))
+    assert key in str(e.value)
+
+
+def test_sweep_expansion_checks_every_combination():
+    combos = expand_sweeps(["+preset=sdxl_24gb,constrained", "train.steps=1,2"])
+    assert len(combos) == 4
+    precheck(["+preset=sdxl_24gb,constrained", "train.steps=2"], multirun=True)
+    with pytest.raises(UserError, match="train.steps"):
+        precheck(["train.steps=2,abc"], multirun=True)
+
+
+def test_resolved_config_is_plain_yaml():
+    cfg = compose_config(["+preset=constrained"])
+    text = OmegaConf.to_yaml(cfg, resolve=True)
+    assert "constrained" in text and "budget_gb: 12" in text
