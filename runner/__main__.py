@@ -6,6 +6,7 @@ Each step is a function in runner/ that tests call on its own.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import hydra
@@ -56,6 +57,10 @@ def _task(cfg: DictConfig) -> float | None:
 
 
 def main() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")                # weights are local or built from config
+    # bitsandbytes warns at import that an optional CPU kernel package is missing; it falls back
+    # to its own CPU kernels, so the line is noise for every run.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     registry.load_all()                                         # compose (with friendly errors)
     args, _ = _hydra_args()
     if not (args.help or args.hydra_help or args.info or args.shell_completion):

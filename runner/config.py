@@ -36,7 +36,7 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 30  # optimizer steps
+    steps: int = 100  # optimizer steps
     batch_size: int = 2  # samples per optimizer step
     grad_accum: int = 1  # micro-batches per optimizer step (batch_size must divide evenly)
     mixed_precision: str = "no"  # no | bf16 | fp16

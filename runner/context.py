@@ -27,6 +27,11 @@ class RunContext:
     schedule: PluginSchedule
     device: torch.device
     output_dir: Path | None = None
+    # True inside the planner: models hold fake tensors, ``device`` is ``meta`` (the simulated
+    # accelerator) and ``host`` is fake ``cpu``. A plugin whose kernels cannot run on fake
+    # tensors (bitsandbytes) takes its byte-equivalent simulation path when this is set.
+    simulate: bool = False
+    host: torch.device = field(default_factory=lambda: torch.device("cpu"))
     models: ModelSet | None = None
     trainer: Any = None
     optimizer: torch.optim.Optimizer | None = None

@@ -79,6 +79,8 @@ def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(UserError) as e:
         run_cfg(tmp_path / "b", "train.steps=3", f"train.resume={tmp_path / 'a'}")
     assert "trainable.safetensors" in str(e.value) and "corrupt" in str(e.value)
+    run_cfg(tmp_path / "d", "train.steps=2")
+    ckpt = tmp_path / "d" / "checkpoints" / "step-00000002"
     (ckpt / "optimizer.pt").unlink()
     with pytest.raises(UserError, match="optimizer.pt"):
         run_cfg(tmp_path / "c", "train.steps=3", f"train.resume={ckpt}")

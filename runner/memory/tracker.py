@@ -241,7 +241,11 @@ class LiveBytesTracker(TorchDispatchMode):
 
     def _on_dead(self, rec: _Rec) -> None:
         # Runs wherever the storage died (any thread, any bytecode): only enqueue.
-        self._dead.append((rec, self._phases[-1].serial if self._phases else None))
+        try:
+            serial = self._phases[-1].serial
+        except IndexError:  # outside any phase (or a phase closed concurrently)
+            serial = None
+        self._dead.append((rec, serial))
 
     def _drain(self) -> None:
         while self._dead:
