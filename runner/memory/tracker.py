@@ -22,7 +22,12 @@ What is counted
 ---------------
 * ``storage.nbytes()`` of op outputs: the bytes PyTorch asked for. On CUDA the caching
   allocator rounds blocks up (512 B / 2 MiB segments) and keeps freed blocks reserved; those
-  are allocator overheads, not live bytes, and are not counted here.
+  are allocator overheads, not live bytes, and are not counted here. Neither are buffers a
+  library allocates internally without a Python-visible tensor: on an H100, cuBLAS took a
+  ~32 MiB workspace per handle through the caching allocator (one for forward, more for the
+  autograd thread in backward), so ``torch.cuda.memory_allocated()`` read ~35 MB above this
+  tracker after a small MLP's forward and ~68 MB above it after backward. Add a fixed margin
+  for them (``CUBLAS_WORKSPACE_CONFIG`` sets their size).
 * Storages that existed before the tracker (weights, the input batch) are counted when they
   are first *seen*: through :meth:`LiveBytesTracker.track` (do this for the weights, so the
   totals include them from the start), or, as a fallback, when an op first reads them
