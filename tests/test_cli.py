@@ -58,3 +58,38 @@ def test_multirun_gives_each_job_its_own_directory(tmp_path):
     jobs = sorted(p for p in tmp_path.iterdir() if p.is_dir() and (p / "metrics.jsonl").exists())
     assert len(jobs) == 2, list(tmp_path.iterdir())
     assert all(len((j / "metrics.jsonl").read_text().splitlines()) == 2 for j in jobs)
+
+
+def test_unreadable_image_and_corrupt_checkpoint_exit_nonzero_without_traceback(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\nnot really a png")
+    (data / "broken.txt").write_text("a caption")
+    r = cli(f"data.path={data}", "train.steps=1", f"output_dir={tmp_path / 'out1'}")
+    assert r.returncode == 2 and "broken.png" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "state.json").write_text("{ truncated")
+    r = cli(f"train.resume={ckpt}", "train.steps=1", f"output_dir={tmp_path / 'out2'}")
+    assert r.returncode == 2 and "state.json" in r.stderr and "corrupt" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_sigint_saves_a_checkpoint_and_exits_130(tmp_path):
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "runner", "train.steps=500", "train.progress=false", f"output_dir={out}"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().strip()):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err
+    assert (out / "checkpoints" / "latest").is_file()
