@@ -13,7 +13,7 @@ import hydra
 from accelerate.utils import set_seed
 from omegaconf import DictConfig
 
-from runner import registry
+from runner import registry, sweep
 from runner.errors import UserError
 from runner.loop import make_accelerator, train
 from runner.report import summary, write_run_info
@@ -49,11 +49,8 @@ def run(cfg: DictConfig) -> float | None:
 
 
 def _task(cfg: DictConfig) -> float | None:
-    try:
-        return run(cfg)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(e.exit_code)
+    # Records job_summary.json; an error exits a single run but only marks its job in a -m sweep.
+    return sweep.run_job(run, cfg)
 
 
 def main() -> None:
@@ -70,6 +67,7 @@ def main() -> None:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(e.exit_code)
     hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(_task)()
+    sys.exit(sweep.exit_status())                               # non-zero when a sweep job failed
 
 
 def _hydra_args():

@@ -19,6 +19,7 @@ class ModelConfig:
     path: Optional[str] = None  # diffusers folder or single-file .safetensors; None = random init
     dtype: str = "float32"  # storage dtype of frozen weights: float32 | bfloat16 | float16
     train: str = "full"  # full | lora (peft, on the denoiser)
+    train_dtype: str = "float32"  # dtype of the trained weights (full: the denoiser; lora: the adapters): float32 | bfloat16
     lora_rank: int = 4
     lora_alpha: float = 4.0
     lora_targets: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
@@ -53,15 +54,6 @@ class TrainConfig:
 
 
 @dataclass
-class OptimizerConfig:
-    name: str = "adamw"
-    lr: float = 1e-4
-    weight_decay: float = 1e-2
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-
-
-@dataclass
 class CustomTrainerConfig:
     """``trainer=custom trainer._target_=my_module.MyTrainer``: a user's trainer with free options."""
 
@@ -70,11 +62,29 @@ class CustomTrainerConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """``profile.enabled=true``: memory timeline, largest allocations, leak check (runner/memory/profile.py).
+
+    Costs time only on the profiled steps: every op goes through a Python dispatch mode there.
+    """
+
+    enabled: bool = False
+    start: int = 1  # first profiled step (1-based, as in metrics.jsonl)
+    steps: int = 5  # consecutive steps profiled; leak detection needs leak_steps + 1 of them
+    top_k: int = 10  # largest live allocations kept per timeline point
+    module_depth: int = 1  # module attribution depth below each model (1: unet.down_blocks.0)
+    leak_steps: int = 3  # warn when live bytes at step end rose in this many consecutive steps
+    leak_threshold_mb: float = 1.0  # ... each time by more than this (MiB); below it is usually a cache filling up
+    snapshot: bool = True  # CUDA only: torch memory snapshot for pytorch.org/memory_viz
+    snapshot_max_entries: int = 100000  # allocation events kept in the snapshot
+
+
+@dataclass
 class RunConfig:
     """The root schema. ``defaults`` live in conf/config.yaml."""
 
     trainer: Any = MISSING
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    optimizer: Any = MISSING  # one schema per option (adamw, adamw8bit, ...): runner/optim.py
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -83,6 +93,7 @@ class RunConfig:
     checkpoint: Any = MISSING
     tiling: Any = MISSING
     quantization: Any = MISSING
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     budget_gb: Optional[float] = None  # device memory budget; used by allocator cap and the planner
     mode: str = "train"  # train | plugins
     preset: Optional[str] = None  # set by the preset file, for the log
@@ -92,6 +103,7 @@ class RunConfig:
 MODES = ("train", "plugins")
 SIZES = ("tiny", "full")
 DTYPES = ("float32", "bfloat16", "float16")
+TRAIN_DTYPES = ("float32", "bfloat16")  # model.train_dtype (bfloat16 = kohya's --full_bf16)
 PRECISIONS = ("no", "bf16", "fp16")
 
 
@@ -99,4 +111,6 @@ def store_schemas() -> None:
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
     cs.store(group="trainer", name="custom", node=CustomTrainerConfig)
-    cs.store(group="optimizer", name="adamw", node=OptimizerConfig(name="adamw"))
+    from runner.optim import store_optimizer_schemas
+
+    store_optimizer_schemas()

@@ -5,8 +5,9 @@ global sample position to a dataset index (a fresh seeded permutation per epoch)
 sample gets a seed from its position, so:
 
 * resume is exact: step k always sees the same samples with the same noise;
-* a step can be cut into any number of micro-batches (gradient accumulation now, OOM
-  splitting later) without skipping, repeating or re-randomising a sample.
+* a step can be cut into any number of micro-batches (gradient accumulation, and the OOM
+  recovery of runner/oom.py, which retries a step with smaller micro-batches) without skipping,
+  repeating or re-randomising a sample.
 
 accelerate provides device handling, autocast for mixed precision, fp16 gradient scaling and
 clipping; we keep the accumulation loop explicit because micro-batch sizes may change at run
@@ -19,6 +20,7 @@ import logging
 import math
 import signal
 import time
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,11 @@ from tqdm.auto import tqdm
 
 from runner.context import RunContext
 from runner.errors import UserError
-from runner.report import MetricsWriter, memory_in_use
+from runner.memory.profile import build_profiler
+from runner.memory.stats import MemoryMonitor
+from runner.oom import MicroBatchRecovery, OutOfMemoryGiveUp
+from runner.optim import build_optimizer
+from runner.report import MetricsWriter
 from runner.train_state import TrainState, find_checkpoint, load_checkpoint, save_checkpoint
 from runner.trainer import batch_len, encode, move_batch, slice_batch
 
@@ -58,15 +64,6 @@ class SampleOrder:
 
     def sample_seeds(self, start: int, count: int) -> torch.Tensor:
         return torch.tensor([self.seed * 1_000_003 + p for p in range(start, start + count)], dtype=torch.int64)
-
-
-def build_optimizer(cfg: Any, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """The plain optimizer; memory-saving optimizers come from the optimizer group/plugins."""
-    if not params:
-        raise UserError("Nothing to train: the trainer marked no parameter as trainable (check model.train).")
-    return torch.optim.AdamW(
-        params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=False
-    )
 
 
 class StopRequest:
@@ -102,6 +99,7 @@ class TrainResult:
     interrupted_by: int | None = None
     checkpoint: Path | None = None
     seconds_per_step: float = math.nan
+    notes: dict[str, Any] = field(default_factory=dict)  # ctx.notes at the end (optimizer state bytes, ...)
 
 
 def make_accelerator(cfg: Any, device: torch.device) -> Accelerator:
@@ -136,7 +134,7 @@ def train(ctx: RunContext) -> TrainResult:
 
     order = SampleOrder(len(dataset), cfg.train.seed)
 
-    ctx.optimizer = build_optimizer(cfg.optimizer, list(models.trainable_parameters()))
+    ctx.optimizer = build_optimizer(cfg.optimizer, list(models.trainable_parameters()), notes=ctx.notes)
     ctx.run_phase("wrap_optimizer")
     scheduler = get_scheduler(
         cfg.train.lr_scheduler, ctx.optimizer, num_warmup_steps=cfg.train.lr_warmup_steps, num_training_steps=cfg.train.steps
@@ -155,55 +153,84 @@ def train(ctx: RunContext) -> TrainResult:
     metrics = MetricsWriter(out / "metrics.jsonl", append=bool(cfg.train.resume))
     ckpt_root = out / "checkpoints"
     result = TrainResult(steps_done=state.step)
+    recovery = MicroBatchRecovery(ctx, micro, batch_size, params)  # OOM: discard the step, halve, retry
+    memory = MemoryMonitor(ctx.device, cfg.budget_gb)  # per-step memory columns and pressure warnings
+    profiler = build_profiler(cfg, ctx)  # a no-op unless profile.enabled
     bar = tqdm(total=cfg.train.steps, initial=state.step, disable=not cfg.train.progress, desc="train", dynamic_ncols=True)
     step_times: list[float] = []
-    with StopRequest() as stop:
+
+    def update() -> None:
+        if cfg.train.max_grad_norm > 0:
+            accelerator.clip_grad_norm_(params, cfg.train.max_grad_norm)
+        optimizer.step()
+
+    with StopRequest() as stop, bar, closing(metrics), closing(profiler):
         while state.step < cfg.train.steps:
             t0 = time.perf_counter()
+            profiler.begin_step(state.step + 1)
             ctx.run_phase("on_step_start", state.step)
             start = state.samples_seen
             raw = collate([dataset[i] for i in order.indices(start, batch_size)])
             raw["sample_seed"] = order.sample_seeds(start, batch_size)
-            step_loss = 0.0
-            for lo in range(0, batch_size, micro):
-                mb = move_batch(slice_batch(raw, lo, min(lo + micro, batch_size)), ctx.device)
-                with ctx.step_context(), accelerator.autocast():
-                    enc = encode(trainer, models, mb)
-                    loss = trainer.loss(models, enc)
-                weight = batch_len(mb) / batch_size
-                accelerator.backward(loss * weight)
-                step_loss += float(loss.detach()) * weight
-            if cfg.train.max_grad_norm > 0:
-                accelerator.clip_grad_norm_(params, cfg.train.max_grad_norm)
-            optimizer.step()
+            try:
+                step_loss = recovery.run(state.step + 1, lambda m: forward_backward(ctx, raw, m, profiler))
+            except OutOfMemoryGiveUp as e:  # already at micro-batch 1: keep the last completed step, stop
+                state.micro_batch_size = recovery.micro_batch_size
+                saved = save_checkpoint(ckpt_root, state, models, ctx.optimizer, scheduler,
+                                        cfg.train.keep_checkpoints) if state.step else None
+                e.add_checkpoint(saved, state.step)
+                raise
+            with profiler.phase("optimizer"):
+                recovery.update(state.step + 1, update, result.checkpoint)
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             state.step += 1
             state.samples_seen += batch_size
             ctx.run_phase("on_step_end", state.step)
             dt = time.perf_counter() - t0
+            profiler.end_step()  # after dt: writing the profile's files is not step time
             step_times.append(dt)
-            mem = memory_in_use(ctx.device)
+            mem = memory.sample(state.step)
             row = {"step": state.step, "loss": step_loss, "lr": scheduler.get_last_lr()[0], "s_per_step": dt,
-                   "samples_seen": state.samples_seen, "micro_batch_size": micro, **mem}
+                   "samples_seen": state.samples_seen, "micro_batch_size": recovery.micro_batch_size,
+                   "oom_retries": recovery.retries_this_step, **mem}
             metrics.write(row)
             result.losses.append(step_loss)
-            bar.set_postfix(loss=f"{step_loss:.4f}", s_step=f"{dt:.2f}", mem=f"{mem['memory_in_use_gb']:.2f}GB")
+            bar.set_postfix({"loss": f"{step_loss:.4f}", "s_step": f"{dt:.2f}", **memory.postfix(mem)})  # in this order
             bar.update(1)
             due = cfg.train.checkpoint_every and state.step % cfg.train.checkpoint_every == 0
             if due or state.step == cfg.train.steps or stop.signum is not None:
-                state.micro_batch_size = micro
+                state.micro_batch_size = recovery.micro_batch_size
                 result.checkpoint = save_checkpoint(ckpt_root, state, models, ctx.optimizer, scheduler, cfg.train.keep_checkpoints)
             if stop.signum is not None:
                 result.interrupted_by = stop.signum
                 break
-    bar.close()
-    metrics.close()
     result.steps_done = state.step
+    result.notes = dict(ctx.notes)
     if step_times:
         tail = step_times[1:] or step_times  # the first step includes one-off warm-up
         result.seconds_per_step = sum(tail) / len(tail)
     return result
+
+
+def forward_backward(ctx: RunContext, raw: dict[str, Any], micro: int, profiler: Any) -> float:
+    """Every forward and backward pass of one step, ``micro`` samples at a time; the step's loss.
+
+    Each micro-batch's loss is weighted by its share of the batch, so the accumulated gradient
+    and the returned loss are the batch mean for any ``micro`` (the OOM retry relies on this).
+    """
+    batch_size = batch_len(raw)
+    total = 0.0
+    for lo in range(0, batch_size, micro):
+        mb = move_batch(slice_batch(raw, lo, min(lo + micro, batch_size)), ctx.device)
+        with profiler.phase("forward"), ctx.step_context(), ctx.accelerator.autocast():
+            enc = encode(ctx.trainer, ctx.models, mb)
+            loss = ctx.trainer.loss(ctx.models, enc)
+        weight = batch_len(mb) / batch_size
+        with profiler.phase("backward"):
+            ctx.accelerator.backward(loss * weight)
+        total += float(loss.detach()) * weight
+    return total
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

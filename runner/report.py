@@ -72,4 +72,7 @@ def summary(result: Any, out: Path) -> str:
     ]
     if result.checkpoint:
         lines.append(f"checkpoint: {result.checkpoint}  (resume with train.resume={result.checkpoint})")
+    state_bytes = getattr(result, "notes", {}).get("optimizer state bytes")
+    if state_bytes is not None:
+        lines.append(f"optimizer state: {state_bytes} bytes ({state_bytes / 2**20:.2f} MiB)")
     return "\n".join(lines)

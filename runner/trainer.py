@@ -20,9 +20,30 @@ Contract, in the order the runner calls it:
 5. ``loss(models, batch)`` returns a scalar loss for the batch (mean over samples).
 6. ``example_batch(batch_size, device)`` returns an *encoded* batch with the right shapes,
    for the planner; tensors may live on ``meta``.
+7. ``example_raw_batch(batch_size, device)`` (optional, with ``encode``) returns a *raw* batch
+   as the data loader gives it (``pixel_values``, ``caption``, ``index``, ``sample_seed``) with
+   the shapes of ``data.resolution``; tensors may live on ``meta``. The planner (runner/planner.py)
+   then simulates ``encode`` on the device too: the frozen encoders' weights and their
+   activations (the VAE at 1024 px) are part of a real step unless a plugin caches their
+   outputs. Keep ``sample_seed`` (and ``index``) on the CPU for ``meta``: they are read with
+   ``tolist()``.
 
 Randomness: ``batch["sample_seed"]`` holds one int64 seed per sample. Draw per-sample noise
 with :func:`per_sample_randn` so that the result does not depend on how a batch is split.
+
+Cacheable encoding (optional; what ``offload=park`` needs to cache latents and embeddings).
+A trainer splits ``encode`` into named parts, each a deterministic function of some raw inputs,
+and a cheap final step that adds the per-sample randomness:
+
+* ``encode_parts()`` -> ``{part: EncodePart(modules, inputs)}``: which frozen modules compute
+  the part and which raw batch keys (``pixel_values``, ``caption``) it reads;
+* ``encode_part(models, part, batch)`` -> ``{name: tensor}``, one row per sample, no randomness
+  (for a VAE: the posterior's mean and std, not a sample);
+* ``finish_encode(parts, batch)`` -> the encoded batch; uses no frozen module, only
+  ``batch["sample_seed"]`` (and non-pixel keys), so cached parts give the same result;
+* ``cache_signature(part)`` -> a JSON-able dict of every setting that changes the part's result.
+
+``encode`` must equal ``finish_encode({p: encode_part(models, p, batch) for p in parts}, batch)``.
 """
 from __future__ import annotations
 
@@ -92,6 +113,22 @@ def encode(trainer: Any, models: ModelSet, batch: Batch) -> Batch:
     """Call the trainer's optional ``encode`` step; identity when the trainer has none."""
     fn = getattr(trainer, "encode", None)
     return fn(models, batch) if fn is not None else batch
+
+
+@dataclass(frozen=True)
+class EncodePart:
+    """One cacheable piece of a trainer's encode step (see the module docstring)."""
+
+    modules: tuple[str, ...]  # frozen modules that compute it, e.g. ("vae",)
+    inputs: tuple[str, ...]  # raw batch keys it reads, e.g. ("pixel_values",)
+
+
+def batch_device(batch: Mapping[str, Any]) -> torch.device:
+    """The compute device of a batch: that of its pixels, else of its per-sample seeds."""
+    t = batch.get("pixel_values")
+    if not isinstance(t, torch.Tensor):
+        t = batch["sample_seed"]
+    return t.device
 
 
 def per_sample_randn(

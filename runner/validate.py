@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from runner import registry
-from runner.config import DTYPES, MODES, PRECISIONS, SIZES
+from runner.config import DTYPES, MODES, PRECISIONS, SIZES, TRAIN_DTYPES
 from runner.errors import UserError, did_you_mean, valid_list
 
 MAX_SWEEP_CHECKS = 64
@@ -97,7 +97,7 @@ def _friendly(err: Exception, overrides: Sequence[str]) -> UserError:
         group, _, option = str(missing).rpartition("/")
         options = list(getattr(e, "options", None) or [])
         if group and options:
-            what = {"trainer": "trainer", "preset": "preset"}.get(group, f"{group} plugin")
+            what = {"trainer": "trainer", "preset": "preset", "optimizer": "optimizer"}.get(group, f"{group} plugin")
             return UserError(
                 f"Unknown {what} '{option}' (from '{group}={option}'). Valid names: {valid_list(option, options)}."
             )
@@ -135,6 +135,7 @@ def validate(cfg: DictConfig) -> None:
     _one_of(cfg, "model.size", SIZES)
     _one_of(cfg, "model.dtype", DTYPES)
     _one_of(cfg, "model.train", ("full", "lora"))
+    _one_of(cfg, "model.train_dtype", TRAIN_DTYPES)
     _one_of(cfg, "train.mixed_precision", PRECISIONS)
     _one_of(cfg, "train.device", ("auto", "cpu", "cuda"))
     for key in ("train.steps", "train.batch_size", "train.grad_accum", "optimizer.lr", "model.lora_rank"):
@@ -148,8 +149,15 @@ def validate(cfg: DictConfig) -> None:
             f"train.batch_size={cfg.train.batch_size} is not divisible by train.grad_accum={cfg.train.grad_accum}; "
             "choose a grad_accum that divides the batch size."
         )
-    if cfg.optimizer.name not in ("adamw",):
-        raise UserError(f"optimizer.name={cfg.optimizer.name!r} is not valid. Valid values: adamw.")
+    from runner.optim import validate_optimizer  # names come from the registered optimizer schemas
+
+    validate_optimizer(cfg)
+    if cfg.model.train_dtype == "bfloat16" and cfg.train.mixed_precision == "fp16":
+        raise UserError(
+            "model.train_dtype=bfloat16 conflicts with train.mixed_precision=fp16: bf16 weights computed in fp16 "
+            "autocast lose bf16's range and fp16's loss scaling does not fit bf16 gradients. Use "
+            "train.mixed_precision=bf16 with bf16 trained weights."
+        )
     if cfg.train.resume is not None and not Path(cfg.train.resume).exists():
         raise UserError(
             f"train.resume={cfg.train.resume!r} does not exist. Give a run directory or one of its "

@@ -247,3 +247,30 @@ def test_nested_phases_propagate_peaks():
                 del a
     peaks = tr.snapshot()["devices"]["cpu"]["peak_by_phase"]
     assert peaks == {"forward": 4000, "step": 4000}
+
+
+def test_peak_breakdown_by_module_labels_tracked_and_born_bytes():
+    # Weights labelled by track(module=...), activations by the module hook they were born in;
+    # a relabel after the peak (gradients, as the planner does after backward) corrects the
+    # breakdown at the peak, and a temporary keeps its module.
+    net = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))  # (8*16+16 + 16*4+4) * 4 = 848 bytes
+    x = torch.randn(2, 8)
+    tr = LiveBytesTracker(count_inputs=False)
+    tr.track(net, "weights", module="net")
+    tr.attach_module_hooks(net, depth=1, prefix="net")
+    with tr:
+        with tr.phase("forward"):
+            y = net(x)  # net.0 output 2*16*4 = 128 (alive), net.1 output 2*4*4 = 32
+            tmp = torch.ones(100)  # 400, born outside any module hook, dies in forward
+            del tmp
+        grad = torch.ones(10)  # 40, born after the peak
+        tr.track(grad, "gradients", module="net")
+    snap = tr.snapshot()["devices"]["cpu"]
+    assert snap["peak_bytes"] == 848 + 128 + 32 + 400
+    by_mod = snap["peak_by_module"]
+    assert by_mod["net"] == {"weights": 848}
+    assert by_mod["net.0"] == {"activations": 128}
+    assert by_mod["net.1"] == {"activations": 32}
+    assert by_mod["(none)"] == {"temporaries": 400}
+    assert tr.module_bytes("cpu")["net"] == {"weights": 848, "gradients": 40}
+    del y, grad

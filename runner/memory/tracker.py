@@ -63,6 +63,14 @@ births with the innermost open module and records, per call, how much the live t
 (retained, i.e. activations kept for backward) and how far it peaked above the entry level.
 Attribution happens at module boundaries only: nothing is scanned per op. Backward is not
 attributed to modules (only to the ``backward`` phase). Module figures are summed over devices.
+``track(x, category, module=name)`` labels pre-existing tensors (weights, gradients, optimizer
+state) with a module too, so the breakdown *at the peak* (``peak_by_module``: module ->
+category -> bytes, per device) covers every byte; unlabelled bytes are under ``"(none)"``.
+
+The breakdown at the peak is materialised lazily: while the live total sits at its peak it is
+the current breakdown, and it is copied only when the first free after the peak happens. A
+forward pass sets a new peak on almost every allocation, so copying at each new peak would
+cost a dict copy per op.
 
 Nesting with FakeTensorMode
 ---------------------------
@@ -95,6 +103,7 @@ PHASE_CATEGORIES: dict[str, str] = {
 """Category given to survivors of a phase (births in it that outlive it)."""
 
 NO_PHASE = "(none)"
+NO_MODULE = "(none)"
 
 
 class _Rec(weakref.ref):
@@ -185,7 +194,10 @@ class LiveBytesTracker(TorchDispatchMode):
         self._peak_phase: dict[str, str] = {}
         self._peak_module: dict[str, str | None] = {}
         self._cat_current: dict[str, dict[str, int]] = {}
-        self._cat_at_peak: dict[str, dict[str, int]] = {}
+        # (category, module) -> bytes, now and at the peak; see "lazily" in the module docstring.
+        self._cm_current: dict[str, dict[tuple[str, str | None], int]] = {}
+        self._cm_at_peak: dict[str, dict[tuple[str, str | None], int]] = {}
+        self._peak_pending: dict[str, bool] = {}  # at peak now: the at-peak copy is not taken yet
         self.phase_peaks: dict[str, dict[str, int]] = {}
         self._phase_temporaries: dict[str, dict[str, int]] = {}
         self._module_stats: dict[str, dict[str, int]] = {}
@@ -209,7 +221,7 @@ class LiveBytesTracker(TorchDispatchMode):
                     self._see(t, None, born=True)
         return out
 
-    def _see(self, t: torch.Tensor, category: str | None, born: bool) -> _Rec | None:
+    def _see(self, t: torch.Tensor, category: str | None, born: bool, label: str | None = None) -> _Rec | None:
         s = _storage_of(t)
         if s is None:
             return None
@@ -221,8 +233,8 @@ class LiveBytesTracker(TorchDispatchMode):
                 if n != rec.nbytes:
                     self._add(rec.device, rec.category, rec.module, n - rec.nbytes)
                     rec.nbytes = n
-            if category is not None and category != rec.category:
-                self._relabel(rec, category)
+            if (category is not None and category != rec.category) or (label is not None and label != rec.module):
+                self._relabel(rec, category or rec.category, label if label is not None else rec.module)
             return rec
         if rec is not None:  # a dead storage whose address was reused: settle it first
             self._free(rec, None)
@@ -234,13 +246,14 @@ class LiveBytesTracker(TorchDispatchMode):
             else:
                 category = "other"
         serial = top.serial if (born and top is not None) else None
-        module = self._modules[-1].name if (born and self._modules) else None
+        in_module = self._modules[-1].name if (born and self._modules) else None
+        module = label if label is not None else in_module
         self._seq += 1
         rec = _Rec(s, self._on_dead, key, n, str(t.device), category, serial, self._seq, module)
         self._live[key] = rec
         self._add(rec.device, category, module, n)
-        if module is not None:
-            st = self._module_stats[module]
+        if in_module is not None:
+            st = self._module_stats[in_module]
             st["allocated_bytes"] += n
         return rec
 
@@ -269,19 +282,25 @@ class LiveBytesTracker(TorchDispatchMode):
             ph = self._serial_names.get(rec.serial, NO_PHASE)
             tmp = self._phase_temporaries.setdefault(ph, {})
             tmp[dev] = tmp.get(dev, 0) + n
-            if rec.seq <= self._peak_seq.get(dev, 0):
-                at = self._cat_at_peak[dev]
-                at[rec.category] = at.get(rec.category, 0) - n
-                at["temporaries"] = at.get("temporaries", 0) + n
+            if n and rec.seq <= self._peak_seq.get(dev, 0):  # alive at the peak (the copy is taken: we just freed)
+                at = self._cm_at_peak[dev]
+                old, new = (rec.category, rec.module), ("temporaries", rec.module)
+                at[old] = at.get(old, 0) - n
+                at[new] = at.get(new, 0) + n
 
     def _add(self, dev: str, category: str, module: str | None, n: int) -> None:
+        if n < 0 and self._peak_pending.get(dev):
+            self._take_peak_copy(dev)  # the first free after the peak: keep the breakdown at the peak
         cur = self.current.get(dev, 0) + n
         self.current[dev] = cur
         self._total += n
         cats = self._cat_current.get(dev)
         if cats is None:
             cats = self._cat_current[dev] = {}
+            self._cm_current[dev] = {}
         cats[category] = cats.get(category, 0) + n
+        cm = self._cm_current[dev]
+        cm[(category, module)] = cm.get((category, module), 0) + n
         if module is not None:
             self._module_live[module] = self._module_live.get(module, 0) + n
         if n <= 0:
@@ -291,7 +310,7 @@ class LiveBytesTracker(TorchDispatchMode):
             self._peak_seq[dev] = self._seq
             self._peak_phase[dev] = self._phases[-1].name if self._phases else NO_PHASE
             self._peak_module[dev] = self._modules[-1].name if self._modules else None
-            self._cat_at_peak[dev] = dict(cats)
+            self._peak_pending[dev] = True
         if self._phases:
             m = self._phases[-1].maxes
             if cur > m.get(dev, 0):
@@ -301,24 +320,41 @@ class LiveBytesTracker(TorchDispatchMode):
             if self._total > f.max_total:
                 f.max_total = self._total
 
-    def _relabel(self, rec: _Rec, category: str) -> None:
-        dev, n, old = rec.device, rec.nbytes, rec.category
+    def _take_peak_copy(self, dev: str) -> None:
+        self._cm_at_peak[dev] = dict(self._cm_current.get(dev, {}))
+        self._peak_pending[dev] = False
+
+    def _relabel(self, rec: _Rec, category: str, module: str | None) -> None:
+        dev, n = rec.device, rec.nbytes
+        old, new = (rec.category, rec.module), (category, module)
         cats = self._cat_current[dev]
-        cats[old] = cats.get(old, 0) - n
+        cats[old[0]] = cats.get(old[0], 0) - n
         cats[category] = cats.get(category, 0) + n
-        if rec.seq <= self._peak_seq.get(dev, 0):  # alive now and born before the peak
-            at = self._cat_at_peak[dev]
+        cm = self._cm_current[dev]
+        cm[old] = cm.get(old, 0) - n
+        cm[new] = cm.get(new, 0) + n
+        if old[1] is not None:
+            self._module_live[old[1]] = self._module_live.get(old[1], 0) - n
+        if module is not None:
+            self._module_live[module] = self._module_live.get(module, 0) + n
+        # Alive now and born before the peak: it was alive at the peak. (While the peak copy is
+        # pending, the current breakdown *is* the peak's and was just updated.)
+        if rec.seq <= self._peak_seq.get(dev, 0) and not self._peak_pending.get(dev):
+            at = self._cm_at_peak[dev]
             at[old] = at.get(old, 0) - n
-            at[category] = at.get(category, 0) + n
+            at[new] = at.get(new, 0) + n
         rec.category = category
+        rec.module = module
         rec.serial = None  # an explicit label is final: never re-classified as a temporary
 
     # ---- registering pre-existing tensors ---------------------------------------------------
-    def track(self, tensors_or_module: Any, category: str = "weights") -> int:
+    def track(self, tensors_or_module: Any, category: str = "weights", module: str | None = None) -> int:
         """Count tensors that already exist (weights, optimizer state); re-label known ones.
 
         Accepts a module (its parameters and buffers), a tensor, or any nest of them (list,
         dict, optimizer.state). Returns the bytes now labelled ``category`` by this call.
+        ``module`` also labels them with a module name for ``peak_by_module`` (default: keep
+        the module they were born in, none for pre-existing tensors).
         """
         self._drain()
         if isinstance(tensors_or_module, nn.Module):
@@ -330,17 +366,17 @@ class LiveBytesTracker(TorchDispatchMode):
         for t in tree_iter(items) if not isinstance(items, torch.Tensor) else [items]:
             if not isinstance(t, torch.Tensor):
                 continue
-            rec = self._see(t, category, born=False)
+            rec = self._see(t, category, born=False, label=module)
             if rec is not None and rec.key not in seen:
                 seen.add(rec.key)
                 total += rec.nbytes
         return total
 
-    def track_gradients(self, params: Any) -> int:
+    def track_gradients(self, params: Any, module: str | None = None) -> int:
         """Label the ``.grad`` of ``params`` (a module or an iterable of tensors) as "gradients"."""
         if isinstance(params, nn.Module):
             params = params.parameters()
-        return self.track([p.grad for p in params if p.grad is not None], "gradients")
+        return self.track([p.grad for p in params if p.grad is not None], "gradients", module)
 
     # ---- phases and modules -----------------------------------------------------------------
     @contextmanager
@@ -439,11 +475,32 @@ class LiveBytesTracker(TorchDispatchMode):
         self._drain()
         return self.peak.get(device, 0)
 
+    def _breakdown(self, device: str, at_peak: bool) -> dict[tuple[str, str | None], int]:
+        if at_peak and not self._peak_pending.get(device):
+            return self._cm_at_peak.get(device, {})
+        return self._cm_current.get(device, {})
+
     def category_bytes(self, device: str = "cpu", at_peak: bool = False) -> dict[str, int]:
         """Live bytes per category now (or at the device's peak)."""
         self._drain()
-        src = (self._cat_at_peak if at_peak else self._cat_current).get(device, {})
-        return {c: src.get(c, 0) for c in CATEGORIES}
+        out = {c: 0 for c in CATEGORIES}
+        for (cat, _), n in self._breakdown(device, at_peak).items():
+            out[cat] = out.get(cat, 0) + n
+        return out
+
+    def module_bytes(self, device: str = "cpu", at_peak: bool = False) -> dict[str, dict[str, int]]:
+        """Live bytes per module label and category, now (or at the device's peak).
+
+        Labels are what births were tagged with (innermost module hook) or what :meth:`track`
+        set; bytes without a label are under ``"(none)"``. Zero entries are left out.
+        """
+        self._drain()
+        out: dict[str, dict[str, int]] = {}
+        for (cat, mod), n in self._breakdown(device, at_peak).items():
+            if n:
+                per = out.setdefault(NO_MODULE if mod is None else mod, {})
+                per[cat] = per.get(cat, 0) + n
+        return out
 
     def reset_peaks(self) -> None:
         """Start peaks (global, phase, category-at-peak, module) again from the current level."""
@@ -452,7 +509,8 @@ class LiveBytesTracker(TorchDispatchMode):
         self._peak_seq = {d: self._seq for d in self.current}
         self._peak_phase = {d: "(reset)" for d in self.current}
         self._peak_module = {d: None for d in self.current}
-        self._cat_at_peak = {d: dict(c) for d, c in self._cat_current.items()}
+        self._cm_at_peak = {}
+        self._peak_pending = {d: True for d in self.current}  # the current breakdown is the peak's
         self.phase_peaks.clear()
         self._phase_temporaries.clear()
         for st in self._module_stats.values():
@@ -471,6 +529,7 @@ class LiveBytesTracker(TorchDispatchMode):
                 "peak_module": self._peak_module.get(dev),
                 "peak_by_category": self.category_bytes(dev, at_peak=True),
                 "current_by_category": self.category_bytes(dev),
+                "peak_by_module": self.module_bytes(dev, at_peak=True),
                 "peak_by_phase": {ph: p[dev] for ph, p in self.phase_peaks.items() if dev in p},
                 "temporaries_by_phase": {ph: t[dev] for ph, t in self._phase_temporaries.items() if dev in t},
             }

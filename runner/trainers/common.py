@@ -17,13 +17,13 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from runner.errors import UserError, valid_list
-from runner.trainer import ModelSet
+from runner.trainer import Batch, EncodePart, ModelSet
 
 log = logging.getLogger("runner")
 
@@ -254,12 +254,15 @@ def read_folder_config(cls: type, folder: str, subfolder: str) -> Any:
 
 
 # ---- LoRA ---------------------------------------------------------------------------------
-def attach_lora(model: nn.Module, rank: int, alpha: float, targets: Iterable[str]) -> nn.Module:
+def attach_lora(
+    model: nn.Module, rank: int, alpha: float, targets: Iterable[str], dtype: torch.dtype = torch.float32
+) -> nn.Module:
     """Freeze ``model`` and add a trainable peft LoRA adapter (diffusers ``add_adapter``).
 
     The same recipe as diffusers' LoRA training scripts: base frozen first, Gaussian init (B=0,
-    so the adapter starts as the identity), adapters upcast to float32 with
-    ``cast_training_params`` so the optimizer works on float32 even over a bf16/fp16 base.
+    so the adapter starts as the identity), adapters cast to ``dtype`` (``model.train_dtype``,
+    float32 by default) with ``cast_training_params`` so the optimizer works on float32 even
+    over a bf16/fp16 base.
     """
     from diffusers.training_utils import cast_training_params
     from peft import LoraConfig
@@ -279,7 +282,7 @@ def attach_lora(model: nn.Module, rank: int, alpha: float, targets: Iterable[str
             f"model.lora_targets {targets} match no layer of {type(model).__name__} ({e}). "
             f"Layer names that can be targeted include: {', '.join(leaves[:30])}."
         ) from None
-    cast_training_params(model, dtype=torch.float32)
+    cast_training_params(model, dtype=dtype)
     return model
 
 
@@ -419,6 +422,31 @@ def sample_latents(dist: Any, seeds: torch.Tensor, salt: int) -> torch.Tensor:
     return mean + std * eps
 
 
+class LatentMoments(NamedTuple):
+    """A VAE posterior reduced to what sampling needs: what ``encode_part`` returns and a cache stores.
+
+    Has the ``mean``/``std`` attributes of diffusers' ``DiagonalGaussianDistribution``, so
+    :func:`sample_latents` takes either.
+    """
+
+    mean: torch.Tensor
+    std: torch.Tensor
+
+
+def file_stats(folder: str) -> list[tuple[str, int, int]]:
+    """(relative path, size, mtime_ns) of every file under ``folder``, sorted: a cheap identity
+    of local weights for cache keys (reading and hashing gigabytes of weights on every start would
+    cost more than the cache saves)."""
+    out = []
+    for root, dirs, files in os.walk(folder):
+        dirs.sort()
+        for name in sorted(files):
+            full = os.path.join(root, name)
+            st = os.stat(full)
+            out.append((os.path.relpath(full, folder), st.st_size, st.st_mtime_ns))
+    return out
+
+
 # ---- shared trainer skeleton ------------------------------------------------------------------
 class DiffusersTrainer:
     """The parts of a trainer that do not depend on the model family.
@@ -434,8 +462,10 @@ class DiffusersTrainer:
     * a single .safetensors file: the denoiser from it (architecture of ``model.size``); the frozen
       modules random, with a warning.
 
-    Dtypes: frozen modules (and a LoRA's frozen base) are stored in ``model.dtype``; a fully
-    fine-tuned denoiser stays float32 (master weights, mixed precision is the runner's job).
+    Dtypes: frozen modules (and a LoRA's frozen base) are stored in ``model.dtype``; the trained
+    weights (a fully fine-tuned denoiser, or the LoRA adapters) in ``model.train_dtype``: float32
+    master weights by default (mixed precision is the runner's job), bfloat16 to halve them
+    (kohya's ``--full_bf16``: what lets a full SDXL U-Net fine-tune fit 24 GB).
     """
 
     denoiser: str = ""
@@ -447,6 +477,9 @@ class DiffusersTrainer:
         if str(m.train) not in TRAIN_MODES:
             raise UserError(f"Unknown model.train '{m.train}'. Valid values: {valid_list(str(m.train), TRAIN_MODES)}.")
         self.storage_dtype = dtype_from_name(m.dtype)
+        self.train_dtype = dtype_from_name(m.get("train_dtype", "float32"), "model.train_dtype")
+        if self.train_dtype not in (torch.float32, torch.bfloat16):
+            raise UserError(f"Unknown model.train_dtype '{m.train_dtype}'. Valid dtypes: float32, bfloat16.")
         self.size = str(m.size)
         self.size_configs()  # validates model.size
         self.source = resolve_model_path(m.path)
@@ -483,14 +516,14 @@ class DiffusersTrainer:
 
     # -- models -------------------------------------------------------------------------
     def module_dtype(self, name: str, trained_full: bool) -> torch.dtype:
-        """float32 for a fully trained module; ``model.dtype`` otherwise, with one exception.
+        """``model.train_dtype`` for a fully trained module; ``model.dtype`` otherwise, with one exception.
 
         A VAE whose config sets ``force_upcast`` (the SDXL and Flux VAEs) overflows to NaN in
         float16, so with ``model.dtype=float16`` it stays float32, as diffusers' training
         scripts and pipelines do. bfloat16 has the range and is kept.
         """
         if trained_full:
-            return torch.float32
+            return self.train_dtype
         if name == "vae" and self.storage_dtype == torch.float16 and self.component_config("vae").get("force_upcast"):
             return torch.float32
         return self.storage_dtype
@@ -535,7 +568,7 @@ class DiffusersTrainer:
                 freeze(module)
             modules[name] = module
         if not full:
-            attach_lora(modules[self.denoiser], m.lora_rank, m.lora_alpha, list(m.lora_targets))
+            attach_lora(modules[self.denoiser], m.lora_rank, m.lora_alpha, list(m.lora_targets), self.train_dtype)
             modules[self.denoiser].train()
         models = ModelSet(modules=modules, trained={self.denoiser})
         models.blocks = self.repeated_blocks(models)
@@ -544,6 +577,87 @@ class DiffusersTrainer:
     def repeated_blocks(self, models: ModelSet) -> dict[str, list[nn.Module]]:
         """Outermost repeated blocks of the trained denoiser (see :func:`find_repeated_blocks`)."""
         return {self.denoiser: find_repeated_blocks(models[self.denoiser])}
+
+    # -- encoding (see "Cacheable encoding" in runner/trainer.py) ------------------------------
+    # Bump when encode_part computes something different, so that old cache entries miss.
+    cache_format: int = 1
+
+    def encode_parts(self) -> dict[str, EncodePart]:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def encode(self, models: ModelSet, batch: Batch) -> Batch:
+        """Pixels and captions to latents and conditioning, on the batch's device.
+
+        Inputs go to the batch's device (the runner's compute device) rather than to each
+        module's parameters, so modules parked elsewhere by an offload plugin still receive
+        inputs where they will run.
+        """
+        parts = {name: self.encode_part(models, name, batch) for name in self.encode_parts()}
+        return self.finish_encode(parts, batch)
+
+    def vae_setting(self, key: str) -> Any:
+        """A VAE config value (``scaling_factor``, ``shift_factor``) without building the VAE:
+        from its config dict, else the class default, i.e. what ``vae.config`` would hold."""
+        import inspect
+
+        cfg = self.component_config("vae")
+        if key in cfg:
+            return cfg[key]
+        return inspect.signature(self.module_classes()["vae"].__init__).parameters[key].default
+
+    def module_source(self, name: str) -> dict[str, Any]:
+        """Where a module's weights come from, for cache keys: its folder's files (path, size,
+        mtime), or, when randomly initialised, what that init depends on (the runner seeds the
+        RNG with ``train.seed`` right before ``build_models``)."""
+        if self._folder_has(name):
+            folder = os.path.join(self.source[1], name)
+            return {"folder": folder, "files": file_stats(folder)}
+        seed = self.cfg.get("train", {}).get("seed") if hasattr(self.cfg, "get") else None
+        return {
+            "random_init": True,
+            "seed": seed,
+            "size": self.size,
+            "model_path": self.source[1] if self.source else None,
+            "config": self.size_configs()[name],
+        }
+
+    def tokenizer_source(self, name: str) -> dict[str, Any]:
+        tok = self.tokenizer(name)
+        info: dict[str, Any] = {"class": type(tok).__name__, "model_max_length": int(tok.model_max_length)}
+        if self._folder_has(name):
+            folder = os.path.join(self.source[1], name)
+            info["files"] = file_stats(folder)
+        else:
+            info["vocab_size"] = int(tok.vocab_size)
+        return info
+
+    def cache_signature(self, part: str) -> dict[str, Any]:
+        """Every setting that changes ``encode_part(part)`` besides the sample itself."""
+        spec = self.encode_parts()[part]
+        sig: dict[str, Any] = {
+            "format": self.cache_format,
+            "trainer": f"{type(self).__module__}.{type(self).__qualname__}",
+            "part": part,
+            "modules": {
+                name: {"dtype": str(self.module_dtype(name, False)).replace("torch.", ""), "source": self.module_source(name)}
+                for name in spec.modules
+            },
+        }
+        if "pixel_values" in spec.inputs:
+            data = self.cfg.data
+            sig["data"] = {
+                "resolution": int(data.resolution),
+                "center_crop": bool(data.get("center_crop", True)),
+                "random_flip": bool(data.get("random_flip", False)),
+            }
+        if "caption" in spec.inputs:
+            sig["tokenizers"] = {
+                m.replace("text_encoder", "tokenizer"): self.tokenizer_source(m.replace("text_encoder", "tokenizer"))
+                for m in spec.modules
+                if m.startswith("text_encoder")
+            }
+        return sig
 
     def dataset(self) -> Any:
         from runner.data import build_dataset  # lazily: the data module is optional for planning
@@ -595,6 +709,19 @@ class DiffusersTrainer:
         """Seeds stay on the CPU for ``meta``: the per-sample draws read them with ``tolist()``."""
         dev = "cpu" if torch.device(device).type == "meta" else device
         return torch.arange(batch_size, dtype=torch.int64, device=dev)
+
+    def example_raw_batch(self, batch_size: int, device: str | torch.device = "meta") -> Batch:
+        """A raw batch as the data loader gives it at ``data.resolution``, for the planner's encode step.
+
+        Captions are padded to the tokenizers' fixed lengths, so their text does not change any shape.
+        """
+        res = self.resolution()
+        return {
+            "pixel_values": self.example_tensor((batch_size, 3, res, res), device, torch.float32, 3),
+            "caption": ["an example caption"] * batch_size,
+            "index": self.example_seeds(batch_size, device),
+            "sample_seed": self.example_seeds(batch_size, device),
+        }
 
 
 def vae_scale_factor(vae_config: dict[str, Any]) -> int:

@@ -23,10 +23,11 @@ import torch.nn.functional as F
 
 from runner.errors import UserError, valid_list
 from runner.registry import register_trainer
-from runner.trainer import Batch, ModelSet, per_sample_rand, per_sample_randn
+from runner.trainer import Batch, EncodePart, ModelSet, batch_device, per_sample_rand, per_sample_randn
 from runner.trainers import model_configs
 from runner.trainers.common import (
     DiffusersTrainer,
+    LatentMoments,
     clip_tokenizer,
     compute_dtype,
     sample_latents,
@@ -128,28 +129,42 @@ class FluxTrainer(DiffusersTrainer):
         return int(min(tok.model_max_length, model_configs.FLUX_T5_MAX_LENGTH["full"]))
 
     # -- protocol -------------------------------------------------------------------------
+    def encode_parts(self) -> dict[str, EncodePart]:
+        return {
+            "latents": EncodePart(("vae",), ("pixel_values",)),
+            "text": EncodePart(("text_encoder", "text_encoder_2"), ("caption",)),
+        }
+
     @torch.no_grad()
-    def encode(self, models: ModelSet, batch: Batch) -> Batch:
-        """Pixels and captions to latents and conditioning, on the batch's device."""
-        pixels = batch["pixel_values"]
-        device = pixels.device
-        seeds = batch["sample_seed"]
-        vae, clip, t5 = models["vae"], models["text_encoder"], models["text_encoder_2"]
-
-        dist = vae.encode(pixels.to(compute_dtype(vae))).latent_dist
-        shift = vae.config.shift_factor or 0.0
-        latents = (sample_latents(dist, seeds, VAE_SALT) - shift) * vae.config.scaling_factor
-
+    def encode_part(self, models: ModelSet, part: str, batch: Batch) -> dict[str, torch.Tensor]:
+        """The VAE posterior (mean, std), or CLIP's pooled output and T5's hidden states."""
+        if part == "latents":
+            vae = models["vae"]
+            dist = vae.encode(batch["pixel_values"].to(compute_dtype(vae))).latent_dist
+            # Contiguous, as a cache entry read back is: the CPU VAE returns channels-last
+            # tensors, and that layout made the denoiser's backward round differently.
+            return {"latent_mean": dist.mean.contiguous(), "latent_std": dist.std.contiguous()}
+        device = batch_device(batch)
+        clip, t5 = models["text_encoder"], models["text_encoder_2"]
         captions = list(batch["caption"])
         tok1 = self.tokenizer("tokenizer")
         ids1 = tokenize(tok1, captions, int(min(tok1.model_max_length, clip.config.max_position_embeddings)), device)
         pooled = clip(ids1).pooler_output
         ids2 = tokenize(self.tokenizer("tokenizer_2"), captions, self.t5_max_length(), device)
         prompt_embeds = t5(ids2).last_hidden_state
+        return {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}
+
+    def finish_encode(self, parts: dict[str, dict[str, torch.Tensor]], batch: Batch) -> Batch:
+        """Sample the latents with each sample's seed, then shift and scale them."""
+        seeds = batch["sample_seed"]
+        lat = parts["latents"]
+        moments = LatentMoments(lat["latent_mean"], lat["latent_std"])
+        shift = self.vae_setting("shift_factor") or 0.0
+        latents = (sample_latents(moments, seeds, VAE_SALT) - shift) * self.vae_setting("scaling_factor")
         return {
             "latents": latents,
-            "prompt_embeds": prompt_embeds,
-            "pooled_prompt_embeds": pooled,
+            "prompt_embeds": parts["text"]["prompt_embeds"],
+            "pooled_prompt_embeds": parts["text"]["pooled_prompt_embeds"],
             "sample_seed": seeds,
         }
 

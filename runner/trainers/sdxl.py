@@ -18,10 +18,11 @@ import torch.nn.functional as F
 
 from runner.errors import UserError, valid_list
 from runner.registry import register_trainer
-from runner.trainer import Batch, ModelSet, per_sample_rand, per_sample_randn
+from runner.trainer import Batch, EncodePart, ModelSet, batch_device, per_sample_rand, per_sample_randn
 from runner.trainers import model_configs
 from runner.trainers.common import (
     DiffusersTrainer,
+    LatentMoments,
     clip_tokenizer,
     compute_dtype,
     sample_latents,
@@ -97,22 +98,23 @@ class SDXLTrainer(DiffusersTrainer):
         return self._schedulers[key]
 
     # -- protocol -------------------------------------------------------------------------
+    def encode_parts(self) -> dict[str, EncodePart]:
+        return {
+            "latents": EncodePart(("vae",), ("pixel_values",)),
+            "text": EncodePart(("text_encoder", "text_encoder_2"), ("caption",)),
+        }
+
     @torch.no_grad()
-    def encode(self, models: ModelSet, batch: Batch) -> Batch:
-        """Pixels and captions to latents and conditioning, on the batch's device.
-
-        Inputs go to the device of ``pixel_values`` (the runner's compute device) rather than
-        to each module's parameters, so modules parked elsewhere by an offload plugin still
-        receive inputs where they will run.
-        """
-        pixels = batch["pixel_values"]
-        device = pixels.device
-        seeds = batch["sample_seed"]
-        vae, te1, te2 = models["vae"], models["text_encoder"], models["text_encoder_2"]
-
-        dist = vae.encode(pixels.to(compute_dtype(vae))).latent_dist
-        latents = sample_latents(dist, seeds, VAE_SALT) * vae.config.scaling_factor
-
+    def encode_part(self, models: ModelSet, part: str, batch: Batch) -> dict[str, torch.Tensor]:
+        """The VAE posterior (mean, std) or the two text encoders' outputs, on the batch's device."""
+        if part == "latents":
+            vae = models["vae"]
+            dist = vae.encode(batch["pixel_values"].to(compute_dtype(vae))).latent_dist
+            # Contiguous, as a cache entry read back is: the CPU VAE returns channels-last
+            # tensors, and that layout made the denoiser's backward round differently.
+            return {"latent_mean": dist.mean.contiguous(), "latent_std": dist.std.contiguous()}
+        device = batch_device(batch)
+        te1, te2 = models["text_encoder"], models["text_encoder_2"]
         captions = list(batch["caption"])
         tok1, tok2 = self.tokenizer("tokenizer"), self.tokenizer("tokenizer_2")
         ids1 = tokenize(tok1, captions, self._max_length(tok1, te1.config), device)
@@ -121,8 +123,22 @@ class SDXLTrainer(DiffusersTrainer):
         out2 = te2(ids2, output_hidden_states=True)
         h1 = out1.hidden_states[-2]
         prompt_embeds = torch.cat([h1, out2.hidden_states[-2].to(h1.dtype)], dim=-1)
+        return {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": out2.text_embeds}
 
-        b, _, h, w = pixels.shape
+    def finish_encode(self, parts: dict[str, dict[str, torch.Tensor]], batch: Batch) -> Batch:
+        """Sample the latents with each sample's seed and add the six SDXL ``time_ids``.
+
+        Image size comes from the latents (times the VAE factor), not the pixels, so a batch
+        whose parts were all read from a cache needs no pixels.
+        """
+        seeds = batch["sample_seed"]
+        lat = parts["latents"]
+        moments = LatentMoments(lat["latent_mean"], lat["latent_std"])
+        latents = sample_latents(moments, seeds, VAE_SALT) * self.vae_setting("scaling_factor")
+        device = latents.device
+        factor = vae_scale_factor(self.component_config("vae"))
+        b, _, lh, lw = latents.shape
+        h, w = lh * factor, lw * factor
         original = batch.get("original_size")
         crop = batch.get("crop_top_left")
         if not isinstance(original, torch.Tensor):
@@ -133,8 +149,8 @@ class SDXLTrainer(DiffusersTrainer):
         time_ids = torch.cat([original.float().to(device), crop.float().to(device), target.float().to(device)], dim=1)
         return {
             "latents": latents,
-            "prompt_embeds": prompt_embeds,
-            "pooled_prompt_embeds": out2.text_embeds,
+            "prompt_embeds": parts["text"]["prompt_embeds"],
+            "pooled_prompt_embeds": parts["text"]["pooled_prompt_embeds"],
             "time_ids": time_ids,
             "sample_seed": seeds,
         }

@@ -1,0 +1,342 @@
+"""Saved activations in host memory (``offload=activations``).
+
+Everything autograd saves for backward during forward goes through
+``torch.autograd.graph.saved_tensors_hooks``: the pack hook copies each large activation to
+pinned host memory on a side stream and the unpack hook brings it back in backward, a few
+tensors ahead of need. The device then holds activations only while they are produced and
+consumed. Modelled on torchtune's ``OffloadActivations``:
+
+* parameters, views of parameters, module buffers, tensor subclasses, non-dense tensors and
+  tensors under ``min_bytes`` (1 KiB) stay where they are: weights are not activations, and
+  small copies cost more than they save;
+* with streams, the device tensor of each copy is kept in a small stash (``max_fwd_stash``
+  copies) until its copy has landed, so its memory is not reused too early, then the compute
+  stream waits for the copy and the tensor is dropped; tensors still stashed when backward
+  starts are used directly, without a round trip;
+* in backward, unpacking tensor ``i`` also starts copying the next ``prefetch`` offloaded
+  tensors (saved earlier in forward, needed next) on the side stream;
+* a warning is logged when host RAM use passes ``ram_warn_pct`` (60%) after the first step.
+
+With activation checkpointing (``checkpoint=blocks``) only the checkpointed blocks' inputs are
+saved outside the recomputed regions, so those boundary tensors are what moves; the two
+combine into the smallest activation footprint for one extra forward pass of compute.
+
+Pinned host copies come from PyTorch's caching host allocator (``pin_memory=True``): activation
+sizes repeat every step, so its cache serves them without new page-locking, at the price of
+rounding each block up to a power of two. On a CPU run there is nothing to move (device is the
+host) unless ``always_copy`` (tests), and under the planner's fake tensors the copies are
+synchronous ``to(host)`` calls, so the planner sees device bytes fall and host bytes rise.
+
+The hooks are entered around every forward+backward through ``ctx.step_contexts``; a disabled
+plugin adds nothing there. They mark themselves composable, so ``offload=stream``'s per-block
+hooks (which keep weights out of the saved tensors) pass activations on to them.
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from runner.errors import UserError
+from runner.plugin import Plugin, PluginConfig
+from runner.registry import register_plugin
+
+if TYPE_CHECKING:
+    from runner.context import RunContext
+
+log = logging.getLogger("runner")
+
+
+@dataclass
+class ActivationOffloadConfig(PluginConfig):
+    """``offload=activations``: saved activations go to pinned host memory during forward."""
+
+    name: str = "activations"
+    min_bytes: int = 1024  # smaller saved tensors stay on the device
+    use_streams: bool = True  # copy on a side stream (CUDA); false: copies on the compute stream
+    max_fwd_stash: int = 5  # device tensors kept alive until their host copy has landed
+    prefetch: int = 2  # in backward, tensors brought back ahead of need
+    pin_memory: bool = True
+    ram_warn_pct: float = 60.0  # warn when host RAM use passes this share
+
+
+def check_config(c: Any) -> None:
+    if not isinstance(c.min_bytes, int) or c.min_bytes < 0:
+        raise UserError(f"offload.min_bytes={c.min_bytes!r} is not valid: give a whole number of bytes >= 0 (default 1024).")
+    if not isinstance(c.max_fwd_stash, int) or c.max_fwd_stash < 1:
+        raise UserError(f"offload.max_fwd_stash={c.max_fwd_stash!r} is not valid: give a whole number >= 1 (default 5).")
+    if not isinstance(c.prefetch, int) or c.prefetch < 0:
+        raise UserError(f"offload.prefetch={c.prefetch!r} is not valid: give a whole number >= 0 (default 2).")
+    if not 0 < float(c.ram_warn_pct) <= 100:
+        raise UserError(f"offload.ram_warn_pct={c.ram_warn_pct!r} is not valid: give a percentage in (0, 100].")
+
+
+class _Offloaded:
+    """What autograd keeps instead of an offloaded activation."""
+
+    __slots__ = ("id", "host", "device", "__weakref__")
+
+    def __init__(self, tid: int, host: torch.Tensor, device: torch.device) -> None:
+        self.id = tid
+        self.host = host
+        self.device = device
+
+
+@dataclass
+class ActivationStats:
+    offloaded: int = 0  # tensors copied to the host
+    offloaded_bytes: int = 0
+    kept: int = 0  # saved tensors left on the device (weights, small, non-dense)
+    reused_from_stash: int = 0  # brought back without a copy (still on the device)
+    prefetched: int = 0  # brought back ahead of need
+    waited: int = 0  # brought back on demand
+
+
+def _is_fake(t: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    from torch._prims_common import is_non_overlapping_and_dense
+
+    try:
+        return bool(is_non_overlapping_and_dense(t))
+    except Exception:  # symbolic shapes
+        return False
+
+
+class ActivationOffloader:
+    """Persistent state (streams, statistics) of activation offloading; call it for the hooks of one step.
+
+    ``with offloader(): loss = model(x); loss.backward()``.
+    """
+
+    def __init__(self, device: torch.device | str, host: torch.device | str = "cpu", *, min_bytes: int = 1024,
+                 use_streams: bool = True, max_fwd_stash: int = 5, prefetch: int = 2, pin_memory: bool = True,
+                 ram_warn_pct: float = 60.0, skip: Iterable[torch.Tensor] = (), always_copy: bool = False) -> None:
+        self.device = torch.device(device)
+        self.host = torch.device(host)
+        self.min_bytes = int(min_bytes)
+        self.max_fwd_stash = max(1, int(max_fwd_stash))
+        self.prefetch = int(prefetch)
+        self.ram_warn_pct = float(ram_warn_pct)
+        self.always_copy = always_copy
+        self.stats = ActivationStats()
+        self._skip = {id(t) for t in skip}
+        real_accel = self.device.type not in ("cpu", "meta")
+        self.pin = bool(pin_memory) and real_accel and torch.cuda.is_available()
+        self.use_streams = bool(use_streams) and real_accel
+        self._api = torch.get_device_module(self.device) if real_accel else None
+        self._stream = self._api.Stream(device=self.device) if self.use_streams else None
+        self._next_id = 0
+        self._live: weakref.WeakValueDictionary[int, _Offloaded] = weakref.WeakValueDictionary()
+        self._fwd_stash: dict[int, tuple[torch.Tensor, Any]] = {}  # id -> (device tensor, copy event)
+        self._ready: dict[int, tuple[torch.Tensor, Any]] = {}  # id -> (device tensor, copy event), prefetched
+        self._callback_task: int | None = None
+        self._warned = False
+        self._steps = 0
+
+    # -- decisions --------------------------------------------------------------------------
+    def _offloadable(self, t: torch.Tensor) -> bool:
+        if t.device == self.host and not self.always_copy:
+            return False
+        if t.numel() * t.element_size() < self.min_bytes:
+            return False
+        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+            return False
+        if id(t) in self._skip or (t._base is not None and id(t._base) in self._skip):
+            return False
+        if type(t) is not torch.Tensor and not _is_fake(t):  # quantized and other subclasses
+            return False
+        return _dense(t)
+
+    # -- hooks ------------------------------------------------------------------------------
+    def _pack(self, t: torch.Tensor) -> Any:
+        if not self._offloadable(t):
+            self.stats.kept += 1
+            return t
+        self._next_id += 1
+        tid = self._next_id
+        src = t.detach()
+        if self.use_streams:
+            current = self._api.current_stream(self.device)
+            # Drop stashed tensors whose copies are old enough: the compute stream waits for the
+            # copy, so their memory can be reused by later kernels on it.
+            while len(self._fwd_stash) >= self.max_fwd_stash:
+                old = next(iter(self._fwd_stash))
+                _, ev = self._fwd_stash.pop(old)
+                current.wait_event(ev)
+            self._stream.wait_stream(current)
+            with self._api.stream(self._stream):
+                host = torch.empty_strided(src.size(), src.stride(), dtype=src.dtype, device=self.host, pin_memory=self.pin)
+                host.copy_(src, non_blocking=True)
+                event = self._stream.record_event()
+            self._fwd_stash[tid] = (src, event)
+        else:
+            host = src.to(self.host, copy=True)
+        self.stats.offloaded += 1
+        self.stats.offloaded_bytes += src.numel() * src.element_size()
+        rec = _Offloaded(tid, host, t.device)
+        self._live[tid] = rec
+        return rec
+
+    def _bring_back(self, rec: _Offloaded) -> tuple[torch.Tensor, Any]:
+        """Start copying ``rec`` back to its device; (tensor, event or None)."""
+        if not self.use_streams:
+            return rec.host.to(rec.device, copy=True), None
+        with self._api.stream(self._stream):
+            dev = rec.host.to(rec.device, non_blocking=True)
+            return dev, self._stream.record_event()
+
+    def _unpack(self, x: Any) -> torch.Tensor:
+        if not isinstance(x, _Offloaded):
+            return x
+        self._first_backward_call()
+        tid = x.id
+        if tid in self._fwd_stash:  # the copy may still be in flight, but the device tensor is here
+            self.stats.reused_from_stash += 1
+            return self._fwd_stash.pop(tid)[0]
+        if tid in self._ready:
+            dev, event = self._ready.pop(tid)
+            self.stats.prefetched += 1
+        else:
+            dev, event = self._bring_back(x)
+            self.stats.waited += 1
+        if event is not None:
+            current = self._api.current_stream(self.device)
+            current.wait_event(event)
+            dev.record_stream(current)  # allocated on the copy stream, used on this one
+        self._prefetch_below(tid)
+        return dev
+
+    def _prefetch_below(self, tid: int) -> None:
+        if not self.prefetch or not self.use_streams:
+            return
+        found, probe = 0, tid - 1
+        while found < self.prefetch and probe > 0 and tid - probe <= 256:
+            rec = self._live.get(probe)
+            if rec is not None and probe not in self._ready and probe not in self._fwd_stash:
+                self._ready[probe] = self._bring_back(rec)
+                found += 1
+            probe -= 1
+
+    def _first_backward_call(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if task == -1 or task == self._callback_task:
+            return
+        self._callback_task = task
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if self._fwd_stash and self.use_streams:
+            current = self._api.current_stream(self.device)
+            for _, ev in self._fwd_stash.values():
+                current.wait_event(ev)
+        if not self._warned and self.pin:
+            self._check_ram()
+
+    def _end_of_backward(self) -> None:
+        self._callback_task = None
+        self._ready.clear()  # prefetched but never used (a branch without backward)
+        self._fwd_stash.clear()
+
+    def _check_ram(self) -> None:
+        try:
+            import psutil
+
+            pct = psutil.virtual_memory().percent
+        except Exception:  # pragma: no cover
+            return
+        if pct > self.ram_warn_pct:
+            self._warned = True
+            log.warning("activation offload: host RAM is %.0f%% used (more than %.0f%%); pinned activations may "
+                        "push the host into swap. Lower the batch size or add checkpoint=blocks.", pct, self.ram_warn_pct)
+
+    @contextmanager
+    def __call__(self) -> Iterator[None]:
+        """The saved-tensor hooks for one forward+backward."""
+        pack, unpack = self._pack, self._unpack
+
+        def pack_hook(t: torch.Tensor) -> Any:
+            return pack(t)
+
+        def unpack_hook(x: Any) -> torch.Tensor:
+            return unpack(x)
+
+        pack_hook._runner_composable = True  # offload=stream's block hooks delegate activations to us
+        unpack_hook._runner_composable = True
+        with torch.autograd.graph.saved_tensors_hooks(pack_hook, unpack_hook):
+            yield
+        self._steps += 1
+
+    def reset(self) -> None:
+        """Forget a failed step (OOM)."""
+        self._fwd_stash.clear()
+        self._ready.clear()
+        self._callback_task = None
+
+
+def offload_activations(device: torch.device | str, host: torch.device | str = "cpu", *, min_bytes: int = 1024,
+                        use_streams: bool = True, max_fwd_stash: int = 5, prefetch: int = 2, pin_memory: bool = True,
+                        ram_warn_pct: float = 60.0, skip_modules: Iterable[nn.Module] = (),
+                        always_copy: bool = False) -> ActivationOffloader:
+    """The twin: an :class:`ActivationOffloader`; ``with it(): forward and backward``.
+
+    ``skip_modules``: their buffers are never offloaded (they are not activations).
+    ``always_copy`` makes a CPU run copy saved tensors anyway (tests exercise the paths).
+    """
+    skip = [b for m in skip_modules for b in m.buffers()]
+    return ActivationOffloader(device, host, min_bytes=min_bytes, use_streams=use_streams, max_fwd_stash=max_fwd_stash,
+                               prefetch=prefetch, pin_memory=pin_memory, ram_warn_pct=ram_warn_pct, skip=skip,
+                               always_copy=always_copy)
+
+
+def install(ctx: RunContext, config: Any, key: str) -> ActivationOffloader:
+    """Add activation offloading to every step of ``ctx`` (used by this plugin and offload=stream)."""
+    check_config(config)
+    offloader = offload_activations(
+        ctx.device, ctx.host, min_bytes=int(config.min_bytes), use_streams=bool(config.use_streams),
+        max_fwd_stash=int(config.max_fwd_stash), prefetch=int(config.prefetch), pin_memory=bool(config.pin_memory),
+        ram_warn_pct=float(config.ram_warn_pct), skip_modules=[m for _, m in ctx.models.items()],
+    )
+    ctx.step_contexts.append(offloader)
+    state = ctx.state.setdefault(key, {})
+    state["activations"] = offloader
+
+    def undo() -> None:
+        if offloader in ctx.step_contexts:
+            ctx.step_contexts.remove(offloader)
+
+    state.setdefault("undo", []).append(undo)
+    if ctx.device.type == "cpu":
+        log.info("activations: the device is the host (CPU run): saved tensors stay where they are")
+    return offloader
+
+
+@register_plugin
+class ActivationOffload(Plugin):
+    kind = "offload"
+    name = "activations"
+    Config = ActivationOffloadConfig
+    description = "saved activations to pinned host memory on a side stream during forward, back in backward"
+
+    def validate(self, cfg: Any) -> None:
+        check_config(self.config)
+
+    def wrap_execution(self, ctx: RunContext) -> None:
+        install(ctx, self.config, self.key)
+
+    def on_oom(self, ctx: RunContext, step: int, error: BaseException) -> None:
+        off = ctx.state.get(self.key, {}).get("activations")
+        if off is not None:
+            off.reset()
+
+    def teardown(self, ctx: RunContext) -> None:
+        for undo in reversed(ctx.state.pop(self.key, {}).get("undo", [])):
+            undo()
+

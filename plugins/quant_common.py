@@ -1,0 +1,402 @@
+"""What the quantization plugins share: which modules and Linear layers they touch, and how.
+
+Registers no plugin (``plugins/bnb_quant.py`` registers ``nf4`` and ``int8``, ``plugins/fp8.py``
+registers ``fp8``). The three differ only in what one ``nn.Linear`` becomes; everything else
+(choosing modules and layers, leaving LoRA adapters alone, the conflicts checked at validation,
+the run-log line) is here so that the three behave the same way.
+
+Which layers
+------------
+Only plain ``nn.Linear`` layers are quantized: bitsandbytes has no 4/8-bit convolution, and
+keeping fp8 to the same set means the three options differ in precision, not in coverage. Norm
+layers, convolutions and embeddings are therefore never touched, and a skip pattern naming one
+of them has no effect. On top of that, layers whose *logical* name (the name with peft's
+``.base_layer`` removed, so ``...attn1.to_q`` whether or not it carries a LoRA) matches a
+``skip`` regular expression (``re.search``) stay as they are. The defaults
+(:data:`DEFAULT_SKIP`) keep the small, precision-sensitive layers at the edges of a denoiser in
+their original dtype, as the diffusers/kohya/SimpleTuner recipes do:
+
+* the timestep and pooled-text conditioning MLPs (U-Net ``time_embedding``/``add_embedding``,
+  Flux ``time_text_embed``), whose output modulates every block;
+* a DiT's input and output projections (Flux ``x_embedder``, ``context_embedder``,
+  ``proj_out``, ``norm_out``) and a top-level ``proj_in``;
+* CLIP's ``text_projection`` (SDXL's pooled embedding).
+
+They hold well under 1% of the parameters of SDXL and Flux. A module's own
+``_keep_in_fp32_modules_strict`` (and ``_keep_in_fp32_modules`` when computing in float16) is
+honoured as well, the rule transformers applies when it quantizes (T5's ``wo`` overflows in
+float16).
+
+Which modules
+-------------
+``modules: []`` (the default) means every module that holds frozen base weights: each frozen
+module except the VAE (convolutions, which would not be quantized anyway, and the module most
+sensitive to precision; cache its latents instead) and each trained module that carries a LoRA
+adapter (its base layers; the adapter stays in ``model.train_dtype``). A fully fine-tuned module is
+left out of the automatic list; naming it explicitly is a configuration error, because
+quantized weights cannot be trained.
+
+LoRA, and why quantization comes after it
+-----------------------------------------
+The trainer attaches LoRA inside ``build_models``, before any plugin phase, so this plugin runs
+on a model that already has peft ``lora.Linear`` wrappers. It replaces the ``base_layer`` inside
+each wrapper (and every other selected ``nn.Linear``) and never the adapter's own
+``lora_A``/``lora_B``. peft's generic ``lora.Linear.forward`` is ``base_layer(x) +
+lora_B(lora_A(x)) * scaling``, which works over any base layer, so training is unchanged. The
+trade-off: peft's ``merge()`` reads the base weight as a dense matrix and is not available
+over a quantized base (peft's bitsandbytes-specific LoRA classes, used when LoRA is injected
+*after* quantization, would dequantize for it). The runner never merges during training, and
+its checkpoints hold the adapter weights only. Quantizing before LoRA would need the trainer to
+build in two halves around a plugin phase, for a merge nobody calls.
+
+Replacement is in place and cannot be undone (as diffusers' layerwise casting refuses to be
+undone): the original weights are freed, which is the point.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, ContextManager
+
+import torch
+from torch import nn
+
+from runner.errors import UserError, valid_list
+from runner.plugin import Plugin, PluginConfig
+
+if TYPE_CHECKING:
+    from runner.context import RunContext
+    from runner.trainer import ModelSet
+
+log = logging.getLogger("runner")
+
+DEFAULT_SKIP: tuple[str, ...] = (
+    r"(^|\.)(time_embedding|add_embedding|time_text_embed)\.",
+    r"^(x_embedder|context_embedder|proj_in|proj_out|norm_out)(\.|$)",
+    r"(^|\.)text_projection$",
+)
+"""Regular expressions (``re.search`` on the logical layer name) of layers kept unquantized."""
+
+COMPUTE_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+PRECISION_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+@dataclass
+class QuantTargetsConfig(PluginConfig):
+    """The settings every quantization plugin has: which modules, which layers to leave alone."""
+
+    modules: list[str] = field(default_factory=list)  # [] = every module holding frozen base weights, VAE excepted
+    skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))  # regexes (re.search) on layer names
+
+
+# ---- choosing layers ---------------------------------------------------------------------------
+@dataclass
+class LinearTarget:
+    """One ``nn.Linear`` chosen for replacement: ``parent.<attr>`` is the layer."""
+
+    name: str  # qualified name inside the root module (with peft's ``.base_layer``)
+    parent: nn.Module
+    attr: str
+    layer: nn.Linear
+
+
+@dataclass
+class Selection:
+    targets: list[LinearTarget] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # logical names kept by a skip pattern / keep-fp32 rule
+    trainable: list[str] = field(default_factory=list)  # Linear layers whose weight is trained: not quantizable
+
+
+def logical_name(name: str) -> str:
+    """``a.to_q.base_layer`` -> ``a.to_q``: the name a layer has with or without a LoRA wrapper."""
+    return name.replace(".base_layer", "")
+
+
+def compile_patterns(patterns: Iterable[str], key: str = "quantization.skip") -> list[re.Pattern[str]]:
+    """Compile skip patterns; a bad one is a UserError naming the key and the pattern."""
+    out = []
+    for i, p in enumerate(patterns):
+        try:
+            out.append(re.compile(str(p)))
+        except re.error as e:
+            raise UserError(
+                f"{key}[{i}]={p!r} is not a valid regular expression ({e}). Patterns are Python regular "
+                r"expressions matched with re.search against layer names, e.g. 'attn2' or '^proj_out$'."
+            ) from None
+    return out
+
+
+def keep_patterns(module: nn.Module, compute_dtype: torch.dtype) -> list[str]:
+    """Names the model itself keeps in float32 (transformers' rule, as in ``common.cast_module``)."""
+    keep = list(getattr(module, "_keep_in_fp32_modules_strict", None) or [])
+    if compute_dtype == torch.float16:
+        keep += list(getattr(module, "_keep_in_fp32_modules", None) or [])
+    return keep
+
+
+def _adapter_module_ids(root: nn.Module) -> set[int]:
+    """ids of every module inside a peft adapter (``lora_A``, ``lora_B``, ...), base layers excluded."""
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:  # pragma: no cover - peft is a dependency
+        return set()
+    ids: set[int] = set()
+    for m in root.modules():
+        if isinstance(m, BaseTunerLayer):
+            for child_name, child in m.named_children():
+                if child_name != "base_layer":
+                    ids.update(id(x) for x in child.modules())
+    return ids
+
+
+def select_linear_layers(root: nn.Module, skip: Sequence[str] = DEFAULT_SKIP, keep: Sequence[str] = ()) -> Selection:
+    """The ``nn.Linear`` layers of ``root`` to quantize, the ones skipped, and trained ones.
+
+    Exactly ``nn.Linear``: subclasses (a bitsandbytes layer, already quantized) and peft's
+    wrappers are not candidates; the wrapper's ``base_layer`` is. Adapter layers never are.
+    """
+    patterns = compile_patterns(skip)
+    adapters = _adapter_module_ids(root)
+    sel = Selection()
+    for parent_name, parent in root.named_modules():
+        if id(parent) in adapters:
+            continue
+        for attr, layer in parent.named_children():
+            if type(layer) is not nn.Linear or id(layer) in adapters:
+                continue
+            name = f"{parent_name}.{attr}" if parent_name else attr
+            logical = logical_name(name)
+            if any(p.search(logical) for p in patterns) or any(f".{k}." in f".{logical}." for k in keep):
+                sel.skipped.append(logical)
+            elif layer.weight.requires_grad:
+                sel.trainable.append(logical)
+            else:
+                sel.targets.append(LinearTarget(name, parent, attr, layer))
+    return sel
+
+
+# ---- bytes ------------------------------------------------------------------------------------
+def _quant_state_tensors(qs: Any) -> list[torch.Tensor]:
+    out = [getattr(qs, k, None) for k in ("absmax", "code", "offset")]
+    state2 = getattr(qs, "state2", None)
+    if state2 is not None:
+        out += [getattr(state2, "absmax", None), getattr(state2, "code", None)]
+    return [t for t in out if isinstance(t, torch.Tensor)]
+
+
+def weight_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """Every tensor holding ``module``'s weights, including bitsandbytes' quantization state.
+
+    bitsandbytes keeps a 4-bit layer's ``absmax``/``code`` (and the nested statistics of double
+    quantization) on a ``QuantState`` object and an 8-bit layer's row scales ``SCB`` on the
+    parameter or on ``layer.state``, not as module buffers; ``module.parameters()`` alone would
+    miss them. Pass the result to ``LiveBytesTracker.track`` (it counts each storage once).
+    """
+    out: list[torch.Tensor] = []
+    for m in module.modules():
+        out += [*m.parameters(recurse=False), *m.buffers(recurse=False)]
+        w = getattr(m, "weight", None)
+        qs = getattr(w, "quant_state", None)
+        if qs is not None:
+            out += _quant_state_tensors(qs)
+        for holder in (w, getattr(m, "state", None)):
+            for k in ("CB", "SCB"):
+                t = getattr(holder, k, None) if holder is not None else None
+                if isinstance(t, torch.Tensor):
+                    out.append(t)
+    return out
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (works for meta and fake tensors too)."""
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        s = t.untyped_storage()
+        if s._cdata in seen:
+            continue
+        seen.add(s._cdata)
+        total += int(s.nbytes())
+    return total
+
+
+# ---- simulation helpers --------------------------------------------------------------------------
+def is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def simulated(t: torch.Tensor) -> bool:
+    """True for tensors without real data: the planner's meta and fake tensors."""
+    return t.is_meta or is_fake(t)
+
+
+def alloc_mode(like: torch.Tensor) -> ContextManager[Any]:
+    """The fake mode ``like`` belongs to (so factory calls make fake tensors), or a no-op."""
+    mode = getattr(like, "fake_mode", None)
+    return mode if mode is not None else nullcontext()
+
+
+def empty_like_device(like: torch.Tensor, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor on ``like``'s device, fake if ``like`` is fake: never real memory."""
+    if not simulated(like):
+        raise RuntimeError(
+            "A simulated quantized layer only handles meta or fake tensors (the planner's); it got a real "
+            f"tensor on {like.device}. Quantize real models with simulate=False."
+        )
+    with alloc_mode(like):
+        return torch.empty(tuple(shape), dtype=dtype, device=like.device)
+
+
+# ---- results --------------------------------------------------------------------------------
+@dataclass
+class QuantizationResult:
+    """What one call of a quantization twin did to one module."""
+
+    layers: list[str] = field(default_factory=list)  # qualified names of the replaced layers
+    skipped: list[str] = field(default_factory=list)
+    weight_bytes_before: int = 0  # the replaced layers' weights (biases are kept as they are)
+    weight_bytes_after: int = 0  # ... and what holds them now (packed data, scales, statistics)
+
+    def describe(self) -> str:
+        mib = 2**20
+        return (
+            f"{len(self.layers)} Linear layers, weights {self.weight_bytes_before / mib:.2f} MiB -> "
+            f"{self.weight_bytes_after / mib:.2f} MiB ({len(self.skipped)} kept by skip patterns)"
+        )
+
+
+def replace_layers(
+    root: nn.Module,
+    sel: Selection,
+    make: Callable[[LinearTarget], nn.Module],
+    result: QuantizationResult | None = None,
+) -> QuantizationResult:
+    """Replace each selected layer by ``make(target)``, one at a time, recording bytes.
+
+    One at a time so that the peak is one layer's original weights plus the whole model's
+    quantized ones, never two copies of the model.
+    """
+    result = result or QuantizationResult()
+    result.skipped = list(sel.skipped)
+    for t in sel.targets:
+        result.weight_bytes_before += storage_bytes([t.layer.weight])
+        new = make(t)
+        new.train(t.layer.training)
+        setattr(t.parent, t.attr, new)
+        result.layers.append(t.name)
+        bias = getattr(new, "bias", None)
+        result.weight_bytes_after += storage_bytes(x for x in weight_tensors(new) if x is not bias)
+    return result
+
+
+# ---- the shared plugin ------------------------------------------------------------------------
+def resolve_compute_dtype(value: str | None, cfg: Any, key: str) -> torch.dtype:
+    """``None`` follows ``model.dtype`` (the dtype the frozen weights would otherwise have)."""
+    name = value if value is not None else cfg.model.dtype
+    try:
+        return COMPUTE_DTYPES[str(name)]
+    except KeyError:
+        raise UserError(f"{key}={name!r} is not valid. Valid values: {valid_list(str(name), COMPUTE_DTYPES)}.") from None
+
+
+def trained_denoiser(cfg: Any) -> str | None:
+    """The trained module's name of a built-in (or denoiser-declaring) trainer, from the config only."""
+    target = cfg.trainer.get("_target_") if hasattr(cfg.trainer, "get") else None
+    if not target:
+        return None
+    try:
+        from hydra.utils import get_class
+
+        return getattr(get_class(str(target)), "denoiser", None) or None
+    except Exception:  # a custom trainer that cannot be imported yet: checked when it is built
+        return None
+
+
+class LinearQuantization(Plugin):
+    """Base of the quantization plugins: choose modules and layers, then ``quantize`` each module."""
+
+    kind = "quantization"
+
+    # -- what a subclass provides --------------------------------------------------------------
+    def compute_dtype(self, cfg: Any) -> torch.dtype:
+        """The dtype the layers compute in (decides the keep-in-fp32 rule)."""
+        return resolve_compute_dtype(getattr(self.config, "compute_dtype", None), cfg, f"{self.kind}.compute_dtype")
+
+    def quantize(self, module: nn.Module, skip: Sequence[str], keep: Sequence[str], ctx: RunContext) -> QuantizationResult:
+        raise NotImplementedError
+
+    # -- validation ----------------------------------------------------------------------------
+    def validate(self, cfg: Any) -> None:
+        compile_patterns(self.config.skip)
+        self.compute_dtype(cfg)  # raises on an invalid name
+        explicit = getattr(self.config, "compute_dtype", None)
+        precision = str(cfg.train.mixed_precision)
+        if explicit is not None and precision in PRECISION_DTYPES and explicit != "float32" and explicit != PRECISION_DTYPES[precision]:
+            raise UserError(
+                f"quantization.compute_dtype={explicit} conflicts with train.mixed_precision={precision}: the "
+                f"quantized layers would compute in {explicit} inside {precision} autocast, casting every "
+                f"activation twice and, for float16, risking overflow. Use quantization.compute_dtype="
+                f"{PRECISION_DTYPES[precision]} (or leave it unset to follow model.dtype)."
+            )
+        denoiser = trained_denoiser(cfg)
+        if str(cfg.model.train) == "full" and denoiser is not None and denoiser in list(self.config.modules):
+            raise UserError(
+                f"quantization={self.name} with quantization.modules including '{denoiser}' conflicts with "
+                f"model.train=full: '{denoiser}' is fully trained and quantized weights cannot be trained. Use "
+                f"model.train=lora (LoRA adapters train on top of the quantized base), or drop '{denoiser}' "
+                "from quantization.modules to quantize only the frozen modules."
+            )
+
+    # -- the phase ------------------------------------------------------------------------------
+    def target_modules(self, models: ModelSet) -> list[str]:
+        requested = [str(m) for m in self.config.modules]
+        if requested:
+            unknown = [n for n in requested if n not in models]
+            if unknown:
+                raise UserError(
+                    f"quantization.modules names {', '.join(map(repr, unknown))}, which the trainer does not build. "
+                    f"Valid names: {valid_list(unknown[0], models.modules)}."
+                )
+            return requested
+        names = []
+        for name, module in models.items():
+            if is_vae(name, module):
+                continue
+            if name in models.trained and not _adapter_module_ids(module):
+                log.info("quantization: %s is fully trained; left unquantized (use model.train=lora to quantize its base)", name)
+                continue
+            names.append(name)
+        return names
+
+    def transform_models(self, ctx: RunContext) -> None:
+        cdt = self.compute_dtype(ctx.cfg)
+        done: dict[str, QuantizationResult] = {}
+        for name in self.target_modules(ctx.models):
+            module = ctx.models[name]
+            keep = keep_patterns(module, cdt)
+            sel = select_linear_layers(module, self.config.skip, keep)
+            if sel.trainable:
+                raise UserError(
+                    f"quantization={self.name} would quantize '{name}', whose weights are trained "
+                    f"({len(sel.trainable)} Linear layers, e.g. {sel.trainable[0]}); quantized weights cannot be "
+                    f"trained. Use model.train=lora, or leave '{name}' out of quantization.modules."
+                )
+            result = self.quantize(module, self.config.skip, keep, ctx)
+            done[name] = result
+            log.info("quantization=%s: %s: %s%s", self.name, name, result.describe(), " (simulated)" if ctx.simulate else "")
+        ctx.state[self.key] = done
+        ctx.notes["quantized layers"] = sum(len(r.layers) for r in done.values())
+        ctx.notes["quantized weight bytes"] = sum(r.weight_bytes_after for r in done.values())
+
+
+def is_vae(name: str, module: nn.Module) -> bool:
+    return name == "vae" or type(module).__module__.startswith("diffusers.models.autoencoders")

@@ -1,0 +1,309 @@
+"""On-disk cache of a trainer's encoder outputs (VAE posteriors, text embeddings).
+
+Why: the frozen encoders (SDXL: VAE + two CLIPs, 0.9 B parameters; Flux: VAE + CLIP + T5-XXL,
+4.9 B) cost device memory and time on every step, yet for a fixed data set they compute the same
+thing every epoch. Encoding each sample once and reading the result back lets a run train
+without those modules at all.
+
+What is stored: one safetensors file per (part, key) under
+``<root>/<part>/<key[:2]>/<key>.safetensors``, holding what ``trainer.encode_part`` returned
+for one sample (no batch dimension). For the VAE that is the posterior's mean and std, not a
+sample: the trainers draw the posterior sample from each sample's seed at use time
+(``finish_encode``), so a cached run gives the same losses as an uncached one. Files are
+written to a temporary name in the same folder and renamed into place, so a crash or a second
+run filling the same cache never leaves a half-written entry.
+
+How entries are keyed: ``sha256`` of the trainer's ``cache_signature(part)`` (model identity,
+source files' size and mtime, dtypes, tokenizer, resolution, crop, flip ...) plus the runner's
+extra settings (device type, autocast, quantization and tiling config), plus the content of the
+sample's inputs: the image file's bytes (with the per-index crop/flip it gets), or the pixels
+for the built-in demo set and any other dataset, and the caption text. Identical captions share
+one text entry. Local weights are identified by file size and mtime rather than by hashing
+gigabytes of weights on every start; an in-place edit that keeps both would not be noticed
+(delete the cache folder after such an edit).
+
+Batch size and bitwise equality: the encoders' kernels may round differently for different
+batch shapes (measured on this CPU: the SDXL pooled text embedding differs by 4.8e-7 between a
+batch of 8 and one of 2). The pre-pass therefore encodes in batches of the run's micro-batch size
+by default and pads the last batch to that size, which makes every entry bitwise equal to what
+the uncached run computes (rows of one batch shape do not depend on each other).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runner.errors import UserError
+from runner.trainer import EncodePart, ModelSet
+
+log = logging.getLogger("runner")
+
+FORMAT = "runner-encoder-cache/1"
+IMAGE_PIPELINE_VERSION = 1  # bump when runner.data's decode/resize/crop changes its pixels
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/diffusion-memory-runner/latents`` (``~/.cache/...`` by default).
+
+    A per-user folder outside the run's output directory, so every run (and every sweep job)
+    with the same data and encoders reuses the same entries.
+    """
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "diffusion-memory-runner" / "latents"
+
+
+def resolve_cache_dir(value: str | os.PathLike[str] | None) -> Path:
+    return default_cache_dir() if value in (None, "") else Path(os.path.expanduser(str(value))).absolute()
+
+
+def check_writable(folder: Path, key: str = "offload.cache_dir") -> None:
+    """Create ``folder`` and write a file in it; a UserError naming ``key`` if either fails."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-test-"):
+            pass
+    except OSError as e:
+        raise UserError(
+            f"{key}={str(folder)!r} is not a writable folder ({e.strerror or e}). Give a folder you can "
+            f"write to, e.g. {key}=/tmp/latents, or leave it unset for {str(default_cache_dir())!r}."
+        ) from None
+
+
+def is_image_part(spec: EncodePart) -> bool:
+    """Parts that read pixels are "latents" parts (``offload.cache_latents``); the rest are text."""
+    return "pixel_values" in spec.inputs
+
+
+# ---- per-sample fingerprints ------------------------------------------------------------------
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _sha256_tensor(t: torch.Tensor) -> str:
+    t = t.detach().to("cpu").contiguous()
+    h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
+    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+class SampleFingerprints:
+    """What each sample's inputs are, by content, without decoding images where avoidable.
+
+    * a :class:`runner.data.FolderDataset`: the image file's sha256 (reading bytes is much
+      cheaper than decoding), the flip that index gets and, without center crop, the index
+      (its crop offset is a hash of the index); captions from the dataset's list;
+    * the built-in demo set and any other map-style dataset: the sha256 of ``ds[i]``'s pixels
+      and its caption (the demo set draws small images quickly).
+    """
+
+    def __init__(self, dataset: Any) -> None:
+        from runner.data import DemoDataset, FolderDataset
+
+        self.dataset = dataset
+        self.folder = dataset if isinstance(dataset, FolderDataset) else None
+        self.demo = dataset if isinstance(dataset, DemoDataset) else None
+        self._sample_cache: dict[int, dict[str, Any]] = {}
+
+    def _sample(self, index: int) -> dict[str, Any]:
+        s = self._sample_cache.get(index)
+        if s is None:
+            s = self.dataset[index]
+            self._sample_cache = {index: s}  # keep one: callers ask input by input for one index
+        return s
+
+    def caption(self, index: int) -> str:
+        if self.folder is not None:
+            return self.folder.captions[index]
+        if self.demo is not None:
+            from runner.data import demo_caption
+
+            return demo_caption(index)
+        return str(self._sample(index)["caption"])
+
+    def image(self, index: int) -> dict[str, Any]:
+        if self.folder is not None:
+            from runner.data import flips
+
+            ds = self.folder
+            fp: dict[str, Any] = {
+                "file_sha256": _sha256_file(ds.paths[index]),
+                "pipeline": IMAGE_PIPELINE_VERSION,
+                "flip": bool(ds.random_flip and flips(index)),
+            }
+            if not ds.center_crop:
+                fp["crop_index"] = index
+            return fp
+        return {"pixels_sha256": _sha256_tensor(self._sample(index)["pixel_values"])}
+
+    def of(self, index: int, inputs: Sequence[str]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key in inputs:
+            if key == "pixel_values":
+                out[key] = self.image(index)
+            elif key == "caption":
+                out[key] = self.caption(index)
+            else:
+                value = self._sample(index)[key]
+                out[key] = _sha256_tensor(value) if isinstance(value, torch.Tensor) else repr(value)
+        return out
+
+    def raw_inputs(self, indices: Sequence[int], inputs: Sequence[str]) -> dict[str, Any]:
+        """A raw batch with just ``inputs`` for ``indices`` (captions without decoding pixels)."""
+        from runner.data import collate
+
+        if set(inputs) <= {"caption"}:
+            return {"caption": [self.caption(i) for i in indices]}
+        batch = collate([self.dataset[i] for i in indices])
+        return {k: batch[k] for k in inputs}
+
+
+def entry_key(signature: dict[str, Any], fingerprint: dict[str, Any]) -> str:
+    blob = json.dumps({"signature": signature, "inputs": fingerprint}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+# ---- the store ----------------------------------------------------------------------------------
+class EncoderCache:
+    """Per-entry safetensors files under ``root``; see the module docstring for the layout."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+
+    def path(self, part: str, key: str) -> Path:
+        return self.root / part / key[:2] / f"{key}.safetensors"
+
+    def has(self, part: str, key: str) -> bool:
+        return self.path(part, key).is_file()
+
+    def save(self, part: str, key: str, tensors: dict[str, torch.Tensor]) -> Path:
+        """Write one entry atomically: a temporary file in the same folder, then ``os.replace``."""
+        from safetensors.torch import save_file
+
+        final = self.path(part, key)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        data = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=final.parent)
+        os.close(fd)
+        try:
+            save_file(data, tmp, metadata={"format": FORMAT, "part": part, "key": key})
+            os.replace(tmp, final)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return final
+
+    def load(self, part: str, key: str) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        path = self.path(part, key)
+        try:
+            return load_file(path)
+        except Exception as e:  # missing (deleted mid-run) or unreadable
+            raise UserError(
+                f"Encoder cache entry {str(path)!r} cannot be read ({type(e).__name__}: {e}). Delete it "
+                f"(or the whole folder {str(self.root)!r}, set by offload.cache_dir) and run again to re-encode."
+            ) from None
+
+    def load_batch(self, part: str, keys: Sequence[str], device: torch.device | str) -> dict[str, torch.Tensor]:
+        """Entries for ``keys``, stacked into a batch on ``device``."""
+        rows = [self.load(part, k) for k in keys]
+        return {name: torch.stack([r[name] for r in rows]).to(device) for name in rows[0]}
+
+
+# ---- planning and filling ---------------------------------------------------------------------
+@dataclass
+class CachePlan:
+    """Entry keys of every sample, per part, and which entries are still to be encoded."""
+
+    keys: dict[str, list[str]]  # part -> key of each dataset index
+    missing: dict[str, list[int]] = field(default_factory=dict)  # part -> one index per missing key
+
+    def missing_count(self) -> int:
+        return sum(len(v) for v in self.missing.values())
+
+
+def plan_cache(
+    trainer: Any,
+    dataset: Any,
+    parts: Sequence[str],
+    cache: EncoderCache,
+    extra_signature: dict[str, Any] | None = None,
+) -> CachePlan:
+    """Key every sample of ``dataset`` for each of ``parts`` and list the entries not on disk."""
+    specs = trainer.encode_parts()
+    fps = SampleFingerprints(dataset)
+    n = len(dataset)
+    plan = CachePlan(keys={p: [] for p in parts}, missing={p: [] for p in parts})
+    signatures = {p: {**trainer.cache_signature(p), "runner": dict(extra_signature or {})} for p in parts}
+    for p in parts:
+        seen: set[str] = set()
+        for i in range(n):
+            key = entry_key(signatures[p], fps.of(i, specs[p].inputs))
+            plan.keys[p].append(key)
+            if key not in seen:
+                seen.add(key)
+                if not cache.has(p, key):
+                    plan.missing[p].append(i)
+    return plan
+
+
+def fill_cache(
+    trainer: Any,
+    models: ModelSet,
+    dataset: Any,
+    plan: CachePlan,
+    cache: EncoderCache,
+    batch_size: int,
+    device: torch.device | str,
+    autocast: Callable[[], Any] | None = None,
+    log_every_s: float = 10.0,
+) -> int:
+    """Encode every missing entry of ``plan`` in batches of ``batch_size``; return how many.
+
+    The last batch of each part is padded to ``batch_size`` by repeating its last sample, so
+    every batch has the shape the training loop's micro-batches have (see the module
+    docstring). Progress is logged at the start, every ``log_every_s`` seconds and at the end.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    specs = trainer.encode_parts()
+    fps = SampleFingerprints(dataset)
+    total = plan.missing_count()
+    if total == 0:
+        return 0
+    done, t0, last = 0, time.perf_counter(), time.perf_counter()
+    log.info("encoder cache: encoding %d entries (%s) in batches of %d into %s", total,
+             ", ".join(f"{p}: {len(v)}" for p, v in plan.missing.items() if v), batch_size, cache.root)
+    for part, indices in plan.missing.items():
+        for lo in range(0, len(indices), batch_size):
+            chunk = indices[lo:lo + batch_size]
+            padded = chunk + [chunk[-1]] * (batch_size - len(chunk))
+            raw = fps.raw_inputs(padded, specs[part].inputs)
+            batch = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in raw.items()}
+            batch["sample_seed"] = torch.zeros(len(padded), dtype=torch.int64, device=device)
+            with (autocast() if autocast is not None else nullcontext()), torch.no_grad():
+                out = trainer.encode_part(models, part, batch)
+            for row, index in enumerate(chunk):
+                cache.save(part, plan.keys[part][index], {k: v[row] for k, v in out.items()})
+            done += len(chunk)
+            now = time.perf_counter()
+            if now - last >= log_every_s or done == total:
+                last = now
+                rate = done / max(now - t0, 1e-9)
+                log.info("encoder cache: %d/%d entries encoded (%.1f/s)", done, total, rate)
+    return done

@@ -1,0 +1,920 @@
+"""The planner: "will this config fit on my card?", answered by simulating one training step.
+
+``python -m runner +preset=sdxl_24gb mode=plan model.size=full data.resolution=1024`` prints a
+table and writes ``plan.json``; the exit status is 0 when the plan fits ``budget_gb`` and 3 when
+it does not. ``mode=train`` plans first (``train.preflight``, on by default) and refuses to start
+a run that cannot fit. The twin function is :func:`plan_step`.
+
+How a step is simulated
+-----------------------
+1. The trainer builds its models at the configured size on ``meta`` (``build_models("meta")``),
+   and every parameter and buffer becomes a fake tensor on the fake *host* (``cpu``): a real run
+   also builds on the host first.
+2. Every configured plugin runs through the same :class:`~runner.context.RunContext` phases as
+   a real run (``transform_models``, ``place_models``, the move of unplaced modules to the
+   device, ``wrap_execution``, ``wrap_optimizer``, the step hooks, ``teardown``) with
+   ``ctx.simulate=True``, ``ctx.device=meta`` (the simulated accelerator) and ``ctx.host=cpu``.
+   ``configure_process`` is not run: it sets process-wide things (environment, CUDA caps) and
+   allocates no tensor.
+3. One optimizer step under ``FakeTensorMode``: ``encode`` of a raw batch under ``no_grad``
+   (``trainer.example_raw_batch``, when the trainer has it and no plugin made encoding
+   unnecessary), ``loss``, backward, gradient clipping, ``optimizer.step()``; with
+   ``train.grad_accum > 1`` two micro-batches (every later micro-batch repeats the second
+   one's memory). A :class:`~runner.memory.tracker.LiveBytesTracker` counts live storage bytes
+   per device, phase, category and top-level module.
+4. Steady state: optimizer state is created by the first step and then lives through every
+   later forward and backward, so the state's bytes are added to the forward and backward peaks
+   (exact: the state does not change size while they run). The plan's peak is the largest of
+   setup, forward+state, backward+state and the optimizer step.
+
+The simulated device behaves like the target device
+------------------------------------------------------
+``meta`` has no autocast and no fused attention kernels, so :class:`DeviceSemantics` (a
+``TorchFunctionMode``) gives it the target's: CUDA autocast (the op lists of PyTorch's
+``ATen/autocast_mode.h``: lower-precision, float32 and promote ops, and the cast cache of fp32
+weights within the autocast region) when ``train.mixed_precision`` is bf16/fp16, and the
+attention kernel PyTorch would pick (flash, memory-efficient, cuDNN or math, in PyTorch's
+priority order and within the ``sdpa_kernel`` settings of the tiling plugin). Without this a
+1024 px Flux step would count several GiB of L x L attention matrices that no GPU run allocates.
+The target is CUDA unless ``train.device=cpu`` (or the preflight of a run that resolved to the
+CPU): then float32 unless ``train.cpu_autocast``, and PyTorch's CPU flash attention.
+
+What is not counted (so ``budget_gb`` should keep some room): the CUDA context and library
+handles outside PyTorch's allocator; the caching allocator's rounding and fragmentation
+(``allocator.expandable_segments`` keeps it small); kernel workspaces with no Python-visible
+tensor, for which :data:`CUDA_WORKSPACE_MARGIN_BYTES` is added to the peak before comparing with
+the budget; host memory that is not tensors (Python, libraries, the data loader); the
+per-parameter temporaries of an optimizer update (the planner steps the optimizer's
+simulation, see below). Host RAM is the peak of fake host tensors, which includes the whole
+model at build time (the runner builds on the host, then places).
+
+Contract for plugins (what ``ctx.simulate`` means)
+--------------------------------------------------
+* Tensors are fake: shapes, dtypes, devices and storages are real, values are not. ``.to()``,
+  ``Module.to()``, factories, views and every op with a meta kernel work and cost no memory.
+  What does not: reading values (``.item()``, ``.tolist()``, ``print``), kernels without a meta
+  implementation (bitsandbytes, custom C++/CUDA ops), reading or writing weight files, and
+  ``param.data = t`` between host and device (``cpu`` and ``meta`` tensors are not compatible
+  for ``set_data``; assign the parameter with ``Module.to``/``setattr`` instead).
+* A plugin whose real path cannot run on fake tensors takes a byte-for-byte simulation path
+  when ``ctx.simulate`` is set, in its own file beside the real path: it replaces weights by
+  fake tensors with the same byte size and dtype layout as the real ones (nf4: packed uint8 plus
+  its absmax values), and its forward computes with fake tensors of the shapes and dtypes the
+  real kernel produces (including what the real kernel dequantizes transiently).
+* Optimizers: the planner calls :func:`runner.optim.build_optimizer` with ``simulate=True``,
+  which returns an optimizer that allocates exactly the state the real one keeps after its first
+  step (checked against the real optimizers byte for byte in tests/test_optimizers.py), then
+  runs ``wrap_optimizer``. A plugin wrapping the optimizer must keep ``step()`` runnable on it.
+* Encoding: a plugin that makes the encoders unnecessary during training (every latent and
+  embedding cached) sets ``ctx.state["encode_on_device"] = False`` by the end of
+  ``place_models``; the planner then feeds the trainer's *encoded* ``example_batch`` (as read
+  from the cache). Otherwise the planner calls ``trainer.encode`` (whatever it is after the
+  plugins ran) on ``example_raw_batch``; a plugin that replaces ``trainer.encode`` in a real run
+  must install its replacement in simulation too.
+* Pinned host memory: a plugin that page-locks host memory (or would, on the target GPU) adds
+  the bytes to ``ctx.state["pinned_host_bytes"]`` (an int; :func:`note_pinned_bytes`). The plan
+  reports them as pinned and the rest of the host bytes as pageable.
+
+When a plan does not fit, :func:`suggest` ranks the settings that would save the most. The
+figures are *estimates* from the measured breakdown (for example "an 8-bit AdamW keeps 2 of
+its 8 bytes per parameter"), each labelled with how it was derived; re-planning every candidate
+would cost a full simulation each. :func:`verify_suggestions` re-plans them when asked.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import math
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConverter, FakeTensorMode, unset_fake_temporarily
+from torch.overrides import TorchFunctionMode
+
+from runner.errors import UserError
+from runner.memory.tracker import CATEGORIES, NO_MODULE, LiveBytesTracker
+
+log = logging.getLogger("runner")
+
+GiB = 2**30
+DEVICE = torch.device("meta")  # the simulated accelerator
+HOST = torch.device("cpu")  # the simulated host (fake cpu tensors)
+BOOKKEEPING_KEYS = ("sample_seed", "index")  # per-sample ints the protocol reads with tolist()
+# cuBLAS/cuDNN workspaces and allocator rounding have no Python-visible tensor. On an H100 the
+# CUDA allocator read ~35 MB above the live-bytes tracker after a forward and ~68 MB after a
+# backward (runner/memory/tracker.py); 128 MiB covers that with room for a second stream.
+CUDA_WORKSPACE_MARGIN_BYTES = 128 * 2**20
+PLAN_FILE = "plan.json"
+OUTSIDE = "(outside modules)"
+
+
+class PlanDoesNotFit(UserError):
+    """The plan's peak is above ``budget_gb``: exit status 3, the same as an OOM give-up."""
+
+    exit_code = 3
+
+
+# ---- fake tensors ------------------------------------------------------------------------------
+class _UnmemoizedOutputs(FakeTensorConverter):
+    """Fake op outputs without the converter's weak memo.
+
+    ``nn.Module.to`` replaces a fake parameter with ``torch.utils.swap_tensors``, which refuses a
+    tensor that has a weak reference, and the stock converter keeps a weak memo of every op
+    output it wraps (keyed by a fresh meta tensor that is never looked up again). Without it,
+    modules of fake parameters move between the simulated host and device like real ones.
+    """
+
+    def from_meta_and_device(self, fake_mode: FakeTensorMode, t: torch.Tensor, device: torch.device,
+                             pytype: Any = None, dispatch_keys: Any = None) -> FakeTensor:
+        return FakeTensor(fake_mode, t, device, pytype=pytype, dispatch_keys=dispatch_keys)
+
+
+def simulation_mode() -> FakeTensorMode:
+    """A FakeTensorMode in which fake modules can be moved with ``Module.to``."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    old = mode.fake_tensor_converter
+    mode.fake_tensor_converter = _UnmemoizedOutputs(copy_data=old.meta_converter.copy_data, export=old.export)
+    return mode
+
+
+def fake_module(module: nn.Module, device: torch.device, memo: dict[int, torch.Tensor]) -> None:
+    """Replace every parameter and buffer of ``module`` by a fake tensor on ``device``.
+
+    Same shape, dtype, stride and ``requires_grad``; tied tensors stay tied (``memo`` is shared
+    across the modules of one ModelSet). Call inside the simulation mode.
+    """
+    for sub in module.modules():
+        for table in (sub._parameters, sub._buffers):
+            for key, t in list(table.items()):
+                if t is None:
+                    continue
+                if id(t) not in memo:
+                    fake = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
+                    if isinstance(t, nn.Parameter):
+                        fake = nn.Parameter(fake, requires_grad=t.requires_grad)
+                    memo[id(t)] = fake
+                table[key] = memo[id(t)]
+
+
+def _fake_batch(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """Fake copies on ``device`` of a batch's tensors; per-sample ints stay real CPU tensors."""
+    out: dict[str, Any] = {}
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor) and k not in BOOKKEEPING_KEYS:
+            out[k] = torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device=device)
+        else:
+            out[k] = v
+    return out
+
+
+def _move_batch(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) and k not in BOOKKEEPING_KEYS else v)
+            for k, v in batch.items()}
+
+
+# ---- the target device's autocast and attention kernels ----------------------------------------
+# CUDA autocast policies, from PyTorch's ATen/autocast_mode.h (AT_FORALL_LOWER_PRECISION_FP,
+# AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE, AT_FORALL_PROMOTE), by the name of the Python
+# function that reaches each aten op (F.interpolate reaches the upsample_* ops).
+AUTOCAST_LOWER = frozenset({
+    "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+    "convolution", "prelu", "addmm", "addmv", "addr", "matmul", "__matmul__", "__rmatmul__", "einsum", "mm", "mv",
+    "linalg_vecdot", "vecdot", "linear", "addbmm", "baddbmm", "bmm", "chain_matmul", "multi_dot", "linalg_multi_dot",
+    "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell", "scaled_dot_product_attention",
+})
+AUTOCAST_FP32 = frozenset({
+    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt", "sinh",
+    "tan", "pow", "__pow__", "__rpow__", "softplus", "layer_norm", "rms_norm", "group_norm", "frobenius_norm",
+    "nuclear_norm", "cosine_similarity", "poisson_nll_loss", "cosine_embedding_loss", "nll_loss", "nll_loss2d",
+    "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss", "margin_ranking_loss",
+    "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss",
+    "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm", "logsumexp", "interpolate",
+})
+AUTOCAST_FP32_OPT_DTYPE = frozenset({
+    "prod", "softmax", "log_softmax", "cumprod", "cumsum", "sum", "vector_norm", "matrix_norm",
+})
+AUTOCAST_PROMOTE = frozenset({
+    "addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "grid_sample", "index_put", "tensordot",
+    "scatter_add",
+})
+PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _sdp_priority() -> list[int]:
+    """PyTorch's SDPA backend order (flash, efficient, math, cudnn by default)."""
+    try:
+        return list(torch._C._get_sdp_priority_order())
+    except (AttributeError, RuntimeError):  # older torch: the documented default order
+        return [1, 2, 0, 3]
+
+
+class DeviceSemantics(TorchFunctionMode):
+    """Makes ``meta`` behave like the target device: its autocast and its attention kernels.
+
+    Autocast (``autocast()`` region, bf16/fp16 only) casts the floating arguments of each listed
+    op that live on the simulated device, like CUDA autocast: lower-precision ops to the
+    autocast dtype, float32 ops and softmax-like ops to float32, promote ops to the widest
+    type. Inside the forward region fp32 leaf tensors that require grad (trained weights) are
+    cast once and cached until the region ends, as ``torch.autocast`` does; the cached copies
+    stay alive while autograd holds them. Casting stays on through backward (where only
+    checkpoint recomputation calls these functions: the real one re-enters autocast) without
+    the cache, which a real recomputation clears at the end of each block.
+
+    Why a TorchFunctionMode: autocast and SDPA's kernel choice happen above autograd, so the
+    casts and the kernel's saved tensors must be visible to autograd, which a dispatch-level
+    mode (below autograd) would not give; and ``torch.autocast`` has no ``meta`` backend.
+    """
+
+    def __init__(self, target: str, precision: str) -> None:
+        super().__init__()
+        self.target = target
+        self.dtype = PRECISION_DTYPES.get(precision)  # None: float32, nothing to cast
+        self.casting = False
+        self.cache: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    @contextlib.contextmanager
+    def autocast(self, cache: bool = True) -> Iterator[None]:
+        """The autocast region (a no-op without a mixed precision); cache: the forward's weight-cast cache."""
+        before = (self.casting, self.cache)
+        self.casting = self.dtype is not None
+        self.cache = {} if (cache and self.casting) else None
+        try:
+            yield
+        finally:
+            self.casting, self.cache = before
+
+    # -- casting -----------------------------------------------------------------------------
+    def _eligible(self, x: Any) -> bool:
+        return (isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64
+                and x.device.type == DEVICE.type)
+
+    def _cast(self, x: Any, to: torch.dtype) -> Any:
+        if isinstance(x, (list, tuple)):
+            return type(x)(self._cast(y, to) for y in x)
+        if not self._eligible(x) or x.dtype == to:
+            return x
+        if (self.cache is not None and to == self.dtype and x.dtype == torch.float32 and x.requires_grad
+                and x.is_leaf and not x._is_view()):
+            hit = self.cache.get(id(x))
+            if hit is None or hit[0] is not x:
+                hit = self.cache[id(x)] = (x, x.to(to))
+            return hit[1]
+        return x.to(to)
+
+    def _cast_all(self, args: tuple, kwargs: dict, to: torch.dtype) -> tuple[tuple, dict]:
+        return tuple(self._cast(a, to) for a in args), {k: self._cast(v, to) for k, v in kwargs.items()}
+
+    def _widest(self, args: tuple, kwargs: dict) -> torch.dtype | None:
+        order = {torch.float16: 0, torch.bfloat16: 0, torch.float32: 1}
+        found = [x.dtype for x in (*args, *kwargs.values()) if self._eligible(x)]
+        if not found:
+            return None
+        return max(found, key=lambda d: order.get(d, 2))
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", None)
+        if name in ("tensor", "as_tensor") and args and not isinstance(args[0], torch.Tensor) \
+                and torch.device(kwargs.get("device") or "cpu").type == "cpu":
+            # A tensor made from Python data on the host holds real values (seeds, sizes, ids)
+            # that code reads back with tolist(): keep it real. It is a few bytes.
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        if self.casting and name is not None:
+            if name in AUTOCAST_LOWER:
+                args, kwargs = self._cast_all(args, kwargs, self.dtype)
+            elif name in AUTOCAST_FP32:
+                args, kwargs = self._cast_all(args, kwargs, torch.float32)
+            elif name in AUTOCAST_FP32_OPT_DTYPE:
+                if kwargs.get("dtype") is None and any(
+                    self._eligible(x) and x.dtype != torch.float32 for x in (*args, *kwargs.values())
+                ):
+                    kwargs = {**kwargs, "dtype": torch.float32}
+            elif name in AUTOCAST_PROMOTE:
+                widest = self._widest(args, kwargs)
+                if widest is not None:
+                    args, kwargs = self._cast_all(args, kwargs, widest)
+        if name == "scaled_dot_product_attention":
+            return self._attention(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    # -- attention ---------------------------------------------------------------------------
+    def _attention(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """F.scaled_dot_product_attention with the kernel the target device would run.
+
+        On ``meta`` PyTorch always decomposes SDPA into the math path (it materialises the L x L
+        scores and keeps them for backward); the target picks a fused kernel whose memory is
+        O(L). The fused kernels' own aten ops have meta implementations and derivatives, so
+        calling them gives the real kernels' outputs and saved tensors.
+        """
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+        p = dict(zip(names, args))
+        p.update(kwargs)
+        q, k, v = p.get("query"), p.get("key"), p.get("value")
+        mask, dropout, causal = p.get("attn_mask"), float(p.get("dropout_p", 0.0)), bool(p.get("is_causal", False))
+        scale = p.get("scale")
+        if (not all(isinstance(t, torch.Tensor) and t.device.type == DEVICE.type for t in (q, k, v))
+                or p.get("enable_gqa") or q.dim() != 4 or not (q.dtype == k.dtype == v.dtype)):
+            return func(*args, **kwargs)
+        head, dtype = q.shape[-1], q.dtype
+        same_heads = q.shape[-1] == k.shape[-1] == v.shape[-1]
+        ops = torch.ops.aten
+        if self.target == "cpu":
+            if torch.backends.cuda.flash_sdp_enabled() and same_heads:
+                return ops._scaled_dot_product_flash_attention_for_cpu(
+                    q, k, v, dropout, causal, attn_mask=mask, scale=scale)[0]
+            return func(*args, **kwargs)
+        half = dtype in (torch.float16, torch.bfloat16)
+        needs_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        for backend in _sdp_priority():
+            if backend == 1 and torch.backends.cuda.flash_sdp_enabled() and half and mask is None and same_heads \
+                    and head <= 256 and head % 8 == 0:
+                return ops._scaled_dot_product_flash_attention(q, k, v, dropout, causal, False, scale=scale)[0]
+            if backend == 2 and torch.backends.cuda.mem_efficient_sdp_enabled() \
+                    and dtype in (torch.float32, torch.float16, torch.bfloat16) and head % (8 if half else 4) == 0 \
+                    and v.shape[-1] % (8 if half else 4) == 0:
+                return ops._scaled_dot_product_efficient_attention(
+                    q, k, v, mask, needs_lse, dropout, causal, scale=scale)[0]
+            if backend == 3 and torch.backends.cuda.cudnn_sdp_enabled() and half and same_heads and head <= 128 \
+                    and head % 8 == 0:
+                return ops._scaled_dot_product_cudnn_attention(
+                    q, k, v, mask, needs_lse, dropout, causal, False, scale=scale)[0]
+            if backend == 0 and torch.backends.cuda.math_sdp_enabled():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+class SimulatedAccelerator:
+    """What plugins and the step read from ``ctx.accelerator``, for the simulated device."""
+
+    def __init__(self, semantics: DeviceSemantics, precision: str) -> None:
+        self.semantics = semantics
+        self.mixed_precision = precision
+        self.device = DEVICE
+
+    def autocast(self) -> Any:
+        return self.semantics.autocast()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # The C++ engine entry, not loss.backward(): Tensor.backward goes through the function
+        # mode, which is switched off while it handles a call, so checkpoint recomputation in
+        # backward would run without the target's autocast and attention kernels.
+        from torch.autograd.graph import _engine_run_backward
+
+        with self.semantics.autocast(cache=False):  # the forward ran under autocast: so do recomputations
+            _engine_run_backward((loss,), (torch.ones_like(loss),), False, False, (),
+                                 allow_unreachable=True, accumulate_grad=True)
+
+    def clip_grad_norm_(self, params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)  # no foreach kernels on meta
+
+    def prepare(self, *objs: Any) -> Any:
+        return objs[0] if len(objs) == 1 else objs
+
+
+# ---- the plan -----------------------------------------------------------------------------------
+@dataclass
+class PhasePeak:
+    """The steady-state peak of one phase of the simulated step, on one device."""
+
+    name: str  # setup | forward | backward | optimizer (with "#2" for the second micro-batch)
+    where: str  # innermost phase at the peak (e.g. "encode" inside forward)
+    peak_bytes: int
+    by_module: dict[str, dict[str, int]]  # top-level module -> category -> bytes
+
+
+@dataclass
+class Plan:
+    """The predicted memory of one training step. Bytes are exact counts of live tensor storage."""
+
+    target: str  # "cuda" or "cpu": the device whose autocast and kernels were simulated
+    peak_bytes: int  # device
+    peak_phase: str
+    margin_bytes: int  # kernel workspaces (see CUDA_WORKSPACE_MARGIN_BYTES), added for the fit check
+    budget_bytes: int | None
+    by_category: dict[str, int]  # at the device peak
+    by_module: dict[str, dict[str, int]]  # at the device peak: top-level module -> category -> bytes
+    phases: dict[str, int]  # steady-state device peak of each phase
+    host_peak_bytes: int
+    host_peak_phase: str
+    host_steady_bytes: int  # host tensors during training (after setup)
+    host_pinned_bytes: int
+    optimizer_state_bytes: dict[str, int]  # per device ("meta" = the accelerator, "cpu" = host)
+    setup: dict[str, Any]
+    notes: dict[str, Any] = field(default_factory=dict)
+    suggestions: list[dict[str, Any]] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def required_bytes(self) -> int:
+        return self.peak_bytes + self.margin_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.budget_bytes is None or self.required_bytes <= self.budget_bytes
+
+    @property
+    def host_pageable_bytes(self) -> int:
+        return max(self.host_peak_bytes - self.host_pinned_bytes, 0)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(required_bytes=self.required_bytes, fits=self.fits, host_pageable_bytes=self.host_pageable_bytes)
+        return d
+
+    def write_json(self, path: Path) -> Path:
+        path.write_text(json.dumps(self.to_dict(), indent=2, default=str) + "\n")
+        return path
+
+    def format_table(self) -> str:
+        return format_plan(self)
+
+
+def _gib(n: int | float) -> str:
+    return f"{n / GiB:7.2f} GiB"
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as a readable table (what ``mode=plan`` prints)."""
+    s = plan.setup
+    lines = [
+        f"Plan: {s['trainer']} ({s['size']}), {s['resolution']} px, batch {s['batch_size']} "
+        f"({s['micro_batches']} x micro-batch {s['micro_batch_size']}), {s['precision_text']} on a "
+        f"{plan.target.upper()} device",
+        f"  plugins: {s['plugins']}; optimizer: {s['optimizer']}; trained: {s['trained']}",
+        "",
+    ]
+    need = f"{_gib(plan.peak_bytes).strip()} at the peak ({plan.peak_phase})"
+    if plan.margin_bytes:
+        need += f" + {plan.margin_bytes / 2**20:.0f} MiB kernel workspaces = {_gib(plan.required_bytes).strip()}"
+    if plan.budget_bytes is None:
+        verdict = "no budget_gb set: nothing to compare with"
+    else:
+        verdict = (f"budget {plan.budget_bytes / GiB:.2f} GiB -> "
+                   + ("FITS" if plan.fits else f"DOES NOT FIT (over by {_gib(plan.required_bytes - plan.budget_bytes).strip()})"))
+    lines += [f"device memory: {need}", f"  {verdict}", ""]
+    mods = sorted(plan.by_module.items(), key=lambda kv: -sum(kv[1].values()))
+    cats = [c for c in CATEGORIES if any(per.get(c) for _, per in mods)]
+    header = f"  {'at the peak':<22}" + "".join(f"{c.replace('optimizer_state', 'optimizer'):>13}" for c in cats) + f"{'total':>13}"
+    lines.append(header)
+    for name, per in mods:
+        total = sum(per.values())
+        if not total:
+            continue
+        lines.append(f"  {name:<22}" + "".join(f"{per.get(c, 0) / GiB:>13.3f}" for c in cats) + f"{total / GiB:>13.3f}")
+    lines.append(f"  {'all (GiB)':<22}" + "".join(f"{plan.by_category.get(c, 0) / GiB:>13.3f}" for c in cats)
+                 + f"{plan.peak_bytes / GiB:>13.3f}")
+    lines += ["", "  steady-state peak by phase: " + ", ".join(f"{k} {v / GiB:.2f}" for k, v in plan.phases.items()) + " GiB"]
+    state = ", ".join(f"{'device' if d == DEVICE.type else 'host' if d == 'cpu' else d} {n / GiB:.2f} GiB"
+                      for d, n in plan.optimizer_state_bytes.items() if n)
+    if state:
+        lines.append(f"  optimizer state (kept between steps, included above): {state}")
+    lines += [
+        "",
+        f"host RAM (tensors): peak {_gib(plan.host_peak_bytes).strip()} ({plan.host_peak_phase}), "
+        f"during training {_gib(plan.host_steady_bytes).strip()}; pinned {_gib(plan.host_pinned_bytes).strip()}, "
+        f"pageable {_gib(plan.host_pageable_bytes).strip()}",
+    ]
+    if plan.suggestions:
+        lines += ["", "would save the most (estimates from the breakdown above; confirm with mode=plan and the override):"]
+        for sug in plan.suggestions:
+            after = plan.required_bytes - sug["saves_bytes"]
+            ok = plan.budget_bytes is not None and after <= plan.budget_bytes
+            bound = "up to " if sug.get("upper_bound") else ""
+            lines.append(f"  {sug['override']:<34} saves {bound}{_gib(sug['saves_bytes']).strip():>10} -> "
+                         f"{_gib(after).strip()} {'fits' if ok else 'still over'}")
+            lines.append(f"  {'':<34} ({sug['how']})")
+    lines += ["", f"simulated in {plan.seconds:.1f} s"]
+    return "\n".join(lines)
+
+
+# ---- planning ----------------------------------------------------------------------------------
+def default_target(cfg: Any) -> str:
+    """The device a plan is for: CUDA unless ``train.device=cpu``."""
+    return "cpu" if str(cfg.train.device) == "cpu" else "cuda"
+
+
+def effective_precision(cfg: Any, target: str) -> str:
+    """The precision the loop would use there (runner.loop.make_accelerator: CPU is float32 unless asked)."""
+    precision = str(cfg.train.mixed_precision)
+    if target == "cpu" and not bool(cfg.train.get("cpu_autocast", False)):
+        return "no"
+    return precision
+
+
+def note_pinned_bytes(ctx: Any, nbytes: int) -> None:
+    """For plugins: record host bytes page-locked (or to be, on the target GPU) by this run."""
+    ctx.state["pinned_host_bytes"] = int(ctx.state.get("pinned_host_bytes", 0) or 0) + int(nbytes)
+
+
+def _pinned(ctx: Any) -> int:
+    value = ctx.state.get("pinned_host_bytes", 0) or 0
+    return int(sum(value.values())) if isinstance(value, dict) else int(value)
+
+
+def _isolated(trainer: Any) -> Any:
+    """A shallow copy of the trainer whose dict/list attributes are copied too.
+
+    Trainers cache per-device objects (the SDXL trainer's noise schedulers, keyed by device) and
+    plugins may patch ``trainer.encode``; simulating on a copy keeps fake tensors and patches
+    out of the trainer the real run then uses.
+    """
+    twin = copy.copy(trainer)
+    for k, v in vars(trainer).items():
+        if isinstance(v, (dict, list)):
+            setattr(twin, k, copy.copy(v))
+    return twin
+
+
+def _example(trainer: Any, raw: bool, batch_size: int) -> dict[str, Any]:
+    with unset_fake_temporarily():  # shape-only tensors on real meta; seeds as real CPU ints
+        if raw:
+            return trainer.example_raw_batch(batch_size, DEVICE)
+        return trainer.example_batch(batch_size, DEVICE)
+
+
+class _Recorder:
+    """Per-phase snapshots of the tracker (taken at the end of each phase, then peaks reset)."""
+
+    def __init__(self, tracker: LiveBytesTracker, top_level: set[str]) -> None:
+        self.tracker = tracker
+        self.top_level = top_level
+        self.phases: list[tuple[str, dict[str, Any]]] = []
+
+    def top(self, label: str) -> str:
+        head = label.split(".", 1)[0]
+        if head in self.top_level:
+            return head
+        return OUTSIDE if label == NO_MODULE else label
+
+    def take(self, name: str) -> None:
+        snap = self.tracker.snapshot()["devices"]
+        per_dev = {}
+        for dev, d in snap.items():
+            by_module: dict[str, dict[str, int]] = {}
+            for label, cats in d["peak_by_module"].items():
+                agg = by_module.setdefault(self.top(label), {})
+                for c, n in cats.items():
+                    agg[c] = agg.get(c, 0) + n
+            per_dev[dev] = PhasePeak(name, d["peak_phase"], d["peak_bytes"], by_module)
+        self.phases.append((name, per_dev))
+        self.tracker.reset_peaks()
+
+
+def plan_step(
+    cfg: Any,
+    trainer: Any = None,
+    schedule: Any = None,
+    *,
+    target: str | None = None,
+) -> Plan:
+    """Simulate one training step of ``cfg`` (with ``trainer`` and plugin ``schedule`` if given).
+
+    ``cfg``: the composed run config (``runner.validate.compose_config``); ``trainer``: any object
+    following the trainer protocol (default: built from ``cfg.trainer``); ``schedule``: a
+    :class:`~runner.plugin.PluginSchedule` (default: the plugins ``cfg`` names); ``target``:
+    ``"cuda"`` or ``"cpu"`` (default :func:`default_target`). Nothing real is allocated.
+    """
+    from runner.optim import build_optimizer
+    from runner.run import build_plugins, build_trainer
+
+    started = time.perf_counter()
+    target = target or default_target(cfg)
+    precision = effective_precision(cfg, target)
+    trainer = _isolated(trainer if trainer is not None else build_trainer(cfg))
+    schedule = schedule if schedule is not None else build_plugins(cfg)
+    batch_size, accum = int(cfg.train.batch_size), int(cfg.train.grad_accum)
+    micro = batch_size // accum
+    n_micro = min(accum, 2)
+
+    models = trainer.build_models(DEVICE)  # real meta tensors: shapes only, built in a fraction of a second
+    semantics = DeviceSemantics(target, precision)
+    from runner.context import RunContext
+
+    ctx = RunContext(cfg=cfg, schedule=schedule, device=DEVICE, simulate=True, host=HOST)
+    ctx.trainer = trainer
+    ctx.accelerator = SimulatedAccelerator(semantics, precision)
+    tracker = LiveBytesTracker(count_inputs=False)  # every pre-existing tensor is tracked explicitly
+    recorder = _Recorder(tracker, set(models.modules))
+    owner: dict[int, str] = {}
+    mode = simulation_mode()
+    notes: dict[str, Any] = {}
+    phases_done: list[str] = []
+    with mode:
+        memo: dict[int, torch.Tensor] = {}
+        for name, module in models.items():
+            fake_module(module, HOST, memo)
+            tracker.track(module, "weights", module=name)
+        ctx.models = models
+        try:
+            with tracker, semantics:
+                with tracker.phase("setup", category="weights"):
+                    ctx.apply_setup_phases()
+                phases_done.append("setup")
+                for name, module in ctx.models.items():  # device copies were born unlabelled
+                    tracker.track(module, "weights", module=name)
+                    for p in module.parameters():
+                        owner[id(p)] = name
+                    tracker.attach_module_hooks(module, depth=1, prefix=name)
+                recorder.take("setup")
+
+                params = list(ctx.models.trainable_parameters())
+                ctx.optimizer = build_optimizer(cfg.optimizer, params, simulate=True)
+                ctx.run_phase("wrap_optimizer")
+                encode_needed = ctx.state.get("encode_on_device", True) is not False
+                raw = encode_needed and callable(getattr(trainer, "example_raw_batch", None)) \
+                    and callable(getattr(trainer, "encode", None))
+                notes["batch"] = ("raw batch (pixels, captions) encoded on the device" if raw
+                                  else "encoded example batch (no encode step on the device)")
+                ctx.run_phase("on_step_start", 0)
+                for i in range(n_micro):
+                    suffix = f" #{i + 1}" if n_micro > 1 else ""
+                    host_batch = _fake_batch(_example(trainer, raw, micro), HOST)
+                    tracker.track(host_batch, "other", module="(batch)")
+                    batch = _move_batch(host_batch, DEVICE)
+                    tracker.track(batch, "other", module="(batch)")
+                    with tracker.phase("forward"), ctx.step_context(), ctx.accelerator.autocast():
+                        if raw:
+                            with tracker.phase("encode", category="activations"), torch.no_grad():
+                                batch = trainer.encode(ctx.models, batch)
+                        loss = trainer.loss(ctx.models, batch)
+                    recorder.take("forward" + suffix)
+                    with tracker.phase("backward"):
+                        ctx.accelerator.backward(loss * (micro / batch_size))
+                    del loss, batch, host_batch
+                    for p in params:
+                        if p.grad is not None:
+                            tracker.track(p.grad, "gradients", module=owner.get(id(p)))
+                    recorder.take("backward" + suffix)
+                with tracker.phase("optimizer"):
+                    if float(cfg.train.max_grad_norm) > 0:
+                        ctx.accelerator.clip_grad_norm_([p for p in params if p.grad is not None],
+                                                        float(cfg.train.max_grad_norm))
+                    ctx.optimizer.step()
+                _label_optimizer_state(tracker, ctx.optimizer, owner)
+                recorder.take("optimizer")
+                state_by_dev = {dev: tracker.module_bytes(dev) for dev in tracker.current}
+                ctx.optimizer.zero_grad(set_to_none=True)
+                ctx.run_phase("on_step_end", 1)
+                host_steady = tracker.current_bytes(HOST.type)
+        finally:
+            tracker.detach_module_hooks()
+            ctx.run_phase("teardown")
+    notes.update({k: v for k, v in ctx.notes.items() if isinstance(v, (int, float, str, bool))})
+    return _assemble(cfg, trainer, ctx, recorder, state_by_dev, host_steady, target, precision, micro, n_micro,
+                     notes, time.perf_counter() - started)
+
+
+def _label_optimizer_state(tracker: LiveBytesTracker, optimizer: Any, owner: dict[int, str]) -> None:
+    state = getattr(optimizer, "state", None)
+    if not isinstance(state, dict):
+        return
+    for p, st in state.items():
+        tensors = [v for v in (st.values() if isinstance(st, dict) else []) if isinstance(v, torch.Tensor)]
+        if tensors:
+            tracker.track(tensors, "optimizer_state", module=owner.get(id(p)))
+
+
+def _assemble(cfg: Any, trainer: Any, ctx: Any, recorder: _Recorder, state_by_dev: dict[str, Any],
+              host_steady: int, target: str, precision: str, micro: int, n_micro: int,
+              notes: dict[str, Any], seconds: float) -> Plan:
+    # Optimizer state per device and top-level module, as it stands after the step.
+    state: dict[str, dict[str, int]] = {}
+    for dev, mods in state_by_dev.items():
+        for label, cats in mods.items():
+            n = cats.get("optimizer_state", 0)
+            if n:
+                per = state.setdefault(dev, {})
+                per[recorder.top(label)] = per.get(recorder.top(label), 0) + n
+    best: dict[str, PhasePeak] = {}
+    phases: dict[str, int] = {}
+    for name, per_dev in recorder.phases:
+        for dev, pk in per_dev.items():
+            if name.startswith(("forward", "backward")):  # steady state: the state lives through them
+                extra = state.get(dev, {})
+                by_module = {m: dict(c) for m, c in pk.by_module.items()}
+                for m, n in extra.items():
+                    by_module.setdefault(m, {})["optimizer_state"] = by_module.get(m, {}).get("optimizer_state", 0) + n
+                pk = PhasePeak(name, pk.where, pk.peak_bytes + sum(extra.values()), by_module)
+            if dev == DEVICE.type:
+                phases[name] = pk.peak_bytes
+            if dev not in best or pk.peak_bytes > best[dev].peak_bytes:
+                best[dev] = pk
+    empty = PhasePeak("setup", "setup", 0, {})
+    dev_peak, host_peak = best.get(DEVICE.type, empty), best.get(HOST.type, empty)
+    by_category = {c: sum(per.get(c, 0) for per in dev_peak.by_module.values()) for c in CATEGORIES}
+    where = dev_peak.name if dev_peak.where in (dev_peak.name.split(" ")[0], "(reset)") else f"{dev_peak.name}, in {dev_peak.where}"
+    c = cfg
+    plugins = ", ".join(f"{k}={c[k].name}" for k in ("allocator", "quantization", "offload", "checkpoint", "tiling")
+                        if k in c and c[k].get("name") not in (None, "none"))
+    budget = c.get("budget_gb")
+    setup = {
+        "trainer": str(c.trainer.get("_target_", type(trainer).__name__)).rsplit(".", 1)[-1],
+        "size": str(c.model.size),
+        "resolution": int(c.data.resolution),
+        "batch_size": int(c.train.batch_size),
+        "micro_batch_size": micro,
+        "micro_batches": int(c.train.grad_accum),
+        "micro_batches_simulated": n_micro,
+        "precision": precision,
+        "precision_text": f"{precision} autocast" if precision != "no" else "float32 (no autocast)",
+        "plugins": plugins or "none",
+        "optimizer": str(c.optimizer.get("name", "?")),
+        "trained": ", ".join(sorted(ctx.models.trained)) if ctx.models is not None else "?",
+        "model_train": str(c.model.get("train", "?")),
+        "model_dtype": str(c.model.get("dtype", "?")),
+        "modules": sorted(ctx.models.modules) if ctx.models is not None else [],
+    }
+    plan = Plan(
+        target=target,
+        peak_bytes=dev_peak.peak_bytes,
+        peak_phase=where,
+        margin_bytes=CUDA_WORKSPACE_MARGIN_BYTES if target == "cuda" else 0,
+        budget_bytes=int(float(budget) * GiB) if budget is not None else None,
+        by_category=by_category,
+        by_module={m: {k: v for k, v in cats.items() if v} for m, cats in dev_peak.by_module.items()
+                   if any(cats.values())},
+        phases=phases,
+        host_peak_bytes=host_peak.peak_bytes,
+        host_peak_phase=host_peak.name,
+        host_steady_bytes=host_steady,
+        host_pinned_bytes=_pinned(ctx),
+        optimizer_state_bytes={dev: sum(v.values()) for dev, v in state.items()},
+        setup=setup,
+        notes=notes,
+        seconds=seconds,
+    )
+    if not plan.fits:
+        plan.suggestions = suggest(plan, cfg)
+    return plan
+
+
+# ---- suggestions ---------------------------------------------------------------------------------
+def _available(kind: str) -> list[str]:
+    from runner import registry
+
+    try:
+        return registry.plugin_names(kind)
+    except Exception:  # a registry without the kind: nothing to suggest
+        return []
+
+
+def _optimizer_names() -> list[str]:
+    try:
+        from runner.optim import OPTIMIZERS
+    except ImportError:
+        return ["adamw"]
+    return list(OPTIMIZERS)
+
+
+def _bytes_per_element(dtype_name: str) -> int:
+    return {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype_name, 4)
+
+
+def suggest(plan: Plan, cfg: Any) -> list[dict[str, Any]]:
+    """Settings that would lower the peak the most, each with an *estimated* saving.
+
+    Every figure is arithmetic on the measured breakdown at the peak; ``how`` says which. They
+    do not add up (two suggestions may save the same bytes), and savings marked ``upper_bound``
+    are at most the figure. Only options that exist in this installation are suggested.
+    """
+    cats, mods = plan.by_category, plan.by_module
+    trained = set(plan.setup["modules"]) & {t.strip() for t in plan.setup["trained"].split(",")}
+    frozen = [m for m in plan.setup["modules"] if m not in trained]
+    weights = {m: mods.get(m, {}).get("weights", 0) for m in plan.setup["modules"]}
+    out: list[dict[str, Any]] = []
+
+    def add(override: str, saves: float, how: str, upper_bound: bool = False) -> None:
+        if saves > 0:
+            out.append({"override": override, "saves_bytes": int(saves), "how": how, "upper_bound": upper_bound,
+                        "kind": "estimate"})
+
+    ckpt = cfg.checkpoint.get("name", "none")
+    if ckpt == "none" and "blocks" in _available("checkpoint"):
+        acts = sum(mods.get(m, {}).get("activations", 0) for m in trained)
+        add("checkpoint=blocks", acts, "activations of the trained modules alive at the peak; blocks keep "
+            "only their inputs, so the saving is this minus the block boundaries", upper_bound=True)
+    elif ckpt == "blocks" and cfg.checkpoint.get("mode") == "every_n":
+        acts = sum(mods.get(m, {}).get("activations", 0) for m in trained)
+        add("checkpoint.mode=full", acts * (1 - 1 / max(int(cfg.checkpoint.get("every_n", 2)), 1)),
+            "the share of blocks every_n leaves unchecked, of the activations at the peak", upper_bound=True)
+    if str(cfg.model.get("train")) == "full":
+        base = _bytes_per_element(str(cfg.model.get("dtype", "float32")))
+        dn = sum(weights[m] for m in trained)
+        saved = cats.get("gradients", 0) + cats.get("optimizer_state", 0) + dn * (1 - base / 4)
+        add("model.train=lora", saved, f"gradients + optimizer state at the peak, and the trained weights stored in "
+            f"model.dtype ({base} B) instead of float32 master weights; LoRA's own few MB not subtracted")
+    if str(cfg.model.get("dtype", "float32")) == "float32":
+        frozen_w = sum(weights[m] for m in frozen)
+        if str(cfg.model.get("train")) == "lora":
+            frozen_w += sum(weights[m] for m in trained)  # the frozen base of a LoRA
+        add("model.dtype=bfloat16", frozen_w / 2, "half of the float32 frozen weights at the peak")
+    opt = str(cfg.optimizer.get("name", "adamw"))
+    state = cats.get("optimizer_state", 0)
+    if opt == "adamw" and state:
+        names = _optimizer_names()
+        if "adamw8bit" in names:
+            add("optimizer=adamw8bit", state * 0.75 - state / 4 * 8 / 256 / 2,
+                "AdamW's two float32 moments (8 B/param) become two uint8 moments plus absmax per 256 (~2.03 B/param)")
+        if "adafactor" in names:
+            add("optimizer=adafactor", state * 0.95, "no first moment and a factored second moment: ~5% of AdamW's "
+                "state for matrices (upper bound: vectors keep a full moment)", upper_bound=True)
+    if cfg.quantization.get("name", "none") == "none":
+        q = _available("quantization")
+        frozen_w = sum(weights[m] for m in frozen)
+        if str(cfg.model.get("train")) == "lora":
+            frozen_w += sum(weights[m] for m in trained)
+        per = _bytes_per_element(str(cfg.model.get("dtype", "float32")))
+        for name, bytes_per in (("nf4", 0.5 + 4 / 64), ("int8", 1.0 + 4 / 64), ("fp8", 1.0)):
+            if name in q:
+                add(f"quantization={name}", frozen_w * max(0.0, 1 - bytes_per / per),
+                    f"frozen weights at {bytes_per:.2f} B/param instead of {per} (Linear layers only: an upper bound)",
+                    upper_bound=True)
+                break
+    if cfg.offload.get("name", "none") == "none" and "park" in _available("offload") and frozen:
+        frozen_w = sum(weights[m] for m in frozen)
+        enc = 0
+        if "encode" in plan.peak_phase:
+            enc = cats.get("temporaries", 0) + cats.get("activations", 0)
+        add("offload=park", frozen_w + enc, "frozen modules' weights on the device at the peak"
+            + (" and the encode step's activations (the peak is in encode)" if enc else "")
+            + "; with cached latents and embeddings they never reach the device")
+    micro = int(plan.setup["micro_batch_size"])
+    if micro > 1:
+        acts = cats.get("activations", 0) + cats.get("temporaries", 0)
+        add(f"train.grad_accum={plan.setup['batch_size']}", acts * (1 - 1 / micro),
+            f"activations and temporaries scale with the micro-batch ({micro} -> 1)", upper_bound=True)
+    out.sort(key=lambda s: -s["saves_bytes"])
+    return out
+
+
+def verify_suggestions(overrides: Sequence[str], plan: Plan, top: int = 3) -> list[dict[str, Any]]:
+    """Re-plan the ``top`` suggestions of ``plan`` (made from ``overrides``): their measured savings.
+
+    Costs one full simulation each. Returns the suggestions with ``measured_saves_bytes``.
+    """
+    from runner.validate import compose_config, validate
+
+    out = []
+    for sug in plan.suggestions[:top]:
+        cfg = compose_config([*overrides, sug["override"]])
+        validate(cfg)
+        again = plan_step(cfg, target=plan.target)
+        out.append({**sug, "measured_saves_bytes": plan.peak_bytes - again.peak_bytes, "measured_peak_bytes": again.peak_bytes})
+    return out
+
+
+# ---- entry points for the CLI ------------------------------------------------------------------
+def plan_command(cfg: Any, out: Path) -> Plan:
+    """``mode=plan``: simulate, print the table, write plan.json; PlanDoesNotFit when over budget."""
+    plan = plan_step(cfg)
+    print(plan.format_table())
+    path = plan.write_json(out / PLAN_FILE)
+    log.info("plan written to %s", path)
+    if not plan.fits:
+        raise PlanDoesNotFit(_over_budget(plan, path))
+    return plan
+
+
+def preflight(cfg: Any, trainer: Any, out: Path, device: torch.device) -> Plan | None:
+    """Plan the run about to start, at its configured size, on the device it will use.
+
+    Refuses (PlanDoesNotFit, exit 3) when the plan is over ``budget_gb``; without a budget it
+    only logs the predicted peak. ``train.preflight=false`` skips it. A configuration the
+    planner cannot simulate is logged and the run starts without a plan: the planner must never
+    be the reason a run that would fit cannot start.
+    """
+    if not bool(cfg.train.get("preflight", True)):
+        return None
+    try:
+        plan = plan_step(cfg, trainer, target="cuda" if device.type == "cuda" else "cpu")
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        log.warning("preflight: the planner could not simulate this run (%s: %s); starting without a plan "
+                    "(train.preflight=false skips it)", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return None
+    path = plan.write_json(out / PLAN_FILE)
+    log.info("preflight: predicted peak %.2f GiB on %s in %s (%.1f s to plan)%s", plan.required_bytes / GiB,
+             plan.target, plan.peak_phase, plan.seconds,
+             "" if plan.budget_bytes is None else f", budget {plan.budget_bytes / GiB:.2f} GiB")
+    if not plan.fits:
+        print(plan.format_table())
+        raise PlanDoesNotFit(_over_budget(plan, path) + " The run was not started (train.preflight=false starts it anyway).")
+    return plan
+
+
+def _over_budget(plan: Plan, path: Path) -> str:
+    best = plan.suggestions[0]["override"] if plan.suggestions else None
+    return (f"The plan needs {plan.required_bytes / GiB:.2f} GiB of device memory at its peak ({plan.peak_phase}), "
+            f"more than budget_gb={plan.budget_bytes / GiB:g}. "
+            + (f"The largest estimated saving is {best}; " if best else "")
+            + f"see the table above and {path}.")

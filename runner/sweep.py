@@ -1,0 +1,251 @@
+"""How each job ended, and a summary of a ``-m`` sweep.
+
+Every job (a single run too) writes ``job_summary.json`` in its directory: its overrides, status
+(``ok``, ``oom``, ``failed``, ``interrupted``), steps done, final loss, s/step, peak memory and
+final micro-batch size, read back from its metrics.jsonl. After a sweep, the
+:class:`SweepSummary` Hydra callback (configured under ``hydra.callbacks`` in conf/config.yaml)
+collects them into ``sweep_summary.csv`` in the sweep directory and prints a table.
+
+Why jobs return a status instead of raising: Hydra's basic launcher runs the jobs of a sweep in
+one process. ``sys.exit`` in a job (how a single run reports a user error) would end the whole
+sweep at the first bad job, and any other exception is re-raised by the sweeper after the
+batch, which skips ``on_multirun_end`` and so the summary. So in a sweep :func:`run_job` records
+the failure, frees what the job held and returns; the sweep goes on, and the process exits
+with status 1 at the end if any job did not end ``ok`` (the table says which). A single run
+still exits with the error's own status (2 for bad input, 3 for out of memory at micro-batch
+1) and keeps the traceback of a bug.
+
+Peak memory: on CUDA the run's peak allocated bytes (``memory_peak_gb``); on CPU the largest
+host RSS sampled at step ends (``host_rss_gb``). The ``peak_memory_source`` column says which.
+In a sweep run in one process, RSS includes what earlier jobs left behind (Python rarely gives
+memory back to the OS), so compare CPU figures across jobs with care.
+"""
+from __future__ import annotations
+
+import csv
+import gc
+import json
+import logging
+import math
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from runner.errors import UserError
+
+log = logging.getLogger("runner")
+
+JOB_SUMMARY = "job_summary.json"
+SWEEP_CSV = "sweep_summary.csv"
+STATUSES = ("ok", "oom", "failed", "interrupted")
+COLUMNS = ("job", "status", "overrides", "steps_done", "final_loss", "s_per_step", "peak_memory_gb",
+           "peak_memory_source", "micro_batch_size", "exit_code", "error", "dir")
+
+_last_sweep: list[dict[str, Any]] | None = None
+
+
+# ---- one job -----------------------------------------------------------------------------------
+def _hydra_job() -> tuple[bool, int | None, list[str]]:
+    """(in a -m sweep, job number, the job's overrides) from Hydra's state; defaults outside Hydra."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return False, None, []
+    from omegaconf import OmegaConf
+
+    hc = HydraConfig.get()
+    num = OmegaConf.select(hc, "job.num", default=None, throw_on_missing=False)
+    return hc.mode == RunMode.MULTIRUN, num, list(hc.overrides.task)
+
+
+def run_job(task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
+    """Run ``task(cfg)`` (one job), write its job_summary.json, and decide what an error does.
+
+    Single run: a UserError is printed without traceback and exits with its status; other
+    errors propagate. In a sweep: every error is recorded, logged, and the job returns None.
+    """
+    multirun, num, overrides = _hydra_job()
+    started = time.perf_counter()
+    _reset_cuda_peaks()
+
+    def record(status: str, error: str | None, exit_code: int) -> None:
+        write_job_summary(cfg, status, error, exit_code, num, overrides, time.perf_counter() - started)
+
+    try:
+        value = task(cfg)
+    except UserError as e:
+        from runner.oom import OutOfMemoryGiveUp
+
+        record("oom" if isinstance(e, OutOfMemoryGiveUp) else "failed", str(e), e.exit_code)
+        print(f"error: {e}", file=sys.stderr)
+        if not multirun:
+            sys.exit(e.exit_code)
+        _forget(e)
+        return None
+    except SystemExit as e:  # run() exits 128+signal when interrupted; such a signal stops the sweep too
+        code = e.code if isinstance(e.code, int) else 1
+        if code == 0:
+            record("ok", None, 0)
+            raise
+        record("interrupted" if code >= 128 else "failed", f"exit status {code}", code)
+        if not multirun or code >= 128:
+            raise
+        return None
+    except Exception as e:
+        from runner.oom import first_line, is_out_of_memory
+
+        record("oom" if is_out_of_memory(e) else "failed", first_line(e), 1)
+        if not multirun:
+            raise
+        log.error("job %s failed; the sweep goes on", num, exc_info=e)
+        _forget(e)
+        return None
+    record("ok", None, 0)
+    return value
+
+
+def _reset_cuda_peaks() -> None:
+    """A job's peak memory must be its own, not an earlier job's of the same sweep process.
+
+    Only when CUDA is already initialised: touching it earlier would initialise it before the
+    allocator plugin's settings (which must come first).
+    """
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _forget(error: BaseException) -> None:
+    """Let the next job of the sweep start clean: the traceback holds the failed job's models."""
+    error.__traceback__ = None
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+    except Exception:  # cleanup is best effort; the next job reports its own memory
+        pass
+
+
+def summarize_metrics(out: Path) -> dict[str, Any]:
+    """Steps done, final loss, s/step (first step excluded: warm-up), peak memory, last micro-batch."""
+    from runner.loop import read_metrics
+
+    path = out / "metrics.jsonl"
+    rows = read_metrics(path) if path.is_file() else []
+    if not rows:
+        return {"steps_done": 0, "final_loss": None, "s_per_step": None, "peak_memory_gb": None,
+                "peak_memory_source": None, "micro_batch_size": None}
+    times = [r["s_per_step"] for r in rows]
+    tail = times[1:] or times
+    cuda_peaks = [r["memory_peak_gb"] for r in rows if r.get("memory_peak_gb") is not None]
+    if cuda_peaks:
+        peak, source = max(cuda_peaks), "cuda max allocated"
+    else:
+        rss = [r["host_rss_gb"] for r in rows if r.get("host_rss_gb") is not None]
+        peak, source = (max(rss), "host rss (sampled at step end)") if rss else (None, None)
+    return {"steps_done": rows[-1]["step"], "final_loss": rows[-1]["loss"], "s_per_step": sum(tail) / len(tail),
+            "peak_memory_gb": peak, "peak_memory_source": source, "micro_batch_size": rows[-1].get("micro_batch_size")}
+
+
+def write_job_summary(cfg: DictConfig, status: str, error: str | None, exit_code: int, num: int | None,
+                      overrides: list[str], wall_s: float) -> Path | None:
+    from runner.run import output_dir
+
+    try:
+        out = output_dir(cfg)
+    except UserError:  # no output directory (not under Hydra, none configured): nothing to write into
+        return None
+    out.mkdir(parents=True, exist_ok=True)
+    summary = {"job": num, "status": status, "overrides": overrides, **summarize_metrics(out),
+               "exit_code": exit_code, "error": error, "dir": str(out), "wall_s": round(wall_s, 3)}
+    path = out / JOB_SUMMARY
+    path.write_text(json.dumps(summary, indent=2) + "\n")
+    return path
+
+
+# ---- the sweep ---------------------------------------------------------------------------------
+def collect(sweep_dir: Path) -> list[dict[str, Any]]:
+    """One row per job directory of the sweep (a directory with Hydra's ``.hydra/``), by job number.
+
+    A job that wrote no job_summary.json (killed from outside, e.g. by the kernel's OOM killer)
+    is listed with status ``unknown``.
+    """
+    rows = []
+    for d in sorted(p for p in sweep_dir.iterdir() if p.is_dir()):
+        summary = d / JOB_SUMMARY
+        if summary.is_file():
+            rows.append(json.loads(summary.read_text()))
+        elif (d / ".hydra" / "overrides.yaml").is_file():
+            from omegaconf import OmegaConf
+
+            overrides = list(OmegaConf.load(d / ".hydra" / "overrides.yaml"))
+            prefix = d.name.split("_", 1)[0]
+            rows.append({"job": int(prefix) if prefix.isdigit() else None, "status": "unknown", "overrides": overrides,
+                         "error": "no job_summary.json: the job was killed or crashed hard", "dir": str(d)})
+    rows.sort(key=lambda r: (r.get("job") is None, r.get("job") or 0, r.get("dir", "")))
+    return rows
+
+
+def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({**r, "overrides": " ".join(r.get("overrides") or [])})
+
+
+def _fmt(value: Any, spec: str = "") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(value, spec) if spec else str(value)
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """The sweep as a text table; overrides shared by every job are listed once above it."""
+    lists = [r.get("overrides") or [] for r in rows]
+    common = [o for o in lists[0] if all(o in other for other in lists[1:])] if len(lists) > 1 else []
+    header = ("job", "status", "overrides", "steps", "final loss", "s/step", "peak GiB", "micro", "error")
+    body = []
+    for r, overrides in zip(rows, lists):
+        error = (r.get("error") or "").replace("\n", " ")
+        own = " ".join(o for o in overrides if o not in common) or "-"
+        body.append((_fmt(r.get("job")), r.get("status", "?"), own,
+                     _fmt(r.get("steps_done")), _fmt(r.get("final_loss"), ".4f"), _fmt(r.get("s_per_step"), ".3f"),
+                     _fmt(r.get("peak_memory_gb"), ".2f"), _fmt(r.get("micro_batch_size")),
+                     error[:70] + ("..." if len(error) > 70 else "")))
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(header)]
+    lines = [f"common overrides: {' '.join(common)}"] if common else []
+    lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(b, widths)) for b in body]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+class SweepSummary(Callback):
+    """Hydra callback: at the end of a ``-m`` sweep, print the table and write sweep_summary.csv."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        global _last_sweep
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        if not sweep_dir.is_dir():
+            return
+        rows = collect(sweep_dir)
+        write_csv(rows, sweep_dir / SWEEP_CSV)
+        bad = [r for r in rows if r.get("status") != "ok"]
+        print(f"\nsweep: {len(rows)} jobs, {len(rows) - len(bad)} ok, {len(bad)} not ok  "
+              f"({sweep_dir / SWEEP_CSV})\n{format_table(rows)}")
+        _last_sweep = rows
+
+
+def exit_status() -> int:
+    """1 when the last sweep of this process had a job that did not end ``ok``, else 0."""
+    return int(bool(_last_sweep) and any(r.get("status") != "ok" for r in _last_sweep))
