@@ -36,8 +36,10 @@ finds in the optimizer's parameter groups (the host masters), which are filled o
 """
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -130,6 +132,20 @@ def _constructor_kwargs(cls: type, defaults: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in defaults.items() if k in params}
 
 
+def _same_optimizer_over(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    """A copy of ``optimizer`` (same class, settings, hooks) over other parameter groups, with no state.
+
+    A shallow copy rather than ``type(optimizer)(groups, **defaults)``: constructors differ
+    (torch's AdamW keeps a default it does not accept as an argument; bitsandbytes' 8-bit
+    optimizers keep settings outside ``defaults``; the planner's simulated optimizer takes its
+    config object), while every optimizer reads its groups and state from these two attributes.
+    """
+    inner = copy.copy(optimizer)
+    inner.param_groups = groups
+    inner.state = defaultdict(dict)
+    return inner
+
+
 def _sync(events: list[Any]) -> None:
     for e in events:
         e.synchronize()
@@ -172,7 +188,7 @@ class HostStepOptimizer(torch.optim.Optimizer):
                 hg["params"].append(master)
                 self.pairs.append((p, master))
             groups.append(hg)
-        self.inner = type(optimizer)(groups, **_constructor_kwargs(type(optimizer), optimizer.defaults))
+        self.inner = _same_optimizer_over(optimizer, groups)
         if optimizer.state:  # it already stepped (hosted mode): carry its state over, onto the host
             self.inner.load_state_dict(optimizer.state_dict())
         self.device = next((p.device for p, m in self.pairs if p is not m), self.host)

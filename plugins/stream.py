@@ -435,9 +435,11 @@ def _in_backward() -> bool:
 
 
 def _autocast_on(device: torch.device) -> bool:
+    if device.type == "meta":  # the planner simulates autocast itself; its cache is cleared by the plugin
+        return True
     try:
         return torch.is_autocast_enabled(device.type)
-    except (RuntimeError, TypeError):  # a device type autocast does not know (meta)
+    except (RuntimeError, TypeError):  # a device type autocast does not know
         return False
 
 
@@ -456,8 +458,10 @@ class StreamHandle:
     """A module whose blocks stream their weights; created by :func:`apply_stream_offload`."""
 
     def __init__(self, module: nn.Module, blocks: list[nn.Module], plan: StreamPlan, device: torch.device,
-                 host: torch.device, prefetch: int, pin_memory: bool, always_copy: bool) -> None:
+                 host: torch.device, prefetch: int, pin_memory: bool, always_copy: bool,
+                 clear_cast_cache: Callable[[], None] = torch.clear_autocast_cache) -> None:
         self.module = module
+        self.clear_cast_cache = clear_cast_cache
         self.plan = plan
         self.device = device
         self.host = host
@@ -724,7 +728,7 @@ class StreamHandle:
             if not b.streamed:
                 return None
             if any(s.trainable for s in b.slots) and _autocast_on(self.device):
-                torch.clear_autocast_cache()  # drop the cached low-precision casts of the streamed weights
+                self.clear_cast_cache()  # drop the cached low-precision casts of the streamed weights
             if not (grad_on and outs and self._learned and b.index in self._keep):
                 self._release(b)
             return None
@@ -998,6 +1002,7 @@ def apply_stream_offload(
     always_copy: bool = False,
     name: str = "module",
     plan: StreamPlan | None = None,
+    clear_cast_cache: Callable[[], None] = torch.clear_autocast_cache,
 ) -> StreamHandle:
     """Stream the weights of ``blocks`` (in execution order) of ``module`` within a byte budget.
 
@@ -1010,7 +1015,7 @@ def apply_stream_offload(
     if getattr(module, "_runner_stream_handle", None) is not None:
         raise ValueError("apply_stream_offload: this module is already streamed; call handle.remove() first")
     plan = plan or plan_stream(module, blocks, device_budget_bytes, prefetch, name)
-    handle = StreamHandle(module, blocks, plan, device, host, prefetch, pin_memory, always_copy)
+    handle = StreamHandle(module, blocks, plan, device, host, prefetch, pin_memory, always_copy, clear_cast_cache)
     module._runner_stream_handle = handle
     _orig_remove = handle.remove
 
@@ -1093,16 +1098,16 @@ class StreamOffload(Plugin):
             else:
                 budget = int(c.device_fraction * sizes[n])
             handle = apply_stream_offload(module, blocks, budget, int(c.prefetch), ctx.device, ctx.host,
-                                          pin_memory=bool(c.pin_memory), name=n)
+                                          pin_memory=bool(c.pin_memory), name=n, clear_cast_cache=_cast_cache_clearer(ctx))
             module._runner_placed = True
             handles[n] = handle
             log.info("stream: %s", handle.plan.describe())
         ctx.state[self.key] = {"handles": handles}
         host = sum(h.host_bytes() for h in handles.values())
-        ctx.notes["streamed weight bytes (host)"] = host
-        ctx.notes["pinned host bytes"] = ctx.notes.get("pinned host bytes", 0) + host
-        ctx.state["pinned_host_bytes"] = ctx.state.get("pinned_host_bytes", 0) + host
-        ctx.notes["device weight bytes (planned)"] = sum(h.plan.device_weight_bytes for h in handles.values())
+        _note_pinned(ctx, host if c.pin_memory else 0)  # pinned on the target GPU (the planner's contract)
+        ctx.notes["stream: weight bytes on the host"] = host
+        ctx.notes["stream: planned device weight bytes"] = sum(h.plan.device_weight_bytes for h in handles.values())
+        ctx.notes["stream: planned window bytes"] = sum(h.plan.window_bytes for h in handles.values())
 
     def wrap_execution(self, ctx: RunContext) -> None:
         if self.config.activations:
@@ -1129,5 +1134,30 @@ class StreamOffload(Plugin):
         state = ctx.state.pop(self.key, {})
         for undo in reversed(state.get("undo", [])):
             undo()
-        for h in state.get("handles", {}).values():
+        handles = state.get("handles", {})
+        if handles:
+            ctx.notes["stream: peak streamed bytes on the device"] = sum(h.stats.peak_device_bytes for h in handles.values())
+            ctx.notes["stream: host-to-device bytes"] = sum(h.stats.h2d_bytes for h in handles.values())
+        for h in handles.values():
             h.remove()
+
+
+def _note_pinned(ctx: RunContext, nbytes: int) -> None:
+    try:
+        from runner.planner import note_pinned_bytes
+    except ImportError:  # pragma: no cover - the planner is part of the runner
+        ctx.state["pinned_host_bytes"] = int(ctx.state.get("pinned_host_bytes", 0) or 0) + int(nbytes)
+        return
+    note_pinned_bytes(ctx, nbytes)
+
+
+def _cast_cache_clearer(ctx: RunContext) -> Callable[[], None]:
+    """Clears torch's autocast weight-cast cache, and in simulation the planner's own copy of it
+    (``DeviceSemantics.cache``: ``meta`` has no torch autocast, so the planner keeps the cache)."""
+    def clear() -> None:
+        torch.clear_autocast_cache()
+        cache = getattr(getattr(ctx.accelerator, "semantics", None), "cache", None)
+        if ctx.simulate and isinstance(cache, dict):
+            cache.clear()
+
+    return clear

@@ -1,6 +1,6 @@
 """``python -m runner +preset=sdxl_24gb train.steps=200``
 
-One run, top to bottom: compose -> validate -> build trainer -> apply plugins -> loop -> report.
+One run, top to bottom: compose -> validate -> build trainer -> plan -> apply plugins -> loop -> report.
 Each step is a function in runner/ that tests call on its own.
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from runner import registry, sweep
 from runner.errors import UserError
 from runner.loop import make_accelerator, train
+from runner.planner import plan_command, preflight
 from runner.report import summary, write_run_info
 from runner.run import build_plugins, build_trainer, make_context, output_dir
 from runner.validate import conf_dir, precheck, validate
@@ -31,11 +32,15 @@ def run(cfg: DictConfig) -> float | None:
         return None
     out = output_dir(cfg)
     write_run_info(out, cfg)
+    if cfg.mode == "plan":                                      # only plan: table + plan.json; exit 3 over budget
+        plan_command(cfg, out)
+        return None
     schedule = build_plugins(cfg)
     log.info("plugin order:\n%s", schedule.describe())
     ctx = make_context(cfg, schedule, out)
     ctx.run_phase("configure_process")                          # before anything touches CUDA
     ctx.trainer = build_trainer(cfg)                            # build trainer
+    preflight(cfg, ctx.trainer, out, ctx.device)                # plan: refuse to start (exit 3) over budget_gb
     set_seed(cfg.train.seed)                                    # random init is reproducible, so resume is exact
     ctx.models = ctx.trainer.build_models("cpu")
     ctx.accelerator = make_accelerator(cfg, ctx.device)

@@ -51,6 +51,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     resume: Optional[str] = None  # a run directory or a checkpoint directory
     progress: bool = True
+    preflight: bool = True  # plan the step first (runner/planner.py); refuse to start (exit 3) over budget_gb
 
 
 @dataclass
@@ -95,12 +96,12 @@ class RunConfig:
     quantization: Any = MISSING
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     budget_gb: Optional[float] = None  # device memory budget; used by allocator cap and the planner
-    mode: str = "train"  # train | plugins
+    mode: str = "train"  # train | plan (predict memory, exit 3 if over budget_gb) | plugins
     preset: Optional[str] = None  # set by the preset file, for the log
     output_dir: Optional[str] = None  # default: Hydra's run directory
 
 
-MODES = ("train", "plugins")
+MODES = ("train", "plan", "plugins")
 SIZES = ("tiny", "full")
 DTYPES = ("float32", "bfloat16", "float16")
 TRAIN_DTYPES = ("float32", "bfloat16")  # model.train_dtype (bfloat16 = kohya's --full_bf16)

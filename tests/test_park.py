@@ -352,6 +352,8 @@ def test_park_on_cuda_holds_weights_only_during_the_call():
     assert all(p.is_pinned() for p in vae.parameters())
     host_ptrs = [p.data_ptr() for p in vae.parameters()]  # the pinned copies, made once
     x = torch.rand(1, 3, 64, 64, device="cuda")
+    with torch.no_grad():  # warm-up: cuBLAS/cuDNN allocate their workspaces on first use
+        vae.encode(x)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     during = {}
@@ -359,7 +361,7 @@ def test_park_on_cuda_holds_weights_only_during_the_call():
     with torch.no_grad():
         out = vae.encode(x).latent_dist.mean
     torch.cuda.synchronize()
-    assert out.device.type == "cuda" and parked.loads == 1
+    assert out.device.type == "cuda" and parked.loads == 2
     assert during["bytes"] - before >= nbytes
     del out
     assert torch.cuda.memory_allocated() == before  # the device copies are gone
