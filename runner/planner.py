@@ -438,13 +438,19 @@ class Plan:
         return format_plan(self)
 
 
-def _gib(n: int | float) -> str:
-    return f"{n / GiB:7.2f} GiB"
+def _unit(n: int) -> tuple[float, str]:
+    return (GiB, "GiB") if abs(n) >= GiB // 2 else (2**20, "MiB")
+
+
+def _size(n: int | float, unit: tuple[float, str] | None = None) -> str:
+    div, name = unit or _unit(int(n))
+    return f"{n / div:.2f} {name}"
 
 
 def format_plan(plan: Plan) -> str:
     """The plan as a readable table (what ``mode=plan`` prints)."""
     s = plan.setup
+    unit = _unit(plan.peak_bytes)
     lines = [
         f"Plan: {s['trainer']} ({s['size']}), {s['resolution']} px, batch {s['batch_size']} "
         f"({s['micro_batches']} x micro-batch {s['micro_batch_size']}), {s['precision_text']} on a "
@@ -452,46 +458,45 @@ def format_plan(plan: Plan) -> str:
         f"  plugins: {s['plugins']}; optimizer: {s['optimizer']}; trained: {s['trained']}",
         "",
     ]
-    need = f"{_gib(plan.peak_bytes).strip()} at the peak ({plan.peak_phase})"
+    need = f"{_size(plan.peak_bytes)} at the peak ({plan.peak_phase})"
     if plan.margin_bytes:
-        need += f" + {plan.margin_bytes / 2**20:.0f} MiB kernel workspaces = {_gib(plan.required_bytes).strip()}"
+        need += f" + {plan.margin_bytes / 2**20:.0f} MiB kernel workspaces = {_size(plan.required_bytes)}"
     if plan.budget_bytes is None:
         verdict = "no budget_gb set: nothing to compare with"
     else:
-        verdict = (f"budget {plan.budget_bytes / GiB:.2f} GiB -> "
-                   + ("FITS" if plan.fits else f"DOES NOT FIT (over by {_gib(plan.required_bytes - plan.budget_bytes).strip()})"))
+        verdict = (f"budget_gb {plan.budget_bytes / GiB:g} -> "
+                   + ("FITS" if plan.fits else f"DOES NOT FIT (over by {_size(plan.required_bytes - plan.budget_bytes)})"))
     lines += [f"device memory: {need}", f"  {verdict}", ""]
     mods = sorted(plan.by_module.items(), key=lambda kv: -sum(kv[1].values()))
     cats = [c for c in CATEGORIES if any(per.get(c) for _, per in mods)]
-    header = f"  {'at the peak':<22}" + "".join(f"{c.replace('optimizer_state', 'optimizer'):>13}" for c in cats) + f"{'total':>13}"
-    lines.append(header)
+    short = {"optimizer_state": "optimizer", "temporaries": "temporary", "activations": "activation"}
+    lines.append(f"  {'at the peak, ' + unit[1]:<22}" + "".join(f"{short.get(c, c):>12}" for c in cats) + f"{'total':>12}")
     for name, per in mods:
-        total = sum(per.values())
-        if not total:
-            continue
-        lines.append(f"  {name:<22}" + "".join(f"{per.get(c, 0) / GiB:>13.3f}" for c in cats) + f"{total / GiB:>13.3f}")
-    lines.append(f"  {'all (GiB)':<22}" + "".join(f"{plan.by_category.get(c, 0) / GiB:>13.3f}" for c in cats)
-                 + f"{plan.peak_bytes / GiB:>13.3f}")
-    lines += ["", "  steady-state peak by phase: " + ", ".join(f"{k} {v / GiB:.2f}" for k, v in plan.phases.items()) + " GiB"]
-    state = ", ".join(f"{'device' if d == DEVICE.type else 'host' if d == 'cpu' else d} {n / GiB:.2f} GiB"
+        lines.append(f"  {name:<22}" + "".join(f"{per.get(c, 0) / unit[0]:>12.3f}" for c in cats)
+                     + f"{sum(per.values()) / unit[0]:>12.3f}")
+    lines.append(f"  {'all':<22}" + "".join(f"{plan.by_category.get(c, 0) / unit[0]:>12.3f}" for c in cats)
+                 + f"{plan.peak_bytes / unit[0]:>12.3f}")
+    lines += ["", "  steady-state peak by phase: " + ", ".join(f"{k} {_size(v, unit)}" for k, v in plan.phases.items())]
+    state = ", ".join(f"{'device' if d == DEVICE.type else 'host' if d == HOST.type else d} {_size(n)}"
                       for d, n in plan.optimizer_state_bytes.items() if n)
     if state:
         lines.append(f"  optimizer state (kept between steps, included above): {state}")
     lines += [
         "",
-        f"host RAM (tensors): peak {_gib(plan.host_peak_bytes).strip()} ({plan.host_peak_phase}), "
-        f"during training {_gib(plan.host_steady_bytes).strip()}; pinned {_gib(plan.host_pinned_bytes).strip()}, "
-        f"pageable {_gib(plan.host_pageable_bytes).strip()}",
+        f"host RAM (tensors): peak {_size(plan.host_peak_bytes)} (in {plan.host_peak_phase}), during training "
+        f"{_size(plan.host_steady_bytes)}; pinned {_size(plan.host_pinned_bytes)}, "
+        f"pageable {_size(plan.host_pageable_bytes)}",
     ]
     if plan.suggestions:
-        lines += ["", "would save the most (estimates from the breakdown above; confirm with mode=plan and the override):"]
+        lines += ["", "would save the most (estimates from the breakdown above, not re-planned; "
+                      "confirm with mode=plan and the override):"]
         for sug in plan.suggestions:
             after = plan.required_bytes - sug["saves_bytes"]
             ok = plan.budget_bytes is not None and after <= plan.budget_bytes
             bound = "up to " if sug.get("upper_bound") else ""
-            lines.append(f"  {sug['override']:<34} saves {bound}{_gib(sug['saves_bytes']).strip():>10} -> "
-                         f"{_gib(after).strip()} {'fits' if ok else 'still over'}")
-            lines.append(f"  {'':<34} ({sug['how']})")
+            lines.append(f"  {sug['override']:<28} saves {bound}{_size(sug['saves_bytes'])} -> "
+                         f"{_size(after)}, {'fits' if ok else 'still over'}")
+            lines.append(f"  {'':<28}   ({sug['how']})")
     lines += ["", f"simulated in {plan.seconds:.1f} s"]
     return "\n".join(lines)
 
