@@ -97,7 +97,7 @@ def int8_layout(out_features: int, in_features: int) -> Layout:
 
 
 def layout_bytes(layout: Layout) -> int:
-    return sum(math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in layout.values())
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in layout.values())
 
 
 # ---- simulation ---------------------------------------------------------------------------------

@@ -100,7 +100,7 @@ class Float8StorageLinear(nn.Module):
         amax = w.abs().amax().float()
         scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
         # clamp: casting to e4m3fn does not saturate, rounding just above the max gives NaN
-        bits = (w.float() / scale).clamp(-fmax, fmax).to(storage_dtype).view(torch.uint8)
+        bits = (w.float() / scale).clamp_(-fmax, fmax).to(storage_dtype).view(torch.uint8)
         self.weight = nn.Parameter(bits, requires_grad=False)
         self.register_buffer("weight_scale", scale)
         self.bias = layer.bias

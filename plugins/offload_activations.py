@@ -76,22 +76,40 @@ def check_config(c: Any) -> None:
         raise UserError(f"offload.ram_warn_pct={c.ram_warn_pct!r} is not valid: give a percentage in (0, 100].")
 
 
-class _Offloaded:
-    """What autograd keeps instead of an offloaded activation."""
+class _Region:
+    """One host copy: the memory span of a saved tensor, as a flat buffer."""
 
     __slots__ = ("id", "host", "device", "__weakref__")
 
-    def __init__(self, tid: int, host: torch.Tensor, device: torch.device) -> None:
-        self.id = tid
+    def __init__(self, rid: int, host: torch.Tensor, device: torch.device) -> None:
+        self.id = rid
         self.host = host
         self.device = device
+
+
+class _Offloaded:
+    """What autograd keeps instead of an offloaded activation: its region and its view of it."""
+
+    __slots__ = ("region", "shape", "stride", "offset")
+
+    def __init__(self, region: _Region, shape: tuple, stride: tuple, offset: int) -> None:
+        self.region = region
+        self.shape = shape
+        self.stride = stride
+        self.offset = offset
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat.as_strided(self.shape, self.stride, flat.storage_offset() + self.offset)
 
 
 @dataclass
 class ActivationStats:
     offloaded: int = 0  # tensors copied to the host
     offloaded_bytes: int = 0
+    live_host_bytes: int = 0  # offloaded bytes held on the host right now
+    peak_host_bytes: int = 0  # most offloaded bytes held on the host at once
     kept: int = 0  # saved tensors left on the device (weights, small, non-dense)
+    deduplicated: int = 0  # saved again while already offloaded (one host copy serves both)
     reused_from_stash: int = 0  # brought back without a copy (still on the device)
     prefetched: int = 0  # brought back ahead of need
     waited: int = 0  # brought back on demand
@@ -104,10 +122,16 @@ def _is_fake(t: Any) -> bool:
 
 
 def _dense(t: torch.Tensor) -> bool:
-    from torch._prims_common import is_non_overlapping_and_dense
-
+    """Non-overlapping and dense (any dimension order): a host copy with the same strides holds
+    exactly its elements. Expanded or strided views are left on the device."""
     try:
-        return bool(is_non_overlapping_and_dense(t))
+        dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1)
+        expected = 1
+        for st, sz in dims:
+            if st != expected:
+                return False
+            expected *= sz
+        return True
     except Exception:  # symbolic shapes
         return False
 
@@ -136,9 +160,10 @@ class ActivationOffloader:
         self._api = torch.get_device_module(self.device) if real_accel else None
         self._stream = self._api.Stream(device=self.device) if self.use_streams else None
         self._next_id = 0
-        self._live: weakref.WeakValueDictionary[int, _Offloaded] = weakref.WeakValueDictionary()
+        self._live: weakref.WeakValueDictionary[int, _Region] = weakref.WeakValueDictionary()
         self._fwd_stash: dict[int, tuple[torch.Tensor, Any]] = {}  # id -> (device tensor, copy event)
         self._ready: dict[int, tuple[torch.Tensor, Any]] = {}  # id -> (device tensor, copy event), prefetched
+        self._packed: dict[tuple, tuple[Any, Any]] = {}  # this forward's copies, by storage and view
         self._callback_task: int | None = None
         self._warned = False
         self._steps = 0
@@ -162,9 +187,23 @@ class ActivationOffloader:
         if not self._offloadable(t):
             self.stats.kept += 1
             return t
+        # A dense view covers exactly `numel` elements from its storage offset: that span is
+        # copied once, and every saved view of it (x and x.t(), or x saved by two nodes) is
+        # rebuilt from the same host copy. The key holds the storage weakly: a storage freed
+        # since cannot match a new one at the same address.
+        storage = t.untyped_storage()
+        start, n = t.storage_offset(), t.numel()
+        key = (storage._cdata, start, n, t.dtype)
+        shape, stride = tuple(t.shape), tuple(t.stride())
+        hit = self._packed.get(key)
+        if hit is not None and hit[0]() is storage:
+            region = hit[1]()
+            if region is not None:
+                self.stats.deduplicated += 1
+                return _Offloaded(region, shape, stride, 0)
         self._next_id += 1
-        tid = self._next_id
-        src = t.detach()
+        rid = self._next_id
+        span = t.detach().as_strided((n,), (1,), start)
         if self.use_streams:
             current = self._api.current_stream(self.device)
             # Drop stashed tensors whose copies are old enough: the compute stream waits for the
@@ -175,55 +214,62 @@ class ActivationOffloader:
                 current.wait_event(ev)
             self._stream.wait_stream(current)
             with self._api.stream(self._stream):
-                host = torch.empty_strided(src.size(), src.stride(), dtype=src.dtype, device=self.host, pin_memory=self.pin)
-                host.copy_(src, non_blocking=True)
+                host = torch.empty((n,), dtype=span.dtype, device=self.host, pin_memory=self.pin)
+                host.copy_(span, non_blocking=True)
                 event = self._stream.record_event()
-            self._fwd_stash[tid] = (src, event)
+            self._fwd_stash[rid] = (span, event)
         else:
-            host = src.to(self.host, copy=True)
-        self.stats.offloaded += 1
-        self.stats.offloaded_bytes += src.numel() * src.element_size()
-        rec = _Offloaded(tid, host, t.device)
-        self._live[tid] = rec
-        return rec
+            host = span.to(self.host, copy=True)
+        nbytes = n * span.element_size()
+        st = self.stats
+        st.offloaded += 1
+        st.offloaded_bytes += nbytes
+        st.live_host_bytes += nbytes
+        st.peak_host_bytes = max(st.peak_host_bytes, st.live_host_bytes)
+        region = _Region(rid, host, t.device)
+        self._live[rid] = region
+        self._packed[key] = (weakref.ref(storage), weakref.ref(region))
+        weakref.finalize(region, _forget, weakref.ref(st), nbytes)  # autograd dropped it: its host copy is freed
+        return _Offloaded(region, shape, stride, 0)
 
-    def _bring_back(self, rec: _Offloaded) -> tuple[torch.Tensor, Any]:
-        """Start copying ``rec`` back to its device; (tensor, event or None)."""
+    def _bring_back(self, region: _Region) -> tuple[torch.Tensor, Any]:
+        """Start copying ``region`` back to its device; (flat tensor, event or None)."""
         if not self.use_streams:
-            return rec.host.to(rec.device, copy=True), None
+            return region.host.to(region.device, copy=True), None
         with self._api.stream(self._stream):
-            dev = rec.host.to(rec.device, non_blocking=True)
+            dev = region.host.to(region.device, non_blocking=True)
             return dev, self._stream.record_event()
 
     def _unpack(self, x: Any) -> torch.Tensor:
         if not isinstance(x, _Offloaded):
             return x
         self._first_backward_call()
-        tid = x.id
-        if tid in self._fwd_stash:  # the copy may still be in flight, but the device tensor is here
+        region = x.region
+        rid = region.id
+        if rid in self._fwd_stash:  # the copy may still be in flight, but the device tensor is here
             self.stats.reused_from_stash += 1
-            return self._fwd_stash.pop(tid)[0]
-        if tid in self._ready:
-            dev, event = self._ready.pop(tid)
+            return x.view(self._fwd_stash[rid][0])
+        if rid in self._ready:
+            dev, event = self._ready.pop(rid)
             self.stats.prefetched += 1
         else:
-            dev, event = self._bring_back(x)
+            dev, event = self._bring_back(region)
             self.stats.waited += 1
         if event is not None:
             current = self._api.current_stream(self.device)
             current.wait_event(event)
             dev.record_stream(current)  # allocated on the copy stream, used on this one
-        self._prefetch_below(tid)
-        return dev
+        self._prefetch_below(rid)
+        return x.view(dev)
 
-    def _prefetch_below(self, tid: int) -> None:
+    def _prefetch_below(self, rid: int) -> None:
         if not self.prefetch or not self.use_streams:
             return
-        found, probe = 0, tid - 1
-        while found < self.prefetch and probe > 0 and tid - probe <= 256:
-            rec = self._live.get(probe)
-            if rec is not None and probe not in self._ready and probe not in self._fwd_stash:
-                self._ready[probe] = self._bring_back(rec)
+        found, probe = 0, rid - 1
+        while found < self.prefetch and probe > 0 and rid - probe <= 256:
+            region = self._live.get(probe)
+            if region is not None and probe not in self._ready and probe not in self._fwd_stash:
+                self._ready[probe] = self._bring_back(region)
                 found += 1
             probe -= 1
 
@@ -232,12 +278,13 @@ class ActivationOffloader:
         if task == -1 or task == self._callback_task:
             return
         self._callback_task = task
+        self._packed.clear()  # forward is over: later packs belong to a new forward
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         if self._fwd_stash and self.use_streams:
             current = self._api.current_stream(self.device)
             for _, ev in self._fwd_stash.values():
                 current.wait_event(ev)
-        if not self._warned and self.pin:
+        if not self._warned and self.stats.offloaded:
             self._check_ram()
 
     def _end_of_backward(self) -> None:
@@ -272,13 +319,21 @@ class ActivationOffloader:
         unpack_hook._runner_composable = True
         with torch.autograd.graph.saved_tensors_hooks(pack_hook, unpack_hook):
             yield
+        self._packed.clear()
         self._steps += 1
 
     def reset(self) -> None:
         """Forget a failed step (OOM)."""
+        self._packed.clear()
         self._fwd_stash.clear()
         self._ready.clear()
         self._callback_task = None
+
+
+def _forget(stats_ref: Any, nbytes: int) -> None:
+    st = stats_ref()
+    if st is not None:
+        st.live_host_bytes -= nbytes
 
 
 def offload_activations(device: torch.device | str, host: torch.device | str = "cpu", *, min_bytes: int = 1024,
@@ -337,6 +392,20 @@ class ActivationOffload(Plugin):
             off.reset()
 
     def teardown(self, ctx: RunContext) -> None:
-        for undo in reversed(ctx.state.pop(self.key, {}).get("undo", [])):
+        state = ctx.state.pop(self.key, {})
+        for undo in reversed(state.get("undo", [])):
             undo()
+        report(ctx, state.get("activations"), bool(self.config.pin_memory))
+
+
+def report(ctx: RunContext, offloader: ActivationOffloader | None, pinned: bool) -> None:
+    """Notes for the run report, and the pinned host bytes the planner reports (its contract)."""
+    if offloader is None:
+        return
+    ctx.notes["activations: peak bytes on the host"] = offloader.stats.peak_host_bytes
+    ctx.notes["activations: bytes offloaded"] = offloader.stats.offloaded_bytes
+    if pinned:
+        from runner.planner import note_pinned_bytes
+
+        note_pinned_bytes(ctx, offloader.stats.peak_host_bytes)
 

@@ -36,7 +36,6 @@ finds in the optimizer's parameter groups (the host masters), which are filled o
 """
 from __future__ import annotations
 
-import copy
 import inspect
 import logging
 from collections import defaultdict
@@ -71,12 +70,18 @@ class OptimizerOffloadConfig(PluginConfig):
     pin_memory: bool = True
 
 
+def _torchao_class() -> type | None:
+    """torchao's CPUOffloadOptimizer (``torchao.optim``; older releases: ``torchao.prototype.low_bit_optim``)."""
+    for module in ("torchao.optim", "torchao.prototype.low_bit_optim"):
+        try:
+            return getattr(__import__(module, fromlist=["CPUOffloadOptimizer"]), "CPUOffloadOptimizer")
+        except Exception:  # not installed, or an incompatible build
+            continue
+    return None
+
+
 def torchao_available() -> bool:
-    try:
-        from torchao.optim import CPUOffloadOptimizer  # noqa: F401
-    except Exception:
-        return False
-    return True
+    return _torchao_class() is not None
 
 
 def torchao_blockers(config: Any, max_grad_norm: float, grad_accum: int, device_type: str) -> list[str]:
@@ -140,7 +145,8 @@ def _same_optimizer_over(optimizer: torch.optim.Optimizer, groups: list[dict[str
     optimizers keep settings outside ``defaults``; the planner's simulated optimizer takes its
     config object), while every optimizer reads its groups and state from these two attributes.
     """
-    inner = copy.copy(optimizer)
+    inner = object.__new__(type(optimizer))  # not copy.copy: Optimizer.__getstate__ keeps only 3 attributes
+    inner.__dict__.update(optimizer.__dict__)
     inner.param_groups = groups
     inner.state = defaultdict(dict)
     return inner
@@ -162,9 +168,9 @@ class HostStepOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, host: torch.device | str = "cpu",
-                 offload_gradients: bool = False, max_grad_norm: float = 0.0, pin_memory: bool = True) -> None:
+                 offload_gradients: bool = False, max_grad_norm: float = 0.0, pin_memory: bool = True,
+                 always_copy: bool = False) -> None:
         self.host = torch.device(host)
-        self.offload_gradients = offload_gradients
         self.max_grad_norm = float(max_grad_norm)
         self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []  # (device parameter, host master)
         self.regions: list[HostRegion] = []
@@ -173,12 +179,17 @@ class HostStepOptimizer(torch.optim.Optimizer):
         self._pending: list[Any] = []  # copy events to wait for before the host reads gradients
         self._adds: list[tuple[nn.Parameter, torch.Tensor]] = []  # (master, staged gradient) to add after them
         self._hooks: list[Any] = []
+        copied = [p.device != self.host or always_copy for g in optimizer.param_groups for p in g["params"]]
+        if offload_gradients and any(copied) and not all(copied):
+            # The runner's clipping would see the host parameters' gradients and not the others.
+            raise ValueError("offload_gradients needs every trained parameter on the device; some are on the host "
+                             "already (offload=stream keeps them there: its combined option does not offload gradients)")
         groups = []
         for g in optimizer.param_groups:
             hg = {k: v for k, v in g.items() if k != "params"}
             hg["params"] = []
             for p in g["params"]:
-                if p.device == self.host:
+                if p.device == self.host and not always_copy:
                     master = p
                 else:
                     data, region = host_copy(p, pin_memory)
@@ -191,12 +202,14 @@ class HostStepOptimizer(torch.optim.Optimizer):
         self.inner = _same_optimizer_over(optimizer, groups)
         if optimizer.state:  # it already stepped (hosted mode): carry its state over, onto the host
             self.inner.load_state_dict(optimizer.state_dict())
+        # On a CPU run every parameter is its own master: there is nothing to offload (or to clip twice).
+        self.offload_gradients = offload_gradients and all(copied)
         self.device = next((p.device for p, m in self.pairs if p is not m), self.host)
         self.pin = pin_memory and self.device.type == "cuda"
         self._api = torch.get_device_module(self.device) if self.device.type not in ("cpu", "meta") and not any(
             _is_fake(p) for p, _ in self.pairs) else None
         self._d2h = self._api.Stream(device=self.device) if self._api is not None else None
-        if offload_gradients:
+        if self.offload_gradients:
             for p, m in self.pairs:
                 if p is not m and p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(m)))
@@ -329,6 +342,11 @@ class HostStepOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.inner.load_state_dict(state_dict)  # torch places state on each master's device: the host
+
+    def host_bytes(self) -> int:
+        """Host bytes of masters and gradient buffers this wrapper keeps (page-locked on CUDA)."""
+        n = sum(_nbytes(m) for p, m in self.pairs if p is not m)
+        return 2 * n
 
     def remove(self) -> None:
         for h in self._hooks:
@@ -473,6 +491,10 @@ class HostStateOptimizer(torch.optim.Optimizer):
             for p in g["params"]:
                 self._to_host(p)
 
+    def host_bytes(self) -> int:
+        """Host bytes of the state buffers (page-locked on CUDA); known after the first step."""
+        return sum(_nbytes(t) for t in self._host_state.values())
+
     def remove(self) -> None:
         for r in self.regions:
             r.close()
@@ -483,11 +505,14 @@ class HostStateOptimizer(torch.optim.Optimizer):
 
 def _torchao_optimizer(optimizer: torch.optim.Optimizer, offload_gradients: bool) -> torch.optim.Optimizer:
     """torchao's CPUOffloadOptimizer over the same parameter groups (CUDA; see module docstring)."""
-    from torchao.optim import CPUOffloadOptimizer
-
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(g["params"])} for g in optimizer.param_groups]
-    kwargs = _constructor_kwargs(type(optimizer), optimizer.defaults)
-    return CPUOffloadOptimizer(groups, optimizer_class=type(optimizer), offload_gradients=offload_gradients, **kwargs)
+    cls = _torchao_class()
+    # Kernel choices are torchao's to make: it steps AdamW with the fused CPU kernel unless told otherwise
+    # (the runner's foreach=False is a device-memory choice that does not apply on the host).
+    kernel = ("fused", "foreach", "capturable", "differentiable")
+    groups = [{**{k: v for k, v in g.items() if k != "params" and k not in kernel}, "params": list(g["params"])}
+              for g in optimizer.param_groups]
+    kwargs = {k: v for k, v in _constructor_kwargs(type(optimizer), optimizer.defaults).items() if k not in kernel}
+    return cls(groups, optimizer_class=type(optimizer), offload_gradients=offload_gradients, **kwargs)
 
 
 def offload_optimizer(
@@ -525,7 +550,7 @@ def offload_optimizer(
             log.info("offload=optimizer: built-in host offload (torchao not used: %s)", "; ".join(why))
     if step_on_host:
         return HostStepOptimizer(optimizer, host=host, offload_gradients=offload_gradients,
-                                 max_grad_norm=max_grad_norm, pin_memory=pin_memory)
+                                 max_grad_norm=max_grad_norm, pin_memory=pin_memory, always_copy=always_copy)
     return HostStateOptimizer(optimizer, host=host, chunk_bytes=chunk_bytes, pin_memory=pin_memory, always_copy=always_copy)
 
 
@@ -569,6 +594,24 @@ class OptimizerOffload(Plugin):
             opt.discard_gradients()
 
     def teardown(self, ctx: RunContext) -> None:
-        for undo in reversed(ctx.state.pop(self.key, {}).get("undo", [])):
+        state = ctx.state.pop(self.key, {})
+        for undo in reversed(state.get("undo", [])):
             undo()
+        report(ctx, state.get("optimizer"), bool(self.config.pin_memory))
+
+
+def report(ctx: RunContext, optimizer: Any, pinned: bool) -> None:
+    """Notes for the run report, and the pinned host bytes the planner reports (its contract).
+
+    Reported at teardown because ``step_on_host=false`` knows its state's size only after a step.
+    """
+    host_bytes = getattr(optimizer, "host_bytes", None)
+    if host_bytes is None:
+        return
+    n = int(host_bytes())
+    ctx.notes["optimizer offload: host bytes"] = n
+    if pinned:
+        from runner.planner import note_pinned_bytes
+
+        note_pinned_bytes(ctx, n)
 

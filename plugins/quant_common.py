@@ -93,7 +93,7 @@ class QuantTargetsConfig(PluginConfig):
     """The settings every quantization plugin has: which modules, which layers to leave alone."""
 
     modules: list[str] = field(default_factory=list)  # [] = every module holding frozen base weights, VAE excepted
-    skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))  # regexes (re.search) on layer names
+    skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))  # regexes (re.search) on layer names; replaces the defaults
 
 
 # ---- choosing layers ---------------------------------------------------------------------------
@@ -175,7 +175,7 @@ def select_linear_layers(root: nn.Module, skip: Sequence[str] = DEFAULT_SKIP, ke
             logical = logical_name(name)
             if any(p.search(logical) for p in patterns) or any(f".{k}." in f".{logical}." for k in keep):
                 sel.skipped.append(logical)
-            elif layer.weight.requires_grad:
+            elif any(p.requires_grad for p in layer.parameters()):  # a trained bias counts too
                 sel.trainable.append(logical)
             else:
                 sel.targets.append(LinearTarget(name, parent, attr, layer))
@@ -282,12 +282,16 @@ def replace_layers(
 ) -> QuantizationResult:
     """Replace each selected layer by ``make(target)``, one at a time, recording bytes.
 
-    One at a time so that the peak is one layer's original weights plus the whole model's
-    quantized ones, never two copies of the model.
+    One at a time, and each original layer is released as soon as it is replaced (the targets
+    are consumed from ``sel``), so the peak is the model plus one layer's temporaries, never the
+    original and the quantized model side by side.
     """
     result = result or QuantizationResult()
     result.skipped = list(sel.skipped)
-    for t in sel.targets:
+    targets, sel.targets = sel.targets, []
+    targets.reverse()
+    while targets:
+        t = targets.pop()
         result.weight_bytes_before += storage_bytes([t.layer.weight])
         new = make(t)
         new.train(t.layer.training)
@@ -295,6 +299,7 @@ def replace_layers(
         result.layers.append(t.name)
         bias = getattr(new, "bias", None)
         result.weight_bytes_after += storage_bytes(x for x in weight_tensors(new) if x is not bias)
+        del t, new, bias  # the last references to the original layer
     return result
 
 
@@ -337,16 +342,21 @@ class LinearQuantization(Plugin):
     # -- validation ----------------------------------------------------------------------------
     def validate(self, cfg: Any) -> None:
         compile_patterns(self.config.skip)
-        self.compute_dtype(cfg)  # raises on an invalid name
-        explicit = getattr(self.config, "compute_dtype", None)
+        resolved = self.compute_dtype(cfg)  # raises on an invalid name
         precision = str(cfg.train.mixed_precision)
-        if explicit is not None and precision in PRECISION_DTYPES and explicit != "float32" and explicit != PRECISION_DTYPES[precision]:
-            raise UserError(
-                f"quantization.compute_dtype={explicit} conflicts with train.mixed_precision={precision}: the "
-                f"quantized layers would compute in {explicit} inside {precision} autocast, casting every "
-                f"activation twice and, for float16, risking overflow. Use quantization.compute_dtype="
-                f"{PRECISION_DTYPES[precision]} (or leave it unset to follow model.dtype)."
-            )
+        half = {torch.float16, torch.bfloat16}
+        if hasattr(self.config, "compute_dtype") and precision in PRECISION_DTYPES and resolved in half:
+            want = PRECISION_DTYPES[precision]
+            if resolved != COMPUTE_DTYPES[want]:
+                explicit = self.config.compute_dtype
+                source = (f"quantization.compute_dtype={explicit}" if explicit is not None else
+                          f"model.dtype={cfg.model.dtype} (quantization.compute_dtype follows it when unset)")
+                have = str(resolved).replace("torch.", "")
+                raise UserError(
+                    f"{source} conflicts with train.mixed_precision={precision}: the quantized layers would compute "
+                    f"in {have} inside {precision} autocast, casting every activation in and out and, for float16, "
+                    f"risking overflow. Set quantization.compute_dtype={want} (float32 is also accepted)."
+                )
         denoiser = trained_denoiser(cfg)
         if str(cfg.model.train) == "full" and denoiser is not None and denoiser in list(self.config.modules):
             raise UserError(
@@ -383,11 +393,11 @@ class LinearQuantization(Plugin):
         for name in self.target_modules(ctx.models):
             module = ctx.models[name]
             keep = keep_patterns(module, cdt)
-            sel = select_linear_layers(module, self.config.skip, keep)
-            if sel.trainable:
+            trainable = select_linear_layers(module, self.config.skip, keep).trainable  # keeps no layer alive
+            if trainable:
                 raise UserError(
                     f"quantization={self.name} would quantize '{name}', whose weights are trained "
-                    f"({len(sel.trainable)} Linear layers, e.g. {sel.trainable[0]}); quantized weights cannot be "
+                    f"({len(trainable)} Linear layers, e.g. {trainable[0]}); quantized weights cannot be "
                     f"trained. Use model.train=lora, or leave '{name}' out of quantization.modules."
                 )
             result = self.quantize(module, self.config.skip, keep, ctx)

@@ -34,14 +34,19 @@ How training stays correct (where accelerate's cpu_offload and diffusers' group 
   there: a weight can never be read while it is not on the device. Other saved tensors go to
   the hooks that were active before (activation offload), so both compose.
 * **Backward order.** A hook on each block's outputs fires when backward reaches the block: the
-  block is loaded there (and ``prefetch`` blocks further in backward order are started); a
-  small identity function on its inputs fires when backward has left it, and its weights are
-  dropped again. With activation checkpointing the recomputation runs inside the block's
-  backward, i.e. after the load; this holds whether checkpointing wraps ``forward``
+  block is loaded there, ``prefetch`` blocks further in backward order are started, and the
+  blocks that ran *after* it in forward are released. That last rule needs no hook on the
+  inputs: the autograd engine runs the ready node with the highest sequence number first and a
+  node only depends on nodes created after it, so when a block's output node runs, every node
+  of later blocks has run. (An identity node on the block inputs would also tell, but it changes
+  the order in which a shared input's gradient is summed, e.g. the time embedding's in every
+  block, and with it the last bits.) With activation checkpointing the recomputation runs inside
+  the block's backward, i.e. after the load; this holds whether checkpointing wraps ``forward``
   (plugins/checkpoint.py, either order) or calls the module (diffusers). The end of backward
-  releases whatever is left. A new forward never starts cold for its last blocks: the last
-  ``prefetch + 1`` streamed blocks stay loaded across the forward->backward turn (they are the
-  first backward needs, and this keeps within the window).
+  releases whatever is left. The last ``prefetch + 1`` streamed blocks stay loaded across the
+  forward->backward turn (backward needs them first; this stays within the window). The
+  execution order is guessed before the first forward (diffusers U-Nets register their stages
+  and blocks in another order than they run: :func:`guess_execution_order`) and recorded by it.
 * **Gradients of streamed trained parameters** (full fine-tune) are copied device->host on a
   second side stream from a post-accumulate-grad hook, accumulated over micro-batches on the
   host, and exposed as the host parameter's ``.grad`` when backward ends; the optimizer then
@@ -59,6 +64,20 @@ copy per block, so host->device copies run at full bandwidth); each trained para
 own region (its own storage, so safetensors can save it). Pinning only happens when CUDA is
 available; on CPU and under the planner's fake tensors everything is synchronous and nothing is
 pinned, with the same code path otherwise (``always_copy`` lets CPU tests exercise real copies).
+
+One offload option per run: ``offload=stream`` therefore also does ``offload=park``'s work on the
+frozen modules (``offload.park``, default true, with park's own keys ``cache_latents``,
+``cache_text``, ``cache_dir``, ``encode_batch_size``), and with ``offload.activations=true`` /
+``offload.optimizer=true`` (+ ``offload.step_on_host``) the work of ``offload=activations`` and
+``offload=optimizer``, through those plugins' twin functions. Combined with the optimizer offload,
+gradients stay on the device until the step (``offload_gradients`` off), so the runner's clipping
+sees every gradient: the streamed blocks' on the host, the resident ones' on the device.
+
+Planner (``ctx.simulate``): the same code runs synchronously on fake tensors (device ``meta``,
+host fake ``cpu``), so the planned device bytes contain exactly the resident weights and the
+window, and the streamed bytes are reported as pinned host memory (``ctx.state
+["pinned_host_bytes"]``); a weight read in backward after its release would be a fake-tensor
+device mismatch, so every planned step also checks the load/release order.
 
 Trade-offs: every streamed byte crosses PCIe twice per step (forward and backward; frozen
 blocks without backward work are not reloaded), so the saving is paid in bandwidth; it is free
@@ -94,7 +113,6 @@ log = logging.getLogger("runner")
 GiB = 2**30
 ALIGN = 256  # byte alignment of each parameter inside a block's device buffer (CUDA's own granularity)
 PAGE = mmap.PAGESIZE
-_MARK = "_runner_streamed"
 
 
 # ---- config ----------------------------------------------------------------------------------
@@ -111,6 +129,11 @@ class StreamConfig(PluginConfig):
     activations: bool = False  # also offload saved activations to the host (offload=activations)
     optimizer: bool = False  # also keep the remaining optimizer state on the host (offload=optimizer)
     step_on_host: bool = True  # with optimizer=true: run that optimizer step on the host too
+    park: bool = True  # also offload=park's work: frozen modules on the host, their outputs cached
+    cache_latents: bool = True  # with park: as offload.cache_latents of offload=park
+    cache_text: bool = True  # with park: as offload.cache_text of offload=park
+    cache_dir: Optional[str] = None  # with park: as offload.cache_dir of offload=park
+    encode_batch_size: Optional[int] = None  # with park: as offload.encode_batch_size of offload=park
 
 
 # ---- pinned host memory -------------------------------------------------------------------------
@@ -190,6 +213,7 @@ class BlockPlan:
     fixed_bytes: int  # bytes of the block that stay resident anyway (buffers, adapters, ...)
     streamed: bool = False
     why_resident: str = ""  # non-empty when the block cannot be streamed
+    raw_bytes: int = 0  # the streamable parameters' bytes without alignment (what they take when resident)
 
 
 @dataclass
@@ -214,7 +238,7 @@ class StreamPlan:
     @property
     def resident_bytes(self) -> int:
         """Weight bytes always on the device: outside the blocks, resident blocks, fixed parts."""
-        return self.outside_bytes + sum(b.fixed_bytes + (0 if b.streamed else b.nbytes) for b in self.blocks)
+        return self.outside_bytes + sum(b.fixed_bytes + (0 if b.streamed else b.raw_bytes) for b in self.blocks)
 
     @property
     def window_bytes(self) -> int:
@@ -308,7 +332,7 @@ def plan_stream(module: nn.Module, blocks: list[nn.Module], budget_bytes: int, p
         nbytes = sum(_align(_nbytes(p)) for _, _, p in params)
         raw = sum(_nbytes(p) for _, _, p in params)
         inside += raw + fixed
-        plans.append(BlockPlan(bi, names.get(id(blk), f"block{bi}"), nbytes, fixed, False, why))
+        plans.append(BlockPlan(bi, names.get(id(blk), f"block{bi}"), nbytes, fixed, False, why, raw))
     outside = total - inside
     plan = StreamPlan(name, plans, total, outside, int(budget_bytes), int(prefetch))
     if plan.device_weight_bytes <= budget_bytes:
@@ -324,12 +348,18 @@ def plan_stream(module: nn.Module, blocks: list[nn.Module], budget_bytes: int, p
         if plan.device_weight_bytes <= budget_bytes:
             return plan
     minimum = plan.device_weight_bytes
+    stuck = [b for b in plans if b.why_resident]
+    why = ""
+    if stuck:
+        reasons = sorted({b.why_resident for b in stuck})
+        why = (f" {len(stuck)} of {len(plans)} blocks cannot be streamed ({'; '.join(reasons)}): bitsandbytes "
+               "nf4/int8 weights stay resident (quantization=fp8 streams).")
     raise UserError(
         f"offload=stream cannot fit {name}'s weights into the device budget of {fmt_bytes(budget_bytes)} "
         f"(offload.device_budget_gb / offload.device_fraction): even with all {len(candidates)} streamable blocks "
         f"streamed it needs {fmt_bytes(minimum)} ({fmt_bytes(plan.resident_bytes)} that stay resident + a "
-        f"window of {plan.prefetch + 1} blocks of {fmt_bytes(plan.window_bytes)}). Raise the budget to at least "
-        f"{minimum / GiB:.3f} GiB, lower offload.prefetch (now {prefetch}), or quantize the frozen weights."
+        f"window of {plan.prefetch + 1} blocks of {fmt_bytes(plan.window_bytes)}).{why} Raise the budget to at least "
+        f"{minimum / GiB:.3f} GiB or lower offload.prefetch (now {prefetch})."
     )
 
 
@@ -361,6 +391,25 @@ def guess_execution_order(module: nn.Module, blocks: list[nn.Module]) -> list[in
     return order + [i for i in range(len(blocks)) if i not in seen]
 
 
+def minimum_device_bytes(module: nn.Module, blocks: list[nn.Module], prefetch: int = 1) -> int:
+    """The smallest ``device_budget_bytes`` :func:`plan_stream` accepts: every streamable block
+    streamed, so only what must stay resident and the window remain."""
+    owners = _param_owners(module)
+    block_ids = {id(m) for blk in blocks for m in blk.modules()}
+    in_blocks = {id(p) for blk in blocks for p in blk.parameters()}
+    shared = {pid for pid, where in owners.items() if pid in in_blocks and any(id(m) not in block_ids for m, _ in where)}
+    total = sum(_nbytes(p) for p in module.parameters()) + sum(_nbytes(b) for b in module.buffers())
+    resident, sizes, inside = 0, [], 0
+    for blk in blocks:
+        params, fixed, why = _streamable(blk, shared)
+        raw = sum(_nbytes(p) for _, _, p in params)
+        inside += raw + fixed
+        resident += fixed
+        if not why and params:
+            sizes.append(sum(_align(_nbytes(p)) for _, _, p in params))
+    return total - inside + resident + sum(sorted(sizes, reverse=True)[: prefetch + 1])
+
+
 # ---- streaming runtime -------------------------------------------------------------------------
 RELEASED, INFLIGHT, LOADED = 0, 1, 2
 
@@ -369,10 +418,10 @@ class _Slot:
     """One streamed parameter: its host parameter (the real one) and its device twin."""
 
     __slots__ = ("block", "owner", "name", "host", "dev", "trainable", "offset", "nbytes", "installed",
-                 "staging", "grad_region", "staging_region", "origin")
+                 "staging", "grad_region", "staging_region")
 
     def __init__(self, block: _Block, owner: nn.Module, name: str, host: nn.Parameter, dev: nn.Parameter,
-                 offset: int, origin: torch.device) -> None:
+                 offset: int) -> None:
         self.block = block
         self.owner = owner
         self.name = name
@@ -385,7 +434,6 @@ class _Slot:
         self.staging: torch.Tensor | None = None
         self.grad_region: HostRegion | None = None
         self.staging_region: HostRegion | None = None
-        self.origin = origin
 
 
 class _Block:
@@ -478,11 +526,9 @@ class StreamHandle:
         self._d2h = self._api.Stream(device=device) if self.async_copies else None
         self._empties: dict[torch.dtype, torch.Tensor] = {}
         self._pending: list[tuple[Any, _Slot | None]] = []  # (event, slot to add staging into) of d2h copies
-        self._grad_slots: list[_Slot] = []  # slots whose host grads were set this backward
         self._callback_task: int | None = None
         self._owners: dict[int, _Slot] = {}  # id(device twin) -> slot
         self.blocks: list[_Block] = []
-        self._by_module: dict[int, _Block] = {}
         self._order: list[int] = []  # block indices in recorded forward execution order
         self._seen: list[int] = []  # blocks called in this forward, in order (one entry per call)
         self._first_pos: dict[int, int] = {}  # block -> position of its first call in this forward
@@ -492,9 +538,10 @@ class StreamHandle:
         self._ahead: dict[int, list[int]] = {}
         self._stack: list[tuple[int, Any]] = []  # saved-tensor hooks entered by block pre hooks
         self._learned = False  # the execution order has been recorded by one forward
+        self._timing: list[tuple[str, Any, Any, int]] | None = None  # (direction, start, end, bytes) when timed
         self.removed = False
         self._build(blocks)
-        self._finalizer = weakref.finalize(self, _close_regions, list(self.regions))
+        self._finalizer = weakref.finalize(self, _close_regions, self.regions)
 
     # -- construction -----------------------------------------------------------------------
     def _empty(self, dtype: torch.dtype) -> torch.Tensor:
@@ -509,7 +556,6 @@ class StreamHandle:
         for bp, blk in zip(self.plan.blocks, blocks):
             b = _Block(bp.index, blk, names.get(id(blk), bp.name), bp.streamed)
             self.blocks.append(b)
-            self._by_module[id(blk)] = b
             if not bp.streamed:
                 continue
             params, _, _ = _streamable(blk, set())
@@ -518,7 +564,7 @@ class StreamHandle:
             offset = 0
             for owner, name, p in params:
                 dev = nn.Parameter(self._empty(p.dtype), requires_grad=p.requires_grad)
-                s = _Slot(b, owner, name, p, dev, offset, p.device)
+                s = _Slot(b, owner, name, p, dev, offset)
                 offset += _align(s.nbytes)
                 b.slots.append(s)
                 self._owners[id(dev)] = s
@@ -537,14 +583,13 @@ class StreamHandle:
                 self._host_layout(b)
         for s in self._all_slots():
             if s.trainable:
-                s.dev.register_post_accumulate_grad_hook(self._make_grad_hook(s))
+                self._hooks.append(s.dev.register_post_accumulate_grad_hook(self._make_grad_hook(s)))
         self._set_order(guess_execution_order(self.module, [b.module for b in self.blocks]))
         self._hooks.append(self.module.register_forward_pre_hook(self._root_pre))
         self._hooks.append(self.module.register_forward_hook(self._root_post, always_call=True))
         for b in self.blocks:
             self._hooks.append(b.module.register_forward_pre_hook(self._make_pre(b)))
             self._hooks.append(b.module.register_forward_hook(self._make_post(b), always_call=True))
-            setattr(b.module, _MARK, weakref.ref(self))
 
     def _host_layout(self, b: _Block) -> None:
         """Move the block's host parameters to (pinned) host memory; frozen ones share one region."""
@@ -597,6 +642,9 @@ class StreamHandle:
             return
         stream_ctx = self._api.stream(self._h2d) if self.async_copies else nullcontext()
         with stream_ctx:
+            timing = self._timing is not None and self.async_copies
+            if timing:
+                start = self._h2d.record_event(self._api.Event(enable_timing=True))
             flat = torch.empty(b.flat_bytes, dtype=torch.uint8, device=self.device)
             b.flat = flat
             rest = b.slots
@@ -606,7 +654,9 @@ class StreamHandle:
             for s in rest:
                 self._flat_view(b, s).copy_(s.host.detach(), non_blocking=self.async_copies)
             if self.async_copies:
-                b.event = self._h2d.record_event()
+                b.event = self._h2d.record_event(self._api.Event(enable_timing=True) if timing else None)
+                if timing:
+                    self._timing.append(("h2d", start, b.event, b.flat_bytes))
         self.stats.h2d_bytes += b.flat_bytes
         b.state = INFLIGHT if self.async_copies else LOADED
         now = self.device_bytes()
@@ -640,15 +690,14 @@ class StreamHandle:
             s.dev.data = self._empty(s.host.dtype)
             s.installed = False
 
-    def _release(self, b: _Block, frozen_only: bool = False) -> None:
+    def _release(self, b: _Block) -> None:
         if not b.streamed or b.state == RELEASED:
             return
         if b.state == INFLIGHT:  # prefetched but never used: finish the copy before dropping it
             b.event.synchronize()
             b.event = None
         for s in b.slots:
-            if not (frozen_only and s.trainable):
-                self._release_slot(s)
+            self._release_slot(s)
         if not any(s.installed for s in b.slots):
             b.flat = None
             b.state = RELEASED
@@ -908,9 +957,15 @@ class StreamHandle:
         current = self._api.current_stream(self.device)
         with self._api.stream(self._d2h):
             self._d2h.wait_stream(current)  # the gradient was produced on the compute stream
+            timing = self._timing is not None
+            if timing:
+                start = self._d2h.record_event(self._api.Event(enable_timing=True))
             buf.copy_(g, non_blocking=True)
             g.record_stream(self._d2h)  # its memory is not reused before the copy has read it
-            self._pending.append((self._d2h.record_event(), None))
+            end = self._d2h.record_event(self._api.Event(enable_timing=True) if timing else None)
+            self._pending.append((end, None))
+            if timing:
+                self._timing.append(("d2h", start, end, _nbytes(g)))
         return buf
 
     def _finish_backward(self) -> None:
@@ -921,17 +976,22 @@ class StreamHandle:
             if slot is not None:
                 slot.host.grad.add_(slot.staging)
         self._pending.clear()
-        self._grad_slots.clear()
+        if self.async_copies and any(s.trainable for s in self._all_slots()):
+            # The optimizer is about to update the trained host parameters on the CPU; copies of
+            # them that only the GPU has waited for may still be reading them.
+            self._h2d.synchronize()
         for b in self.blocks:
             self._release(b)
 
     # -- lifecycle ------------------------------------------------------------------------
     def reset(self) -> None:
         """Forget a failed step (OOM): drop pending copies and every loaded block."""
+        if self.async_copies:
+            self._h2d.synchronize()
+            self._d2h.synchronize()
         for event, _ in self._pending:
             event.synchronize()
         self._pending.clear()
-        self._grad_slots.clear()
         self._callback_task = None
         while self._stack:
             _, hooks = self._stack.pop()
@@ -939,6 +999,25 @@ class StreamHandle:
                 hooks.__exit__(None, None, None)
         for b in self.blocks:
             self._release(b)
+
+    def time_copies(self, enabled: bool = True) -> None:
+        """Record CUDA events around every copy (for benchmarks; costs two events per copy)."""
+        self._timing = [] if enabled and self.async_copies else None
+
+    def copy_seconds(self) -> dict[str, tuple[float, int]]:
+        """{"h2d"|"d2h": (seconds the copy stream spent copying, bytes)} since :meth:`time_copies`.
+
+        Synchronizes. Bytes over seconds is the bandwidth the copies achieved while streaming,
+        to compare with a plain pinned copy of the same size.
+        """
+        out: dict[str, tuple[float, int]] = {}
+        for direction, start, end, nbytes in self._timing or []:
+            end.synchronize()
+            secs, total = out.get(direction, (0.0, 0))
+            out[direction] = (secs + start.elapsed_time(end) / 1000.0, total + nbytes)
+        if self._timing is not None:
+            self._timing.clear()
+        return out
 
     def device_bytes(self) -> int:
         """Bytes of streamed weights on the device right now."""
@@ -965,8 +1044,6 @@ class StreamHandle:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        for b in self.blocks:
-            b.module.__dict__.pop(_MARK, None)
         for s in self._all_slots():
             if to_device:
                 _move_param(s.owner, s.name, s.host, self.device)
@@ -1048,9 +1125,23 @@ class StreamOffload(Plugin):
     description = ("repeated blocks' weights in pinned host memory, streamed to the device ahead of use "
                    "within a byte budget (offload.device_budget_gb); +activations/+optimizer offload")
 
+    def _park(self) -> Plugin | None:
+        """offload=park's plugin with our settings, when ``offload.park`` (one offload option per run)."""
+        c = self.config
+        if not c.park:
+            return None
+        from plugins.park import Park, ParkConfig
+
+        return Park(ParkConfig(cache_latents=bool(c.cache_latents), cache_text=bool(c.cache_text),
+                               cache_dir=c.cache_dir, encode_batch_size=c.encode_batch_size,
+                               pin_memory=bool(c.pin_memory)))
+
     def validate(self, cfg: Any) -> None:
         c = self.config
         check_config(c)
+        park = self._park()
+        if park is not None:
+            park.validate(cfg)
         if cfg is None:
             return
         full = str(cfg.model.get("train", "full")) == "full"
@@ -1078,12 +1169,22 @@ class StreamOffload(Plugin):
         return names
 
     def place_models(self, ctx: RunContext) -> None:
-        from plugins.checkpoint import find_repeated_blocks
+        # The trainers' discovery: a U-Net's resnets and attentions, not only its transformer blocks.
+        from runner.trainers.common import find_repeated_blocks
 
         c = self.config
         check_config(c)
         handles: dict[str, StreamHandle] = {}
         names = self._targets(ctx)
+        park = self._park()
+        if park is not None:
+            frozen = [n for n in names if n not in ctx.models.trained]
+            if frozen:
+                raise UserError(f"offload.modules names {', '.join(map(repr, frozen))}, a frozen module that "
+                                "offload.park=true already keeps on the host (visiting the device per call); set "
+                                "offload.park=false to stream it instead, or leave it out of offload.modules.")
+            park.place_models(ctx)  # first: its encode pre-pass runs while the denoiser is still on the host
+            ctx.state.setdefault(self.key, {})["park"] = park
         sizes = {n: sum(_nbytes(p) for p in ctx.models[n].parameters()) + sum(_nbytes(b) for b in ctx.models[n].buffers())
                  for n in names}
         total = sum(sizes.values()) or 1
@@ -1102,7 +1203,7 @@ class StreamOffload(Plugin):
             module._runner_placed = True
             handles[n] = handle
             log.info("stream: %s", handle.plan.describe())
-        ctx.state[self.key] = {"handles": handles}
+        ctx.state.setdefault(self.key, {})["handles"] = handles
         host = sum(h.host_bytes() for h in handles.values())
         _note_pinned(ctx, host if c.pin_memory else 0)  # pinned on the target GPU (the planner's contract)
         ctx.notes["stream: weight bytes on the host"] = host
@@ -1134,12 +1235,22 @@ class StreamOffload(Plugin):
         state = ctx.state.pop(self.key, {})
         for undo in reversed(state.get("undo", [])):
             undo()
+        if state.get("activations") is not None:
+            from plugins.offload_activations import report as report_activations
+
+            report_activations(ctx, state["activations"], True)
+        if state.get("optimizer") is not None:
+            from plugins.offload_optimizer import report as report_optimizer
+
+            report_optimizer(ctx, state["optimizer"], True)
         handles = state.get("handles", {})
         if handles:
             ctx.notes["stream: peak streamed bytes on the device"] = sum(h.stats.peak_device_bytes for h in handles.values())
             ctx.notes["stream: host-to-device bytes"] = sum(h.stats.h2d_bytes for h in handles.values())
         for h in handles.values():
             h.remove()
+        if state.get("park") is not None:
+            state["park"].teardown(ctx)
 
 
 def _note_pinned(ctx: RunContext, nbytes: int) -> None:

@@ -18,7 +18,7 @@ from runner.errors import UserError
 from runner.loop import make_accelerator, train
 from runner.planner import plan_command, preflight
 from runner.report import summary, write_run_info
-from runner.run import build_plugins, build_trainer, make_context, output_dir
+from runner.run import build_plugins, build_trainer, cpu_precision, make_context, output_dir
 from runner.validate import conf_dir, precheck, validate
 
 log = logging.getLogger("runner")
@@ -39,6 +39,7 @@ def run(cfg: DictConfig) -> float | None:
     log.info("plugin order:\n%s", schedule.describe())
     ctx = make_context(cfg, schedule, out)
     ctx.run_phase("configure_process")                          # before anything touches CUDA
+    ctx.cfg = cfg = cpu_precision(cfg, ctx.device)
     ctx.trainer = build_trainer(cfg)                            # build trainer
     preflight(cfg, ctx.trainer, out, ctx.device)                # plan: refuse to start (exit 3) over budget_gb
     set_seed(cfg.train.seed)                                    # random init is reproducible, so resume is exact

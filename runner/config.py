@@ -41,7 +41,7 @@ class TrainConfig:
     batch_size: int = 2  # samples per optimizer step
     grad_accum: int = 1  # micro-batches per optimizer step (batch_size must divide evenly)
     mixed_precision: str = "no"  # no | bf16 | fp16
-    cpu_autocast: bool = False  # also autocast on CPU (emulated, slow); by default CPU runs use float32
+    cpu_autocast: bool = False  # keep bf16/fp16 autocast and bf16 trained weights on CPU (emulated, slow); default: float32
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0
     max_grad_norm: float = 1.0  # 0 disables clipping

@@ -118,7 +118,7 @@ class StateTensor:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def _adamw_layout(cfg: Any, p: torch.Tensor) -> list[StateTensor]:
@@ -339,8 +339,11 @@ class SimulatedOptimizer(torch.optim.Optimizer):
     parameters' fake mode), so a live-bytes tracker sees them born in the optimizer step. Host
     counters go to ``host`` (default CPU); paged state to ``paged_device`` (default: the
     parameter's device, where it lives while memory suffices). Per-step temporaries of the real
-    update are not simulated (AdamW: one parameter-sized denominator at a time; Adafactor: a few
-    parameter-sized float32 buffers at a time; bitsandbytes: none, its update is fused).
+    update are not simulated; measured with the tracker on CPU (tiny MLP): AdamW holds two
+    tensors the size of the largest parameter above its state at the peak (``sqrt`` and the
+    division of ``exp_avg_sq``), bitsandbytes' 8-bit update none (fused kernel, on CPU too),
+    Adafactor about two float32 copies of the largest parameter (four for bf16 parameters, which
+    it upcasts).
     """
 
     def __init__(

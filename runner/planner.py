@@ -68,9 +68,13 @@ Contract for plugins (what ``ctx.simulate`` means)
 * Encoding: a plugin that makes the encoders unnecessary during training (every latent and
   embedding cached) sets ``ctx.state["encode_on_device"] = False`` by the end of
   ``place_models``; the planner then feeds the trainer's *encoded* ``example_batch`` (as read
-  from the cache). Otherwise the planner calls ``trainer.encode`` (whatever it is after the
-  plugins ran) on ``example_raw_batch``; a plugin that replaces ``trainer.encode`` in a real run
-  must install its replacement in simulation too.
+  from the cache). When only some encode parts are cached (``offload=park
+  offload.cache_latents=false``), the planner computes the others with ``encode_part`` and
+  takes the cached ones as tensors arriving on the device (shapes from a meta run of the
+  encoders before the plugins), then calls ``finish_encode``; which parts are cached is
+  ``ctx.state["cached_encode_parts"]`` if a plugin sets it, else every part needing a module
+  the plugins removed from the ModelSet. Otherwise the planner calls ``trainer.encode`` on
+  ``example_raw_batch``.
 * Pinned host memory: a plugin that page-locks host memory (or would, on the target GPU) adds
   the bytes to ``ctx.state["pinned_host_bytes"]`` (an int; :func:`note_pinned_bytes`). The plan
   reports them as pinned and the rest of the host bytes as pageable.
@@ -86,7 +90,6 @@ import contextlib
 import copy
 import json
 import logging
-import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -94,7 +97,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConverter, FakeTensorMode, unset_fake_temporarily
 from torch.overrides import TorchFunctionMode
@@ -216,6 +218,12 @@ def _sdp_priority() -> list[int]:
         return [1, 2, 0, 3]
 
 
+def _holds_tensor(data: Any) -> bool:
+    if isinstance(data, torch.Tensor):
+        return True
+    return isinstance(data, (list, tuple)) and any(_holds_tensor(x) for x in data)
+
+
 class DeviceSemantics(TorchFunctionMode):
     """Makes ``meta`` behave like the target device: its autocast and its attention kernels.
 
@@ -282,7 +290,7 @@ class DeviceSemantics(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", None)
-        if name in ("tensor", "as_tensor") and args and not isinstance(args[0], torch.Tensor) \
+        if name in ("tensor", "as_tensor") and args and not _holds_tensor(args[0]) \
                 and torch.device(kwargs.get("device") or "cpu").type == "cpu":
             # A tensor made from Python data on the host holds real values (seeds, sizes, ids)
             # that code reads back with tolist(): keep it real. It is a few bytes.
@@ -408,7 +416,7 @@ class Plan:
     host_steady_bytes: int  # host tensors during training (after setup)
     host_pinned_bytes: int
     optimizer_state_bytes: dict[str, int]  # per device ("meta" = the accelerator, "cpu" = host)
-    setup: dict[str, Any]
+    run: dict[str, Any]  # what was planned: trainer, size, resolution, batch, precision, plugins ...
     notes: dict[str, Any] = field(default_factory=dict)
     suggestions: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
@@ -449,7 +457,7 @@ def _size(n: int | float, unit: tuple[float, str] | None = None) -> str:
 
 def format_plan(plan: Plan) -> str:
     """The plan as a readable table (what ``mode=plan`` prints)."""
-    s = plan.setup
+    s = plan.run
     unit = _unit(plan.peak_bytes)
     lines = [
         f"Plan: {s['trainer']} ({s['size']}), {s['resolution']} px, batch {s['batch_size']} "
@@ -497,7 +505,9 @@ def format_plan(plan: Plan) -> str:
             lines.append(f"  {sug['override']:<28} saves {bound}{_size(sug['saves_bytes'])} -> "
                          f"{_size(after)}, {'fits' if ok else 'still over'}")
             lines.append(f"  {'':<28}   ({sug['how']})")
-    lines += ["", f"simulated in {plan.seconds:.1f} s"]
+    timings = plan.notes.get("timings_s") or {}
+    detail = f" ({', '.join(f'{k} {v:.1f} s' for k, v in timings.items())})" if timings else ""
+    lines += ["", f"simulated in {plan.seconds:.1f} s{detail}"]
     return "\n".join(lines)
 
 
@@ -526,17 +536,25 @@ def _pinned(ctx: Any) -> int:
 
 
 def _isolated(trainer: Any) -> Any:
-    """A shallow copy of the trainer whose dict/list attributes are copied too.
+    """A deep copy of the trainer for the simulation.
 
-    Trainers cache per-device objects (the SDXL trainer's noise schedulers, keyed by device) and
-    plugins may patch ``trainer.encode``; simulating on a copy keeps fake tensors and patches
-    out of the trainer the real run then uses.
+    Trainers keep objects that move their tensors to the device they are used on (diffusers'
+    DDPMScheduler stores ``alphas_cumprod`` moved to the batch's device) and plugins may patch
+    ``trainer.encode``; simulating on the run's own trainer would leave fake tensors and patches
+    in it. The protocol forbids building models in ``__init__``, so a copy is cheap. A trainer
+    that cannot be deep-copied is simulated on a shallow copy (its dicts and lists copied) and
+    a warning says so.
     """
-    twin = copy.copy(trainer)
-    for k, v in vars(trainer).items():
-        if isinstance(v, (dict, list)):
-            setattr(twin, k, copy.copy(v))
-    return twin
+    try:
+        return copy.deepcopy(trainer)
+    except Exception as e:  # noqa: BLE001 - any object graph can refuse a deep copy
+        log.warning("planner: %s cannot be deep-copied (%s); simulating on a shallow copy, so objects it "
+                    "holds may keep fake tensors", type(trainer).__name__, e)
+        twin = copy.copy(trainer)
+        for k, v in vars(trainer).items():
+            if isinstance(v, (dict, list)):
+                setattr(twin, k, copy.copy(v))
+        return twin
 
 
 def _example(trainer: Any, raw: bool, batch_size: int) -> dict[str, Any]:
@@ -588,94 +606,193 @@ def plan_step(
     :class:`~runner.plugin.PluginSchedule` (default: the plugins ``cfg`` names); ``target``:
     ``"cuda"`` or ``"cpu"`` (default :func:`default_target`). Nothing real is allocated.
     """
-    from runner.optim import build_optimizer
     from runner.run import build_plugins, build_trainer
 
     started = time.perf_counter()
-    target = target or default_target(cfg)
-    precision = effective_precision(cfg, target)
-    trainer = _isolated(trainer if trainer is not None else build_trainer(cfg))
-    schedule = schedule if schedule is not None else build_plugins(cfg)
-    batch_size, accum = int(cfg.train.batch_size), int(cfg.train.grad_accum)
-    micro = batch_size // accum
-    n_micro = min(accum, 2)
+    with _one_thread():
+        sim = _Simulation(
+            cfg,
+            _isolated(trainer if trainer is not None else build_trainer(cfg)),
+            schedule if schedule is not None else build_plugins(cfg),
+            target or default_target(cfg),
+        )
+        with sim.mode:
+            try:
+                with sim.tracker, sim.semantics:
+                    sim.timed("setup", sim.setup)
+                    for i in range(sim.n_micro):
+                        sim.timed("forward+backward", sim.forward_backward, i)
+                    sim.timed("optimizer", sim.optimizer_step)
+            finally:
+                sim.tracker.detach_module_hooks()
+                sim.ctx.run_phase("teardown")
+    return _assemble(sim, time.perf_counter() - started)
 
-    models = trainer.build_models(DEVICE)  # real meta tensors: shapes only, built in a fraction of a second
-    semantics = DeviceSemantics(target, precision)
-    from runner.context import RunContext
 
-    ctx = RunContext(cfg=cfg, schedule=schedule, device=DEVICE, simulate=True, host=HOST)
-    ctx.trainer = trainer
-    ctx.accelerator = SimulatedAccelerator(semantics, precision)
-    tracker = LiveBytesTracker(count_inputs=False)  # every pre-existing tensor is tracked explicitly
-    recorder = _Recorder(tracker, set(models.modules))
-    owner: dict[int, str] = {}
-    mode = simulation_mode()
-    notes: dict[str, Any] = {}
-    phases_done: list[str] = []
-    with mode:
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """No intra-op threads while planning: nothing is computed, and on a busy machine the thread
+    pool's barriers made the few real CPU ops (LoRA init) take milliseconds each."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+class _Simulation:
+    """The state of one simulated step; each method is one part of the step, in order."""
+
+    def __init__(self, cfg: Any, trainer: Any, schedule: Any, target: str) -> None:
+        from runner.context import RunContext
+
+        self.cfg, self.trainer, self.target = cfg, trainer, target
+        self.precision = effective_precision(cfg, target)
+        self.batch_size = int(cfg.train.batch_size)
+        self.micro = self.batch_size // int(cfg.train.grad_accum)
+        self.n_micro = min(int(cfg.train.grad_accum), 2)  # later micro-batches repeat the second one
+        self.notes: dict[str, Any] = {"timings_s": {}}
+        t0 = time.perf_counter()
+        self.models = trainer.build_models(DEVICE)  # real meta tensors: shapes only
+        self.part_shapes = _encode_part_shapes(trainer, self.models, self.micro)
+        self.notes["timings_s"]["build"] = round(time.perf_counter() - t0, 2)
+        self.semantics = DeviceSemantics(target, self.precision)
+        self.ctx = RunContext(cfg=cfg, schedule=schedule, device=DEVICE, simulate=True, host=HOST)
+        self.ctx.trainer = trainer
+        self.ctx.accelerator = SimulatedAccelerator(self.semantics, self.precision)
+        self.tracker = LiveBytesTracker(count_inputs=False)  # every pre-existing tensor is tracked explicitly
+        self.recorder = _Recorder(self.tracker, set(self.models.modules))
+        self.owner: dict[int, str] = {}  # id(parameter) -> top-level module
+        self.mode = simulation_mode()
+        self.params: list[nn.Parameter] = []
+        self.raw = False
+        self.cached: set[str] = set()
+        self.state_by_dev: dict[str, dict[str, dict[str, int]]] = {}
+        self.host_steady = 0
+
+    def timed(self, name: str, fn: Any, *args: Any) -> None:
+        t0 = time.perf_counter()
+        fn(*args)
+        timings = self.notes["timings_s"]
+        timings[name] = round(timings.get(name, 0.0) + time.perf_counter() - t0, 2)
+
+    def setup(self) -> None:
+        """Models onto the fake host, then the plugins' setup phases and placement, as a run does."""
+        tracker, ctx = self.tracker, self.ctx
         memo: dict[int, torch.Tensor] = {}
-        for name, module in models.items():
+        for name, module in self.models.items():
             fake_module(module, HOST, memo)
             tracker.track(module, "weights", module=name)
-        ctx.models = models
-        try:
-            with tracker, semantics:
-                with tracker.phase("setup", category="weights"):
-                    ctx.apply_setup_phases()
-                phases_done.append("setup")
-                for name, module in ctx.models.items():  # device copies were born unlabelled
-                    tracker.track(module, "weights", module=name)
-                    for p in module.parameters():
-                        owner[id(p)] = name
-                    tracker.attach_module_hooks(module, depth=1, prefix=name)
-                recorder.take("setup")
+        memo.clear()  # a module a plugin drops must be freed, as in a real run
+        ctx.models = self.models
+        with tracker.phase("setup", category="weights"):
+            ctx.apply_setup_phases()
+        for name, module in ctx.models.items():  # device copies were born unlabelled
+            tracker.track(module, "weights", module=name)
+            for p in module.parameters():
+                self.owner[id(p)] = name
+            tracker.attach_module_hooks(module, depth=1, prefix=name)
+        self.recorder.take("setup")
+        from runner.optim import build_optimizer
 
-                params = list(ctx.models.trainable_parameters())
-                ctx.optimizer = build_optimizer(cfg.optimizer, params, simulate=True)
-                ctx.run_phase("wrap_optimizer")
-                encode_needed = ctx.state.get("encode_on_device", True) is not False
-                raw = encode_needed and callable(getattr(trainer, "example_raw_batch", None)) \
-                    and callable(getattr(trainer, "encode", None))
-                notes["batch"] = ("raw batch (pixels, captions) encoded on the device" if raw
-                                  else "encoded example batch (no encode step on the device)")
-                ctx.run_phase("on_step_start", 0)
-                for i in range(n_micro):
-                    suffix = f" #{i + 1}" if n_micro > 1 else ""
-                    host_batch = _fake_batch(_example(trainer, raw, micro), HOST)
-                    tracker.track(host_batch, "other", module="(batch)")
-                    batch = _move_batch(host_batch, DEVICE)
-                    tracker.track(batch, "other", module="(batch)")
-                    with tracker.phase("forward"), ctx.step_context(), ctx.accelerator.autocast():
-                        if raw:
-                            with tracker.phase("encode", category="activations"), torch.no_grad():
-                                batch = trainer.encode(ctx.models, batch)
-                        loss = trainer.loss(ctx.models, batch)
-                    recorder.take("forward" + suffix)
-                    with tracker.phase("backward"):
-                        ctx.accelerator.backward(loss * (micro / batch_size))
-                    del loss, batch, host_batch
-                    for p in params:
-                        if p.grad is not None:
-                            tracker.track(p.grad, "gradients", module=owner.get(id(p)))
-                    recorder.take("backward" + suffix)
-                with tracker.phase("optimizer"):
-                    if float(cfg.train.max_grad_norm) > 0:
-                        ctx.accelerator.clip_grad_norm_([p for p in params if p.grad is not None],
-                                                        float(cfg.train.max_grad_norm))
-                    ctx.optimizer.step()
-                _label_optimizer_state(tracker, ctx.optimizer, owner)
-                recorder.take("optimizer")
-                state_by_dev = {dev: tracker.module_bytes(dev) for dev in tracker.current}
-                ctx.optimizer.zero_grad(set_to_none=True)
-                ctx.run_phase("on_step_end", 1)
-                host_steady = tracker.current_bytes(HOST.type)
-        finally:
-            tracker.detach_module_hooks()
-            ctx.run_phase("teardown")
-    notes.update({k: v for k, v in ctx.notes.items() if isinstance(v, (int, float, str, bool))})
-    return _assemble(cfg, trainer, ctx, recorder, state_by_dev, host_steady, target, precision, micro, n_micro,
-                     notes, time.perf_counter() - started)
+        self.params = list(ctx.models.trainable_parameters())
+        ctx.optimizer = build_optimizer(self.cfg.optimizer, self.params, simulate=True)
+        ctx.run_phase("wrap_optimizer")
+        trainer = self.trainer
+        self.raw = (ctx.state.get("encode_on_device", True) is not False
+                    and callable(getattr(trainer, "example_raw_batch", None)) and callable(getattr(trainer, "encode", None)))
+        self.cached = _cached_parts(trainer, ctx) if self.raw else set()
+        self.notes["batch"] = ("raw batch (pixels, captions) encoded on the device" if self.raw
+                               else "encoded example batch (no encode step on the device)")
+        if self.cached:
+            self.notes["batch"] += f"; read from the cache: {', '.join(sorted(self.cached))}"
+        ctx.run_phase("on_step_start", 0)
+
+    def forward_backward(self, i: int) -> None:
+        """One micro-batch, as runner.loop.forward_backward runs it."""
+        tracker, ctx, trainer = self.tracker, self.ctx, self.trainer
+        suffix = f" #{i + 1}" if self.n_micro > 1 else ""
+        host_batch = _fake_batch(_example(trainer, self.raw, self.micro), HOST)
+        tracker.track(host_batch, "other", module="(batch)")
+        batch = _move_batch(host_batch, DEVICE)
+        tracker.track(batch, "other", module="(batch)")
+        with tracker.phase("forward"), ctx.step_context(), ctx.accelerator.autocast():
+            if self.raw:
+                with tracker.phase("encode", category="activations"), torch.no_grad():
+                    enc = _encode(trainer, ctx.models, batch, self.cached, self.part_shapes)
+            else:
+                enc = batch
+            loss = trainer.loss(ctx.models, enc)
+        self.recorder.take("forward" + suffix)
+        with tracker.phase("backward"):
+            ctx.accelerator.backward(loss * (self.micro / self.batch_size))
+        del loss, enc, batch, host_batch  # the loop holds them until its backward returns
+        for p in self.params:
+            if p.grad is not None:
+                tracker.track(p.grad, "gradients", module=self.owner.get(id(p)))
+        self.recorder.take("backward" + suffix)
+
+    def optimizer_step(self) -> None:
+        tracker, ctx = self.tracker, self.ctx
+        with tracker.phase("optimizer"):
+            if float(self.cfg.train.max_grad_norm) > 0:
+                ctx.accelerator.clip_grad_norm_([p for p in self.params if p.grad is not None],
+                                                float(self.cfg.train.max_grad_norm))
+            ctx.optimizer.step()
+        _label_optimizer_state(tracker, ctx.optimizer, self.owner)
+        self.recorder.take("optimizer")
+        self.state_by_dev = {dev: tracker.module_bytes(dev) for dev in tracker.current}
+        ctx.optimizer.zero_grad(set_to_none=True)
+        ctx.run_phase("on_step_end", 1)
+        self.host_steady = tracker.current_bytes(HOST.type)
+
+
+def _encode_part_shapes(trainer: Any, models: Any, micro: int) -> dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]]:
+    """Shapes and dtypes of each cacheable encode part, from a run of the encoders on real ``meta``.
+
+    A plugin may serve some parts from a cache and drop the modules that compute them; the
+    simulated step then needs those parts' tensors without the modules. Shape-only meta kernels
+    make this a fraction of a second even for T5-XXL. Empty for trainers without the split.
+    """
+    needed = ("encode_parts", "encode_part", "finish_encode", "example_raw_batch")
+    if not all(callable(getattr(trainer, m, None)) for m in needed):
+        return {}
+    raw = trainer.example_raw_batch(micro, DEVICE)
+    shapes: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]] = {}
+    with torch.no_grad():
+        for part in trainer.encode_parts():
+            out = trainer.encode_part(models, part, raw)
+            shapes[part] = {k: (tuple(v.shape), v.dtype) for k, v in out.items() if isinstance(v, torch.Tensor)}
+    return shapes
+
+
+def _cached_parts(trainer: Any, ctx: Any) -> set[str]:
+    """Encode parts the run reads from a cache rather than computes on the device.
+
+    ``ctx.state["cached_encode_parts"]`` when a plugin says so; otherwise every part that needs
+    a module the plugins removed from the ModelSet (it cannot be computed, so it is cached).
+    """
+    if not callable(getattr(trainer, "encode_parts", None)):
+        return set()
+    declared = ctx.state.get("cached_encode_parts")
+    if declared is not None:
+        return set(declared)
+    return {part for part, spec in trainer.encode_parts().items() if any(m not in ctx.models for m in spec.modules)}
+
+
+def _encode(trainer: Any, models: Any, batch: dict[str, Any], cached: set[str],
+            shapes: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]]) -> dict[str, Any]:
+    """``trainer.encode``, with cached parts arriving on the device as a cache read gives them."""
+    if not cached:
+        return trainer.encode(models, batch)
+    parts = {}
+    for part in trainer.encode_parts():
+        if part in cached:
+            parts[part] = {k: torch.empty(shape, dtype=dtype, device=DEVICE) for k, (shape, dtype) in shapes[part].items()}
+        else:
+            parts[part] = trainer.encode_part(models, part, batch)
+    return trainer.finish_encode(parts, batch)
 
 
 def _label_optimizer_state(tracker: LiveBytesTracker, optimizer: Any, owner: dict[int, str]) -> None:
@@ -688,9 +805,12 @@ def _label_optimizer_state(tracker: LiveBytesTracker, optimizer: Any, owner: dic
             tracker.track(tensors, "optimizer_state", module=owner.get(id(p)))
 
 
-def _assemble(cfg: Any, trainer: Any, ctx: Any, recorder: _Recorder, state_by_dev: dict[str, Any],
-              host_steady: int, target: str, precision: str, micro: int, n_micro: int,
-              notes: dict[str, Any], seconds: float) -> Plan:
+def _assemble(sim: _Simulation, seconds: float) -> Plan:
+    cfg, trainer, ctx, recorder = sim.cfg, sim.trainer, sim.ctx, sim.recorder
+    target, precision, micro, n_micro = sim.target, sim.precision, sim.micro, sim.n_micro
+    state_by_dev, host_steady = sim.state_by_dev, sim.host_steady
+    notes = dict(sim.notes)
+    notes.update({k: v for k, v in ctx.notes.items() if isinstance(v, (int, float, str, bool))})
     # Optimizer state per device and top-level module, as it stands after the step.
     state: dict[str, dict[str, int]] = {}
     for dev, mods in state_by_dev.items():
@@ -721,8 +841,8 @@ def _assemble(cfg: Any, trainer: Any, ctx: Any, recorder: _Recorder, state_by_de
     plugins = ", ".join(f"{k}={c[k].name}" for k in ("allocator", "quantization", "offload", "checkpoint", "tiling")
                         if k in c and c[k].get("name") not in (None, "none"))
     budget = c.get("budget_gb")
-    setup = {
-        "trainer": str(c.trainer.get("_target_", type(trainer).__name__)).rsplit(".", 1)[-1],
+    run = {
+        "trainer": type(trainer).__name__,
         "size": str(c.model.size),
         "resolution": int(c.data.resolution),
         "batch_size": int(c.train.batch_size),
@@ -753,7 +873,7 @@ def _assemble(cfg: Any, trainer: Any, ctx: Any, recorder: _Recorder, state_by_de
         host_steady_bytes=host_steady,
         host_pinned_bytes=_pinned(ctx),
         optimizer_state_bytes={dev: sum(v.values()) for dev, v in state.items()},
-        setup=setup,
+        run=run,
         notes=notes,
         seconds=seconds,
     )
@@ -792,9 +912,9 @@ def suggest(plan: Plan, cfg: Any) -> list[dict[str, Any]]:
     are at most the figure. Only options that exist in this installation are suggested.
     """
     cats, mods = plan.by_category, plan.by_module
-    trained = set(plan.setup["modules"]) & {t.strip() for t in plan.setup["trained"].split(",")}
-    frozen = [m for m in plan.setup["modules"] if m not in trained]
-    weights = {m: mods.get(m, {}).get("weights", 0) for m in plan.setup["modules"]}
+    trained = set(plan.run["modules"]) & {t.strip() for t in plan.run["trained"].split(",")}
+    frozen = [m for m in plan.run["modules"] if m not in trained]
+    weights = {m: mods.get(m, {}).get("weights", 0) for m in plan.run["modules"]}
     out: list[dict[str, Any]] = []
 
     def add(override: str, saves: float, how: str, upper_bound: bool = False) -> None:
@@ -817,6 +937,13 @@ def suggest(plan: Plan, cfg: Any) -> list[dict[str, Any]]:
         saved = cats.get("gradients", 0) + cats.get("optimizer_state", 0) + dn * (1 - base / 4)
         add("model.train=lora", saved, f"gradients + optimizer state at the peak, and the trained weights stored in "
             f"model.dtype ({base} B) instead of float32 master weights; LoRA's own few MB not subtracted")
+    if str(cfg.model.get("train", "full")) == "full" and str(cfg.model.get("train_dtype", "")) == "float32":
+        adamw = str(cfg.optimizer.get("name", "adamw")) == "adamw"  # torch AdamW keeps moments in the weights' dtype
+        trained_bytes = (sum(weights[m] for m in trained) + cats.get("gradients", 0)
+                         + (cats.get("optimizer_state", 0) if adamw else 0))
+        add("model.train_dtype=bfloat16", trained_bytes / 2, "trained weights and their gradients"
+            + (" and AdamW moments" if adamw else "") + " in bfloat16 instead of float32 (kohya's --full_bf16); "
+            "the autocast copies of the weights it also removes are not counted")
     if str(cfg.model.get("dtype", "float32")) == "float32":
         frozen_w = sum(weights[m] for m in frozen)
         if str(cfg.model.get("train")) == "lora":
@@ -852,10 +979,10 @@ def suggest(plan: Plan, cfg: Any) -> list[dict[str, Any]]:
         add("offload=park", frozen_w + enc, "frozen modules' weights on the device at the peak"
             + (" and the encode step's activations (the peak is in encode)" if enc else "")
             + "; with cached latents and embeddings they never reach the device")
-    micro = int(plan.setup["micro_batch_size"])
+    micro = int(plan.run["micro_batch_size"])
     if micro > 1:
         acts = cats.get("activations", 0) + cats.get("temporaries", 0)
-        add(f"train.grad_accum={plan.setup['batch_size']}", acts * (1 - 1 / micro),
+        add(f"train.grad_accum={plan.run['batch_size']}", acts * (1 - 1 / micro),
             f"activations and temporaries scale with the micro-batch ({micro} -> 1)", upper_bound=True)
     out.sort(key=lambda s: -s["saves_bytes"])
     return out
@@ -908,9 +1035,9 @@ def preflight(cfg: Any, trainer: Any, out: Path, device: torch.device) -> Plan |
                     "(train.preflight=false skips it)", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         return None
     path = plan.write_json(out / PLAN_FILE)
-    log.info("preflight: predicted peak %.2f GiB on %s in %s (%.1f s to plan)%s", plan.required_bytes / GiB,
+    log.info("preflight: predicted peak %s on %s in %s (%.1f s to plan)%s; %s", _size(plan.required_bytes),
              plan.target, plan.peak_phase, plan.seconds,
-             "" if plan.budget_bytes is None else f", budget {plan.budget_bytes / GiB:.2f} GiB")
+             "" if plan.budget_bytes is None else f", budget_gb {plan.budget_bytes / GiB:g}", path)
     if not plan.fits:
         print(plan.format_table())
         raise PlanDoesNotFit(_over_budget(plan, path) + " The run was not started (train.preflight=false starts it anyway).")
