@@ -275,7 +275,12 @@ def attach_lora(
     model.requires_grad_(False)
     lora = LoraConfig(r=int(rank), lora_alpha=float(alpha), init_lora_weights="gaussian", target_modules=targets)
     try:
-        model.add_adapter(lora)
+        if hasattr(model, "add_adapter"):  # diffusers PeftAdapterMixin models (U-Nets, transformers)
+            model.add_adapter(lora)
+        else:  # any other nn.Module, e.g. a user trainer's UNet2DModel
+            from peft import inject_adapter_in_model
+
+            inject_adapter_in_model(lora, model)
     except ValueError as e:
         leaves = sorted({n.split(".")[-1] for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))})
         raise UserError(
