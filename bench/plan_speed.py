@@ -3,9 +3,9 @@
     python bench/plan_speed.py [--repeats 2] [--no-write]
 
 Runs the planner's command line, exactly as a user would, for every preset in conf/preset/ at
-the presets' stated full-size targets (1024 px, batch 1)::
+the presets' stated full-size targets (1024 px, the default batch of 2)::
 
-    python -m runner +preset=<name> mode=plan model.size=full data.resolution=1024 train.batch_size=1
+    python -m runner +preset=<name> mode=plan model.size=full
 
 and records, per preset: the command's wall time (process start to exit: Python and library
 imports, Hydra, building the models on meta, the simulated step), the planner's own time
@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "benchmarks.md"
 SECTION = "## Planner: time to plan and predicted peaks (bench/plan_speed.py)"
-FULL_SIZE = ["model.size=full", "data.resolution=1024", "train.batch_size=1"]
+FULL_SIZE = ["model.size=full"]  # 1024 px (data.resolution follows model.size), the default batch of 2
 GiB = 2**30
 
 
@@ -85,9 +85,10 @@ def section(rows: list[dict], load: float, repeats: int) -> str:
         "",
         f"Command (CPU only, {os.cpu_count()} cores, 1-minute load average {load:.2f} at the start; "
         f"{repeats} run(s) per preset, {time.strftime('%Y-%m-%d')}): `python bench/plan_speed.py --repeats {repeats}`.",
-        "Each preset is planned with its own command, shown in the table; `model.size=full data.resolution=1024",
-        "train.batch_size=1` are the presets' stated full-size targets. *wall* is the whole command (interpreter,",
-        "imports of torch/diffusers/transformers, Hydra, the plan); *planner* is `plan_step` alone (in plan.json),",
+        "Each preset is planned with its own command, shown in the table: at `model.size=full` the plan is of the",
+        "presets' stated targets, 1024 px (data.resolution's default at full size) and the default batch of 2.",
+        "*wall* is the whole command (interpreter, imports of torch/diffusers/transformers, Hydra, the plan);",
+        "*planner* is `plan_step` alone (in plan.json),",
         "of which *build* includes importing the model classes.",
         "",
         "| preset | wall (s) | planner (s) | build / setup / fwd+bwd / optimizer (s) | predicted peak | needed (+ workspaces) | budget | fits | host RAM peak / during training |",

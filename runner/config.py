@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 
 @dataclass
@@ -108,7 +108,20 @@ TRAIN_DTYPES = ("float32", "bfloat16")  # model.train_dtype (bfloat16 = kohya's 
 PRECISIONS = ("no", "bf16", "fp16")
 
 
+NATIVE_RESOLUTION = {"tiny": 64, "full": 1024}  # px; full = SDXL's and Flux's training resolution
+
+
+def native_resolution(size: str) -> int:
+    """``data.resolution``'s default (conf/config.yaml): the size a model of ``model.size`` trains at.
+
+    A full-size plan at the tiny default of 64 px would understate activations ~250x, so the
+    resolution follows the model size unless the user sets it.
+    """
+    return NATIVE_RESOLUTION.get(str(size), NATIVE_RESOLUTION["tiny"])
+
+
 def store_schemas() -> None:
+    OmegaConf.register_new_resolver("native_resolution", native_resolution, replace=True)
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
     cs.store(group="trainer", name="custom", node=CustomTrainerConfig)

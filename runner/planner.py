@@ -1,6 +1,6 @@
 """The planner: "will this config fit on my card?", answered by simulating one training step.
 
-``python -m runner +preset=sdxl_24gb mode=plan model.size=full data.resolution=1024`` prints a
+``python -m runner +preset=sdxl_24gb mode=plan model.size=full`` (1024 px at full size) prints a
 table and writes ``plan.json``; the exit status is 0 when the plan fits ``budget_gb`` and 3 when
 it does not. ``mode=train`` plans first (``train.preflight``, on by default) and refuses to start
 a run that cannot fit. The twin function is :func:`plan_step`.

@@ -102,3 +102,16 @@ def test_resolved_config_is_plain_yaml():
     cfg = compose_config(["+preset=constrained"])
     text = OmegaConf.to_yaml(cfg, resolve=True)
     assert "constrained" in text and "budget_gb: 12" in text
+
+
+@pytest.mark.parametrize("overrides, resolution", [
+    ([], 64),                                          # tiny models train at 64 px
+    (["model.size=full"], 1024),                       # full size plans/trains SDXL's and Flux's 1024 px
+    (["+preset=flux_24gb", "model.size=full"], 1024),
+    (["model.size=full", "data.resolution=512"], 512),  # an explicit value wins
+])
+def test_data_resolution_follows_model_size_unless_set(overrides, resolution):
+    cfg = compose_config(overrides)
+    validate(cfg)
+    assert cfg.data.resolution == resolution
+    assert OmegaConf.to_container(cfg, resolve=True)["data"]["resolution"] == resolution
