@@ -87,10 +87,18 @@ def _group_keys(overrides: Sequence[str], path: str) -> list[str]:
     return [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
 
 
+def _choices(overrides: Sequence[str]) -> DictConfig:
+    """The group choices among ``overrides`` (``quantization=none``) as a config, for messages."""
+    picked = {o.split("=", 1)[0]: o.split("=", 1)[1] for o in overrides
+              if "=" in o and "." not in o.split("=", 1)[0] and not o.startswith(("+", "~"))}
+    return OmegaConf.create(picked)
+
+
 def _friendly(err: Exception, overrides: Sequence[str]) -> UserError:
     cause: Any = err
-    while cause.__cause__ is not None and not isinstance(cause, OmegaConfBaseException):
-        cause = cause.__cause__
+    # Hydra chains some errors implicitly (raised while handling), so follow __context__ too.
+    while not isinstance(cause, OmegaConfBaseException) and (cause.__cause__ or cause.__context__) is not None:
+        cause = cause.__cause__ or cause.__context__
     if isinstance(err, MissingConfigException) or isinstance(cause, MissingConfigException):
         e = err if isinstance(err, MissingConfigException) else cause
         missing = getattr(e, "missing_cfg_file", "") or ""
@@ -109,6 +117,14 @@ def _friendly(err: Exception, overrides: Sequence[str]) -> UserError:
         hint = did_you_mean(key, valid)
         where = f"'{parent}'" if parent else "the root config"
         listing = f" Valid keys in {where}: {', '.join(sorted(valid))}." if valid else ""
+        source = str(err).split(":", 1)[0] if str(err).startswith("In '") else ""
+        if source and parent:  # a config file (a preset) sets a key the chosen option does not have
+            choice = OmegaConf.select(_choices(overrides), parent)
+            return UserError(
+                f"Unknown config key '{full_key}': {source[3:].strip(chr(39))} sets it, but {parent}={choice} has no "
+                f"such key.{listing} Choose a {parent} option that has it, or copy the preset into "
+                "conf/preset/ without that line."
+            )
         return UserError(f"Unknown config key '{full_key}'.{hint}{listing}")
     if isinstance(cause, ValidationError):
         full_key = str(getattr(cause, "full_key", "") or "")

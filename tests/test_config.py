@@ -115,3 +115,9 @@ def test_data_resolution_follows_model_size_unless_set(overrides, resolution):
     validate(cfg)
     assert cfg.data.resolution == resolution
     assert OmegaConf.to_container(cfg, resolve=True)["data"]["resolution"] == resolution
+
+
+def test_a_preset_key_the_chosen_plugin_lacks_names_the_preset_and_the_choice():
+    # constrained sets quantization.modules; quantization=none has no such key.
+    with pytest.raises(UserError, match=r"'quantization.modules': preset/constrained sets it, but quantization=none"):
+        compose_config(["+preset=constrained", "quantization=none"])
