@@ -158,7 +158,41 @@ def _sync(events: list[Any]) -> None:
     events.clear()
 
 
-class HostStepOptimizer(torch.optim.Optimizer):
+class _ForwardsToInner(torch.optim.Optimizer):
+    """An optimizer wrapper whose groups, state and defaults are the inner optimizer's own.
+
+    Schedulers, accelerate and checkpointing read and write these attributes; forwarding them keeps
+    one source of truth instead of copies that drift after a load_state_dict.
+    """
+
+    inner: torch.optim.Optimizer
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.inner.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.inner.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.inner.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.inner.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.inner.defaults = value
+
+
+class HostStepOptimizer(_ForwardsToInner):
     """``step_on_host=true``, built-in: host masters, host state, host step, copy back.
 
     Not constructed through ``Optimizer.__init__``: like torchao's wrapper it owns an inner
@@ -215,31 +249,6 @@ class HostStepOptimizer(torch.optim.Optimizer):
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(m)))
         self._optimizer_step_pre_hooks: dict = {}
         self._optimizer_step_post_hooks: dict = {}
-
-    # torch.optim.Optimizer surface, forwarded to the inner optimizer
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.inner.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.inner.param_groups = value
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.inner.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.inner.state = value
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.inner.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self.inner.defaults = value
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise NotImplementedError("offload=optimizer: add parameter groups before the optimizer is wrapped")
@@ -359,7 +368,7 @@ class HostStepOptimizer(torch.optim.Optimizer):
         return f"HostStepOptimizer({type(self.inner).__name__}, {len(self.pairs)} parameters)"
 
 
-class HostStateOptimizer(torch.optim.Optimizer):
+class HostStateOptimizer(_ForwardsToInner):
     """``step_on_host=false``: state on the host between steps, stepped on the device in chunks.
 
     The inner optimizer is the original one over the device parameters; each chunk's state is
@@ -379,30 +388,6 @@ class HostStateOptimizer(torch.optim.Optimizer):
         self._host_state: dict[tuple[int, str], torch.Tensor] = {}
         self._optimizer_step_pre_hooks: dict = {}
         self._optimizer_step_post_hooks: dict = {}
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.inner.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.inner.param_groups = value
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.inner.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.inner.state = value
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.inner.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self.inner.defaults = value
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.inner.add_param_group(param_group)
