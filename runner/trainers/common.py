@@ -588,7 +588,20 @@ class DiffusersTrainer:
     cache_format: int = 1
 
     def encode_parts(self) -> dict[str, EncodePart]:
-        raise NotImplementedError
+        """Both built-in families: VAE latents from pixels, two text encoders' outputs from captions."""
+        return {
+            "latents": EncodePart(("vae",), ("pixel_values",)),
+            "text": EncodePart(("text_encoder", "text_encoder_2"), ("caption",)),
+        }
+
+    @staticmethod
+    def encode_latents(models: ModelSet, batch: Batch) -> dict[str, torch.Tensor]:
+        """The VAE posterior (mean, std): sampling happens per step, so a cache entry stays reusable."""
+        vae = models["vae"]
+        dist = vae.encode(batch["pixel_values"].to(compute_dtype(vae))).latent_dist
+        # Contiguous, as a cache entry read back is: the CPU VAE returns channels-last
+        # tensors, and that layout made the denoiser's backward round differently.
+        return {"latent_mean": dist.mean.contiguous(), "latent_std": dist.std.contiguous()}
 
     @torch.no_grad()
     def encode(self, models: ModelSet, batch: Batch) -> Batch:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from runner.errors import UserError, valid_list
 from runner.registry import register_trainer
-from runner.trainer import Batch, EncodePart, ModelSet, batch_device, per_sample_rand, per_sample_randn
+from runner.trainer import Batch, ModelSet, batch_device, per_sample_rand, per_sample_randn
 from runner.trainers import model_configs
 from runner.trainers.common import (
     DiffusersTrainer,
@@ -129,21 +129,11 @@ class FluxTrainer(DiffusersTrainer):
         return int(min(tok.model_max_length, model_configs.FLUX_T5_MAX_LENGTH["full"]))
 
     # -- protocol -------------------------------------------------------------------------
-    def encode_parts(self) -> dict[str, EncodePart]:
-        return {
-            "latents": EncodePart(("vae",), ("pixel_values",)),
-            "text": EncodePart(("text_encoder", "text_encoder_2"), ("caption",)),
-        }
-
     @torch.no_grad()
     def encode_part(self, models: ModelSet, part: str, batch: Batch) -> dict[str, torch.Tensor]:
         """The VAE posterior (mean, std), or CLIP's pooled output and T5's hidden states."""
         if part == "latents":
-            vae = models["vae"]
-            dist = vae.encode(batch["pixel_values"].to(compute_dtype(vae))).latent_dist
-            # Contiguous, as a cache entry read back is: the CPU VAE returns channels-last
-            # tensors, and that layout made the denoiser's backward round differently.
-            return {"latent_mean": dist.mean.contiguous(), "latent_std": dist.std.contiguous()}
+            return self.encode_latents(models, batch)
         device = batch_device(batch)
         clip, t5 = models["text_encoder"], models["text_encoder_2"]
         captions = list(batch["caption"])

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from runner.errors import UserError, valid_list
 from runner.registry import register_trainer
-from runner.trainer import Batch, EncodePart, ModelSet, batch_device, per_sample_rand, per_sample_randn
+from runner.trainer import Batch, ModelSet, batch_device, per_sample_rand, per_sample_randn
 from runner.trainers import model_configs
 from runner.trainers.common import (
     DiffusersTrainer,
@@ -98,21 +98,11 @@ class SDXLTrainer(DiffusersTrainer):
         return self._schedulers[key]
 
     # -- protocol -------------------------------------------------------------------------
-    def encode_parts(self) -> dict[str, EncodePart]:
-        return {
-            "latents": EncodePart(("vae",), ("pixel_values",)),
-            "text": EncodePart(("text_encoder", "text_encoder_2"), ("caption",)),
-        }
-
     @torch.no_grad()
     def encode_part(self, models: ModelSet, part: str, batch: Batch) -> dict[str, torch.Tensor]:
         """The VAE posterior (mean, std) or the two text encoders' outputs, on the batch's device."""
         if part == "latents":
-            vae = models["vae"]
-            dist = vae.encode(batch["pixel_values"].to(compute_dtype(vae))).latent_dist
-            # Contiguous, as a cache entry read back is: the CPU VAE returns channels-last
-            # tensors, and that layout made the denoiser's backward round differently.
-            return {"latent_mean": dist.mean.contiguous(), "latent_std": dist.std.contiguous()}
+            return self.encode_latents(models, batch)
         device = batch_device(batch)
         te1, te2 = models["text_encoder"], models["text_encoder_2"]
         captions = list(batch["caption"])
