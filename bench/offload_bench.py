@@ -57,6 +57,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # runnable from a checkout without installing the package
     sys.path.insert(0, str(ROOT))
 
+from docs_section import replace_section  # noqa: E402  (bench/ is on sys.path as the script's folder)
+
 GiB = 2**30
 DOCS = ROOT / "docs" / "benchmarks.md"
 BEGIN = "<!-- offload_bench:begin -->"
@@ -475,22 +477,6 @@ def report(all_results: dict[str, list[Result]], env: dict[str, Any], command: s
     return "\n".join(lines) + "\n"
 
 
-def write_docs(section: str, path: Path = DOCS) -> None:
-    """Replace this bench's section of docs/benchmarks.md (create the file if missing)."""
-    if path.exists():
-        text = path.read_text()
-    else:
-        text = "# Benchmarks and measured figures\n\nEvery figure here was produced by the command shown beside it.\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
-        text = head + section.rstrip("\n") + tail
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-
-
 def environment(device: torch.device, args: Any) -> dict[str, Any]:
     import accelerate
     import diffusers
@@ -556,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     section = report(all_results, env, command.strip())
     print("\n" + section)
     if args.write_docs:
-        write_docs(section)
+        replace_section(section, BEGIN, END, DOCS)
         print(f"wrote its section of {DOCS}")
     return 0
 

@@ -26,7 +26,6 @@ import argparse
 import gc
 import json
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -34,6 +33,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from docs_section import replace_section  # noqa: E402  (bench/ is on sys.path as the script's folder)
 
 MARK_BEGIN = "<!-- bench/oom_gpu.py begin -->"
 MARK_END = "<!-- bench/oom_gpu.py end -->"
@@ -184,11 +185,7 @@ def main() -> None:
     print(text)
     print(json.dumps({"cap_bytes": cap, "micro_batch_per_step": micros}))
     if args.write:
-        doc = ROOT / "docs" / "benchmarks.md"
-        old = doc.read_text()
-        pattern = re.compile(re.escape(MARK_BEGIN) + ".*?" + re.escape(MARK_END), re.S)
-        new = pattern.sub(lambda _: text, old) if pattern.search(old) else old.rstrip("\n") + "\n\n" + text + "\n"
-        doc.write_text(new)
+        replace_section(text, MARK_BEGIN, MARK_END)
 
 
 if __name__ == "__main__":

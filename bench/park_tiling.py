@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -24,6 +23,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from docs_section import replace_section  # noqa: E402  (bench/ is on sys.path as the script's folder)
 
 MARK_BEGIN = "<!-- bench/park_tiling.py begin -->"
 MARK_END = "<!-- bench/park_tiling.py end -->"
@@ -155,11 +156,7 @@ def main() -> None:
     ])
     print(text)
     if args.write:
-        doc = ROOT / "docs" / "benchmarks.md"
-        old = doc.read_text()
-        pattern = re.compile(re.escape(MARK_BEGIN) + ".*?" + re.escape(MARK_END), re.S)
-        new = pattern.sub(lambda _: text, old) if pattern.search(old) else old.rstrip("\n") + "\n\n" + text + "\n"
-        doc.write_text(new)
+        replace_section(text, MARK_BEGIN, MARK_END)
 
 
 if __name__ == "__main__":

@@ -27,9 +27,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from docs_section import replace_section  # bench/ is on sys.path as the script's folder
+
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "benchmarks.md"
 SECTION = "## Planner: time to plan and predicted peaks (bench/plan_speed.py)"
+BEGIN, END = "<!-- bench/plan_speed.py begin -->", "<!-- bench/plan_speed.py end -->"
 FULL_SIZE = ["model.size=full"]  # 1024 px (data.resolution follows model.size), the default batch of 2
 GiB = 2**30
 
@@ -81,6 +84,7 @@ def measure(repeats: int) -> list[dict]:
 
 def section(rows: list[dict], load: float, repeats: int) -> str:
     lines = [
+        BEGIN,
         SECTION,
         "",
         f"Command (CPU only, {os.cpu_count()} cores, 1-minute load average {load:.2f} at the start; "
@@ -111,20 +115,8 @@ def section(rows: list[dict], load: float, repeats: int) -> str:
         for s in p["suggestions"][:3]:
             bound = "up to " if s.get("upper_bound") else ""
             lines.append(f"  - suggestion (estimate): `{s['override']}` saves {bound}{s['saves_bytes'] / GiB:.2f} GiB")
-    lines.append("")
+    lines.append(END)
     return "\n".join(lines)
-
-
-def write(text: str) -> None:
-    """Replace this benchmark's section of docs/benchmarks.md (or append it), nothing else."""
-    doc = DOC.read_text() if DOC.exists() else "# Benchmarks and measured figures\n"
-    start = doc.find(SECTION)
-    if start < 0:
-        doc = doc.rstrip("\n") + "\n\n" + text
-    else:
-        nxt = doc.find("\n## ", start + len(SECTION))
-        doc = doc[:start] + text + (doc[nxt + 1:] if nxt >= 0 else "")
-    DOC.write_text(doc.rstrip("\n") + "\n")
 
 
 def main() -> None:
@@ -137,7 +129,7 @@ def main() -> None:
     if args.no_write:
         print(text)
     else:
-        write(text)
+        replace_section(text, BEGIN, END, DOC)
         print(f"wrote '{SECTION}' in {DOC}")
 
 
