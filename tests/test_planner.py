@@ -69,10 +69,12 @@ class _Phases:
         return self.tracker.phase(name)
 
 
-def real_step(cfg: Any, trainer: Any = None) -> dict[str, Any]:
-    """Two real optimizer steps on the CPU with the loop's code; the tracker's figures of step 2."""
+def prepared_step(cfg: Any, trainer: Any = None, configure_process: bool = False) -> tuple[Any, list, dict, int]:
+    """The loop's setup of a real run (models, plugins, optimizer) and the step's raw batch."""
     trainer = trainer if trainer is not None else build_trainer(cfg)
     ctx = make_context(cfg, build_plugins(cfg), None)
+    if configure_process:
+        ctx.run_phase("configure_process")
     ctx.trainer = trainer
     torch.manual_seed(0)
     ctx.models = trainer.build_models("cpu")
@@ -86,6 +88,12 @@ def real_step(cfg: Any, trainer: Any = None) -> dict[str, Any]:
     batch, micro = int(cfg.train.batch_size), int(cfg.train.batch_size) // int(cfg.train.grad_accum)
     raw_fn = getattr(trainer, "example_raw_batch", None)
     raw = raw_fn(batch, "cpu") if callable(raw_fn) else trainer.example_batch(batch, "cpu")
+    return ctx, params, raw, micro
+
+
+def real_step(cfg: Any, trainer: Any = None) -> dict[str, Any]:
+    """Two real optimizer steps on the CPU with the loop's code; the tracker's figures of step 2."""
+    ctx, params, raw, micro = prepared_step(cfg, trainer)
     tracker = LiveBytesTracker()
     for name, m in ctx.models.items():
         tracker.track(m, "weights", module=name)
@@ -369,22 +377,7 @@ def test_sd15_and_sd3_class_denoisers_plan_at_full_size(name):
 # ---- on a GPU: the plan against the CUDA allocator ----------------------------------------------------
 def cuda_step_peak(cfg: Any) -> int:
     """``torch.cuda.max_memory_allocated`` over the second of two real steps (the loop's code)."""
-    trainer = build_trainer(cfg)
-    ctx = make_context(cfg, build_plugins(cfg), None)
-    ctx.run_phase("configure_process")
-    ctx.trainer = trainer
-    torch.manual_seed(0)
-    ctx.models = trainer.build_models("cpu")
-    ctx.accelerator = make_accelerator(cfg, ctx.device)
-    ctx.apply_setup_phases()
-    params = list(ctx.models.trainable_parameters())
-    ctx.optimizer = build_optimizer(cfg.optimizer, params)
-    ctx.run_phase("wrap_optimizer")
-    for name, m in ctx.models.items():
-        m.train(name in ctx.models.trained)
-    batch, micro = int(cfg.train.batch_size), int(cfg.train.batch_size) // int(cfg.train.grad_accum)
-    raw_fn = getattr(trainer, "example_raw_batch", None)
-    raw = raw_fn(batch, "cpu") if callable(raw_fn) else trainer.example_batch(batch, "cpu")
+    ctx, params, raw, micro = prepared_step(cfg, configure_process=True)
 
     class NoPhases:
         def phase(self, name: str) -> Any:
