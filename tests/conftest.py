@@ -17,3 +17,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module's tests: tiny ops on 2 shared cores run faster without
+    OpenMP wake-up stalls, and CPU kernels become bitwise reproducible (the equality tests need it)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -21,12 +21,8 @@ from runner.run import build_trainer
 from runner.validate import compose_config, validate
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# One intra-op thread (tests/conftest.py): faster tiny ops, bitwise-reproducible runs.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 _TRAINERS: dict = {}

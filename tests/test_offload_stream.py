@@ -35,13 +35,8 @@ from runner.validate import compose_config, validate
 STEPS = 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # One intra-op thread: tiny ops run faster on 2 shared cores, and runs are bitwise reproducible.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# One intra-op thread (tests/conftest.py): faster tiny ops, bitwise-reproducible runs.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 _TRAINERS: dict[tuple[str, str], object] = {}

@@ -30,12 +30,8 @@ from runner.validate import compose_config, validate
 CPU_OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# One intra-op thread (tests/conftest.py): faster tiny ops, bitwise-reproducible runs.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def opt_cfg(name: str, *overrides: str):

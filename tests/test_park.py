@@ -32,13 +32,8 @@ from runner.validate import compose_config, validate
 ASSETS = Path(__file__).parent / "assets"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # One intra-op thread: faster for tiny ops on 2 shared cores, and bitwise reproducible.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# One intra-op thread (tests/conftest.py): faster tiny ops, bitwise-reproducible runs.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def module_bytes(module: nn.Module) -> int:

@@ -27,14 +27,8 @@ from runner.plugin import PluginSchedule
 from runner.trainer import ModelSet
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny ops on 2 shared cores: one intra-op thread avoids OpenMP wake-up stalls (10x faster
-    # here) and makes the runs bitwise reproducible.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# One intra-op thread (tests/conftest.py): faster tiny ops, bitwise-reproducible runs.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 TINY_UNET = dict(

@@ -44,13 +44,8 @@ from runner.validate import compose_config, validate
 METHODS = ("nf4", "int8", "fp8")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny ops on 2 shared cores: one intra-op thread is faster and bitwise reproducible.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# One intra-op thread (tests/conftest.py): faster tiny ops, bitwise-reproducible runs.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---- expected bytes, written out independently of the plugin's layout tables --------------------
