@@ -89,6 +89,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_iter
 
@@ -101,6 +102,8 @@ PHASE_CATEGORIES: dict[str, str] = {
     "optimizer": "optimizer_state",
 }
 """Category given to survivors of a phase (births in it that outlive it)."""
+
+_PRIM_DEVICE = torch.ops.prim.device.default
 
 NO_PHASE = "(none)"
 NO_MODULE = "(none)"
@@ -145,6 +148,19 @@ def _storage_of(t: torch.Tensor) -> Any:
         return t.untyped_storage()
     except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested, wrapper subclasses
         return None
+
+
+_DEVICE_NAMES: dict[torch.device, str] = {}
+
+
+def _device_name(t: torch.Tensor) -> str:
+    # A FakeTensor's device is an attribute; ``t.device`` would dispatch a query to read it.
+    # str(device) is cached: it runs once per op output.
+    device = t.fake_device if isinstance(t, FakeTensor) else t.device
+    name = _DEVICE_NAMES.get(device)
+    if name is None:
+        name = _DEVICE_NAMES[device] = str(device)
+    return name
 
 
 def _int(n: Any) -> int:
@@ -204,21 +220,42 @@ class LiveBytesTracker(TorchDispatchMode):
         self._module_live: dict[str, int] = {}
 
     # ---- dispatch --------------------------------------------------------------------------
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # PyTorch wraps every dispatch mode's __torch_dispatch__ in torch._disable_dynamo, a
+        # per-call cost that matters at the planner's ~10^5 ops; nothing here is ever compiled.
+        return False
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is _PRIM_DEVICE:
+            # ``tensor.device`` of a FakeTensor dispatches this query: over half of all ops a
+            # simulated step sees. It allocates nothing; answer it without the fake mode's
+            # dispatch (FakeTensor's own handler says the same outside a kernel invocation).
+            t = args[0]
+            if isinstance(t, FakeTensor) and not t.fake_mode.in_kernel_invocation:
+                return t.fake_device
+            return func(*args)
         kwargs = kwargs or {}
-        if self._dead:
-            self._drain()
-        if self.count_inputs:
-            for t in tree_iter((args, kwargs)):
-                if isinstance(t, torch.Tensor):
-                    self._see(t, None, born=False)
-        out = func(*args, **kwargs)
-        if isinstance(out, torch.Tensor):
-            self._see(out, None, born=True)
-        else:
-            for t in tree_iter(out):
-                if isinstance(t, torch.Tensor):
-                    self._see(t, None, born=True)
+        # Torch-function modes (the planner's DeviceSemantics) act above autograd on the user's
+        # calls; the aten calls and tensor queries below are not theirs to see.
+        with torch._C.DisableTorchFunction():
+            if self._dead:
+                self._drain()
+            if self.count_inputs:
+                for t in tree_iter((args, kwargs)):
+                    if isinstance(t, torch.Tensor):
+                        self._see(t, None, born=False)
+            out = func(*args, **kwargs)
+            if isinstance(out, torch.Tensor):
+                self._see(out, None, born=True)
+            elif out is not None:
+                for t in (out if type(out) in (tuple, list) else tree_iter(out)):
+                    if isinstance(t, torch.Tensor):
+                        self._see(t, None, born=True)
+                    elif isinstance(t, (tuple, list)):  # nested (rare): walk it
+                        for u in tree_iter(t):
+                            if isinstance(u, torch.Tensor):
+                                self._see(u, None, born=True)
         return out
 
     def _see(self, t: torch.Tensor, category: str | None, born: bool, label: str | None = None) -> _Rec | None:
@@ -249,7 +286,7 @@ class LiveBytesTracker(TorchDispatchMode):
         in_module = self._modules[-1].name if (born and self._modules) else None
         module = label if label is not None else in_module
         self._seq += 1
-        rec = _Rec(s, self._on_dead, key, n, str(t.device), category, serial, self._seq, module)
+        rec = _Rec(s, self._on_dead, key, n, _device_name(t), category, serial, self._seq, module)
         self._live[key] = rec
         self._add(rec.device, category, module, n)
         if in_module is not None:
