@@ -413,3 +413,46 @@ def test_planned_peak_matches_the_cuda_allocator(case):
     # The allocator also holds cuBLAS/cuDNN workspaces (no Python tensor) and rounds blocks up:
     # the plan's margin covers them.
     assert plan.peak_bytes * 0.95 <= measured <= plan.required_bytes * 1.05, (plan.peak_bytes, measured)
+
+
+# ---- the simulation's fast paths -------------------------------------------------------------------
+SPEED_CASES = {
+    "sdxl": [],
+    "constrained": ["+preset=constrained"],  # nf4 + LoRA, park, checkpointing, 8-bit AdamW
+    "flux_24gb_full": ["+preset=flux_24gb_full"],  # streamed blocks, Adafactor, VAE tiling
+}
+
+
+def _comparable(plan: Plan) -> dict[str, Any]:
+    d = plan.to_dict()
+    d.pop("seconds")
+    d["notes"].pop("timings_s")
+    return d
+
+
+@pytest.mark.parametrize("case", list(SPEED_CASES))
+def test_fast_simulation_mode_plans_byte_for_byte_like_stock_fake_tensors(case, monkeypatch):
+    """SimulationMode's cheaper cache key and dispatch (runner/planner.py) change no figure."""
+    import runner.planner as planner
+
+    cfg = compose(*SPEED_CASES[case])
+    fast = _comparable(plan_step(cfg))
+    monkeypatch.setattr(planner, "simulation_mode", lambda: simulation_mode(fast=False))
+    stock = _comparable(plan_step(cfg))
+    assert fast == stock
+
+
+def test_simulation_mode_describes_plain_fake_tensors_with_its_own_key():
+    """The fast key is what the cache sees for ordinary ops (a fallback to the stock key is silent)."""
+    from torch._subclasses.fake_tensor import _CacheKeyState
+
+    import runner.planner as planner
+
+    with simulation_mode() as mode:
+        x = torch.empty(4, 4, device="meta")
+        key = mode._cache_key(_CacheKeyState(None), torch.ops.aten.add.Tensor, (x, x), {"alpha": 2})
+        assert key.key[0] is planner._FAST_KEY
+        y = torch.empty(4, 4, device="meta")
+        same = mode._cache_key(_CacheKeyState(None), torch.ops.aten.add.Tensor, (y, y), {"alpha": 2})
+        other = mode._cache_key(_CacheKeyState(None), torch.ops.aten.add.Tensor, (y, y.t()), {"alpha": 2})
+        assert key == same and key != other  # equal metadata shares an entry; a transposed stride does not
