@@ -798,6 +798,9 @@ def _old_objects_frozen() -> Iterator[None]:
     skipped, not leaked: they return to the collector when the plan ends. Objects the plan
     creates are collected as usual, so a dropped module is still freed when a plugin asks.
     """
+    if gc.get_freeze_count():  # the application froze objects itself: leave its choice alone
+        yield
+        return
     gc.freeze()
     try:
         yield

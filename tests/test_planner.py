@@ -456,3 +456,23 @@ def test_simulation_mode_describes_plain_fake_tensors_with_its_own_key():
         same = mode._cache_key(_CacheKeyState(None), torch.ops.aten.add.Tensor, (y, y), {"alpha": 2})
         other = mode._cache_key(_CacheKeyState(None), torch.ops.aten.add.Tensor, (y, y.t()), {"alpha": 2})
         assert key == same and key != other  # equal metadata shares an entry; a transposed stride does not
+
+
+def test_planning_leaves_the_garbage_collector_as_it_found_it():
+    """Plans freeze the objects that existed before them (speed), and unfreeze only what they froze."""
+    import gc
+
+    from runner.planner import _old_objects_frozen
+
+    assert gc.get_freeze_count() == 0
+    with _old_objects_frozen():
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    try:
+        with _old_objects_frozen():
+            pass
+        assert gc.get_freeze_count() == frozen  # the application's own freeze is kept
+    finally:
+        gc.unfreeze()
