@@ -305,21 +305,11 @@ def _spread_rank(i: int, n: int) -> float:
     return rev / (1 << bits)
 
 
-def plan_stream(module: nn.Module, blocks: list[nn.Module], budget_bytes: int, prefetch: int = 1,
-                name: str = "module") -> StreamPlan:
-    """Choose the streamed blocks of ``module`` so that its device weight bytes fit ``budget_bytes``.
-
-    Works on ``meta`` modules (only shapes and dtypes are read), so the planner and validation can
-    call it before anything is allocated. Raises :class:`UserError` when even streaming every
-    block does not fit, naming the smallest budget that would.
-    """
-    if prefetch < 0:
-        raise UserError(f"offload.prefetch={prefetch} is not valid: it must be a whole number >= 0.")
+def _all_resident_plan(module: nn.Module, blocks: list[nn.Module], budget_bytes: int, prefetch: int,
+                       name: str) -> StreamPlan:
+    """Every block's streamable bytes and fixed part, nothing streamed yet."""
     owners = _param_owners(module)
-    in_blocks: dict[int, int] = {}
-    for bi, blk in enumerate(blocks):
-        for p in blk.parameters():
-            in_blocks.setdefault(id(p), bi)
+    in_blocks = {id(p) for blk in blocks for p in blk.parameters()}
     # A parameter reachable from outside its block (tied weights) must not move under it.
     block_ids = {id(m) for blk in blocks for m in blk.modules()}
     shared = {pid for pid, where in owners.items() if pid in in_blocks and any(id(m) not in block_ids for m, _ in where)}
@@ -333,11 +323,27 @@ def plan_stream(module: nn.Module, blocks: list[nn.Module], budget_bytes: int, p
         raw = sum(_nbytes(p) for _, _, p in params)
         inside += raw + fixed
         plans.append(BlockPlan(bi, names.get(id(blk), f"block{bi}"), nbytes, fixed, False, why, raw))
-    outside = total - inside
-    plan = StreamPlan(name, plans, total, outside, int(budget_bytes), int(prefetch))
+    return StreamPlan(name, plans, total, total - inside, int(budget_bytes), int(prefetch))
+
+
+def _candidates(plan: StreamPlan) -> list[BlockPlan]:
+    return [b for b in plan.blocks if not b.why_resident and b.nbytes > 0]
+
+
+def plan_stream(module: nn.Module, blocks: list[nn.Module], budget_bytes: int, prefetch: int = 1,
+                name: str = "module") -> StreamPlan:
+    """Choose the streamed blocks of ``module`` so that its device weight bytes fit ``budget_bytes``.
+
+    Works on ``meta`` modules (only shapes and dtypes are read), so the planner and validation can
+    call it before anything is allocated. Raises :class:`UserError` when even streaming every
+    block does not fit, naming the smallest budget that would.
+    """
+    if prefetch < 0:
+        raise UserError(f"offload.prefetch={prefetch} is not valid: it must be a whole number >= 0.")
+    plan = _all_resident_plan(module, blocks, budget_bytes, prefetch, name)
     if plan.device_weight_bytes <= budget_bytes:
         return plan  # everything fits resident: nothing to stream
-    candidates = [b for b in plans if not b.why_resident and b.nbytes > 0]
+    candidates = _candidates(plan)
     # Largest first (fewest transfers per byte saved); equal sizes (within 1%) in spread order.
     def key(b: BlockPlan) -> tuple[float, float]:
         same = [c for c in candidates if abs(c.nbytes - b.nbytes) <= 0.01 * b.nbytes]
@@ -348,11 +354,11 @@ def plan_stream(module: nn.Module, blocks: list[nn.Module], budget_bytes: int, p
         if plan.device_weight_bytes <= budget_bytes:
             return plan
     minimum = plan.device_weight_bytes
-    stuck = [b for b in plans if b.why_resident]
+    stuck = [b for b in plan.blocks if b.why_resident]
     why = ""
     if stuck:
         reasons = sorted({b.why_resident for b in stuck})
-        why = (f" {len(stuck)} of {len(plans)} blocks cannot be streamed ({'; '.join(reasons)}): bitsandbytes "
+        why = (f" {len(stuck)} of {len(plan.blocks)} blocks cannot be streamed ({'; '.join(reasons)}): bitsandbytes "
                "nf4/int8 weights stay resident (quantization=fp8 streams).")
     raise UserError(
         f"offload=stream cannot fit {name}'s weights into the device budget of {fmt_bytes(budget_bytes)} "
@@ -394,20 +400,10 @@ def guess_execution_order(module: nn.Module, blocks: list[nn.Module]) -> list[in
 def minimum_device_bytes(module: nn.Module, blocks: list[nn.Module], prefetch: int = 1) -> int:
     """The smallest ``device_budget_bytes`` :func:`plan_stream` accepts: every streamable block
     streamed, so only what must stay resident and the window remain."""
-    owners = _param_owners(module)
-    block_ids = {id(m) for blk in blocks for m in blk.modules()}
-    in_blocks = {id(p) for blk in blocks for p in blk.parameters()}
-    shared = {pid for pid, where in owners.items() if pid in in_blocks and any(id(m) not in block_ids for m, _ in where)}
-    total = sum(_nbytes(p) for p in module.parameters()) + sum(_nbytes(b) for b in module.buffers())
-    resident, sizes, inside = 0, [], 0
-    for blk in blocks:
-        params, fixed, why = _streamable(blk, shared)
-        raw = sum(_nbytes(p) for _, _, p in params)
-        inside += raw + fixed
-        resident += fixed
-        if not why and params:
-            sizes.append(sum(_align(_nbytes(p)) for _, _, p in params))
-    return total - inside + resident + sum(sorted(sizes, reverse=True)[: prefetch + 1])
+    plan = _all_resident_plan(module, blocks, 0, prefetch, "module")
+    for b in _candidates(plan):
+        b.streamed = True
+    return plan.device_weight_bytes
 
 
 # ---- streaming runtime -------------------------------------------------------------------------

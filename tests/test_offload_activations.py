@@ -17,25 +17,16 @@ from plugins.offload_activations import ActivationOffloader, offload_activations
 from plugins.stream import apply_stream_offload
 from runner.errors import UserError
 from runner.memory.tracker import LiveBytesTracker
-from runner.run import build_trainer
 from runner.validate import compose_config, validate
+from tiny_training import assert_identical_training, fake_unet_inputs, tiny_trainer
 
 
 # One intra-op thread (tests/conftest.py): faster tiny ops, bitwise-reproducible runs.
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-_TRAINERS: dict = {}
-
-
-def trainer(family: str, train: str):
-    if (family, train) not in _TRAINERS:
-        _TRAINERS[family, train] = build_trainer(compose_config([f"trainer={family}", f"model.train={train}"]))
-    return _TRAINERS[family, train]
-
-
 def steps(family: str, train: str, offload: bool, ckpt: bool, stream: bool = False, n: int = 3):
-    tr = trainer(family, train)
+    tr = tiny_trainer(family, train)
     torch.manual_seed(0)
     models = tr.build_models("cpu")
     name = next(iter(models.trained))
@@ -65,21 +56,12 @@ def steps(family: str, train: str, offload: bool, ckpt: bool, stream: bool = Fal
     return losses, grads, weights, offloader
 
 
-def assert_identical(a, b):
-    for x, y in zip(a[0], b[0]):
-        assert torch.equal(x, y), (a[0], b[0])
-    for ga, gb in zip(a[1], b[1]):
-        assert ga.keys() == gb.keys() and ga
-        assert all(torch.equal(ga[k], gb[k]) for k in ga), [k for k in ga if not torch.equal(ga[k], gb[k])][:3]
-    assert all(torch.equal(a[2][k], b[2][k]) for k in a[2])
-
-
 @pytest.mark.parametrize("family,train", [("sdxl", "full"), ("sdxl", "lora"), ("flux", "full")])
 @pytest.mark.parametrize("ckpt", [False, True])
 def test_offloaded_activations_give_identical_training(family, train, ckpt):
     base = steps(family, train, offload=False, ckpt=ckpt)
     off = steps(family, train, offload=True, ckpt=ckpt)
-    assert_identical(base, off)
+    assert_identical_training(base, off)
     st = off[3].stats
     assert st.offloaded > 0 and st.offloaded_bytes > 0 and st.kept > 0
     assert st.live_host_bytes == 0  # every host copy was freed with its graph
@@ -89,7 +71,7 @@ def test_composes_with_stream_offload():
     """Streamed blocks' saved-tensor hooks keep the weights and hand activations to ours."""
     base = steps("sdxl", "full", offload=False, ckpt=True)
     both = steps("sdxl", "full", offload=True, ckpt=True, stream=True)
-    assert_identical(base, both)
+    assert_identical_training(base, both)
     assert both[3].stats.offloaded > 0
 
 
@@ -112,7 +94,7 @@ def fake_step(offload: bool, ckpt: bool):
     """Tiny SDXL U-Net forward+backward on fake tensors (device meta, host fake cpu)."""
     from runner.planner import fake_module, simulation_mode
 
-    tr = trainer("sdxl", "full")
+    tr = tiny_trainer("sdxl", "full")
     mode = simulation_mode()
     models = tr.build_models("meta")
     unet, blocks = models["unet"], models.blocks["unet"]
@@ -121,12 +103,7 @@ def fake_step(offload: bool, ckpt: bool):
         fake_module(unet, torch.device("meta"), {})
         if ckpt:
             apply_activation_checkpointing(blocks)
-        b = tr.example_batch(2, "cpu")
-        x = torch.empty(b["latents"].shape, device="meta")
-        t = torch.empty(2, dtype=torch.int64, device="meta")
-        ehs = torch.empty(b["prompt_embeds"].shape, device="meta")
-        cond = {"text_embeds": torch.empty(b["pooled_prompt_embeds"].shape, device="meta"),
-                "time_ids": torch.empty(b["time_ids"].shape, device="meta")}
+        x, t, ehs, cond = fake_unet_inputs(tr.example_batch(2, "cpu"), torch.float32)
     offloader = offload_activations("meta", "cpu", skip_modules=[unet])
     tracker = LiveBytesTracker(count_inputs=False)
     tracker.track(unet, "weights")
@@ -169,7 +146,7 @@ def test_checkpointing_leaves_only_block_inputs_to_offload():
 
 
 def test_host_ram_warning(caplog):
-    tr = trainer("sdxl", "lora")
+    tr = tiny_trainer("sdxl", "lora")
     torch.manual_seed(0)
     models = tr.build_models("cpu")
     off = ActivationOffloader("cpu", "cpu", always_copy=True, ram_warn_pct=0.01)

@@ -31,6 +31,7 @@ from runner.memory.tracker import LiveBytesTracker
 from runner.run import build_trainer
 from runner.trainers.common import find_repeated_blocks
 from runner.validate import compose_config, validate
+from tiny_training import assert_identical_training, fake_unet_inputs, tiny_trainer
 
 STEPS = 3
 
@@ -39,18 +40,8 @@ STEPS = 3
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-_TRAINERS: dict[tuple[str, str], object] = {}
-
-
-def trainer(family: str, train: str):
-    key = (family, train)
-    if key not in _TRAINERS:
-        _TRAINERS[key] = build_trainer(compose_config([f"trainer={family}", f"model.train={train}"]))
-    return _TRAINERS[key]
-
-
 def build(family: str, train: str):
-    tr = trainer(family, train)
+    tr = tiny_trainer(family, train)
     torch.manual_seed(0)
     models = tr.build_models("cpu")
     name = next(iter(models.trained))
@@ -97,20 +88,6 @@ def train_steps(family: str, train: str, offload: str | None, ckpt: str = "none"
     return losses, grads, weights, handle
 
 
-def assert_identical(base, other):
-    losses_a, grads_a, weights_a, _ = base
-    losses_b, grads_b, weights_b, _ = other
-    for step, (a, b) in enumerate(zip(losses_a, losses_b)):
-        assert torch.equal(a, b), f"loss of step {step + 1}: {a.item()!r} != {b.item()!r}"
-    for step, (ga, gb) in enumerate(zip(grads_a, grads_b)):
-        assert ga.keys() == gb.keys() and ga
-        bad = [n for n in ga if not torch.equal(ga[n], gb[n])]
-        assert not bad, f"step {step + 1}: {len(bad)} gradients differ, e.g. {bad[:3]}"
-    assert weights_a.keys() == weights_b.keys()
-    bad = [n for n in weights_a if not torch.equal(weights_a[n], weights_b[n])]
-    assert not bad, f"{len(bad)} weights differ after {STEPS} steps, e.g. {bad[:3]}"
-
-
 _BASELINES: dict[tuple, tuple] = {}
 
 
@@ -130,7 +107,7 @@ def test_stream_equals_no_offload(family, train, ckpt):
     bit-identical, for full fine-tune (gradients via the host) and LoRA, with activation
     checkpointing applied after the offload (the runner's order) or before it."""
     streamed = train_steps(family, train, "stream", ckpt)
-    assert_identical(baseline(family, train), streamed)
+    assert_identical_training(baseline(family, train), streamed)
     stats = streamed[3].stats
     assert stats.loads > 0 and stats.h2d_bytes > 0 and stats.late == 0
     if train == "full":
@@ -142,7 +119,7 @@ def test_stream_equals_no_offload(family, train, ckpt):
 
 def test_gradient_accumulation_on_the_host_equals_device_accumulation():
     streamed = train_steps("sdxl", "full", "stream", "after", micro_batches=2, prefetch=2)
-    assert_identical(baseline("sdxl", "full", micro_batches=2), streamed)
+    assert_identical_training(baseline("sdxl", "full", micro_batches=2), streamed)
 
 
 def test_composes_with_fp8_storage_and_keeps_bitsandbytes_blocks_resident():
@@ -183,7 +160,7 @@ def test_diffusers_gradient_checkpointing_recomputes_with_the_weights_loaded():
     """diffusers' own checkpointing calls the blocks (hooks inside the checkpoint): recomputation
     runs the pre hooks in backward, which must load, and must not push saved-tensor hooks."""
     streamed = train_steps("sdxl", "full", "stream", use_diffusers_ckpt=True)
-    assert_identical(baseline("sdxl", "full"), streamed)
+    assert_identical_training(baseline("sdxl", "full"), streamed)
 
 
 # ---- the byte-budget strategy ----------------------------------------------------------------------
@@ -275,7 +252,7 @@ def fake_step(family: str, train: str, stream: bool, ckpt: bool):
     """Forward + backward on fake tensors; (tracker snapshot per device, handle)."""
     from runner.planner import simulation_mode
 
-    tr = trainer(family, train)
+    tr = tiny_trainer(family, train)
     mode = simulation_mode()
     models = fake_models(tr, mode, "cpu" if stream else "meta")
     name = next(iter(models.trained))
@@ -288,13 +265,8 @@ def fake_step(family: str, train: str, stream: bool, ckpt: bool):
             handle = apply_stream_offload(module, blocks, budget, 1, "meta", "cpu", name=name)
         if ckpt:
             apply_activation_checkpointing(blocks)
-        batch = tr.example_batch(2, "cpu")
         dt = next(p.dtype for p in module.parameters() if p.is_floating_point())
-        x = torch.empty(batch["latents"].shape, dtype=dt, device="meta")
-        t = torch.empty(2, dtype=torch.int64, device="meta")
-        ehs = torch.empty(batch["prompt_embeds"].shape, dtype=dt, device="meta")
-        cond = {"text_embeds": torch.empty(batch["pooled_prompt_embeds"].shape, dtype=dt, device="meta"),
-                "time_ids": torch.empty(batch["time_ids"].shape, dtype=dt, device="meta")}
+        x, t, ehs, cond = fake_unet_inputs(tr.example_batch(2, "cpu"), dt)
     tracker = LiveBytesTracker(count_inputs=False)
     tracker.track(module, "weights")
     at_rest = dict(tracker.current)

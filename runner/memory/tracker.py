@@ -150,17 +150,9 @@ def _storage_of(t: torch.Tensor) -> Any:
         return None
 
 
-_DEVICE_NAMES: dict[torch.device, str] = {}
-
-
 def _device_name(t: torch.Tensor) -> str:
     # A FakeTensor's device is an attribute; ``t.device`` would dispatch a query to read it.
-    # str(device) is cached: it runs once per op output.
-    device = t.fake_device if isinstance(t, FakeTensor) else t.device
-    name = _DEVICE_NAMES.get(device)
-    if name is None:
-        name = _DEVICE_NAMES[device] = str(device)
-    return name
+    return str(t.fake_device if isinstance(t, FakeTensor) else t.device)
 
 
 def _int(n: Any) -> int:
@@ -248,14 +240,10 @@ class LiveBytesTracker(TorchDispatchMode):
             out = func(*args, **kwargs)
             if isinstance(out, torch.Tensor):
                 self._see(out, None, born=True)
-            elif out is not None:
-                for t in (out if type(out) in (tuple, list) else tree_iter(out)):
+            else:
+                for t in tree_iter(out):
                     if isinstance(t, torch.Tensor):
                         self._see(t, None, born=True)
-                    elif isinstance(t, (tuple, list)):  # nested (rare): walk it
-                        for u in tree_iter(t):
-                            if isinstance(u, torch.Tensor):
-                                self._see(u, None, born=True)
         return out
 
     def _see(self, t: torch.Tensor, category: str | None, born: bool, label: str | None = None) -> _Rec | None:
