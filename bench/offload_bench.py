@@ -291,7 +291,7 @@ def device_weight_gib(model: nn.Module, device: torch.device) -> float:
 def run_variant(name: str, case: Case, weights: dict[str, torch.Tensor], device: torch.device, args: Any,
                 ref: dict[str, torch.Tensor] | None, budget: float | None = None, prefetch: int = 1) -> tuple[Result, dict]:
     """Set up one variant, check its first step's gradients against ``ref``, time it."""
-    from plugins.checkpoint import apply_activation_checkpointing
+    from runner.plugins.checkpoint import apply_activation_checkpointing
 
     model = fresh_model(case, weights)
     inputs = make_inputs(case, device)
@@ -305,7 +305,7 @@ def run_variant(name: str, case: Case, weights: dict[str, torch.Tensor], device:
         if name == "none":
             model.to(device)
         elif name.startswith("stream"):
-            from plugins.stream import apply_stream_offload
+            from runner.plugins.stream import apply_stream_offload
 
             handle = apply_stream_offload(model, blocks, int(budget * nbytes(model)), prefetch, device, "cpu", name=case.family)
             result.planned_gib = handle.plan.device_weight_bytes / GiB

@@ -78,7 +78,7 @@ def train_case(tmp: Path, overrides: list[str]) -> dict:
 def vae_case(device: torch.device, size: str, resolution: int, tiles: tuple[int, int] | None) -> dict:
     from diffusers import AutoencoderKL
 
-    from plugins.tiling import apply_vae_tiling
+    from runner.plugins.tiling import apply_vae_tiling
     from runner.trainers.common import cast_module
     from runner.trainers.model_configs import sdxl_configs
 

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plugins.quant_common import (
+from runner.plugins.quant_common import (
     DEFAULT_SKIP,
     LinearQuantization,
     LinearTarget,

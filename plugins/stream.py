@@ -1126,7 +1126,7 @@ class StreamOffload(Plugin):
         c = self.config
         if not c.park:
             return None
-        from plugins.park import Park, ParkConfig
+        from runner.plugins.park import Park, ParkConfig
 
         return Park(ParkConfig(cache_latents=bool(c.cache_latents), cache_text=bool(c.cache_text),
                                cache_dir=c.cache_dir, encode_batch_size=c.encode_batch_size,
@@ -1148,11 +1148,11 @@ class StreamOffload(Plugin):
                 "Use train.mixed_precision=bf16 (or no), or model.train=lora."
             )
         if c.activations:
-            from plugins.offload_activations import ActivationOffloadConfig, check_config as check_act
+            from runner.plugins.offload_activations import ActivationOffloadConfig, check_config as check_act
 
             check_act(ActivationOffloadConfig())
         if c.optimizer:
-            from plugins.offload_optimizer import OptimizerOffloadConfig, check_run
+            from runner.plugins.offload_optimizer import OptimizerOffloadConfig, check_run
 
             check_run(OptimizerOffloadConfig(step_on_host=c.step_on_host), cfg, "offload.step_on_host")
 
@@ -1208,13 +1208,13 @@ class StreamOffload(Plugin):
 
     def wrap_execution(self, ctx: RunContext) -> None:
         if self.config.activations:
-            from plugins.offload_activations import ActivationOffloadConfig, install
+            from runner.plugins.offload_activations import ActivationOffloadConfig, install
 
             install(ctx, ActivationOffloadConfig(), self.key)
 
     def wrap_optimizer(self, ctx: RunContext) -> None:
         if self.config.optimizer:
-            from plugins.offload_optimizer import OptimizerOffloadConfig, wrap
+            from runner.plugins.offload_optimizer import OptimizerOffloadConfig, wrap
 
             wrap(ctx, OptimizerOffloadConfig(step_on_host=bool(self.config.step_on_host)), self.key)
 
@@ -1232,11 +1232,11 @@ class StreamOffload(Plugin):
         for undo in reversed(state.get("undo", [])):
             undo()
         if state.get("activations") is not None:
-            from plugins.offload_activations import report as report_activations
+            from runner.plugins.offload_activations import report as report_activations
 
             report_activations(ctx, state["activations"], True)
         if state.get("optimizer") is not None:
-            from plugins.offload_optimizer import report as report_optimizer
+            from runner.plugins.offload_optimizer import report as report_optimizer
 
             report_optimizer(ctx, state["optimizer"], True)
         handles = state.get("handles", {})

@@ -69,7 +69,7 @@ def load_all() -> None:
     from runner.config import store_schemas
 
     store_schemas()
-    importlib.import_module("plugins")
+    importlib.import_module("runner.plugins")
     importlib.import_module("runner.trainers")
     for group in (PLUGIN_GROUP, TRAINER_GROUP):
         for ep in entry_points(group=group):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from diffusers import UNet2DConditionModel
 
-from plugins.checkpoint import apply_activation_checkpointing, find_repeated_blocks, remove_activation_checkpointing
+from runner.plugins.checkpoint import apply_activation_checkpointing, find_repeated_blocks, remove_activation_checkpointing
 from runner.memory.tracker import LiveBytesTracker
 
 pytestmark = pytest.mark.gpu
@@ -85,7 +85,7 @@ def test_allocator_cap_makes_the_card_behave_like_a_small_one(tmp_path):
     code = """
 import torch
 from omegaconf import OmegaConf
-from plugins.allocator import AllocatorConfig, apply_allocator_settings
+from runner.plugins.allocator import AllocatorConfig, apply_allocator_settings
 apply_allocator_settings(OmegaConf.structured(AllocatorConfig(cap_to_budget=True)), budget_gb=1.0, device=torch.device('cuda'))
 small = torch.empty(512 * 2**20, dtype=torch.uint8, device='cuda')
 try:

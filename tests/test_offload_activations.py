@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from plugins.checkpoint import apply_activation_checkpointing
-from plugins.offload_activations import ActivationOffloader, offload_activations
-from plugins.stream import apply_stream_offload
+from runner.plugins.checkpoint import apply_activation_checkpointing
+from runner.plugins.offload_activations import ActivationOffloader, offload_activations
+from runner.plugins.stream import apply_stream_offload
 from runner.errors import UserError
 from runner.memory.tracker import LiveBytesTracker
 from runner.validate import compose_config, validate
@@ -33,7 +33,7 @@ def steps(family: str, train: str, offload: bool, ckpt: bool, stream: bool = Fal
     module, blocks = models[name], models.blocks[name]
     module.train()
     if stream:
-        from plugins.stream import minimum_device_bytes
+        from runner.plugins.stream import minimum_device_bytes
 
         apply_stream_offload(module, blocks, minimum_device_bytes(module, blocks, 1), 1, "cpu", "cpu", always_copy=True)
     if ckpt:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from diffusers.optimization import get_scheduler
 
-from plugins.offload_optimizer import (
+from runner.plugins.offload_optimizer import (
     HostStateOptimizer,
     HostStepOptimizer,
     offload_optimizer,

@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from plugins.checkpoint import apply_activation_checkpointing
-from plugins.stream import (
+from runner.plugins.checkpoint import apply_activation_checkpointing
+from runner.plugins.stream import (
     GiB,
     HostRegion,
     apply_stream_offload,
@@ -127,8 +127,8 @@ def test_composes_with_fp8_storage_and_keeps_bitsandbytes_blocks_resident():
     saves for backward: they stream like any weight (same losses and LoRA gradients). bitsandbytes
     parameters carry their quantization state with them: their blocks stay resident, and a budget
     that would need them streamed is a UserError that says so."""
-    from plugins.bnb_quant import apply_bnb_quantization
-    from plugins.fp8 import apply_fp8_storage
+    from runner.plugins.bnb_quant import apply_bnb_quantization
+    from runner.plugins.fp8 import apply_fp8_storage
 
     def run(stream: bool):
         tr, models, name = build("sdxl", "lora")

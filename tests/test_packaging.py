@@ -30,10 +30,11 @@ def installed(tmp_path_factory) -> Path:
 
 
 def test_every_package_dir_is_in_the_wheel(installed):
-    for pkg_dir in ("runner", "plugins"):
+    for pkg_dir, installed_as in (("runner", "runner"), ("plugins", "runner/plugins")):
         for init in (ROOT / pkg_dir).rglob("__init__.py"):
-            rel = init.relative_to(ROOT)
-            assert (installed / rel).is_file(), f"{rel.parent} is missing from pyproject's packages list"
+            rel = init.relative_to(ROOT / pkg_dir)
+            assert (installed / installed_as / rel).is_file(), f"{pkg_dir}/{rel.parent} is missing from pyproject's packages list"
+    assert not (installed / "plugins").exists(), "plugins/ must ship as runner.plugins, not as a top-level package"
 
 
 def test_installed_runner_works_from_another_directory(installed, tmp_path):

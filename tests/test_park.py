@@ -17,7 +17,7 @@ import torch
 from accelerate.utils import set_seed
 from torch import nn
 
-from plugins.park import Park, ParkConfig, ParkedModule, park_and_cache, park_module, unpark_module
+from runner.plugins.park import Park, ParkConfig, ParkedModule, park_and_cache, park_module, unpark_module
 from runner.cache import EncoderCache, SampleFingerprints, fill_cache, plan_cache
 from runner.context import RunContext
 from runner.data import FolderDataset, collate

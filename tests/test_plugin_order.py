@@ -105,7 +105,7 @@ def test_describe():
 
 
 def test_builtin_none_plugins_have_no_phases():
-    import plugins  # noqa: F401
+    import runner.plugins  # noqa: F401
     from runner import registry
 
     for kind in KINDS:
@@ -116,7 +116,7 @@ def test_builtin_none_plugins_have_no_phases():
 
 
 def test_builtin_schedule_orders_real_plugins():
-    import plugins  # noqa: F401
+    import runner.plugins  # noqa: F401
     from runner import registry
 
     ps = [registry.get_plugin(k, n)(None) for k, n in

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hydra.core.config_store import ConfigStore
 
-from plugins.allocator import (
+from runner.plugins.allocator import (
     ENV,
     ENV_NEW,
     AllocatorConfig,
@@ -139,7 +139,7 @@ def test_plugin_configure_process_on_cpu(caplog):
 
 
 def test_registered_schema():
-    import plugins  # noqa: F401
+    import runner.plugins  # noqa: F401
 
     repo = ConfigStore.instance().repo["allocator"]
     assert repo["default.yaml"].node.expandable_segments is True

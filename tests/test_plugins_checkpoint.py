@@ -13,7 +13,7 @@ import torch
 from hydra.core.config_store import ConfigStore
 from torch import nn
 
-from plugins.checkpoint import (
+from runner.plugins.checkpoint import (
     BlockCheckpointing,
     CheckpointConfig,
     apply_activation_checkpointing,
@@ -305,7 +305,7 @@ def test_validation(kwargs, match):
 
 
 def test_registered_schema():
-    import plugins  # noqa: F401  (registers everything)
+    import runner.plugins  # noqa: F401  (registers everything)
 
     node = ConfigStore.instance().repo["checkpoint"]["blocks.yaml"].node
     assert node.name == "blocks" and node.mode == "full" and node.every_n == 2 and list(node.modules) == []

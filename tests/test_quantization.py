@@ -19,7 +19,7 @@ import torch
 from accelerate.utils import set_seed
 from torch import nn
 
-from plugins.bnb_quant import (
+from runner.plugins.bnb_quant import (
     Int8Quantization,
     NF4Quantization,
     SimulatedQuantLinear,
@@ -29,8 +29,8 @@ from plugins.bnb_quant import (
     layout_bytes,
     nf4_layout,
 )
-from plugins.fp8 import Float8StorageLinear, Fp8Storage, apply_fp8_storage
-from plugins.quant_common import DEFAULT_SKIP, keep_patterns, select_linear_layers, weight_tensors
+from runner.plugins.fp8 import Float8StorageLinear, Fp8Storage, apply_fp8_storage
+from runner.plugins.quant_common import DEFAULT_SKIP, keep_patterns, select_linear_layers, weight_tensors
 from runner.context import RunContext
 from runner.errors import UserError
 from runner.loop import make_accelerator, train

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from plugins.tiling import (
+from runner.plugins.tiling import (
     AttentionConfig,
     TilingConfig,
     VaeTiling,
@@ -217,7 +217,7 @@ def test_attention_backends_match_default(unet):
 
 def test_attention_backend_holds_in_checkpoint_recomputation(unet):
     """The recomputation in backward runs outside any step context: it must use the same kernel."""
-    from plugins.checkpoint import apply_activation_checkpointing, find_repeated_blocks, remove_activation_checkpointing
+    from runner.plugins.checkpoint import apply_activation_checkpointing, find_repeated_blocks, remove_activation_checkpointing
 
     inputs = unet_inputs(16)
     base = step(unet, inputs)
