@@ -223,13 +223,12 @@ class DefaultAllocator(Plugin):
     Config = AllocatorConfig
     description = "expandable segments (less fragmentation), optional cap at budget_gb, TF32"
 
-    def validate(self, cfg: Any) -> None:
-        check_config(self.config, cfg.get("budget_gb") if hasattr(cfg, "get") else getattr(cfg, "budget_gb", None))
+    def validate(self) -> None:
+        check_config(self.config, self.run.budget_gb)
 
     def configure_process(self, ctx: RunContext) -> None:
-        budget = ctx.cfg.get("budget_gb") if hasattr(ctx.cfg, "get") else getattr(ctx.cfg, "budget_gb", None)
-        result = apply_allocator_settings(self.config, budget, ctx.device)
-        ctx.state[self.key] = result
+        result = apply_allocator_settings(self.config, self.run.budget_gb, ctx.device)
+        self.result = result
         ctx.notes["allocator conf"] = f"{result.env_var}={result.alloc_conf or '(unset)'}"
         if result.memory_fraction is not None:
             ctx.notes["memory cap fraction"] = round(result.memory_fraction, 4)

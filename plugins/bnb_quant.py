@@ -291,7 +291,7 @@ class NF4Quantization(LinearQuantization):
 
     def quantize(self, module: nn.Module, skip: Sequence[str], keep: Sequence[str], ctx: RunContext) -> QuantizationResult:
         return apply_bnb_quantization(
-            module, "nf4", skip=skip, keep=keep, compute_dtype=self.compute_dtype(ctx.cfg),
+            module, "nf4", skip=skip, keep=keep, compute_dtype=self.compute_dtype(),
             double_quant=bool(self.config.double_quant), device=quantize_device(ctx), simulate=ctx.simulate,
         )
 
@@ -302,16 +302,16 @@ class Int8Quantization(LinearQuantization):
     Config = Int8Config
     description = "frozen Linear weights in 8-bit LLM.int8 (bitsandbytes, ~1 B/param); train with model.train=lora"
 
-    def validate(self, cfg: Any) -> None:
-        super().validate(cfg)
+    def validate(self) -> None:
+        super().validate()
         if float(self.config.threshold) < 0:
             raise UserError(
-                f"quantization.threshold={self.config.threshold} is not valid: it must be >= 0 "
+                f"{self.setting('threshold')}={self.config.threshold} is not valid: it must be >= 0 "
                 "(6.0 = LLM.int8 outlier decomposition, 0 = pure int8)."
             )
 
     def quantize(self, module: nn.Module, skip: Sequence[str], keep: Sequence[str], ctx: RunContext) -> QuantizationResult:
         return apply_bnb_quantization(
-            module, "int8", skip=skip, keep=keep, compute_dtype=self.compute_dtype(ctx.cfg),
+            module, "int8", skip=skip, keep=keep, compute_dtype=self.compute_dtype(),
             threshold=float(self.config.threshold), device=quantize_device(ctx), simulate=ctx.simulate,
         )

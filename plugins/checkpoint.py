@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from runner.errors import UserError, valid_list
+from runner.hooks import mark, marked, unmark
 from runner.plugin import Plugin, PluginConfig
 from runner.registry import register_plugin
 
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("runner")
 
 MODES = ("full", "every_n")
-_MARK = "_runner_checkpointed"  # set on wrapped blocks: (the forward they had before, or None,)
+MARK = "checkpoint"  # runner.hooks mark on wrapped blocks: (the forward they had before, or None,)
 
 
 @dataclass
@@ -125,10 +126,10 @@ def apply_activation_checkpointing(blocks: list[nn.Module], every_n: int = 1) ->
         raise ValueError(f"every_n must be >= 1, got {every_n}")
     wrapped = []
     for i, block in enumerate(blocks):
-        if i % every_n or hasattr(block, _MARK):
+        if i % every_n or marked(block, MARK) is not None:
             continue
         previous = block.__dict__.get("forward")  # another wrapper (e.g. an offload hook) or None
-        setattr(block, _MARK, (previous,))
+        mark(block, MARK, (previous,))
         block.forward = _checkpointed_forward(block, previous)
         wrapped.append(block)
     return wrapped
@@ -142,15 +143,14 @@ def remove_activation_checkpointing(blocks: list[nn.Module]) -> int:
     """
     n = 0
     for block in blocks:
-        mark = block.__dict__.get(_MARK)
-        if mark is None:
+        was = unmark(block, MARK)
+        if was is None:
             continue
-        (previous,) = mark
+        (previous,) = was
         if previous is None:
             block.__dict__.pop("forward", None)
         else:
             block.forward = previous
-        delattr(block, _MARK)
         n += 1
     return n
 
@@ -179,19 +179,27 @@ class BlockCheckpointing(Plugin):
     # and is restored first at teardown.
     after = ("offload",)
 
-    def validate(self, cfg: Any) -> None:
+    def validate(self) -> None:
         check_config(self.config)
 
-    def wrap_execution(self, ctx: RunContext) -> None:
-        check_config(self.config)
+    def _targets(self, ctx: RunContext) -> list[str]:
         models = ctx.models
         names = list(self.config.modules) or sorted(models.trained)
         unknown = [n for n in names if n not in models]
         if unknown:
             raise UserError(
-                f"checkpoint.modules names {', '.join(map(repr, unknown))}, which the trainer does not build. "
+                f"checkpoint.blocks.modules names {', '.join(map(repr, unknown))}, which the trainer does not build. "
                 f"Valid names: {valid_list(unknown[0], models.modules)}."
             )
+        return names
+
+    def claim_modules(self, ctx: RunContext) -> None:
+        for name in self._targets(ctx):
+            ctx.claim(name, "checkpoint", self.key)
+
+    def wrap_execution(self, ctx: RunContext) -> None:
+        models = ctx.models
+        names = self._targets(ctx)
         every_n = 1 if self.config.mode == "full" else int(self.config.every_n)
         done: dict[str, list[nn.Module]] = {}
         for name in names:
@@ -204,15 +212,13 @@ class BlockCheckpointing(Plugin):
                 log.warning("checkpoint: found no repeated blocks in %s (%s); nothing checkpointed", name, type(module).__name__)
                 continue
             wrapped = apply_activation_checkpointing(blocks, every_n)
+            for block in wrapped:
+                ctx.hooks.add(block, MARK, self.key, undo=lambda b=block: remove_activation_checkpointing([b]))
             done[name] = wrapped
             log.info(
                 "checkpoint: %s: %d of %d %s blocks wrapped (mode=%s%s)",
                 name, len(wrapped), len(blocks), source, self.config.mode,
                 f", every_n={every_n}" if self.config.mode == "every_n" else "",
             )
-        ctx.state[self.key] = done
+        ctx.facts.checkpointed.update({name: len(wrapped) for name, wrapped in done.items()})
         ctx.notes["checkpointed blocks"] = sum(len(v) for v in done.values())
-
-    def teardown(self, ctx: RunContext) -> None:
-        for blocks in ctx.state.pop(self.key, {}).values():
-            remove_activation_checkpointing(blocks)

@@ -161,15 +161,15 @@ class Fp8Storage(LinearQuantization):
         value = str(self.config.storage_dtype)
         if value not in STORAGE_DTYPES:
             raise UserError(
-                f"quantization.storage_dtype={value!r} is not valid. Valid values: {valid_list(value, STORAGE_DTYPES)}."
+                f"{self.setting('storage_dtype')}={value!r} is not valid. Valid values: {valid_list(value, STORAGE_DTYPES)}."
             )
         return STORAGE_DTYPES[value]
 
-    def validate(self, cfg: Any) -> None:
-        super().validate(cfg)
+    def validate(self) -> None:
+        super().validate()
         self.storage_dtype()
 
     def quantize(self, module: nn.Module, skip: Sequence[str], keep: Sequence[str], ctx: RunContext) -> QuantizationResult:
         return apply_fp8_storage(
-            module, storage_dtype=self.storage_dtype(), compute_dtype=self.compute_dtype(ctx.cfg), skip=skip, keep=keep
+            module, storage_dtype=self.storage_dtype(), compute_dtype=self.compute_dtype(), skip=skip, keep=keep
         )

@@ -65,15 +65,15 @@ class ActivationOffloadConfig(PluginConfig):
     ram_warn_pct: float = 60.0  # warn when host RAM use passes this share
 
 
-def check_config(c: Any) -> None:
+def check_config(c: Any, key: str = "offload.activations") -> None:
     if not isinstance(c.min_bytes, int) or c.min_bytes < 0:
-        raise UserError(f"offload.min_bytes={c.min_bytes!r} is not valid: give a whole number of bytes >= 0 (default 1024).")
+        raise UserError(f"{key}.min_bytes={c.min_bytes!r} is not valid: give a whole number of bytes >= 0 (default 1024).")
     if not isinstance(c.max_fwd_stash, int) or c.max_fwd_stash < 1:
-        raise UserError(f"offload.max_fwd_stash={c.max_fwd_stash!r} is not valid: give a whole number >= 1 (default 5).")
+        raise UserError(f"{key}.max_fwd_stash={c.max_fwd_stash!r} is not valid: give a whole number >= 1 (default 5).")
     if not isinstance(c.prefetch, int) or c.prefetch < 0:
-        raise UserError(f"offload.prefetch={c.prefetch!r} is not valid: give a whole number >= 0 (default 2).")
+        raise UserError(f"{key}.prefetch={c.prefetch!r} is not valid: give a whole number >= 0 (default 2).")
     if not 0 < float(c.ram_warn_pct) <= 100:
-        raise UserError(f"offload.ram_warn_pct={c.ram_warn_pct!r} is not valid: give a percentage in (0, 100].")
+        raise UserError(f"{key}.ram_warn_pct={c.ram_warn_pct!r} is not valid: give a percentage in (0, 100].")
 
 
 class _Region:
@@ -351,28 +351,6 @@ def offload_activations(device: torch.device | str, host: torch.device | str = "
                                always_copy=always_copy)
 
 
-def install(ctx: RunContext, config: Any, key: str) -> ActivationOffloader:
-    """Add activation offloading to every step of ``ctx`` (used by this plugin and offload=stream)."""
-    check_config(config)
-    offloader = offload_activations(
-        ctx.device, ctx.host, min_bytes=int(config.min_bytes), use_streams=bool(config.use_streams),
-        max_fwd_stash=int(config.max_fwd_stash), prefetch=int(config.prefetch), pin_memory=bool(config.pin_memory),
-        ram_warn_pct=float(config.ram_warn_pct), skip_modules=[m for _, m in ctx.models.items()],
-    )
-    ctx.step_contexts.append(offloader)
-    state = ctx.state.setdefault(key, {})
-    state["activations"] = offloader
-
-    def undo() -> None:
-        if offloader in ctx.step_contexts:
-            ctx.step_contexts.remove(offloader)
-
-    state.setdefault("undo", []).append(undo)
-    if ctx.device.type == "cpu":
-        log.info("activations: the device is the host (CPU run): saved tensors stay where they are")
-    return offloader
-
-
 @register_plugin
 class ActivationOffload(Plugin):
     kind = "offload"
@@ -380,32 +358,34 @@ class ActivationOffload(Plugin):
     Config = ActivationOffloadConfig
     description = "saved activations to pinned host memory on a side stream during forward, back in backward"
 
-    def validate(self, cfg: Any) -> None:
-        check_config(self.config)
+    def validate(self) -> None:
+        check_config(self.config, self.key.replace("/", "."))
 
     def wrap_execution(self, ctx: RunContext) -> None:
-        install(ctx, self.config, self.key)
+        if self.run.target == "cpu":  # decided once, so the CPU plan and the CPU run agree
+            log.info("activations: the device is the host (a CPU run): saved tensors stay where they are")
+            self.offloader = None
+            return
+        c = self.config
+        self.offloader = offload_activations(
+            ctx.device, ctx.host, min_bytes=int(c.min_bytes), use_streams=bool(c.use_streams),
+            max_fwd_stash=int(c.max_fwd_stash), prefetch=int(c.prefetch), pin_memory=bool(c.pin_memory),
+            ram_warn_pct=float(c.ram_warn_pct), skip_modules=[m for _, m in ctx.models.items()],
+        )
+        ctx.step_contexts.append(self.offloader)
 
     def on_oom(self, ctx: RunContext, step: int, error: BaseException) -> None:
-        off = ctx.state.get(self.key, {}).get("activations")
-        if off is not None:
-            off.reset()
+        if getattr(self, "offloader", None) is not None:
+            self.offloader.reset()
 
     def teardown(self, ctx: RunContext) -> None:
-        state = ctx.state.pop(self.key, {})
-        for undo in reversed(state.get("undo", [])):
-            undo()
-        report(ctx, state.get("activations"), bool(self.config.pin_memory))
-
-
-def report(ctx: RunContext, offloader: ActivationOffloader | None, pinned: bool) -> None:
-    """Notes for the run report, and the pinned host bytes the planner reports (its contract)."""
-    if offloader is None:
-        return
-    ctx.notes["activations: peak bytes on the host"] = offloader.stats.peak_host_bytes
-    ctx.notes["activations: bytes offloaded"] = offloader.stats.offloaded_bytes
-    if pinned:
-        from runner.planner import note_pinned_bytes
-
-        note_pinned_bytes(ctx, offloader.stats.peak_host_bytes)
-
+        offloader = getattr(self, "offloader", None)
+        if offloader is None:
+            return
+        if offloader in ctx.step_contexts:
+            ctx.step_contexts.remove(offloader)
+        ctx.notes["activations: peak bytes on the host"] = offloader.stats.peak_host_bytes
+        ctx.notes["activations: bytes offloaded"] = offloader.stats.offloaded_bytes
+        if self.config.pin_memory:  # pinned on the target GPU (the planner's contract)
+            ctx.note_pinned_bytes(offloader.stats.peak_host_bytes)
+        self.offloader = None

@@ -40,13 +40,14 @@ VAE and text encoders of the built-in trainers):
    phase, so with a full cache the encoders are still constructed on the host at start-up and
    freed here, before placement; they never reach the device and are never called.
 
-Signals to the planner and the run report (``ctx.state``):
+What it tells the planner, the loop and the other plugins (typed fields of ``ctx.facts``):
+``encode_on_device`` (False when every encode part is cached: nothing is encoded during
+training), ``cached_parts``, ``encode_replaced``, ``parked`` and ``dropped`` module names; in
+``claim_modules`` it claims the modules it will drop or park, so that quantization leaves dropped
+modules alone by default and offload=stream refuses to stream a parked one.
 
-* ``ctx.state["encode_on_device"]`` -- False when every encode part is cached (nothing is
-  encoded during training); True when some part is still computed each step by parked
-  modules, which then visit the device one call at a time.
-* ``ctx.state["parked_modules"]`` -- names of frozen modules kept on the host.
-* ``ctx.state["dropped_modules"]`` -- names freed because all their outputs are cached.
+A trainer with nothing to cache (no ``encode_parts``) and nothing frozen: one log line, and the
+plugin steps aside. With frozen modules but no cacheable encode step, they are only parked.
 
 Under the planner (``ctx.simulate``) no file is read or written: parts that are configured to be
 cached are taken as cached, their modules are dropped and the flags are set the same way.
@@ -77,6 +78,7 @@ from runner.cache import (
     resolve_cache_dir,
 )
 from runner.errors import UserError
+from runner.hooks import mark, marked, unmark
 from runner.plugin import Plugin, PluginConfig
 from runner.registry import register_plugin
 from runner.trainer import ModelSet, batch_device
@@ -87,7 +89,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("runner")
 
 PARK_METHODS = ("forward", "encode", "decode")
-_MARK = "_runner_parked"
+MARK = "park"  # runner.hooks mark: the module's ParkedModule
 
 
 @dataclass
@@ -152,7 +154,7 @@ class ParkedModule:
             if callable(getattr(type(module), name, None)):
                 self.wrapped[name] = module.__dict__.get(name)
                 setattr(module, name, self._wrapper(name, self.wrapped[name]))
-        setattr(module, _MARK, self)
+        mark(module, MARK, self)
 
     def _wrapper(self, name: str, previous: Any) -> Callable[..., Any]:
         module_ref, cls_fn = self.module_ref, getattr(type(self.module_ref()), name)
@@ -208,7 +210,7 @@ class ParkedModule:
                 module.__dict__.pop(name, None)
             else:
                 setattr(module, name, previous)
-        module.__dict__.pop(_MARK, None)
+        unmark(module, MARK)
 
 
 def park_module(
@@ -222,13 +224,13 @@ def park_module(
     """
     if any(p.requires_grad for p in module.parameters()):
         raise ValueError("park_module() is for frozen modules; this one has parameters with requires_grad=True")
-    if getattr(module, _MARK, None) is not None:
-        return getattr(module, _MARK)
+    if marked(module, MARK) is not None:
+        return marked(module, MARK)
     return ParkedModule(module, torch.device(device), torch.device(host), pin_memory)
 
 
 def unpark_module(module: nn.Module) -> None:
-    parked = getattr(module, _MARK, None)
+    parked = marked(module, MARK)
     if parked is not None:
         parked.remove()
 
@@ -304,6 +306,14 @@ def parts_to_cache(trainer: Any, cache_latents: bool, cache_text: bool) -> list[
     return [p for p, spec in trainer.encode_parts().items() if (cache_latents if is_image_part(spec) else cache_text)]
 
 
+def droppable_modules(trainer: Any, models: ModelSet, parts: list[str]) -> list[str]:
+    """Frozen modules that compute only cached parts: freed once the cache is complete."""
+    specs = trainer.encode_parts()
+    needed_later = {m for p, s in specs.items() if p not in parts for m in s.modules}
+    droppable = sorted({m for p in parts for m in specs[p].modules} - needed_later - models.trained)
+    return [m for m in droppable if m in models]
+
+
 def _drop_modules(models: ModelSet, names: list[str], result: ParkResult) -> None:
     for name in names:
         module = models.modules.pop(name)
@@ -348,9 +358,7 @@ def park_and_cache(
         park_frozen()
         return result
     specs = trainer.encode_parts()
-    needed_later = {m for p, s in specs.items() if p not in parts for m in s.modules}
-    droppable = sorted({m for p in parts for m in specs[p].modules} - needed_later - models.trained)
-    droppable = [m for m in droppable if m in models]
+    droppable = droppable_modules(trainer, models, parts)
     result.all_parts_cached = set(parts) == set(specs)
     result.cached_parts = list(parts)
     if simulate:
@@ -394,17 +402,10 @@ def _restore_attr(obj: Any, name: str, previous: Any) -> None:
 
 
 # ---- the plugin ----------------------------------------------------------------------------------
-def _micro_batch(cfg: Any) -> int:
-    try:
-        return max(1, int(cfg.train.batch_size) // int(cfg.train.grad_accum))
-    except (AttributeError, KeyError, TypeError, ValueError):
-        return 1
-
-
-def _container(node: Any) -> Any:
-    from omegaconf import DictConfig, OmegaConf
-
-    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+def cacheable(trainer: Any) -> bool:
+    """Whether ``trainer`` splits its encode step into cacheable parts (runner/trainer.py)."""
+    return trainer is not None and all(
+        callable(getattr(trainer, m, None)) for m in ("encode_parts", "encode_part", "finish_encode", "cache_signature"))
 
 
 @register_plugin
@@ -415,65 +416,58 @@ class Park(Plugin):
     description = ("frozen modules (VAE, text encoders) on the host, on the device only per call; "
                    "latents/embeddings cached to disk, encoders dropped once cached")
 
-    def validate(self, cfg: Any) -> None:
+    def validate(self) -> None:
         c = self.config
         if c.encode_batch_size is not None and int(c.encode_batch_size) < 1:
             raise UserError(
-                f"offload.encode_batch_size={c.encode_batch_size!r} is not valid: give a whole number >= 1 "
+                f"{self.setting('encode_batch_size')}={c.encode_batch_size!r} is not valid: give a whole number >= 1 "
                 "or leave it unset (null) to use the run's micro-batch size."
             )
-        if not (c.cache_latents or c.cache_text):
-            return
-        target = cfg.trainer.get("_target_") if cfg is not None and "trainer" in cfg else None
-        if target:
-            from hydra.utils import get_class
 
-            try:
-                cls = get_class(target)
-            except Exception:
-                cls = None  # build_trainer reports an unimportable trainer with its own message
-            if cls is not None:
-                missing = [m for m in ("encode_parts", "encode_part", "finish_encode", "cache_signature")
-                           if not callable(getattr(cls, m, None))]
-                if missing:
-                    has_encode = callable(getattr(cls, "encode", None))
-                    raise UserError(
-                        f"offload=park with offload.cache_latents={c.cache_latents} / offload.cache_text={c.cache_text} "
-                        f"caches the trainer's encode step, but trainer._target_={target!r} "
-                        + ("has an encode() without the cacheable split" if has_encode else "has no encode step")
-                        + f" (missing {', '.join(missing)}; see 'Cacheable encoding' in runner/trainer.py). "
-                        "Set offload.cache_latents=false offload.cache_text=false to only park the frozen "
-                        "modules on the host, or use trainer=sdxl or trainer=flux."
-                    )
-        check_writable(resolve_cache_dir(c.cache_dir))
+    def _parts(self, ctx: RunContext) -> list[str]:
+        c = self.config
+        if not cacheable(ctx.trainer):
+            return []
+        return parts_to_cache(ctx.trainer, c.cache_latents, c.cache_text)
+
+    def claim_modules(self, ctx: RunContext) -> None:
+        parts = self._parts(ctx)
+        dropped = droppable_modules(ctx.trainer, ctx.models, parts) if parts else []
+        for name in dropped:
+            ctx.claim(name, "drop", self.key)
+        for name in ctx.models.frozen():
+            if name not in dropped:
+                ctx.claim(name, "park", self.key)
+        if not parts and not ctx.models.frozen():
+            log.info("park: nothing to do: the trainer has no frozen module to park and no cacheable encode step "
+                     "(encode_parts, see runner/trainer.py)")
+        elif not parts and (self.config.cache_latents or self.config.cache_text) and ctx.trainer is not None:
+            log.info("park: %s has no cacheable encode step (encode_parts); frozen modules are parked, nothing is cached",
+                     type(ctx.trainer).__name__)
 
     def place_models(self, ctx: RunContext) -> None:
-        c, models = self.config, ctx.models
-        for _, module in models.frozen().items():
-            module._runner_placed = True  # the runner must not move them: they stay on the host
-        extra = None
-        autocast = None
-        if ctx.cfg is not None:
-            precision = getattr(ctx.accelerator, "mixed_precision", None) if ctx.accelerator is not None else None
-            extra = {
-                "device_type": ctx.device.type,
-                "autocast": precision or "no",
-                "quantization": _container(ctx.cfg.get("quantization")),
-                "tiling": _container(ctx.cfg.get("tiling")),
-            }
-        if ctx.accelerator is not None:
-            autocast = ctx.accelerator.autocast
-        batch = int(c.encode_batch_size) if c.encode_batch_size else _micro_batch(ctx.cfg)
+        c, models, run = self.config, ctx.models, self.run
+        parts = self._parts(ctx)
+        ctx.facts.placed.update(models.frozen())  # the runner must not move them: they stay on the host
+        if parts and not ctx.simulate:
+            check_writable(resolve_cache_dir(c.cache_dir))
+        batch = int(c.encode_batch_size) if c.encode_batch_size else run.micro_batch
+        autocast = ctx.accelerator.autocast if ctx.accelerator is not None else None
         result = park_and_cache(
-            ctx.trainer, models, ctx.device, host=ctx.host, cache_dir=c.cache_dir,
+            ctx.trainer if parts else None, models, ctx.device, host=ctx.host, cache_dir=c.cache_dir,
             cache_latents=c.cache_latents, cache_text=c.cache_text, encode_batch_size=batch,
-            pin_memory=c.pin_memory, extra_signature=extra, autocast=autocast, simulate=ctx.simulate,
+            pin_memory=c.pin_memory, extra_signature=ctx.encoder_signature(), autocast=autocast, simulate=ctx.simulate,
         )
-        ctx.state[self.key] = result
+        self.result = result
+        for name, parked in result.parked.items():
+            ctx.hooks.add(models[name], MARK, self.key, handle=parked, undo=parked.remove)
         has_encode = ctx.trainer is not None and callable(getattr(ctx.trainer, "encode", None))
-        ctx.state["encode_on_device"] = has_encode and not result.all_parts_cached
-        ctx.state["parked_modules"] = sorted(result.parked)
-        ctx.state["dropped_modules"] = sorted(result.dropped)
+        facts = ctx.facts
+        facts.encode_on_device = facts.encode_on_device and has_encode and not result.all_parts_cached
+        facts.cached_parts |= set(result.cached_parts)
+        facts.encode_replaced = facts.encode_replaced or result.encode is not None
+        facts.parked |= set(result.parked)
+        facts.dropped |= set(result.dropped)
         if result.parked:
             where = ("the device is the host on this run, so nothing moves" if ctx.device == ctx.host
                      else f"moved to {ctx.device} only for their calls")
@@ -486,14 +480,11 @@ class Park(Plugin):
             ctx.notes["dropped weight bytes"] = sum(result.dropped.values())
         if result.cached_parts and not ctx.simulate:
             ctx.notes["encoder cache"] = f"{result.cache.root} ({result.encoded} entries encoded this run)"
-        elif ctx.trainer is None and (c.cache_latents or c.cache_text):
-            log.info("park: hosted mode has no trainer encode step to cache; frozen modules are parked only")
 
     def teardown(self, ctx: RunContext) -> None:
-        result: ParkResult | None = ctx.state.pop(self.key, None)
+        result: ParkResult | None = getattr(self, "result", None)
         if result is None:
             return
-        for undo in reversed(result.restore):
+        for undo in reversed(result.restore):  # the trainer's encode/dataset; the modules via ctx.hooks
             undo()
-        for parked in result.parked.values():
-            parked.remove()
+        self.result = None

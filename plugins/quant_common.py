@@ -304,93 +304,97 @@ def replace_layers(
 
 
 # ---- the shared plugin ------------------------------------------------------------------------
-def resolve_compute_dtype(value: str | None, cfg: Any, key: str) -> torch.dtype:
-    """``None`` follows ``model.dtype`` (the dtype the frozen weights would otherwise have)."""
-    name = value if value is not None else cfg.model.dtype
+def resolve_compute_dtype(value: str | None, run: Any, key: str) -> torch.dtype:
+    """``None`` follows the run's frozen-weight dtype (``model.dtype``, as resolved)."""
+    if value is None:
+        return run.frozen_dtype
     try:
-        return COMPUTE_DTYPES[str(name)]
+        return COMPUTE_DTYPES[str(value)]
     except KeyError:
-        raise UserError(f"{key}={name!r} is not valid. Valid values: {valid_list(str(name), COMPUTE_DTYPES)}.") from None
+        raise UserError(f"{key}={value!r} is not valid. Valid values: {valid_list(str(value), COMPUTE_DTYPES)}.") from None
 
 
-def trained_denoiser(cfg: Any) -> str | None:
-    """The trained module's name of a built-in (or denoiser-declaring) trainer, from the config only."""
-    target = cfg.trainer.get("_target_") if hasattr(cfg.trainer, "get") else None
-    if not target:
-        return None
-    try:
-        from hydra.utils import get_class
+def plain_config(node: Any) -> dict[str, Any]:
+    """A plugin's config node as a JSON-able dict (for cache signatures)."""
+    from omegaconf import DictConfig, OmegaConf
 
-        return getattr(get_class(str(target)), "denoiser", None) or None
-    except Exception:  # a custom trainer that cannot be imported yet: checked when it is built
-        return None
+    if isinstance(node, DictConfig):
+        return OmegaConf.to_container(node, resolve=True)  # type: ignore[return-value]
+    return dict(vars(node)) if hasattr(node, "__dict__") else {}
 
 
 class LinearQuantization(Plugin):
     """Base of the quantization plugins: choose modules and layers, then ``quantize`` each module."""
 
     kind = "quantization"
+    # Claims after offload: park claims the encoders it will drop, and the default targets skip them.
+    after = ("offload",)
 
     # -- what a subclass provides --------------------------------------------------------------
-    def compute_dtype(self, cfg: Any) -> torch.dtype:
+    def compute_dtype(self) -> torch.dtype:
         """The dtype the layers compute in (decides the keep-in-fp32 rule)."""
-        return resolve_compute_dtype(getattr(self.config, "compute_dtype", None), cfg, f"{self.kind}.compute_dtype")
+        return resolve_compute_dtype(getattr(self.config, "compute_dtype", None), self.run, self.setting("compute_dtype"))
 
     def quantize(self, module: nn.Module, skip: Sequence[str], keep: Sequence[str], ctx: RunContext) -> QuantizationResult:
         raise NotImplementedError
 
     # -- validation ----------------------------------------------------------------------------
-    def validate(self, cfg: Any) -> None:
-        compile_patterns(self.config.skip)
-        resolved = self.compute_dtype(cfg)  # raises on an invalid name
-        precision = str(cfg.train.mixed_precision)
+    def validate(self) -> None:
+        compile_patterns(self.config.skip, self.setting("skip"))
+        resolved = self.compute_dtype()  # raises on an invalid name
+        precision = self.run.precision
         half = {torch.float16, torch.bfloat16}
         if hasattr(self.config, "compute_dtype") and precision in PRECISION_DTYPES and resolved in half:
             want = PRECISION_DTYPES[precision]
             if resolved != COMPUTE_DTYPES[want]:
                 explicit = self.config.compute_dtype
-                source = (f"quantization.compute_dtype={explicit}" if explicit is not None else
-                          f"model.dtype={cfg.model.dtype} (quantization.compute_dtype follows it when unset)")
                 have = str(resolved).replace("torch.", "")
+                source = (f"{self.setting('compute_dtype')}={explicit}" if explicit is not None else
+                          f"model.dtype={have} ({self.setting('compute_dtype')} follows it when unset)")
                 raise UserError(
                     f"{source} conflicts with train.mixed_precision={precision}: the quantized layers would compute "
                     f"in {have} inside {precision} autocast, casting every activation in and out and, for float16, "
-                    f"risking overflow. Set quantization.compute_dtype={want} (float32 is also accepted)."
+                    f"risking overflow. Set {self.setting('compute_dtype')}={want} (float32 is also accepted)."
                 )
-        denoiser = trained_denoiser(cfg)
-        if str(cfg.model.train) == "full" and denoiser is not None and denoiser in list(self.config.modules):
-            raise UserError(
-                f"quantization={self.name} with quantization.modules including '{denoiser}' conflicts with "
-                f"model.train=full: '{denoiser}' is fully trained and quantized weights cannot be trained. Use "
-                f"model.train=lora (LoRA adapters train on top of the quantized base), or drop '{denoiser}' "
-                "from quantization.modules to quantize only the frozen modules."
-            )
 
-    # -- the phase ------------------------------------------------------------------------------
-    def target_modules(self, models: ModelSet) -> list[str]:
+    def encoder_signature(self) -> dict[str, Any] | None:
+        return plain_config(self.config)  # quantized encoders compute other embeddings
+
+    # -- the phases -----------------------------------------------------------------------------
+    def target_modules(self, models: ModelSet, dropped: set[str] = frozenset()) -> list[str]:
+        """``modules`` when set; otherwise every module with frozen base weights (a frozen module or
+        a LoRA's base) but the VAE and the modules another plugin drops (cached encoders)."""
         requested = [str(m) for m in self.config.modules]
         if requested:
             unknown = [n for n in requested if n not in models]
             if unknown:
                 raise UserError(
-                    f"quantization.modules names {', '.join(map(repr, unknown))}, which the trainer does not build. "
+                    f"{self.setting('modules')} names {', '.join(map(repr, unknown))}, which the trainer does not build. "
                     f"Valid names: {valid_list(unknown[0], models.modules)}."
                 )
             return requested
         names = []
         for name, module in models.items():
-            if is_vae(name, module):
+            if is_vae(name, module) or name in dropped:
                 continue
             if name in models.trained and not _adapter_module_ids(module):
                 log.info("quantization: %s is fully trained; left unquantized (use model.train=lora to quantize its base)", name)
                 continue
             names.append(name)
+        if not names:
+            log.info("quantization=%s: nothing to do: no module has frozen base weights to quantize", self.name)
         return names
 
+    def claim_modules(self, ctx: RunContext) -> None:
+        self.targets = self.target_modules(ctx.models, ctx.facts.claimed("drop"))
+        for name in self.targets:
+            ctx.claim(name, "quantize", self.key)
+
     def transform_models(self, ctx: RunContext) -> None:
-        cdt = self.compute_dtype(ctx.cfg)
+        cdt = self.compute_dtype()
         done: dict[str, QuantizationResult] = {}
-        for name in self.target_modules(ctx.models):
+        targets = getattr(self, "targets", None)
+        for name in targets if targets is not None else self.target_modules(ctx.models):
             module = ctx.models[name]
             keep = keep_patterns(module, cdt)
             trainable = select_linear_layers(module, self.config.skip, keep).trainable  # keeps no layer alive
@@ -398,12 +402,13 @@ class LinearQuantization(Plugin):
                 raise UserError(
                     f"quantization={self.name} would quantize '{name}', whose weights are trained "
                     f"({len(trainable)} Linear layers, e.g. {trainable[0]}); quantized weights cannot be "
-                    f"trained. Use model.train=lora, or leave '{name}' out of quantization.modules."
+                    f"trained. Use model.train=lora, or leave '{name}' out of {self.setting('modules')}."
                 )
             result = self.quantize(module, self.config.skip, keep, ctx)
             done[name] = result
             log.info("quantization=%s: %s: %s%s", self.name, name, result.describe(), " (simulated)" if ctx.simulate else "")
-        ctx.state[self.key] = done
+        self.results = done
+        ctx.facts.quantized.update({name: len(r.layers) for name, r in done.items()})
         ctx.notes["quantized layers"] = sum(len(r.layers) for r in done.values())
         ctx.notes["quantized weight bytes"] = sum(r.weight_bytes_after for r in done.values())
 

@@ -91,14 +91,6 @@ class AttentionConfig(TilingConfig):
 
 
 # ---- checks ----------------------------------------------------------------------------------
-def _train_device_type(cfg: Any) -> str:
-    """``cpu`` or ``cuda``, as runner.run.resolve_device would decide, without raising."""
-    want = str(cfg.train.device) if cfg is not None and "train" in cfg else "auto"
-    if want == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return want
-
-
 def parse_slice(value: Any) -> str | int | None:
     """``attention_slice`` as diffusers takes it: None, "auto", "max" or a positive int."""
     if value is None or value == "":
@@ -118,7 +110,7 @@ def parse_slice(value: Any) -> str | int | None:
     return n
 
 
-def check_config(c: Any, cfg: Any = None) -> None:
+def check_config(c: Any, run: Any = None) -> None:
     """Values diffusers or PyTorch would reject late or accept wrongly; UserErrors naming keys."""
     if c.attention not in ATTENTION_BACKENDS:
         raise UserError(
@@ -142,15 +134,14 @@ def check_config(c: Any, cfg: Any = None) -> None:
                 f"tiling.vae_tile_overlap={overlap} is not valid: it must be a multiple of 8 pixels so that "
                 f"tiles start on the latent grid (e.g. {overlap // 8 * 8 or 8})."
             )
-    if cfg is None:
+    if run is None:
         return
-    device = _train_device_type(cfg)
-    if device == "cpu" and c.attention not in CPU_BACKENDS:
+    if run.target == "cpu" and c.attention not in CPU_BACKENDS:
         raise UserError(
-            f"tiling.attention={c.attention} is a CUDA-only kernel and this run is on the CPU "
-            f"(train.device={cfg.train.device}). On CPU use tiling.attention=default, flash or math."
+            f"tiling.attention={c.attention} is a CUDA-only kernel and this run is for the CPU "
+            f"(train.device=cpu, or auto without a GPU). On CPU use tiling.attention=default, flash or math."
         )
-    if device == "cuda" and c.attention in HALF_ONLY_BACKENDS and str(cfg.train.mixed_precision) == "no":
+    if run.target == "cuda" and c.attention in HALF_ONLY_BACKENDS and run.precision == "no":
         raise UserError(
             f"tiling.attention={c.attention} takes only float16/bfloat16 inputs, but train.mixed_precision=no "
             "keeps attention in float32. Set train.mixed_precision=bf16 (or fp16), or use "
@@ -291,14 +282,19 @@ class VaeTiling(Plugin):
     description = ("tiled VAE encode/decode (tile size, blended overlap), attention backend "
                    "(math|flash|efficient|cudnn) and attention slicing")
 
-    def validate(self, cfg: Any) -> None:
-        check_config(self.config, cfg)
+    def validate(self) -> None:
+        check_config(self.config, self.run)
+
+    def encoder_signature(self) -> dict[str, Any] | None:
+        c = self.config  # a tiled VAE encodes slightly different latents (blended tile seams)
+        return {"vae_tiling": bool(c.vae_tiling), "tile": int(c.vae_tile_size), "overlap": int(c.vae_tile_overlap)}
 
     def transform_models(self, ctx: RunContext) -> None:
         c, models = self.config, ctx.models
-        check_config(c)
-        undo: list[Callable[[], None]] = []
-        ctx.state[self.key] = undo
+
+        def record(module: nn.Module, restore: Callable[[], None]) -> None:  # undone by ctx.teardown
+            ctx.hooks.add(module, "tiling", self.key, undo=restore)
+
         if c.vae_tiling or c.vae_slicing:
             vaes = [(n, m) for n, m in models.items() if is_tileable_vae(m)]
             if not vaes:
@@ -306,18 +302,19 @@ class VaeTiling(Plugin):
                             ", ".join(models.modules) or "no modules")
             for name, vae in vaes:
                 if c.vae_tiling:
-                    undo.append(apply_vae_tiling(vae, int(c.vae_tile_size), int(c.vae_tile_overlap), bool(c.vae_slicing)))
+                    record(vae, apply_vae_tiling(vae, int(c.vae_tile_size), int(c.vae_tile_overlap), bool(c.vae_slicing)))
                     log.info("tiling: %s encodes/decodes in %d px tiles overlapping by %d px%s", name,
                              c.vae_tile_size, c.vae_tile_overlap, ", one sample at a time" if c.vae_slicing else "")
                 else:
                     vae.enable_slicing()
-                    undo.append(vae.disable_slicing)
+                    record(vae, vae.disable_slicing)
                     log.info("tiling: %s runs one sample at a time (vae_slicing)", name)
         if c.attention != "default":
             check_cuda_backend(c.attention, ctx.device)
             targets = [m for _, m in models.items()]
             count = sum(len(attention_modules(m)) for m in targets)
-            undo.append(apply_attention_backend(targets, c.attention))
+            for m in targets:
+                record(m, apply_attention_backend([m], c.attention))
             log.info("tiling: %d diffusers attention modules use the %s SDPA kernel", count, c.attention)
         size = parse_slice(c.attention_slice)
         if size is not None:
@@ -329,12 +326,8 @@ class VaeTiling(Plugin):
                     "or use tiling.attention=flash / efficient, which never materialise the attention matrix."
                 )
             for name, m in sliceable:
-                undo.append(apply_attention_slicing(m, size))
+                record(m, apply_attention_slicing(m, size))
                 log.info("tiling: %s computes attention in slices (attention_slice=%s)", name, size)
-
-    def teardown(self, ctx: RunContext) -> None:
-        for restore in reversed(ctx.state.pop(self.key, [])):
-            restore()
 
 
 @register_plugin

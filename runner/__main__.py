@@ -1,7 +1,8 @@
 """``python -m runner +preset=sdxl_24gb train.steps=200``
 
-One run, top to bottom: compose -> validate -> build trainer -> plan -> apply plugins -> loop -> report.
-Each step is a function in runner/ that tests call on its own.
+One run, top to bottom: compose -> validate -> resolve -> build trainer -> plan -> apply plugins
+-> loop -> report. Each step is a function in runner/ that tests call on its own;
+docs/architecture.md maps each one to its file.
 """
 from __future__ import annotations
 
@@ -18,14 +19,16 @@ from runner.errors import UserError
 from runner.loop import make_accelerator, train
 from runner.planner import plan_command, preflight
 from runner.report import summary, write_run_info
-from runner.run import build_plugins, build_trainer, cpu_precision, make_context, output_dir
+from runner.resolved import resolve
+from runner.run import build_plugins, build_trainer, make_context, output_dir
+from runner.trainer_setup import prepare_models
 from runner.validate import conf_dir, precheck, validate
 
 log = logging.getLogger("runner")
 
 
 def run(cfg: DictConfig) -> float | None:
-    """The Hydra task: one job of a run or of a ``-m`` sweep."""
+    """The Hydra task: one job of a run or of a ``-m`` sweep (composed by Hydra)."""
     validate(cfg)                                               # validate
     if cfg.mode == "plugins":
         print(registry.format_plugin_list())
@@ -35,19 +38,22 @@ def run(cfg: DictConfig) -> float | None:
     if cfg.mode == "plan":                                      # only plan: table + plan.json; exit 3 over budget
         plan_command(cfg, out)
         return None
-    schedule = build_plugins(cfg)
+    run = resolve(cfg)                                          # resolve: device, precision, dtypes, budget, once
+    log.info("%s", run.describe())
+    schedule = build_plugins(cfg, run)
     log.info("plugin order:\n%s", schedule.describe())
-    ctx = make_context(cfg, schedule, out)
+    ctx = make_context(cfg, run, schedule, out)
     ctx.run_phase("configure_process")                          # before anything touches CUDA
-    ctx.cfg = cfg = cpu_precision(cfg, ctx.device)
-    ctx.trainer = build_trainer(cfg)                            # build trainer
-    preflight(cfg, ctx.trainer, out, ctx.device)                # plan: refuse to start (exit 3) over budget_gb
-    set_seed(cfg.train.seed)                                    # random init is reproducible, so resume is exact
-    ctx.models = ctx.trainer.build_models("cpu")
-    ctx.accelerator = make_accelerator(cfg, ctx.device)
-    ctx.apply_setup_phases()                                    # apply plugins
-    result = train(ctx)                                         # loop
-    ctx.run_phase("teardown")
+    ctx.trainer = build_trainer(cfg, run)                       # build trainer
+    preflight(cfg, run, ctx.trainer, out)                       # plan: refuse to start (exit 3) over budget_gb
+    set_seed(run.seed)                                          # random init is reproducible, so resume is exact
+    ctx.models = prepare_models(ctx.trainer.build_models("cpu"), cfg.model, run)  # dtypes, LoRA
+    ctx.accelerator = make_accelerator(run)
+    try:
+        ctx.apply_setup_phases()                                # apply plugins
+        result = train(ctx)                                     # loop
+    finally:
+        ctx.teardown()                                          # every plugin change undone, even on error
     print(summary(result, out))                                 # report
     if result.interrupted_by is not None:
         sys.exit(128 + result.interrupted_by)

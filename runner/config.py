@@ -89,11 +89,12 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    allocator: Any = MISSING
-    offload: Any = MISSING
-    checkpoint: Any = MISSING
-    tiling: Any = MISSING
-    quantization: Any = MISSING
+    # One node per plugin kind, holding one node per selected plugin: offload.park.cache_latents.
+    allocator: Any = field(default_factory=dict)
+    offload: Any = field(default_factory=dict)
+    checkpoint: Any = field(default_factory=dict)
+    tiling: Any = field(default_factory=dict)
+    quantization: Any = field(default_factory=dict)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     budget_gb: Optional[float] = None  # device memory budget; used by allocator cap and the planner
     mode: str = "train"  # train | plan (predict memory, exit 3 if over budget_gb) | plugins

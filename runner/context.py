@@ -2,7 +2,17 @@
 
 The same object serves managed mode (the runner fills it and owns the loop) and hosted mode
 (a user's loop calls :meth:`RunContext.prepare`, the way ``accelerate.Accelerator.prepare``
-works, and keeps its own loop).
+works, and keeps its own loop; see runner/hosted.py).
+
+What plugins know about each other goes through typed fields, never string keys:
+
+* ``run`` -- the :class:`~runner.resolved.ResolvedRun` (device, precision, dtypes, budget), decided
+  once before anything is built;
+* ``facts`` -- :class:`RunFacts`, what the plugins did (parked, dropped, streamed, quantized,
+  checkpointed modules; cached encode parts; pinned host bytes), which the planner, the loop and
+  the other plugins read;
+* ``hooks`` -- the :class:`~runner.hooks.ModuleHooks` registry of every module change, undone
+  in one place by :meth:`RunContext.teardown`, which the runner calls in a ``finally``.
 """
 from __future__ import annotations
 
@@ -13,48 +23,123 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from torch import nn
 
+from runner.errors import UserError
+from runner.hooks import ModuleHooks
 from runner.plugin import PluginSchedule
+from runner.resolved import ResolvedRun
 from runner.trainer import ModelSet
 
 log = logging.getLogger("runner")
 
+# Two plugins may not both claim one module with these actions (the pair, in either order).
+INCOMPATIBLE = {
+    frozenset({"stream", "park"}): "a streamed module's weights are copied block by block, a parked one moves whole",
+    frozenset({"stream", "drop"}): "a dropped module is freed once its outputs are cached: there is nothing to stream",
+    frozenset({"quantize"}): "a module's Linear layers can be replaced by one quantization only",
+    frozenset({"stream"}): "one streaming plan per module",
+    frozenset({"park"}): "one parking per module",
+}
+
+
+@dataclass
+class Claim:
+    module: str
+    action: str  # "drop" | "park" | "stream" | "quantize" | "checkpoint"
+    owner: str  # plugin key, e.g. "offload/park"
+
+
+@dataclass
+class RunFacts:
+    """What the plugins did, as the planner, the loop and the other plugins need to know it."""
+
+    claims: list[Claim] = field(default_factory=list)
+    placed: set[str] = field(default_factory=set)  # modules a plugin placed itself; the runner moves the rest
+    parked: set[str] = field(default_factory=set)  # frozen modules kept on the host, on the device per call
+    dropped: set[str] = field(default_factory=set)  # modules freed because every output they compute is cached
+    cached_parts: set[str] = field(default_factory=set)  # encode parts read from a cache, not computed
+    encode_replaced: bool = False  # a plugin replaced the trainer's encode step (cache reads)
+    encode_on_device: bool = True  # False when nothing is encoded during training (every part cached)
+    streamed: set[str] = field(default_factory=set)
+    quantized: dict[str, int] = field(default_factory=dict)  # module -> quantized layers
+    checkpointed: dict[str, int] = field(default_factory=dict)  # module -> checkpointed blocks
+    pinned_host_bytes: int = 0  # page-locked host bytes (or that would be, on the target GPU)
+
+    def claimed(self, action: str) -> set[str]:
+        return {c.module for c in self.claims if c.action == action}
+
 
 @dataclass
 class RunContext:
-    cfg: Any
+    run: ResolvedRun
     schedule: PluginSchedule
-    device: torch.device
+    cfg: Any = None  # the composed config: for the loop and the trainer; plugins read only their own node
     output_dir: Path | None = None
-    # True inside the planner: models hold fake tensors, ``device`` is ``meta`` (the simulated
-    # accelerator) and ``host`` is fake ``cpu``. A plugin whose kernels cannot run on fake
-    # tensors (bitsandbytes) takes its byte-equivalent simulation path when this is set.
-    simulate: bool = False
-    host: torch.device = field(default_factory=lambda: torch.device("cpu"))
     models: ModelSet | None = None
     trainer: Any = None
     optimizer: torch.optim.Optimizer | None = None
     accelerator: Any = None
-    # Free-form per-plugin state, keyed by plugin key ("checkpoint/blocks"), for teardown.
-    state: dict[str, Any] = field(default_factory=dict)
+    facts: RunFacts = field(default_factory=RunFacts)
+    hooks: ModuleHooks = field(default_factory=ModuleHooks)
     # Context managers plugins want entered around every forward+backward (e.g. saved-tensor hooks).
-    step_contexts: list[Any] = field(default_factory=list)
-    # Extra lines for the run report: ("optimizer state bytes", 1234) ...
+    step_contexts: list[Callable[[], Any]] = field(default_factory=list)
+    # Lines for the run report and plan.json ("optimizer state bytes": 1234): shown, never read back.
     notes: dict[str, Any] = field(default_factory=dict)
+    _torn_down: bool = False
+
+    # The resolved run's devices, under the names plugins have always used.
+    @property
+    def device(self) -> torch.device:
+        return self.run.device
+
+    @property
+    def host(self) -> torch.device:
+        return self.run.host
+
+    @property
+    def simulate(self) -> bool:
+        return self.run.simulate
 
     def run_phase(self, phase: str, *args: Any) -> None:
         self.schedule.run(phase, self, *args)
 
-    def apply_setup_phases(self) -> None:
-        """Run the model phases on ``self.models``; modules no plugin placed go to the device.
+    # ---- typed facts ---------------------------------------------------------------------------
+    def claim(self, module: str, action: str, owner: str) -> None:
+        """Record that plugin ``owner`` will do ``action`` to ``module``; refuse an incompatible pair."""
+        for other in self.facts.claims:
+            if other.module != module or other.owner == owner:
+                continue
+            why = INCOMPATIBLE.get(frozenset({action, other.action}))
+            if why is not None:
+                raise UserError(
+                    f"{owner.replace('/', '=')} and {other.owner.replace('/', '=')} both claim '{module}' "
+                    f"({action} and {other.action}): {why}. Remove one of them, or point one elsewhere "
+                    "with its .modules setting."
+                )
+        self.facts.claims.append(Claim(module, action, owner))
 
-        A plugin that keeps a module elsewhere (host, streamed) sets ``module._runner_placed``.
-        """
+    def note_pinned_bytes(self, nbytes: int) -> None:
+        """Host bytes page-locked by this run (or that would be, on the target GPU)."""
+        self.facts.pinned_host_bytes += int(nbytes)
+
+    def encoder_signature(self) -> dict[str, Any]:
+        """Every plugin's settings that change what the frozen encoders compute (cache keys)."""
+        sig: dict[str, Any] = {"device_type": self.run.target if self.simulate else self.device.type,
+                               "autocast": self.run.precision}
+        for p in self.schedule.plugins:
+            s = p.encoder_signature()
+            if s:
+                sig[p.key] = s
+        return sig
+
+    # ---- setup --------------------------------------------------------------------------------
+    def apply_setup_phases(self) -> None:
+        """Claims, then the model phases on ``self.models``; modules no plugin placed go to the device."""
+        self.run_phase("claim_modules")
         self.run_phase("transform_models")
         self.run_phase("place_models")
-        for _, m in self.models.items():
-            if not getattr(m, "_runner_placed", False):
+        for name, m in self.models.items():
+            if name not in self.facts.placed:
                 m.to(self.device)
         self.run_phase("wrap_execution")
 
@@ -65,32 +150,12 @@ class RunContext:
             stack.enter_context(make())
         return stack
 
-    # ---- hosted mode -------------------------------------------------------------------
-    def prepare(
-        self,
-        models: dict[str, nn.Module] | nn.Module,
-        optimizer: torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
-        dataloader: Any = None,
-        trained: set[str] | None = None,
-    ) -> tuple[Any, Any, Any]:
-        """Apply the configured plugins to a user's own models, optimizer and data loader.
-
-        ``models`` is one module or a dict of named modules; by default a module is "trained"
-        when it has a parameter with ``requires_grad``. ``optimizer`` is best given as a
-        factory (``lambda params: AdamW(params, lr=1e-4)``): plugins that replace parameters
-        (quantization, LoRA) run first, and the factory then receives the parameters that are
-        really trained. Returns ``(models, optimizer, dataloader)`` in the form given.
-        """
-        single = isinstance(models, nn.Module)
-        named = {"model": models} if single else dict(models)
-        if trained is None:
-            trained = {n for n, m in named.items() if any(p.requires_grad for p in m.parameters())}
-        self.models = ModelSet(named, set(trained))
-        self.apply_setup_phases()
-        if optimizer is not None:
-            if not isinstance(optimizer, torch.optim.Optimizer):
-                optimizer = optimizer(list(self.models.trainable_parameters()))
-            self.optimizer = optimizer
-            self.run_phase("wrap_optimizer")
-        out_models = self.models["model"] if single else self.models.modules
-        return out_models, self.optimizer, dataloader
+    def teardown(self) -> None:
+        """Every plugin's teardown phase, then every recorded module change undone. Idempotent."""
+        if self._torn_down:
+            return
+        self._torn_down = True
+        try:
+            self.run_phase("teardown")
+        finally:
+            self.hooks.remove_all()

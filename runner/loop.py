@@ -31,12 +31,14 @@ from diffusers.optimization import get_scheduler
 from tqdm.auto import tqdm
 
 from runner.context import RunContext
+from runner.data import collate
 from runner.errors import UserError
 from runner.memory.profile import build_profiler
 from runner.memory.stats import MemoryMonitor
 from runner.oom import MicroBatchRecovery, OutOfMemoryGiveUp
 from runner.optim import build_optimizer
 from runner.report import MetricsWriter
+from runner.resolved import ResolvedRun
 from runner.train_state import TrainState, find_checkpoint, load_checkpoint, save_checkpoint
 from runner.trainer import batch_len, encode, move_batch, slice_batch
 
@@ -102,8 +104,8 @@ class TrainResult:
     notes: dict[str, Any] = field(default_factory=dict)  # ctx.notes at the end (optimizer state bytes, ...)
 
 
-def make_accelerator(cfg: Any, device: torch.device) -> Accelerator:
-    """A fresh Accelerator for this job.
+def make_accelerator(run: ResolvedRun) -> Accelerator:
+    """A fresh Accelerator for this job, with the resolved precision (runner/resolved.py decides it).
 
     accelerate keeps a process-wide singleton state; Hydra's ``-m`` runs jobs one after another
     in the same process, and jobs may differ in mixed precision, so the state is reset first.
@@ -112,27 +114,17 @@ def make_accelerator(cfg: Any, device: torch.device) -> Accelerator:
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    precision = cfg.train.mixed_precision
-    if device.type == "cpu" and precision != "no" and not cfg.train.cpu_autocast:
-        # bf16/fp16 autocast on a CPU without native bf16 matmuls is emulated: the tiny SDXL
-        # step measured 12 s instead of 1.4 s here. Presets target GPUs, so on CPU we train in
-        # float32 unless asked otherwise.
-        log.info("train.mixed_precision=%s applies on CUDA; this CPU run uses float32 "
-                 "(train.cpu_autocast=true forces %s autocast on CPU)", precision, precision)
-        precision = "no"
-    return Accelerator(mixed_precision=precision, cpu=device.type == "cpu")
+    return Accelerator(mixed_precision=run.precision, cpu=run.device.type == "cpu")
 
 
 def train(ctx: RunContext) -> TrainResult:
     """Run ``cfg.train.steps`` optimizer steps of ``ctx.trainer`` on ``ctx.models``."""
-    cfg, models, trainer = ctx.cfg, ctx.models, ctx.trainer
+    cfg, models, trainer, run = ctx.cfg, ctx.models, ctx.trainer, ctx.run
     out = ctx.output_dir
     accelerator = ctx.accelerator
-    batch_size, micro = cfg.train.batch_size, cfg.train.batch_size // cfg.train.grad_accum
+    batch_size, micro = run.batch_size, run.micro_batch
     dataset = trainer.dataset()
-    from runner.data import collate
-
-    order = SampleOrder(len(dataset), cfg.train.seed)
+    order = SampleOrder(len(dataset), run.seed)
 
     ctx.optimizer = build_optimizer(cfg.optimizer, list(models.trainable_parameters()), notes=ctx.notes)
     ctx.run_phase("wrap_optimizer")
@@ -154,14 +146,14 @@ def train(ctx: RunContext) -> TrainResult:
     ckpt_root = out / "checkpoints"
     result = TrainResult(steps_done=state.step)
     recovery = MicroBatchRecovery(ctx, micro, batch_size, params)  # OOM: discard the step, halve, retry
-    memory = MemoryMonitor(ctx.device, cfg.budget_gb)  # per-step memory columns and pressure warnings
+    memory = MemoryMonitor(ctx.device, run.budget_gb)  # per-step memory columns and pressure warnings
     profiler = build_profiler(cfg, ctx)  # a no-op unless profile.enabled
     bar = tqdm(total=cfg.train.steps, initial=state.step, disable=not cfg.train.progress, desc="train", dynamic_ncols=True)
     step_times: list[float] = []
 
     def update() -> None:
-        if cfg.train.max_grad_norm > 0:
-            accelerator.clip_grad_norm_(params, cfg.train.max_grad_norm)
+        if run.max_grad_norm > 0:
+            accelerator.clip_grad_norm_(params, run.max_grad_norm)
         optimizer.step()
 
     with StopRequest() as stop, bar, closing(metrics), closing(profiler):

@@ -391,14 +391,9 @@ class SimulatedOptimizer(torch.optim.Optimizer):
 
 
 # ---- validation ----------------------------------------------------------------------------------
-def cuda_possible(cfg: Any) -> bool:
-    """Whether this run will train on CUDA (train.device, resolved like runner.run.resolve_device)."""
-    device = str(cfg.train.device)
-    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
-
-
-def validate_optimizer(cfg: Any) -> None:
-    """Name, schema and requirements of ``cfg.optimizer``; each failure names the key and the fix."""
+def validate_optimizer(cfg: Any, run: Any) -> None:
+    """Name, schema and requirements of ``cfg.optimizer`` for the resolved ``run``; each failure
+    names the key and the fix."""
     node = cfg.optimizer
     spec = _spec(node)
     schema = OmegaConf.get_type(node) if OmegaConf.is_config(node) else type(node)
@@ -412,7 +407,7 @@ def validate_optimizer(cfg: Any) -> None:
         betas = list(node.betas)
         if len(betas) != 2 or not all(0.0 <= float(b) < 1.0 for b in betas):
             raise UserError(f"optimizer.betas={betas} is not valid: give two numbers in [0, 1), e.g. [0.9, 0.999].")
-    if spec.needs_cuda and not cuda_possible(cfg):
+    if spec.needs_cuda and not run.on_cuda:
         where = "train.device=cpu" if str(cfg.train.device) == "cpu" else "train.device=auto and no CUDA device is available"
         raise UserError(
             f"optimizer={spec.name} needs CUDA: its state lives in CUDA unified memory, paged to host RAM when the "

@@ -2,13 +2,18 @@
 
 A plugin is one file under ``plugins/`` (or in a third-party package) with:
 
-* a dataclass config, which is also its Hydra schema (group = its kind, option = its name);
-* a ``Plugin`` subclass that implements only the phases it needs;
+* a dataclass config, which is also its Hydra schema (group = its kind, option = its name, stored
+  at ``<kind>.<name>``: ``offload=[park,activations]`` composes two offload plugins, each with its
+  own node, ``offload.park.cache_latents=false``);
+* a ``Plugin`` subclass that implements only the phases it needs. It is built with its own config
+  node and the :class:`~runner.resolved.ResolvedRun`, never the root config;
 * a plain function that does the work without the runner (its "twin"), which the phase calls.
 
 Phases run in this fixed order (see ``PHASES``)::
 
     configure_process  env vars / allocator settings, before any CUDA initialisation
+    claim_modules      say which module the plugin will drop, park, stream, quantize or checkpoint
+                       (``ctx.claim``); two incompatible claims on one module stop the run here
     transform_models   quantize, cast, attach adapters: on host or meta, before placement
     place_models       decide where each module lives (device, host, streamed)
     wrap_execution     checkpointing, activation offload, tiling, attention
@@ -30,6 +35,7 @@ from runner.errors import UserError
 
 if TYPE_CHECKING:
     from runner.context import RunContext
+    from runner.resolved import ResolvedRun
 
 log = logging.getLogger("runner")
 
@@ -38,6 +44,7 @@ KINDS: tuple[str, ...] = ("allocator", "quantization", "offload", "checkpoint", 
 
 SETUP_PHASES: tuple[str, ...] = (
     "configure_process",
+    "claim_modules",
     "transform_models",
     "place_models",
     "wrap_execution",
@@ -64,8 +71,9 @@ class Plugin:
     after: ClassVar[tuple[str, ...]] = ()
     before: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, run: ResolvedRun) -> None:
         self.config = config
+        self.run = run
 
     @property
     def key(self) -> str:
@@ -73,6 +81,7 @@ class Plugin:
 
     # Lifecycle (all optional). ``ctx`` is the RunContext.
     def configure_process(self, ctx: RunContext) -> None: ...
+    def claim_modules(self, ctx: RunContext) -> None: ...
     def transform_models(self, ctx: RunContext) -> None: ...
     def place_models(self, ctx: RunContext) -> None: ...
     def wrap_execution(self, ctx: RunContext) -> None: ...
@@ -85,8 +94,16 @@ class Plugin:
     def implements(self, phase: str) -> bool:
         return getattr(type(self), phase) is not getattr(Plugin, phase)
 
-    def validate(self, cfg: Any) -> None:
-        """Check this plugin's settings against the whole run config; raise UserError."""
+    def validate(self) -> None:
+        """Check this plugin's settings against ``self.run``; raise UserError naming the key."""
+
+    def encoder_signature(self) -> dict[str, Any] | None:
+        """Settings of this plugin that change what the frozen encoders compute (for cache keys)."""
+        return None
+
+    def setting(self, field: str) -> str:
+        """The command-line spelling of one of this plugin's keys, for messages."""
+        return f"{self.kind}.{self.name}.{field}"
 
     def __repr__(self) -> str:
         return f"<{self.key}>"

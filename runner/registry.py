@@ -6,8 +6,9 @@ Built-in plugins live in the ``plugins`` package and register themselves with
 subclass (or a trainer class) or a module that registers on import.
 
 Every registered config dataclass is also stored in Hydra's ConfigStore as option ``name`` of
-group ``kind``, so ``offload=stream`` on the command line selects it and its fields become
-schema-checked keys (``offload.budget_gb=6``).
+group ``kind``, placed at ``<kind>.<name>``: ``offload=[park,activations]`` (or ``+offload=activations``
+on top of a preset's choice) selects two plugins of one kind, each with its own schema-checked
+node (``offload.park.cache_latents=false``). ``offload=none`` (or ``offload=[]``) selects none.
 """
 from __future__ import annotations
 
@@ -50,8 +51,16 @@ def register_plugin(cls: type[Plugin]) -> type[Plugin]:
     if key in _PLUGINS and _PLUGINS[key] is not cls:
         raise ValueError(f"Plugin {cls.kind}/{cls.name} is registered twice ({_PLUGINS[key].__name__}, {cls.__name__})")
     _PLUGINS[key] = cls
-    ConfigStore.instance().store(group=cls.kind, name=cls.name, node=cls.Config(name=cls.name))
+    ConfigStore.instance().store(group=cls.kind, name=cls.name, node=cls.Config(name=cls.name),
+                                 package=f"{cls.kind}.{cls.name}")
     return cls
+
+
+def store_empty_options() -> None:
+    """``<kind>=none``: no plugin of that kind (the same as ``<kind>=[]``)."""
+    cs = ConfigStore.instance()
+    for kind in KINDS:
+        cs.store(group=kind, name="none", node={}, package=kind)
 
 
 def register_trainer(name: str, target: str, config: type, description: str = "") -> None:
@@ -69,6 +78,7 @@ def load_all() -> None:
     from runner.config import store_schemas
 
     store_schemas()
+    store_empty_options()
     importlib.import_module("runner.plugins")
     importlib.import_module("runner.trainers")
     for group in (PLUGIN_GROUP, TRAINER_GROUP):
@@ -103,6 +113,17 @@ def get_plugin(kind: str, name: str) -> type[Plugin]:
         ) from None
 
 
+def selected(cfg: Any) -> list[tuple[str, str, Any]]:
+    """``(kind, name, config node)`` of every plugin the composed config selects, kinds in KINDS order
+    and, within a kind, in the order the config lists them."""
+    out = []
+    for kind in KINDS:
+        node = cfg.get(kind) if hasattr(cfg, "get") else None
+        for name, sub in (node or {}).items():
+            out.append((kind, str(name), sub))
+    return out
+
+
 def trainers() -> dict[str, TrainerEntry]:
     return dict(_TRAINERS)
 
@@ -130,7 +151,8 @@ def describe_config(config_cls: type) -> list[tuple[str, str, Any]]:
 
 def format_plugin_list() -> str:
     """The text of ``python -m runner mode=plugins``."""
-    lines = ["Plugins (select with <kind>=<name>, set parameters with <kind>.<param>=<value>):", ""]
+    lines = ["Plugins (select with <kind>=<name> or <kind>=[<name>,<name>], add one to a preset's with",
+             "+<kind>=<name>, set parameters with <kind>.<name>.<param>=<value>):", ""]
     current = None
     for (kind, name), cls in all_plugins().items():
         if kind != current:
@@ -138,7 +160,7 @@ def format_plugin_list() -> str:
             current = kind
         lines.append(f"  {name:<12} {cls.description}")
         for fname, ftype, default in describe_config(cls.Config):
-            lines.append(f"      {kind}.{fname}: {ftype} = {default!r}")
+            lines.append(f"      {kind}.{name}.{fname}: {ftype} = {default!r}")
     lines += ["", "Trainers (select with trainer=<name>, or trainer._target_=module.Class):"]
     for name, entry in sorted(_TRAINERS.items()):
         lines.append(f"  {name:<12} {entry.description}")

@@ -64,12 +64,18 @@ class ModelSet:
     ``trained`` names modules that have trainable parameters (full fine-tune or LoRA); every
     other module is frozen and may be quantized, parked on the host or skipped entirely when
     its outputs are cached. ``blocks`` optionally names, per module, the repeated blocks that
-    checkpointing and offload plugins should operate on (default: discovered automatically).
+    checkpointing and offload plugins should operate on (default: runner.blocks finds them).
+    With ``model.train=lora`` the runner attaches LoRA to the trained modules unless the trainer
+    did (runner/trainer_setup.py).
     """
 
     modules: dict[str, nn.Module]
     trained: set[str] = field(default_factory=set)
     blocks: dict[str, list[nn.Module]] = field(default_factory=dict)
+    # True when the trainer built every module in the run's dtypes itself (the built-in trainers
+    # convert on load); otherwise the runner casts frozen modules to model.dtype and trained ones
+    # to model.train_dtype (runner/trainer_setup.py).
+    dtypes_applied: bool = False
 
     def __getitem__(self, name: str) -> nn.Module:
         return self.modules[name]

@@ -20,9 +20,13 @@ from hydra.errors import ConfigCompositionException, MissingConfigException, Ove
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
+import torch
+
 from runner import registry
 from runner.config import DTYPES, MODES, PRECISIONS, SIZES, TRAIN_DTYPES
 from runner.errors import UserError, did_you_mean, valid_list
+from runner.optim import validate_optimizer
+from runner.resolved import ResolvedRun, planned_target, resolve
 
 MAX_SWEEP_CHECKS = 64
 
@@ -165,9 +169,6 @@ def validate(cfg: DictConfig) -> None:
             f"train.batch_size={cfg.train.batch_size} is not divisible by train.grad_accum={cfg.train.grad_accum}; "
             "choose a grad_accum that divides the batch size."
         )
-    from runner.optim import validate_optimizer  # names come from the registered optimizer schemas
-
-    validate_optimizer(cfg)
     if cfg.model.train_dtype == "bfloat16" and cfg.train.mixed_precision == "fp16":
         raise UserError(
             "model.train_dtype=bfloat16 conflicts with train.mixed_precision=fp16: bf16 weights computed in fp16 "
@@ -179,6 +180,35 @@ def validate(cfg: DictConfig) -> None:
             f"train.resume={cfg.train.resume!r} does not exist. Give a run directory or one of its "
             "checkpoints/step-* directories."
         )
-    for kind in ("allocator", "quantization", "offload", "checkpoint", "tiling"):
-        plugin_cls = registry.get_plugin(kind, cfg[kind].name)
-        plugin_cls(cfg[kind]).validate(cfg)
+    run = resolve_for_mode(cfg)
+    validate_optimizer(cfg, run)
+    validate_plugins(cfg, run)
+
+
+def validate_plugins(cfg: DictConfig, run: ResolvedRun) -> None:
+    """Each selected plugin's own checks, given its node and the resolved run.
+
+    A node without ``name`` is a setting for a plugin that is not selected: a preset sets
+    ``quantization.nf4.modules`` while the command line chose ``quantization=fp8``.
+    """
+    for kind, name, node in registry.selected(cfg):
+        if not isinstance(node, DictConfig) or "name" not in node:
+            keys = ", ".join(f"{kind}.{name}.{k}" for k in (node.keys() if isinstance(node, DictConfig) else []))
+            chosen = [n for k, n, sub in registry.selected(cfg) if k == kind and isinstance(sub, DictConfig) and "name" in sub]
+            source = f"preset {cfg.preset}" if cfg.get("preset") else "the config"
+            raise UserError(
+                f"{source} sets {keys or kind + '.' + name}, but {kind}={name} is not selected "
+                f"({kind}={'[' + ','.join(chosen) + ']' if chosen else 'none'}). Add it with +{kind}={name}, "
+                f"or copy the preset into conf/preset/ without those lines."
+            )
+        registry.get_plugin(kind, name)(node, run).validate()
+
+
+def resolve_for_mode(cfg: DictConfig) -> ResolvedRun:
+    """The run as ``mode`` will see it: planned for its target on ``meta`` (mode=plan), else the
+    running device."""
+    if cfg.mode == "plan":
+        return resolve(cfg, target=planned_target(cfg), device=torch.device("meta")).simulated()
+    if cfg.mode == "plugins":
+        return resolve(cfg, target=planned_target(cfg), device=torch.device("cpu"))
+    return resolve(cfg)

@@ -476,13 +476,16 @@ class DiffusersTrainer:
     denoiser: str = ""
     denoiser_prefixes: tuple[str, ...] = ("unet.", "transformer.")
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, run: Any = None) -> None:
+        """``run``: the :class:`~runner.resolved.ResolvedRun`, whose dtypes win over the config's
+        (a CPU run trains in float32 whatever ``model.train_dtype`` says; runner/resolved.py)."""
         self.cfg = cfg
         m = cfg.model
         if str(m.train) not in TRAIN_MODES:
             raise UserError(f"Unknown model.train '{m.train}'. Valid values: {valid_list(str(m.train), TRAIN_MODES)}.")
-        self.storage_dtype = dtype_from_name(m.dtype)
-        self.train_dtype = dtype_from_name(m.get("train_dtype", "float32"), "model.train_dtype")
+        self.storage_dtype = run.frozen_dtype if run is not None else dtype_from_name(m.dtype)
+        self.train_dtype = (run.train_dtype if run is not None
+                            else dtype_from_name(m.get("train_dtype", "float32"), "model.train_dtype"))
         if self.train_dtype not in (torch.float32, torch.bfloat16):
             raise UserError(f"Unknown model.train_dtype '{m.train_dtype}'. Valid dtypes: float32, bfloat16.")
         self.size = str(m.size)
@@ -575,7 +578,7 @@ class DiffusersTrainer:
         if not full:
             attach_lora(modules[self.denoiser], m.lora_rank, m.lora_alpha, list(m.lora_targets), self.train_dtype)
             modules[self.denoiser].train()
-        models = ModelSet(modules=modules, trained={self.denoiser})
+        models = ModelSet(modules=modules, trained={self.denoiser}, dtypes_applied=True)
         models.blocks = self.repeated_blocks(models)
         return models
 

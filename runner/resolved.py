@@ -1,0 +1,149 @@
+"""The run, decided once: device, planned device, precision, dtypes, budget and batch geometry.
+
+Every question of the form "which device / dtype / budget does this run use?" is answered here,
+from the composed config, before anything is built. The loop, the planner, every plugin, the
+optimizer factory and the tiling code read a :class:`ResolvedRun`; none of them looks at
+``train.device``, ``train.mixed_precision``, ``model.dtype`` or ``budget_gb`` again. That is what
+makes a CPU run's own preflight and ``mode=plan train.device=cpu`` plan the same bytes: both
+resolve through :func:`resolve` with the same answer.
+
+Two devices are distinguished:
+
+* ``device`` -- where tensors really live while this process runs (``cpu``, ``cuda``; ``meta``
+  inside the planner, see :meth:`ResolvedRun.simulated`);
+* ``target`` -- the device type the step is *for* (``cuda`` or ``cpu``): what the planner plans,
+  and what precision and dtype policies are decided for. A plan made on a CPU-only machine for a
+  GPU has ``device=meta``, ``target=cuda``.
+
+The CPU policy (decided here and nowhere else): bf16/fp16 autocast and bf16 trained weights are
+emulated on CPUs without native bf16 matmuls (the tiny SDXL step went from ~0.1 s to 2.6 s), so a
+CPU target trains in float32 unless ``train.cpu_autocast=true``. Presets are written for GPUs and
+still run on a laptop.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from runner.errors import UserError
+
+log = logging.getLogger("runner")
+
+GiB = 2**30
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """What one run does, decided once (see the module docstring). Immutable: derive, never edit."""
+
+    device: torch.device  # where tensors live in this process
+    host: torch.device  # where host-resident tensors live (cpu; fake cpu in the planner)
+    target: str  # "cuda" | "cpu": the device type the step is for
+    precision: str  # "no" | "bf16" | "fp16": the autocast this run really uses
+    frozen_dtype: torch.dtype  # model.dtype: frozen modules and a LoRA's frozen base
+    train_dtype: torch.dtype  # trained weights: a fully trained module, or the LoRA adapters
+    train_mode: str  # "full" | "lora"
+    budget_bytes: Optional[int]  # device memory budget (budget_gb), None when unset
+    batch_size: int  # samples per optimizer step
+    grad_accum: int  # micro-batches per optimizer step
+    max_grad_norm: float  # 0 disables clipping
+    seed: int
+    simulate: bool = False  # True inside the planner: tensors are fake, device is meta
+
+    @property
+    def micro_batch(self) -> int:
+        """Samples per forward/backward pass (OOM recovery may lower it at run time)."""
+        return self.batch_size // self.grad_accum
+
+    @property
+    def autocast_dtype(self) -> Optional[torch.dtype]:
+        return AUTOCAST_DTYPES.get(self.precision)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype matmuls run in: the autocast dtype, else the frozen weights' dtype."""
+        return self.autocast_dtype or self.frozen_dtype
+
+    @property
+    def on_cuda(self) -> bool:
+        """Whether the step is for CUDA (CUDA-only features: pinned memory, side streams, paging)."""
+        return self.target == "cuda"
+
+    @property
+    def budget_gb(self) -> Optional[float]:
+        return None if self.budget_bytes is None else self.budget_bytes / GiB
+
+    def simulated(self) -> ResolvedRun:
+        """The same run as the planner simulates it: fake tensors on ``meta``, host on fake ``cpu``."""
+        return dataclasses.replace(self, device=torch.device("meta"), host=torch.device("cpu"), simulate=True)
+
+    def describe(self) -> str:
+        """One log line: what was decided."""
+        budget = "no budget" if self.budget_bytes is None else f"budget {self.budget_bytes / GiB:g} GiB"
+        autocast = f"{self.precision} autocast" if self.precision != "no" else "no autocast"
+        name = lambda d: str(d).replace("torch.", "")  # noqa: E731
+        return (f"run: on {self.device} for {self.target}, {autocast}, frozen weights {name(self.frozen_dtype)}, "
+                f"trained ({self.train_mode}) {name(self.train_dtype)}, batch {self.batch_size} as "
+                f"{self.grad_accum} x {self.micro_batch}, {budget}")
+
+
+def running_device(cfg: Any) -> torch.device:
+    """The device this process trains on: ``train.device``, with ``auto`` meaning CUDA when present."""
+    want = str(cfg.train.device)
+    if want == "cuda" and not torch.cuda.is_available():
+        raise UserError("train.device=cuda but no CUDA device is available. Use train.device=cpu or auto.")
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(want)
+
+
+def planned_target(cfg: Any) -> str:
+    """The device type ``mode=plan`` plans for: CUDA unless ``train.device=cpu`` (planning for a GPU
+    from a machine without one is the planner's point)."""
+    return "cpu" if str(cfg.train.device) == "cpu" else "cuda"
+
+
+def resolve(cfg: Any, *, target: Optional[str] = None, device: Optional[torch.device] = None) -> ResolvedRun:
+    """Decide the run from the composed, validated config.
+
+    ``target``/``device`` default to the running device (a training run). ``mode=plan`` passes
+    ``target=planned_target(cfg)`` and ``device=meta``. The CPU precision policy of the module
+    docstring is applied here, once.
+    """
+    if device is None:
+        device = running_device(cfg)
+    if target is None:
+        target = "cuda" if device.type == "cuda" else "cpu"
+    precision = str(cfg.train.mixed_precision)
+    model = cfg.model
+    train_dtype_name = str(model.get("train_dtype", "float32"))
+    cpu_autocast = bool(cfg.train.get("cpu_autocast", False))
+    if target == "cpu" and not cpu_autocast:
+        if precision != "no":
+            log.info("train.mixed_precision=%s applies on CUDA; this CPU run uses float32 "
+                     "(train.cpu_autocast=true forces %s autocast on CPU)", precision, precision)
+        if train_dtype_name != "float32":
+            log.info("model.train_dtype=%s applies on CUDA; this CPU run trains in float32 "
+                     "(train.cpu_autocast=true keeps %s on CPU)", train_dtype_name, train_dtype_name)
+        precision, train_dtype_name = "no", "float32"
+    budget = cfg.get("budget_gb")
+    return ResolvedRun(
+        device=torch.device(device),
+        host=torch.device("cpu"),
+        target=target,
+        precision=precision,
+        frozen_dtype=DTYPES[str(model.get("dtype", "float32"))],
+        train_dtype=DTYPES[train_dtype_name],
+        train_mode=str(model.get("train", "full")),
+        budget_bytes=None if budget is None else int(float(budget) * GiB),
+        batch_size=int(cfg.train.batch_size),
+        grad_accum=int(cfg.train.grad_accum),
+        max_grad_norm=float(cfg.train.max_grad_norm),
+        seed=int(cfg.train.seed),
+    )
