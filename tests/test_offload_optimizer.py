@@ -11,12 +11,8 @@ import pytest
 import torch
 from diffusers.optimization import get_scheduler
 
-from runner.plugins.offload_optimizer import (
-    HostStateOptimizer,
-    HostStepOptimizer,
-    offload_optimizer,
-    torchao_available,
-)
+from runner.plugins.offload_optimizer import offload_optimizer, torchao_available
+from runner.plugins.optimizer_wrappers import HostStateOptimizer, HostStepOptimizer
 from runner.errors import UserError
 from runner.memory.tracker import LiveBytesTracker
 from runner.run import build_trainer
