@@ -16,7 +16,7 @@ Trade-offs and caveats:
 * ``expandable_segments`` breaks CUDA IPC: memory in expandable segments cannot be shared with
   another process through ``torch.multiprocessing`` (a DataLoader worker that returns CUDA
   tensors, or a multi-process producer/consumer). Keep loader workers on CPU tensors (the
-  runner's loader does) or set ``allocator.expandable_segments=false``.
+  runner's loader does) or set ``allocator.default.expandable_segments=false``.
 * An explicit ``PYTORCH_CUDA_ALLOC_CONF`` (or ``PYTORCH_ALLOC_CONF``) in the environment wins
   key by key over this config; the log says which keys it overrode.
 * ``cap_to_budget`` uses ``torch.cuda.set_per_process_memory_fraction`` so a large card behaves
@@ -86,19 +86,19 @@ def check_config(cfg: Any, budget_gb: Optional[float] = None) -> None:
     gct = cfg.garbage_collection_threshold
     if gct is not None and not 0.0 < float(gct) < 1.0:
         raise UserError(
-            f"allocator.garbage_collection_threshold={gct!r} is not valid: it must be a fraction strictly "
+            f"allocator.default.garbage_collection_threshold={gct!r} is not valid: it must be a fraction strictly "
             "between 0 and 1 (e.g. 0.8), or null to leave it unset."
         )
     mss = cfg.max_split_size_mb
     if mss is not None and int(mss) < MIN_SPLIT_MB:
         raise UserError(
-            f"allocator.max_split_size_mb={mss!r} is not valid: PyTorch needs at least {MIN_SPLIT_MB} (MiB), "
+            f"allocator.default.max_split_size_mb={mss!r} is not valid: PyTorch needs at least {MIN_SPLIT_MB} (MiB), "
             "e.g. 128 or 512, or null to leave it unset."
         )
     if cfg.cap_to_budget and budget_gb is None:
         raise UserError(
-            "allocator.cap_to_budget=true needs budget_gb: set budget_gb=<GiB> (e.g. budget_gb=24) "
-            "or allocator.cap_to_budget=false."
+            "allocator.default.cap_to_budget=true needs budget_gb: set budget_gb=<GiB> (e.g. budget_gb=24) "
+            "or allocator.default.cap_to_budget=false."
         )
 
 
@@ -171,14 +171,14 @@ def apply_allocator_settings(
     result = AllocatorResult(env_var=env_var, alloc_conf=merged, user_keys=sorted(_parse(user)))
     for key in overridden:
         log.info(
-            "allocator: %s from the environment sets %s:%s, which wins over allocator.%s (%s)",
+            "allocator: %s from the environment sets %s:%s, which wins over allocator.default.%s (%s)",
             env_var, key, _parse(user)[key], key, _parse(ours)[key],
         )
     if merged and merged != user:
         if torch.cuda.is_initialized():
             result.took_effect = False
             log.warning(
-                "allocator: CUDA is already initialised, so %s=%s (allocator.expandable_segments / "
+                "allocator: CUDA is already initialised, so %s=%s (allocator.default.expandable_segments / "
                 "max_split_size_mb / garbage_collection_threshold) cannot take effect any more; "
                 "set it in the environment before starting Python, or keep CUDA untouched until the runner starts.",
                 env_var, merged,

@@ -159,12 +159,12 @@ def check_config(config: Any) -> None:
     """Raise UserError for an invalid ``checkpoint.mode`` / ``checkpoint.every_n``."""
     mode = config.mode
     if mode not in MODES:
-        raise UserError(f"checkpoint.mode={mode!r} is not valid. Valid values: {valid_list(str(mode), MODES)}.")
+        raise UserError(f"checkpoint.blocks.mode={mode!r} is not valid. Valid values: {valid_list(str(mode), MODES)}.")
     every_n = config.every_n
     if mode == "every_n" and (not isinstance(every_n, int) or isinstance(every_n, bool) or every_n < 1):
         raise UserError(
-            f"checkpoint.every_n={every_n!r} is not valid: it must be an integer >= 1 "
-            "(2 = checkpoint every second block; 1 is the same as checkpoint.mode=full)."
+            f"checkpoint.blocks.every_n={every_n!r} is not valid: it must be an integer >= 1 "
+            "(2 = checkpoint every second block; 1 is the same as checkpoint.blocks.mode=full)."
         )
 
 

@@ -87,32 +87,26 @@ def torchao_blockers(config: Any, max_grad_norm: float, grad_accum: int, device_
     return why
 
 
-def check_config(c: Any) -> None:
+def check_config(c: Any, run: Any = None, key: str = "offload.optimizer") -> None:
+    """This plugin's settings, and against the resolved ``run`` when given."""
     if c.implementation not in IMPLEMENTATIONS:
-        raise UserError(f"offload.implementation={c.implementation!r} is not valid. "
+        raise UserError(f"{key}.implementation={c.implementation!r} is not valid. "
                         f"Valid values: {valid_list(str(c.implementation), IMPLEMENTATIONS)}.")
     if not c.chunk_mb > 0:
-        raise UserError(f"offload.chunk_mb={c.chunk_mb!r} is not valid: give the MiB of parameters stepped at once, > 0.")
-
-
-def check_run(c: Any, cfg: Any, key: str = "offload.step_on_host") -> None:
-    """Checks against the whole run config (also used by offload=stream's combined option)."""
-    check_config(c)
-    if cfg is None:
+        raise UserError(f"{key}.chunk_mb={c.chunk_mb!r} is not valid: give the MiB of parameters stepped at once, > 0.")
+    if run is None:
         return
-    if c.step_on_host and str(cfg.train.get("mixed_precision", "no")) == "fp16":
+    if c.step_on_host and run.precision == "fp16":
         raise UserError(
-            f"offload=optimizer with {key}=true and train.mixed_precision=fp16: fp16 gradient scaling unscales "
-            "gradients before they reach the host step. Use train.mixed_precision=bf16 (or no), or "
-            f"{key}=false (state on the host, step on the device)."
+            f"offload=optimizer with {key}.step_on_host=true and train.mixed_precision=fp16: fp16 gradient scaling "
+            "unscales gradients before they reach the host step. Use train.mixed_precision=bf16 (or no), or "
+            f"{key}.step_on_host=false (state on the host, step on the device)."
         )
     if c.implementation == "torchao":
-        device = str(cfg.train.get("device", "auto"))
-        device_type = "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu"
-        why = torchao_blockers(c, float(cfg.train.max_grad_norm), int(cfg.train.grad_accum), device_type)
+        why = torchao_blockers(c, run.max_grad_norm, run.grad_accum, run.target)
         if why:
-            raise UserError(f"offload.implementation=torchao cannot run here: {'; '.join(why)}. "
-                            "Use offload.implementation=auto or builtin (ours handles clipping and accumulation).")
+            raise UserError(f"{key}.implementation=torchao cannot run here: {'; '.join(why)}. "
+                            f"Use {key}.implementation=auto or builtin (ours handles clipping and accumulation).")
 
 
 def offload_optimizer(
@@ -154,26 +148,6 @@ def offload_optimizer(
     return HostStateOptimizer(optimizer, host=host, chunk_bytes=chunk_bytes, pin_memory=pin_memory, always_copy=always_copy)
 
 
-def wrap(ctx: RunContext, config: Any, key: str) -> torch.optim.Optimizer:
-    """Replace ``ctx.optimizer`` by its host-offloaded wrapper (this plugin and offload=stream)."""
-    check_config(config)
-    cfg = ctx.cfg
-    max_norm = float(cfg.train.max_grad_norm) if cfg is not None else 0.0
-    accum = int(cfg.train.grad_accum) if cfg is not None else 1
-    wrapped = offload_optimizer(
-        ctx.optimizer, step_on_host=bool(config.step_on_host), offload_gradients=bool(config.offload_gradients),
-        max_grad_norm=max_norm, grad_accum=accum, implementation=str(config.implementation),
-        chunk_bytes=int(float(config.chunk_mb) * 2**20), host=ctx.host, pin_memory=bool(config.pin_memory),
-    )
-    ctx.optimizer = wrapped
-    state = ctx.state.setdefault(key, {})
-    state["optimizer"] = wrapped
-    if hasattr(wrapped, "remove"):
-        state.setdefault("undo", []).append(wrapped.remove)
-    ctx.notes["optimizer"] = repr(wrapped) if not type(wrapped).__name__.startswith("CPUOffload") else "torchao CPUOffloadOptimizer"
-    return wrapped
-
-
 @register_plugin
 class OptimizerOffload(Plugin):
     kind = "offload"
@@ -182,35 +156,36 @@ class OptimizerOffload(Plugin):
     description = ("optimizer state in host memory; the step on the host (step_on_host=true, ZeRO-offload style) "
                    "or on the device chunk by chunk")
 
-    def validate(self, cfg: Any) -> None:
-        check_run(self.config, cfg)
+    def validate(self) -> None:
+        check_config(self.config, self.run, self.key.replace("/", "."))
 
     def wrap_optimizer(self, ctx: RunContext) -> None:
-        wrap(ctx, self.config, self.key)
+        c, run = self.config, self.run
+        wrapped = offload_optimizer(
+            ctx.optimizer, step_on_host=bool(c.step_on_host), offload_gradients=bool(c.offload_gradients),
+            max_grad_norm=run.max_grad_norm, grad_accum=run.grad_accum, implementation=str(c.implementation),
+            chunk_bytes=int(float(c.chunk_mb) * 2**20), host=ctx.host, pin_memory=bool(c.pin_memory),
+        )
+        ctx.optimizer = self.optimizer = wrapped
+        torchao = type(wrapped).__name__.startswith("CPUOffload")
+        ctx.notes["optimizer"] = "torchao CPUOffloadOptimizer" if torchao else repr(wrapped)
 
     def on_oom(self, ctx: RunContext, step: int, error: BaseException) -> None:
-        opt = ctx.state.get(self.key, {}).get("optimizer")
-        if hasattr(opt, "discard_gradients"):
-            opt.discard_gradients()
+        if hasattr(getattr(self, "optimizer", None), "discard_gradients"):
+            self.optimizer.discard_gradients()
 
     def teardown(self, ctx: RunContext) -> None:
-        state = ctx.state.pop(self.key, {})
-        for undo in reversed(state.get("undo", [])):
-            undo()
-        report(ctx, state.get("optimizer"), bool(self.config.pin_memory))
-
-
-def report(ctx: RunContext, optimizer: Any, pinned: bool) -> None:
-    """Notes for the run report, and the pinned host bytes the planner reports (its contract).
-
-    Reported at teardown because ``step_on_host=false`` knows its state's size only after a step.
-    """
-    host_bytes = getattr(optimizer, "host_bytes", None)
-    if host_bytes is None:
-        return
-    n = int(host_bytes())
-    ctx.notes["optimizer offload: host bytes"] = n
-    if pinned:
-        from runner.planner import note_pinned_bytes
-
-        note_pinned_bytes(ctx, n)
+        """Report the host bytes (``step_on_host=false`` knows its state's size only after a
+        step), then undo the wrapper's hooks."""
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is None:
+            return
+        host_bytes = getattr(optimizer, "host_bytes", None)
+        if host_bytes is not None:
+            n = int(host_bytes())
+            ctx.notes["optimizer offload: host bytes"] = n
+            if self.config.pin_memory:
+                ctx.note_pinned_bytes(n)
+        if hasattr(optimizer, "remove"):
+            optimizer.remove()
+        self.optimizer = None

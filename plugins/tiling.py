@@ -114,38 +114,38 @@ def check_config(c: Any, run: Any = None) -> None:
     """Values diffusers or PyTorch would reject late or accept wrongly; UserErrors naming keys."""
     if c.attention not in ATTENTION_BACKENDS:
         raise UserError(
-            f"tiling.attention={c.attention!r} is not valid. Valid values: {valid_list(str(c.attention), ATTENTION_BACKENDS)}."
+            f"tiling.{c.name}.attention={c.attention!r} is not valid. Valid values: {valid_list(str(c.attention), ATTENTION_BACKENDS)}."
         )
     parse_slice(c.attention_slice)
     if c.vae_tiling:
         size, overlap = int(c.vae_tile_size), int(c.vae_tile_overlap)
         if size <= 0 or size % 8:
             raise UserError(
-                f"tiling.vae_tile_size={size} is not valid: it must be a positive multiple of 8 pixels "
+                f"tiling.{c.name}.vae_tile_size={size} is not valid: it must be a positive multiple of 8 pixels "
                 "(the VAE's downsampling factor), e.g. 512."
             )
         if overlap < 0 or overlap >= size:
             raise UserError(
-                f"tiling.vae_tile_overlap={overlap} is not valid with tiling.vae_tile_size={size}: the overlap "
+                f"tiling.{c.name}.vae_tile_overlap={overlap} is not valid with tiling.{c.name}.vae_tile_size={size}: the overlap "
                 f"must be at least 0 and smaller than the tile (e.g. {size // 4})."
             )
         if overlap % 8:
             raise UserError(
-                f"tiling.vae_tile_overlap={overlap} is not valid: it must be a multiple of 8 pixels so that "
+                f"tiling.{c.name}.vae_tile_overlap={overlap} is not valid: it must be a multiple of 8 pixels so that "
                 f"tiles start on the latent grid (e.g. {overlap // 8 * 8 or 8})."
             )
     if run is None:
         return
     if run.target == "cpu" and c.attention not in CPU_BACKENDS:
         raise UserError(
-            f"tiling.attention={c.attention} is a CUDA-only kernel and this run is for the CPU "
-            f"(train.device=cpu, or auto without a GPU). On CPU use tiling.attention=default, flash or math."
+            f"tiling.{c.name}.attention={c.attention} is a CUDA-only kernel and this run is for the CPU "
+            f"(train.device=cpu, or auto without a GPU). On CPU use tiling.{c.name}.attention=default, flash or math."
         )
     if run.target == "cuda" and c.attention in HALF_ONLY_BACKENDS and run.precision == "no":
         raise UserError(
-            f"tiling.attention={c.attention} takes only float16/bfloat16 inputs, but train.mixed_precision=no "
+            f"tiling.{c.name}.attention={c.attention} takes only float16/bfloat16 inputs, but train.mixed_precision=no "
             "keeps attention in float32. Set train.mixed_precision=bf16 (or fp16), or use "
-            "tiling.attention=efficient, which takes float32."
+            f"tiling.{c.name}.attention=efficient, which takes float32."
         )
 
 
@@ -321,8 +321,8 @@ class VaeTiling(Plugin):
             sliceable = [(n, m) for n, m in models.items() if callable(getattr(m, "set_attention_slice", None))]
             if not sliceable:
                 raise UserError(
-                    f"tiling.attention_slice={c.attention_slice} needs a model with diffusers' set_attention_slice "
-                    f"(e.g. the SDXL U-Net); none of {', '.join(models.modules)} has it. Remove tiling.attention_slice "
+                    f"tiling.{c.name}.attention_slice={c.attention_slice} needs a model with diffusers' set_attention_slice "
+                    f"(e.g. the SDXL U-Net); none of {', '.join(models.modules)} has it. Remove tiling.{c.name}.attention_slice "
                     "or use tiling.attention=flash / efficient, which never materialise the attention matrix."
                 )
             for name, m in sliceable:

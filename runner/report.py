@@ -7,8 +7,6 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-import psutil
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 PACKAGES = ("torch", "diffusers", "transformers", "peft", "accelerate", "bitsandbytes", "safetensors",
@@ -28,18 +26,6 @@ class MetricsWriter:
 
     def close(self) -> None:
         self._f.close()
-
-
-def memory_in_use(device: torch.device) -> dict[str, float]:
-    """Device memory in use for the progress bar and metrics (process RSS on CPU)."""
-    rss = psutil.Process().memory_info().rss
-    if device.type == "cuda":
-        return {
-            "memory_in_use_gb": torch.cuda.memory_allocated(device) / 2**30,
-            "memory_peak_gb": torch.cuda.max_memory_allocated(device) / 2**30,
-            "host_rss_gb": rss / 2**30,
-        }
-    return {"memory_in_use_gb": rss / 2**30, "host_rss_gb": rss / 2**30}
 
 
 def package_versions() -> dict[str, str]:
