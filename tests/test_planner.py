@@ -4,7 +4,8 @@ written for.
 
 Truth: on tiny models the planner's steady-state peak is compared with a LiveBytesTracker on a
 real CPU run of the same step (the loop's own forward_backward, same plugins, same batch), over
-the second step, when optimizer state exists as it does for the rest of a run.
+the second step, when optimizer state exists as it does for the rest of a run (tests/planner_truth.py,
+shared with test_any_trainer.py).
 """
 from __future__ import annotations
 
@@ -20,9 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runner.loop import forward_backward, make_accelerator
+from runner.loop import forward_backward
 from runner.memory.tracker import LiveBytesTracker
-from runner.optim import build_optimizer
 from runner.planner import (
     CUDA_WORKSPACE_MARGIN_BYTES,
     GiB,
@@ -34,10 +34,11 @@ from runner.planner import (
     verify_suggestions,
 )
 from runner.plugin import Plugin, PluginSchedule
-from runner.run import build_plugins, build_trainer, make_context
+from runner.run import build_plugins, build_trainer
 from runner.trainer import ModelSet
 from runner.trainers.model_configs import build_denoiser
 from runner.validate import compose_config, conf_dir, validate
+from planner_truth import assert_plan_matches_a_real_cpu_step, prepared_step
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSETS = Path(__file__).parent / "assets"
@@ -59,63 +60,6 @@ def _assets_on_path(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # offload=park's encoder cache
 
 
-class _Phases:
-    """The profiler interface runner.loop.forward_backward expects, backed by a tracker."""
-
-    def __init__(self, tracker: LiveBytesTracker) -> None:
-        self.tracker = tracker
-
-    def phase(self, name: str) -> Any:
-        return self.tracker.phase(name)
-
-
-def prepared_step(cfg: Any, trainer: Any = None, configure_process: bool = False) -> tuple[Any, list, dict, int]:
-    """The loop's setup of a real run (models, plugins, optimizer) and the step's raw batch."""
-    trainer = trainer if trainer is not None else build_trainer(cfg)
-    ctx = make_context(cfg, build_plugins(cfg), None)
-    if configure_process:
-        ctx.run_phase("configure_process")
-    ctx.trainer = trainer
-    torch.manual_seed(0)
-    ctx.models = trainer.build_models("cpu")
-    ctx.accelerator = make_accelerator(cfg, ctx.device)
-    ctx.apply_setup_phases()
-    params = list(ctx.models.trainable_parameters())
-    ctx.optimizer = build_optimizer(cfg.optimizer, params)
-    ctx.run_phase("wrap_optimizer")
-    for name, m in ctx.models.items():
-        m.train(name in ctx.models.trained)
-    batch, micro = int(cfg.train.batch_size), int(cfg.train.batch_size) // int(cfg.train.grad_accum)
-    raw_fn = getattr(trainer, "example_raw_batch", None)
-    raw = raw_fn(batch, "cpu") if callable(raw_fn) else trainer.example_batch(batch, "cpu")
-    return ctx, params, raw, micro
-
-
-def real_step(cfg: Any, trainer: Any = None) -> dict[str, Any]:
-    """Two real optimizer steps on the CPU with the loop's code; the tracker's figures of step 2."""
-    ctx, params, raw, micro = prepared_step(cfg, trainer)
-    tracker = LiveBytesTracker()
-    for name, m in ctx.models.items():
-        tracker.track(m, "weights", module=name)
-    tracker.track({k: v for k, v in raw.items() if isinstance(v, torch.Tensor)}, "other")
-    try:
-        with tracker:
-            for step in range(2):
-                if step == 1:
-                    tracker.reset_peaks()
-                forward_backward(ctx, raw, micro, _Phases(tracker))
-                with tracker.phase("optimizer"):
-                    if cfg.train.max_grad_norm > 0:
-                        ctx.accelerator.clip_grad_norm_(params, cfg.train.max_grad_norm)
-                    ctx.optimizer.step()
-                ctx.optimizer.zero_grad(set_to_none=True)
-    finally:
-        ctx.run_phase("teardown")
-    out = tracker.snapshot()["devices"]["cpu"]
-    out["batch_bytes"] = sum(v.numel() * v.element_size() for v in raw.values() if isinstance(v, torch.Tensor))
-    return out
-
-
 # ---- truth: the planner against real CPU runs ------------------------------------------------------
 TRUTH_CASES = {
     "sdxl": ["data.resolution=128"],
@@ -127,26 +71,7 @@ TRUTH_CASES = {
 
 @pytest.mark.parametrize("case", list(TRUTH_CASES))
 def test_planned_peak_matches_a_real_cpu_step_within_5_percent(case):
-    cfg = compose(*TRUTH_CASES[case], "train.device=cpu")
-    plan = plan_step(cfg)
-    real = real_step(cfg)
-    assert plan.target == "cpu" and plan.margin_bytes == 0
-    assert plan.peak_bytes == pytest.approx(real["peak_bytes"], rel=0.05), (plan.peak_phase, real["peak_phase"])
-    if "offload" not in plan.run["plugins"]:
-        # Without parking, every tensor a CPU run holds is on the planner's device too, so each
-        # phase agrees, not only the maximum. (Parked weights are on the planner's host but on
-        # the CPU run's only device.)
-        for phase in ("forward", "backward"):
-            assert plan.phases[phase] == pytest.approx(real["peak_by_phase"][phase], rel=0.05), phase
-        assert plan.by_category["weights"] == real["peak_by_category"]["weights"]
-        # The optimizer's simulation allocates its state, not the temporaries of AdamW's update
-        # (sqrt and division of one parameter's moment at a time: two parameter-sized tensors);
-        # the CPU run's raw batch lives on its only device through the optimizer step (on a GPU
-        # it is on the host); and the loop still holds a few small tensors of the step (< 1 %).
-        largest = max(p.numel() * p.element_size() for p in build_trainer(cfg).build_models("meta")
-                      .trainable_parameters())
-        gap = real["peak_by_phase"]["optimizer"] - plan.phases["optimizer"]
-        assert 0 <= gap <= 2 * largest + real["batch_bytes"] + 0.01 * real["peak_bytes"], (gap, largest)
+    assert_plan_matches_a_real_cpu_step(compose(*TRUTH_CASES[case], "train.device=cpu"))
 
 
 def test_checkpointing_lowers_the_planned_peak_by_what_a_real_run_saves():
