@@ -26,6 +26,7 @@ from runner import registry
 from runner.config import DTYPES, MODES, PRECISIONS, SIZES, TRAIN_DTYPES
 from runner.errors import UserError, did_you_mean, valid_list
 from runner.optim import validate_optimizer
+from runner.plugin import KINDS
 from runner.resolved import ResolvedRun, planned_target, resolve
 
 MAX_SWEEP_CHECKS = 64
@@ -116,6 +117,17 @@ def _friendly(err: Exception, overrides: Sequence[str]) -> UserError:
         return UserError(f"Configuration error: {e}")
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
         full_key = str(getattr(cause, "full_key", "") or "")
+        kind, _, option = full_key.partition(".")
+        if kind in KINDS and option and "." not in option and option in registry.plugin_names(kind):
+            return UserError(
+                f"{full_key} configures {kind}={option}, which is not selected. Select it with {kind}={option}, "
+                f"add it to a preset's choice with +{kind}={option}, or list several: {kind}=[{option},...]."
+            )
+        if kind in KINDS and option and "." not in option:
+            return UserError(
+                f"Unknown config key '{full_key}': '{option}' is not {'an' if kind[0] in 'aeiou' else 'a'} {kind} plugin. "
+                f"Valid names: {valid_list(option, registry.plugin_names(kind))}."
+            )
         parent, _, key = full_key.rpartition(".")
         valid = _group_keys(overrides, parent)
         hint = did_you_mean(key, valid)

@@ -14,7 +14,6 @@ from diffusers import DDPMScheduler, UNet2DModel
 
 from runner.data import build_dataset
 from runner.trainer import ModelSet, per_sample_rand, per_sample_randn
-from runner.trainers.common import attach_lora
 
 
 class PixelDiffusionTrainer:
@@ -27,9 +26,6 @@ class PixelDiffusionTrainer:
             unet = UNet2DModel(sample_size=self.cfg.data.resolution, in_channels=3, out_channels=3,
                                block_out_channels=(16, 32), layers_per_block=1, norm_num_groups=8,
                                down_block_types=("DownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "UpBlock2D"))
-        m = self.cfg.model
-        if m.get("train", "full") == "lora":  # model.train=lora: peft adapters on model.lora_targets
-            attach_lora(unet, m.lora_rank, m.lora_alpha, list(m.lora_targets), torch.float32)
         return ModelSet({"unet": unet}, trained={"unet"})
 
     def dataset(self):

@@ -10,7 +10,8 @@ dict, random init, nothing downloaded) with an epsilon-prediction DDPM loss on i
 without assuming their shape: one module, named ``denoiser`` (not ``unet``/``transformer``); no
 VAE, no text encoder, no ``encode`` step; no ``pixel_values`` or captions in its batches; the
 options come from ``trainer.options`` (e.g. ``+trainer.options.num_layers=4``), not from keys of
-the built-in trainers' configs. The trade-off: it covers what a preset may assume of a trainer
+the built-in trainers' configs; no LoRA or dtype code (the runner applies ``model.train=lora``,
+``model.dtype`` and ``model.train_dtype`` to any trainer's modules). The trade-off: it covers what a preset may assume of a trainer
 (only the protocol of runner/trainer.py), not how well a DiT trains.
 """
 from __future__ import annotations
@@ -25,7 +26,6 @@ from omegaconf import OmegaConf
 
 from runner.errors import UserError
 from runner.trainer import ModelSet, per_sample_rand, per_sample_randn
-from runner.trainers.common import attach_lora
 
 DEFAULTS: dict[str, Any] = {
     "num_classes": 4, "channels": 4, "latent_size": 8, "num_samples": 16, "seed": 0,
@@ -59,9 +59,6 @@ class ClassConditionalDiT:
                 # diffusers drops labels with the global RNG, which depends on how a batch is split;
                 # loss() drops them per sample instead. The null-class row stays in the table.
                 m.dropout_prob = 0.0
-        if self.cfg.model.get("train", "full") == "lora":
-            m = self.cfg.model
-            attach_lora(dit, m.lora_rank, m.lora_alpha, list(m.lora_targets), torch.float32)
         dit.train()
         return ModelSet({"denoiser": dit}, trained={"denoiser"})
 
