@@ -405,7 +405,7 @@ def report(ctx: RunContext, offloader: ActivationOffloader | None, pinned: bool)
     ctx.notes["activations: peak bytes on the host"] = offloader.stats.peak_host_bytes
     ctx.notes["activations: bytes offloaded"] = offloader.stats.offloaded_bytes
     if pinned:
-        from runner.planner import note_pinned_bytes
+        from runner.plan import note_pinned_bytes
 
         note_pinned_bytes(ctx, offloader.stats.peak_host_bytes)
 

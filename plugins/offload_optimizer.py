@@ -596,7 +596,7 @@ def report(ctx: RunContext, optimizer: Any, pinned: bool) -> None:
     n = int(host_bytes())
     ctx.notes["optimizer offload: host bytes"] = n
     if pinned:
-        from runner.planner import note_pinned_bytes
+        from runner.plan import note_pinned_bytes
 
         note_pinned_bytes(ctx, n)
 

@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from runner import registry, sweep
 from runner.errors import UserError
 from runner.loop import make_accelerator, train
-from runner.planner import plan_command, preflight
+from runner.plan import plan_command, preflight
 from runner.report import summary, write_run_info
 from runner.run import build_plugins, build_trainer, cpu_precision, make_context, output_dir
 from runner.validate import conf_dir, precheck, validate
