@@ -1251,7 +1251,7 @@ class StreamOffload(Plugin):
 
 def _note_pinned(ctx: RunContext, nbytes: int) -> None:
     try:
-        from runner.planner import note_pinned_bytes
+        from runner.plan import note_pinned_bytes
     except ImportError:  # pragma: no cover - the planner is part of the runner
         ctx.state["pinned_host_bytes"] = int(ctx.state.get("pinned_host_bytes", 0) or 0) + int(nbytes)
         return

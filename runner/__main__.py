@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 from runner import registry, sweep
 from runner.errors import UserError
 from runner.loop import make_accelerator, train
-from runner.planner import plan_command, preflight
+from runner.plan import plan_command, preflight
 from runner.report import summary, write_run_info
 from runner.resolved import resolve
 from runner.run import build_plugins, build_trainer, make_context, output_dir

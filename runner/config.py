@@ -51,7 +51,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     resume: Optional[str] = None  # a run directory or a checkpoint directory
     progress: bool = True
-    preflight: bool = True  # plan the step first (runner/planner.py); refuse to start (exit 3) over budget_gb
+    preflight: bool = True  # plan the step first (runner/plan/); refuse to start (exit 3) over budget_gb
 
 
 @dataclass

@@ -22,7 +22,7 @@ Contract, in the order the runner calls it:
    for the planner; tensors may live on ``meta``.
 7. ``example_raw_batch(batch_size, device)`` (optional, with ``encode``) returns a *raw* batch
    as the data loader gives it (``pixel_values``, ``caption``, ``index``, ``sample_seed``) with
-   the shapes of ``data.resolution``; tensors may live on ``meta``. The planner (runner/planner.py)
+   the shapes of ``data.resolution``; tensors may live on ``meta``. The planner (runner/plan/)
    then simulates ``encode`` on the device too: the frozen encoders' weights and their
    activations (the VAE at 1024 px) are part of a real step unless a plugin caches their
    outputs. Keep ``sample_seed`` (and ``index``) on the CPU for ``meta``: they are read with

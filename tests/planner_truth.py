@@ -16,7 +16,7 @@ import torch
 from runner.loop import forward_backward, make_accelerator
 from runner.memory.tracker import LiveBytesTracker
 from runner.optim import build_optimizer
-from runner.planner import plan_step
+from runner.plan import plan_step
 from runner.run import build_plugins, build_trainer, make_context
 
 

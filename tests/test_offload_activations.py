@@ -92,7 +92,7 @@ def test_weights_small_and_strided_tensors_stay_on_the_device():
 
 def fake_step(offload: bool, ckpt: bool):
     """Tiny SDXL U-Net forward+backward on fake tensors (device meta, host fake cpu)."""
-    from runner.planner import fake_module, simulation_mode
+    from runner.plan import fake_module, simulation_mode
 
     tr = tiny_trainer("sdxl", "full")
     mode = simulation_mode()

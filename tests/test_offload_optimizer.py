@@ -134,7 +134,7 @@ def test_state_dict_has_the_plain_format_and_resumes_exactly(step_on_host, tmp_p
 def test_fake_tensors_keep_no_state_on_the_device():
     """Device bytes after a step: the plain optimizer keeps AdamW's two moments on the device
     (8 B per float32 parameter); the wrapper keeps none there."""
-    from runner.planner import fake_module, simulation_mode
+    from runner.plan import fake_module, simulation_mode
 
     results = {}
     for mode_name in ("plain", "host_step", "host_state"):

@@ -238,7 +238,7 @@ def test_bad_settings_are_user_errors():
 
 # ---- memory: fake tensors on the simulated device -------------------------------------------------
 def fake_models(tr, mode, where: str):
-    from runner.planner import fake_module
+    from runner.plan import fake_module
 
     models = tr.build_models("meta")
     with mode:
@@ -250,7 +250,7 @@ def fake_models(tr, mode, where: str):
 
 def fake_step(family: str, train: str, stream: bool, ckpt: bool):
     """Forward + backward on fake tensors; (tracker snapshot per device, handle)."""
-    from runner.planner import simulation_mode
+    from runner.plan import simulation_mode
 
     tr = tiny_trainer(family, train)
     mode = simulation_mode()
@@ -311,13 +311,13 @@ FULL_SDXL = ["model.size=full", "data.resolution=1024", "train.batch_size=1", "c
 @pytest.mark.slow
 @pytest.mark.parametrize("train", ["lora", "full"])
 def test_planner_full_size_sdxl_peak_drops_by_the_streamed_weights(train, capsys):
-    """runner.planner simulates offload=stream at full SDXL size (1024 px, bf16 autocast, block
+    """runner.plan simulates offload=stream at full SDXL size (1024 px, bf16 autocast, block
     checkpointing, AdamW): against offload=park (the frozen encoders handled the same way), the
     planned device peak drops by the streamed weights minus the window loaded at the peak (LoRA:
     frozen weights only; full fine-tune with float32 master weights: their gradients and AdamW's
     two moments move to the host too), the U-Net's weights on the device stay within
     offload.device_budget_gb, and the streamed weights are reported as pinned host memory."""
-    from runner.planner import plan_step
+    from runner.plan import plan_step
 
     common = [*FULL_SDXL, f"model.train={train}"]
     cfg = compose_config([*common, "offload=park"])

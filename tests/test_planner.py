@@ -1,4 +1,4 @@
-"""The planner (runner/planner.py): simulated peaks against real CPU runs, full-size verdicts,
+"""The planner (runner/plan/): simulated peaks against real CPU runs, full-size verdicts,
 the CLI (mode=plan and the training preflight), the plugin contract, and trainers it was not
 written for.
 
@@ -23,7 +23,7 @@ from torch import nn
 
 from runner.loop import forward_backward
 from runner.memory.tracker import LiveBytesTracker
-from runner.planner import (
+from runner.plan import (
     CUDA_WORKSPACE_MARGIN_BYTES,
     GiB,
     DeviceSemantics,
@@ -357,12 +357,12 @@ def _comparable(plan: Plan) -> dict[str, Any]:
 
 @pytest.mark.parametrize("case", list(SPEED_CASES))
 def test_fast_simulation_mode_plans_byte_for_byte_like_stock_fake_tensors(case, monkeypatch):
-    """SimulationMode's cheaper cache key and dispatch (runner/planner.py) change no figure."""
-    import runner.planner as planner
+    """SimulationMode's cheaper cache key and dispatch (runner/plan/fake.py) change no figure."""
+    import runner.plan.simulate as simulate
 
     cfg = compose(*SPEED_CASES[case])
     fast = _comparable(plan_step(cfg))
-    monkeypatch.setattr(planner, "simulation_mode", lambda: simulation_mode(fast=False))
+    monkeypatch.setattr(simulate, "simulation_mode", lambda: simulation_mode(fast=False))
     stock = _comparable(plan_step(cfg))
     assert fast == stock
 
@@ -371,12 +371,12 @@ def test_simulation_mode_describes_plain_fake_tensors_with_its_own_key():
     """The fast key is what the cache sees for ordinary ops (a fallback to the stock key is silent)."""
     from torch._subclasses.fake_tensor import _CacheKeyState
 
-    import runner.planner as planner
+    from runner.plan.fake import _FAST_KEY
 
     with simulation_mode() as mode:
         x = torch.empty(4, 4, device="meta")
         key = mode._cache_key(_CacheKeyState(None), torch.ops.aten.add.Tensor, (x, x), {"alpha": 2})
-        assert key.key[0] is planner._FAST_KEY
+        assert key.key[0] is _FAST_KEY
         y = torch.empty(4, 4, device="meta")
         same = mode._cache_key(_CacheKeyState(None), torch.ops.aten.add.Tensor, (y, y), {"alpha": 2})
         other = mode._cache_key(_CacheKeyState(None), torch.ops.aten.add.Tensor, (y, y.t()), {"alpha": 2})
@@ -387,7 +387,7 @@ def test_planning_leaves_the_garbage_collector_as_it_found_it():
     """Plans freeze the objects that existed before them (speed), and unfreeze only what they froze."""
     import gc
 
-    from runner.planner import _old_objects_frozen
+    from runner.plan.simulate import _old_objects_frozen
 
     assert gc.get_freeze_count() == 0
     with _old_objects_frozen():

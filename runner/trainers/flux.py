@@ -83,8 +83,8 @@ class FluxTrainer(DiffusersTrainer):
     Config = FluxTrainerConfig
     denoiser = "transformer"
 
-    def __init__(self, cfg: Any) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: Any, run: Any = None) -> None:
+        super().__init__(cfg, run)
         self.guidance = float(cfg.trainer.get("guidance", 1.0))
         self.timestep_sampling = str(cfg.trainer.get("timestep_sampling", "logit_normal"))
         if self.timestep_sampling not in TIMESTEP_SAMPLING:

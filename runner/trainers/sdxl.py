@@ -49,8 +49,8 @@ class SDXLTrainer(DiffusersTrainer):
     Config = SDXLTrainerConfig
     denoiser = "unet"
 
-    def __init__(self, cfg: Any) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: Any, run: Any = None) -> None:
+        super().__init__(cfg, run)
         self.prediction_type = str(cfg.trainer.get("prediction_type", "epsilon"))
         if self.prediction_type not in PREDICTION_TYPES:
             raise UserError(

@@ -1,0 +1,89 @@
+"""What the simulated step feeds the trainer: example batches and the parts of its encode step.
+
+The trainer's ``example_raw_batch`` / ``example_batch`` give shape-only tensors on real ``meta``;
+here they become fake tensors on the simulated host and move to the simulated device as a data
+loader's batch would. When a plugin serves some encode parts from a cache (and removed the
+modules computing them), those parts arrive on the device as tensors of the shapes a meta run
+of the encoders gave before the plugins ran.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from runner.plan.target import DEVICE
+
+BOOKKEEPING_KEYS = ("sample_seed", "index")  # per-sample ints the protocol reads with tolist()
+
+
+def fake_batch(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """Fake copies on ``device`` of a batch's tensors; per-sample ints stay real CPU tensors."""
+    out: dict[str, Any] = {}
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor) and k not in BOOKKEEPING_KEYS:
+            out[k] = torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device=device)
+        else:
+            out[k] = v
+    return out
+
+
+def move_batch(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """The batch's tensors moved to ``device`` (``.to``, as the loop does); per-sample ints stay."""
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) and k not in BOOKKEEPING_KEYS else v)
+            for k, v in batch.items()}
+
+
+def example_batch(trainer: Any, raw: bool, batch_size: int) -> dict[str, Any]:
+    """The trainer's raw (to encode) or encoded example batch, as real shape-only ``meta`` tensors."""
+    with unset_fake_temporarily():  # shape-only tensors on real meta; seeds as real CPU ints
+        if raw:
+            return trainer.example_raw_batch(batch_size, DEVICE)
+        return trainer.example_batch(batch_size, DEVICE)
+
+
+def encode_part_shapes(trainer: Any, models: Any, micro: int) -> dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]]:
+    """Shapes and dtypes of each cacheable encode part, from a run of the encoders on real ``meta``.
+
+    A plugin may serve some parts from a cache and drop the modules that compute them; the
+    simulated step then needs those parts' tensors without the modules. Shape-only meta kernels
+    make this a fraction of a second even for T5-XXL. Empty for trainers without the split.
+    """
+    needed = ("encode_parts", "encode_part", "finish_encode", "example_raw_batch")
+    if not all(callable(getattr(trainer, m, None)) for m in needed):
+        return {}
+    raw = trainer.example_raw_batch(micro, DEVICE)
+    shapes: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]] = {}
+    with torch.no_grad():
+        for part in trainer.encode_parts():
+            out = trainer.encode_part(models, part, raw)
+            shapes[part] = {k: (tuple(v.shape), v.dtype) for k, v in out.items() if isinstance(v, torch.Tensor)}
+    return shapes
+
+
+def cached_parts(trainer: Any, ctx: Any) -> set[str]:
+    """Encode parts the run reads from a cache rather than computes on the device.
+
+    ``ctx.facts.cached_parts`` as the plugins recorded them; a plugin that dropped modules
+    without saying which parts it caches is read the only safe way: every part that needs a
+    dropped module cannot be computed, so it arrives from a cache.
+    """
+    if not callable(getattr(trainer, "encode_parts", None)):
+        return set()
+    missing = {part for part, spec in trainer.encode_parts().items() if any(m not in ctx.models for m in spec.modules)}
+    return set(ctx.facts.cached_parts) | missing
+
+
+def encode_batch(trainer: Any, models: Any, batch: dict[str, Any], cached: set[str],
+                 shapes: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]]) -> dict[str, Any]:
+    """``trainer.encode``, with cached parts arriving on the device as a cache read gives them."""
+    if not cached:
+        return trainer.encode(models, batch)
+    parts = {}
+    for part in trainer.encode_parts():
+        if part in cached:
+            parts[part] = {k: torch.empty(shape, dtype=dtype, device=DEVICE) for k, (shape, dtype) in shapes[part].items()}
+        else:
+            parts[part] = trainer.encode_part(models, part, batch)
+    return trainer.finish_encode(parts, batch)

@@ -1,0 +1,131 @@
+"""The plan: what one simulated step needs, per phase, device, category and module; its table."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from runner.memory.tracker import CATEGORIES
+from runner.plan.target import DEVICE, HOST, GiB
+
+@dataclass
+class PhasePeak:
+    """The steady-state peak of one phase of the simulated step, on one device."""
+
+    name: str  # setup | forward | backward | optimizer (with "#2" for the second micro-batch)
+    where: str  # innermost phase at the peak (e.g. "encode" inside forward)
+    peak_bytes: int
+    by_module: dict[str, dict[str, int]]  # top-level module -> category -> bytes
+
+
+@dataclass
+class Plan:
+    """The predicted memory of one training step. Bytes are exact counts of live tensor storage."""
+
+    target: str  # "cuda" or "cpu": the device whose autocast and kernels were simulated
+    peak_bytes: int  # device
+    peak_phase: str
+    margin_bytes: int  # kernel workspaces (see CUDA_WORKSPACE_MARGIN_BYTES), added for the fit check
+    budget_bytes: int | None
+    by_category: dict[str, int]  # at the device peak
+    by_module: dict[str, dict[str, int]]  # at the device peak: top-level module -> category -> bytes
+    phases: dict[str, int]  # steady-state device peak of each phase
+    host_peak_bytes: int
+    host_peak_phase: str
+    host_steady_bytes: int  # host tensors during training (after setup)
+    host_pinned_bytes: int
+    optimizer_state_bytes: dict[str, int]  # per device ("meta" = the accelerator, "cpu" = host)
+    run: dict[str, Any]  # what was planned: trainer, size, resolution, batch, precision, plugins ...
+    notes: dict[str, Any] = field(default_factory=dict)
+    suggestions: list[dict[str, Any]] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def required_bytes(self) -> int:
+        return self.peak_bytes + self.margin_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.budget_bytes is None or self.required_bytes <= self.budget_bytes
+
+    @property
+    def host_pageable_bytes(self) -> int:
+        return max(self.host_peak_bytes - self.host_pinned_bytes, 0)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(required_bytes=self.required_bytes, fits=self.fits, host_pageable_bytes=self.host_pageable_bytes)
+        return d
+
+    def write_json(self, path: Path) -> Path:
+        path.write_text(json.dumps(self.to_dict(), indent=2, default=str) + "\n")
+        return path
+
+    def format_table(self) -> str:
+        return format_plan(self)
+
+
+def _unit(n: int) -> tuple[float, str]:
+    return (GiB, "GiB") if abs(n) >= GiB // 2 else (2**20, "MiB")
+
+
+def format_size(n: int | float, unit: tuple[float, str] | None = None) -> str:
+    div, name = unit or _unit(int(n))
+    return f"{n / div:.2f} {name}"
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as a readable table (what ``mode=plan`` prints)."""
+    s = plan.run
+    unit = _unit(plan.peak_bytes)
+    lines = [
+        f"Plan: {s['trainer']} ({s['size']}), {s['resolution']} px, batch {s['batch_size']} "
+        f"({s['micro_batches']} x micro-batch {s['micro_batch_size']}), {s['precision_text']} on a "
+        f"{plan.target.upper()} device",
+        f"  plugins: {s['plugins']}; optimizer: {s['optimizer']}; trained: {s['trained']}",
+        "",
+    ]
+    need = f"{format_size(plan.peak_bytes)} at the peak ({plan.peak_phase})"
+    if plan.margin_bytes:
+        need += f" + {plan.margin_bytes / 2**20:.0f} MiB kernel workspaces = {format_size(plan.required_bytes)}"
+    if plan.budget_bytes is None:
+        verdict = "no budget_gb set: nothing to compare with"
+    else:
+        over = format_size(plan.required_bytes - plan.budget_bytes)
+        verdict = f"budget_gb {plan.budget_bytes / GiB:g} -> " + ("FITS" if plan.fits else f"DOES NOT FIT (over by {over})")
+    lines += [f"device memory: {need}", f"  {verdict}", ""]
+    mods = sorted(plan.by_module.items(), key=lambda kv: -sum(kv[1].values()))
+    cats = [c for c in CATEGORIES if any(per.get(c) for _, per in mods)]
+    short = {"optimizer_state": "optimizer", "temporaries": "temporary", "activations": "activation"}
+    lines.append(f"  {'at the peak, ' + unit[1]:<22}" + "".join(f"{short.get(c, c):>12}" for c in cats) + f"{'total':>12}")
+    for name, per in mods:
+        lines.append(f"  {name:<22}" + "".join(f"{per.get(c, 0) / unit[0]:>12.3f}" for c in cats)
+                     + f"{sum(per.values()) / unit[0]:>12.3f}")
+    lines.append(f"  {'all':<22}" + "".join(f"{plan.by_category.get(c, 0) / unit[0]:>12.3f}" for c in cats)
+                 + f"{plan.peak_bytes / unit[0]:>12.3f}")
+    lines += ["", "  steady-state peak by phase: " + ", ".join(f"{k} {format_size(v, unit)}" for k, v in plan.phases.items())]
+    state = ", ".join(f"{'device' if d == DEVICE.type else 'host' if d == HOST.type else d} {format_size(n)}"
+                      for d, n in plan.optimizer_state_bytes.items() if n)
+    if state:
+        lines.append(f"  optimizer state (kept between steps, included above): {state}")
+    lines += [
+        "",
+        f"host RAM (tensors): peak {format_size(plan.host_peak_bytes)} (in {plan.host_peak_phase}), during training "
+        f"{format_size(plan.host_steady_bytes)}; pinned {format_size(plan.host_pinned_bytes)}, "
+        f"pageable {format_size(plan.host_pageable_bytes)}",
+    ]
+    if plan.suggestions:
+        lines += ["", "would save the most (estimates from the breakdown above, not re-planned; "
+                      "confirm with mode=plan and the override):"]
+        for sug in plan.suggestions:
+            after = plan.required_bytes - sug["saves_bytes"]
+            ok = plan.budget_bytes is not None and after <= plan.budget_bytes
+            bound = "up to " if sug.get("upper_bound") else ""
+            lines.append(f"  {sug['override']:<28} saves {bound}{format_size(sug['saves_bytes'])} -> "
+                         f"{format_size(after)}, {'fits' if ok else 'still over'}")
+            lines.append(f"  {'':<28}   ({sug['how']})")
+    timings = plan.notes.get("timings_s") or {}
+    detail = f" ({', '.join(f'{k} {v:.1f} s' for k, v in timings.items())})" if timings else ""
+    lines += ["", f"simulated in {plan.seconds:.1f} s{detail}"]
+    return "\n".join(lines)

@@ -1,0 +1,369 @@
+"""One training step, simulated: :func:`plan_step`.
+
+How a step is simulated
+-----------------------
+1. The trainer builds its models at the configured size on ``meta`` (``build_models("meta")``),
+   and every parameter and buffer becomes a fake tensor on the fake *host* (``cpu``): a real run
+   also builds on the host first.
+2. Every configured plugin runs through the same :class:`~runner.context.RunContext` phases as
+   a real run (``transform_models``, ``place_models``, the move of unplaced modules to the
+   device, ``wrap_execution``, ``wrap_optimizer``, the step hooks, ``teardown``) with
+   ``ctx.simulate=True``, ``ctx.device=meta`` (the simulated accelerator) and ``ctx.host=cpu``.
+   ``configure_process`` is not run: it sets process-wide things (environment, CUDA caps) and
+   allocates no tensor.
+3. One optimizer step under ``FakeTensorMode``: ``encode`` of a raw batch under ``no_grad``
+   (``trainer.example_raw_batch``, when the trainer has it and no plugin made encoding
+   unnecessary), ``loss``, backward, gradient clipping, ``optimizer.step()``; with
+   ``train.grad_accum > 1`` two micro-batches (every later micro-batch repeats the second
+   one's memory). A :class:`~runner.memory.tracker.LiveBytesTracker` counts live storage bytes
+   per device, phase, category and top-level module.
+4. Steady state: optimizer state is created by the first step and then lives through every
+   later forward and backward, so the state's bytes are added to the forward and backward peaks
+   (exact: the state does not change size while they run). The plan's peak is the largest of
+   setup, forward+state, backward+state and the optimizer step.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from runner import registry
+from runner.context import RunContext
+from runner.memory.tracker import CATEGORIES, NO_MODULE, LiveBytesTracker
+from runner.optim import build_optimizer
+from runner.plan.batch import cached_parts, encode_batch, encode_part_shapes, example_batch, fake_batch, move_batch
+from runner.plan.fake import fake_module, simulation_mode
+from runner.plan.result import PhasePeak, Plan
+from runner.plan.semantics import DeviceSemantics, SimulatedAccelerator
+from runner.plan.suggest import suggest
+from runner.plan.target import CUDA_WORKSPACE_MARGIN_BYTES, DEVICE, HOST
+from runner.resolved import ResolvedRun, planned_target, resolve
+from runner.run import build_plugins, build_trainer
+from runner.trainer_setup import prepare_models
+
+log = logging.getLogger("runner")
+
+OUTSIDE = "(outside modules)"
+
+
+def _isolated(trainer: Any) -> Any:
+    """A deep copy of the trainer for the simulation.
+
+    Trainers keep objects that move their tensors to the device they are used on (diffusers'
+    DDPMScheduler stores ``alphas_cumprod`` moved to the batch's device) and plugins may patch
+    ``trainer.encode``; simulating on the run's own trainer would leave fake tensors and patches
+    in it. The protocol forbids building models in ``__init__``, so a copy is cheap. A trainer
+    that cannot be deep-copied is simulated on a shallow copy (its dicts and lists copied) and
+    a warning says so.
+    """
+    try:
+        return copy.deepcopy(trainer)
+    except Exception as e:  # noqa: BLE001 - any object graph can refuse a deep copy
+        log.warning("planner: %s cannot be deep-copied (%s); simulating on a shallow copy, so objects it "
+                    "holds may keep fake tensors", type(trainer).__name__, e)
+        twin = copy.copy(trainer)
+        for k, v in vars(trainer).items():
+            if isinstance(v, (dict, list)):
+                setattr(twin, k, copy.copy(v))
+        return twin
+
+
+class _Recorder:
+    """Per-phase snapshots of the tracker (taken at the end of each phase, then peaks reset)."""
+
+    def __init__(self, tracker: LiveBytesTracker, top_level: set[str]) -> None:
+        self.tracker = tracker
+        self.top_level = top_level
+        self.phases: list[tuple[str, dict[str, Any]]] = []
+
+    def top(self, label: str) -> str:
+        head = label.split(".", 1)[0]
+        if head in self.top_level:
+            return head
+        return OUTSIDE if label == NO_MODULE else label
+
+    def take(self, name: str) -> None:
+        snap = self.tracker.snapshot()["devices"]
+        per_dev = {}
+        for dev, d in snap.items():
+            by_module: dict[str, dict[str, int]] = {}
+            for label, cats in d["peak_by_module"].items():
+                agg = by_module.setdefault(self.top(label), {})
+                for c, n in cats.items():
+                    agg[c] = agg.get(c, 0) + n
+            per_dev[dev] = PhasePeak(name, d["peak_phase"], d["peak_bytes"], by_module)
+        self.phases.append((name, per_dev))
+        self.tracker.reset_peaks()
+
+
+def plan_step(
+    cfg: Any,
+    trainer: Any = None,
+    schedule: Any = None,
+    *,
+    run: ResolvedRun | None = None,
+    target: str | None = None,
+) -> Plan:
+    """Simulate one training step of ``cfg`` (with ``trainer`` and plugin ``schedule`` if given).
+
+    ``cfg``: the composed run config (``runner.validate.compose_config``); ``run``: the resolved
+    run to plan (a training run's own, for its preflight; default: ``cfg`` resolved for
+    ``target``, itself by default CUDA unless ``train.device=cpu``); ``trainer``: any object
+    following the trainer protocol (default: built from ``cfg.trainer``); ``schedule``: a
+    :class:`~runner.plugin.PluginSchedule` (default: the plugins ``cfg`` names, built for the
+    simulated run). Nothing real is allocated.
+    """
+    if run is None:
+        run = resolve(cfg, target=target or planned_target(cfg), device=DEVICE)
+    run = run.simulated()
+    started = time.perf_counter()
+    with _one_thread(), _old_objects_frozen():
+        sim = _Simulation(
+            cfg,
+            run,
+            _isolated(trainer if trainer is not None else build_trainer(cfg, run)),
+            schedule if schedule is not None else build_plugins(cfg, run),
+        )
+        with sim.mode:
+            try:
+                with sim.tracker, sim.semantics:
+                    sim.timed("setup", sim.setup)
+                    for i in range(sim.n_micro):
+                        sim.timed("forward+backward", sim.forward_backward, i)
+                    sim.timed("optimizer", sim.optimizer_step)
+            finally:
+                sim.tracker.detach_module_hooks()
+                sim.ctx.teardown()
+    return _assemble(sim, time.perf_counter() - started)
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """No intra-op threads while planning: nothing is computed, and on a busy machine the thread
+    pool's barriers made the few real CPU ops (LoRA init) take milliseconds each."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
+def _old_objects_frozen() -> Iterator[None]:
+    """Keep the garbage collector off the objects that existed before the plan.
+
+    A full collection walks every tracked object: after importing torch, diffusers and
+    transformers that is millions, ~0.3 s a pass, and a plan triggers several (imports of the
+    model classes, the park plugin's collect after dropping modules). Frozen objects are
+    skipped, not leaked: they return to the collector when the plan ends. Objects the plan
+    creates are collected as usual, so a dropped module is still freed when a plugin asks.
+    """
+    if gc.get_freeze_count():  # the application froze objects itself: leave its choice alone
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+class _Simulation:
+    """The state of one simulated step; each method is one part of the step, in order."""
+
+    def __init__(self, cfg: Any, run: ResolvedRun, trainer: Any, schedule: Any) -> None:
+        self.cfg, self.run, self.trainer, self.target = cfg, run, trainer, run.target
+        self.precision = run.precision
+        self.batch_size = run.batch_size
+        self.micro = run.micro_batch
+        self.n_micro = min(run.grad_accum, 2)  # later micro-batches repeat the second one
+        self.notes: dict[str, Any] = {"timings_s": {}}
+        t0 = time.perf_counter()
+        # Real meta tensors (shapes only), prepared as a run prepares them (dtypes, LoRA).
+        self.models = prepare_models(trainer.build_models(DEVICE), cfg.model, run)
+        self.part_shapes = encode_part_shapes(trainer, self.models, self.micro)
+        self.notes["timings_s"]["build"] = round(time.perf_counter() - t0, 2)
+        self.semantics = DeviceSemantics(run.target, self.precision)
+        self.ctx = RunContext(run=run, schedule=schedule, cfg=cfg)
+        self.ctx.trainer = trainer
+        self.ctx.accelerator = SimulatedAccelerator(self.semantics, self.precision)
+        self.tracker = LiveBytesTracker(count_inputs=False)  # every pre-existing tensor is tracked explicitly
+        self.recorder = _Recorder(self.tracker, set(self.models.modules))
+        self.owner: dict[int, str] = {}  # id(parameter) -> top-level module
+        self.mode = simulation_mode()
+        self.params: list[nn.Parameter] = []
+        self.raw = False
+        self.cached: set[str] = set()
+        self.state_by_dev: dict[str, dict[str, dict[str, int]]] = {}
+        self.host_steady = 0
+
+    def timed(self, name: str, fn: Any, *args: Any) -> None:
+        t0 = time.perf_counter()
+        fn(*args)
+        timings = self.notes["timings_s"]
+        timings[name] = round(timings.get(name, 0.0) + time.perf_counter() - t0, 2)
+
+    def setup(self) -> None:
+        """Models onto the fake host, then the plugins' setup phases and placement, as a run does."""
+        tracker, ctx = self.tracker, self.ctx
+        memo: dict[int, torch.Tensor] = {}
+        for name, module in self.models.items():
+            fake_module(module, HOST, memo)
+            tracker.track(module, "weights", module=name)
+        memo.clear()  # a module a plugin drops must be freed, as in a real run
+        ctx.models = self.models
+        with tracker.phase("setup", category="weights"):
+            ctx.apply_setup_phases()
+        for name, module in ctx.models.items():  # device copies were born unlabelled
+            tracker.track(module, "weights", module=name)
+            for p in module.parameters():
+                self.owner[id(p)] = name
+            tracker.attach_module_hooks(module, depth=1, prefix=name)
+        self.recorder.take("setup")
+        self.params = list(ctx.models.trainable_parameters())
+        ctx.optimizer = build_optimizer(self.cfg.optimizer, self.params, simulate=True)
+        ctx.run_phase("wrap_optimizer")
+        trainer = self.trainer
+        self.raw = (ctx.facts.encode_on_device
+                    and callable(getattr(trainer, "example_raw_batch", None)) and callable(getattr(trainer, "encode", None)))
+        self.cached = cached_parts(trainer, ctx) if self.raw else set()
+        self.notes["batch"] = ("raw batch (pixels, captions) encoded on the device" if self.raw
+                               else "encoded example batch (no encode step on the device)")
+        if self.cached:
+            self.notes["batch"] += f"; read from the cache: {', '.join(sorted(self.cached))}"
+        ctx.run_phase("on_step_start", 0)
+
+    def forward_backward(self, i: int) -> None:
+        """One micro-batch, as runner.loop.forward_backward runs it."""
+        tracker, ctx, trainer = self.tracker, self.ctx, self.trainer
+        suffix = f" #{i + 1}" if self.n_micro > 1 else ""
+        host_batch = fake_batch(example_batch(trainer, self.raw, self.micro), HOST)
+        tracker.track(host_batch, "other", module="(batch)")
+        batch = move_batch(host_batch, DEVICE)
+        tracker.track(batch, "other", module="(batch)")
+        with tracker.phase("forward"), ctx.step_context(), ctx.accelerator.autocast():
+            if self.raw:
+                with tracker.phase("encode", category="activations"), torch.no_grad():
+                    enc = encode_batch(trainer, ctx.models, batch, self.cached, self.part_shapes)
+            else:
+                enc = batch
+            loss = trainer.loss(ctx.models, enc)
+        self.recorder.take("forward" + suffix)
+        with tracker.phase("backward"):
+            ctx.accelerator.backward(loss * (self.micro / self.batch_size))
+        del loss, enc, batch, host_batch  # the loop holds them until its backward returns
+        for p in self.params:
+            if p.grad is not None:
+                tracker.track(p.grad, "gradients", module=self.owner.get(id(p)))
+        self.recorder.take("backward" + suffix)
+
+    def optimizer_step(self) -> None:
+        tracker, ctx = self.tracker, self.ctx
+        with tracker.phase("optimizer"):
+            if self.run.max_grad_norm > 0:
+                ctx.accelerator.clip_grad_norm_([p for p in self.params if p.grad is not None], self.run.max_grad_norm)
+            ctx.optimizer.step()
+        _label_optimizer_state(tracker, ctx.optimizer, self.owner)
+        self.recorder.take("optimizer")
+        self.state_by_dev = {dev: tracker.module_bytes(dev) for dev in tracker.current}
+        ctx.optimizer.zero_grad(set_to_none=True)
+        ctx.run_phase("on_step_end", 1)
+        self.host_steady = tracker.current_bytes(HOST.type)
+
+
+def _label_optimizer_state(tracker: LiveBytesTracker, optimizer: Any, owner: dict[int, str]) -> None:
+    state = getattr(optimizer, "state", None)
+    if not isinstance(state, dict):
+        return
+    for p, st in state.items():
+        tensors = [v for v in (st.values() if isinstance(st, dict) else []) if isinstance(v, torch.Tensor)]
+        if tensors:
+            tracker.track(tensors, "optimizer_state", module=owner.get(id(p)))
+
+
+def _assemble(sim: _Simulation, seconds: float) -> Plan:
+    cfg, trainer, ctx, recorder = sim.cfg, sim.trainer, sim.ctx, sim.recorder
+    target, precision, micro, n_micro = sim.target, sim.precision, sim.micro, sim.n_micro
+    state_by_dev, host_steady = sim.state_by_dev, sim.host_steady
+    notes = dict(sim.notes)
+    notes.update({k: v for k, v in ctx.notes.items() if isinstance(v, (int, float, str, bool))})
+    # Optimizer state per device and top-level module, as it stands after the step.
+    state: dict[str, dict[str, int]] = {}
+    for dev, mods in state_by_dev.items():
+        for label, cats in mods.items():
+            n = cats.get("optimizer_state", 0)
+            if n:
+                per = state.setdefault(dev, {})
+                per[recorder.top(label)] = per.get(recorder.top(label), 0) + n
+    best: dict[str, PhasePeak] = {}
+    phases: dict[str, int] = {}
+    for name, per_dev in recorder.phases:
+        for dev, pk in per_dev.items():
+            if name.startswith(("forward", "backward")):  # steady state: the state lives through them
+                extra = state.get(dev, {})
+                by_module = {m: dict(c) for m, c in pk.by_module.items()}
+                for m, n in extra.items():
+                    by_module.setdefault(m, {})["optimizer_state"] = by_module.get(m, {}).get("optimizer_state", 0) + n
+                pk = PhasePeak(name, pk.where, pk.peak_bytes + sum(extra.values()), by_module)
+            if dev == DEVICE.type:
+                phases[name] = pk.peak_bytes
+            if dev not in best or pk.peak_bytes > best[dev].peak_bytes:
+                best[dev] = pk
+    empty = PhasePeak("setup", "setup", 0, {})
+    dev_peak, host_peak = best.get(DEVICE.type, empty), best.get(HOST.type, empty)
+    by_category = {c: sum(per.get(c, 0) for per in dev_peak.by_module.values()) for c in CATEGORIES}
+    where = dev_peak.name if dev_peak.where in (dev_peak.name.split(" ")[0], "(reset)") else f"{dev_peak.name}, in {dev_peak.where}"
+    c = cfg
+    chosen: dict[str, list[str]] = {}
+    for kind, name, _ in registry.selected(cfg):
+        chosen.setdefault(kind, []).append(name)
+    plugins = ", ".join(f"{k}={v[0]}" if len(v) == 1 else f"{k}=[{','.join(v)}]" for k, v in chosen.items())
+    run = {
+        "trainer": type(trainer).__name__,
+        "size": str(c.model.size),
+        "resolution": int(c.data.resolution),
+        "batch_size": sim.run.batch_size,
+        "micro_batch_size": micro,
+        "micro_batches": sim.run.grad_accum,
+        "micro_batches_simulated": n_micro,
+        "precision": precision,
+        "precision_text": f"{precision} autocast" if precision != "no" else "float32 (no autocast)",
+        "plugins": plugins or "none",
+        "optimizer": str(c.optimizer.get("name", "?")),
+        "trained": ", ".join(sorted(ctx.models.trained)) if ctx.models is not None else "?",
+        "model_train": sim.run.train_mode,
+        "model_dtype": str(sim.run.frozen_dtype).replace("torch.", ""),
+        "train_dtype": str(sim.run.train_dtype).replace("torch.", ""),
+        "modules": sorted(ctx.models.modules) if ctx.models is not None else [],
+    }
+    plan = Plan(
+        target=target,
+        peak_bytes=dev_peak.peak_bytes,
+        peak_phase=where,
+        margin_bytes=CUDA_WORKSPACE_MARGIN_BYTES if target == "cuda" else 0,
+        budget_bytes=sim.run.budget_bytes,
+        by_category=by_category,
+        by_module={m: {k: v for k, v in cats.items() if v} for m, cats in dev_peak.by_module.items()
+                   if any(cats.values())},
+        phases=phases,
+        host_peak_bytes=host_peak.peak_bytes,
+        host_peak_phase=host_peak.name,
+        host_steady_bytes=host_steady,
+        host_pinned_bytes=ctx.facts.pinned_host_bytes,
+        optimizer_state_bytes={dev: sum(v.values()) for dev, v in state.items()},
+        run=run,
+        notes=notes,
+        seconds=seconds,
+    )
+    if not plan.fits:
+        plan.suggestions = suggest(plan, cfg)
+    return plan
