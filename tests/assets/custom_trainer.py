@@ -14,7 +14,7 @@ from diffusers import DDPMScheduler, UNet2DModel
 
 from runner.data import build_dataset
 from runner.trainer import ModelSet, per_sample_rand, per_sample_randn
-from runner.trainers.common import attach_lora
+from runner.trainers.loading import attach_lora
 
 
 class PixelDiffusionTrainer:
