@@ -190,7 +190,7 @@ def make_inputs(case: Case, device: torch.device) -> dict[str, Any]:
 
 
 def blocks_of(model: nn.Module) -> list[nn.Module]:
-    from runner.trainers.common import find_repeated_blocks
+    from runner.blocks import find_repeated_blocks
 
     return find_repeated_blocks(model)
 

@@ -79,7 +79,7 @@ def vae_case(device: torch.device, size: str, resolution: int, tiles: tuple[int,
     from diffusers import AutoencoderKL
 
     from runner.plugins.tiling import apply_vae_tiling
-    from runner.trainers.common import cast_module
+    from runner.trainers.loading import cast_module
     from runner.trainers.model_configs import sdxl_configs
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

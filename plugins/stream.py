@@ -1166,7 +1166,7 @@ class StreamOffload(Plugin):
 
     def place_models(self, ctx: RunContext) -> None:
         # The trainers' discovery: a U-Net's resnets and attentions, not only its transformer blocks.
-        from runner.trainers.common import find_repeated_blocks
+        from runner.blocks import find_repeated_blocks
 
         c = self.config
         check_config(c)

@@ -50,7 +50,7 @@ from runner.trainer import EncodePart, ModelSet
 log = logging.getLogger("runner")
 
 FORMAT = "runner-encoder-cache/1"
-IMAGE_PIPELINE_VERSION = 1  # bump when runner.data's decode/resize/crop changes its pixels
+IMAGE_PIPELINE_VERSION = 1  # bump when runner.data.images' decode/resize/crop changes its pixels
 
 
 def default_cache_dir() -> Path:
@@ -130,14 +130,14 @@ class SampleFingerprints:
         if self.folder is not None:
             return self.folder.captions[index]
         if self.demo is not None:
-            from runner.data import demo_caption
+            from runner.data.demo import demo_caption
 
             return demo_caption(index)
         return str(self._sample(index)["caption"])
 
     def image(self, index: int) -> dict[str, Any]:
         if self.folder is not None:
-            from runner.data import flips
+            from runner.data.images import flips
 
             ds = self.folder
             fp: dict[str, Any] = {

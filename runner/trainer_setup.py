@@ -16,7 +16,7 @@ from torch import nn
 
 from runner.resolved import ResolvedRun
 from runner.trainer import ModelSet
-from runner.trainers.common import attach_lora
+from runner.trainers.loading import attach_lora
 
 log = logging.getLogger("runner")
 

@@ -14,16 +14,9 @@ from omegaconf import OmegaConf
 from PIL import Image
 
 from runner.config import DataConfig
-from runner.data import (
-    IMAGE_EXTENSIONS,
-    DemoDataset,
-    FolderDataset,
-    build_dataset,
-    collate,
-    demo_caption,
-    describe_dataset,
-    flips,
-)
+from runner.data import DemoDataset, FolderDataset, build_dataset, collate, describe_dataset
+from runner.data.demo import demo_caption
+from runner.data.images import IMAGE_EXTENSIONS, flips
 from runner.errors import UserError
 
 R = 32

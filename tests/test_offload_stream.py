@@ -26,10 +26,10 @@ from runner.plugins.stream import (
     minimum_device_bytes,
     plan_stream,
 )
+from runner.blocks import find_repeated_blocks
 from runner.errors import UserError
 from runner.memory.tracker import LiveBytesTracker
 from runner.run import build_trainer
-from runner.trainers.common import find_repeated_blocks
 from runner.validate import compose_config, validate
 from tiny_training import assert_identical_training, fake_unet_inputs, tiny_trainer
 

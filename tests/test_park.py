@@ -299,7 +299,7 @@ def test_demo_fingerprints_are_pixel_hashes_with_flip(tmp_path):
     from runner.data import DemoDataset
 
     plain, flipped = SampleFingerprints(DemoDataset(8, 32)), SampleFingerprints(DemoDataset(8, 32, random_flip=True))
-    from runner.data import flips
+    from runner.data.images import flips
 
     i = next(k for k in range(8) if flips(k))
     j = next(k for k in range(8) if not flips(k))

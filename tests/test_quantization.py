@@ -306,7 +306,7 @@ def test_skip_patterns_and_keep_in_fp32(lora_sdxl):
     assert "text_projection" in res.skipped and isinstance(te2.text_projection, nn.Linear)
 
     # T5 keeps its `wo` layers in float32 under float16 compute (transformers' _keep_in_fp32_modules).
-    from runner.trainers.common import build_module
+    from runner.trainers.loading import build_module
     from runner.trainers.model_configs import flux_configs
     from transformers import T5EncoderModel
 

@@ -32,7 +32,8 @@ from runner.plugins.tiling import (
     check_config,
 )
 from runner.context import RunContext
-from runner.data import _to_tensor, demo_image
+from runner.data.demo import demo_image
+from runner.data.images import _to_tensor
 from runner.errors import UserError
 from runner.memory.tracker import LiveBytesTracker
 from runner.plugin import PluginSchedule

@@ -12,13 +12,15 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from runner.blocks import find_repeated_blocks
 from runner.config import DataConfig, ModelConfig
 from runner.errors import UserError
 from runner.trainer import ModelSet, encode, slice_batch
-from runner.trainers.common import clip_tokenizer, find_repeated_blocks, load_single_file, t5_tokenizer
 from runner.trainers.flux import FluxTrainer, FluxTrainerConfig
+from runner.trainers.loading import load_single_file
 from runner.trainers.model_configs import build_denoiser, sdxl_configs
 from runner.trainers.sdxl import SDXLTrainer, SDXLTrainerConfig
+from runner.trainers.tokenizers import clip_tokenizer, t5_tokenizer
 
 FAMILIES = {"sdxl": (SDXLTrainer, SDXLTrainerConfig), "flux": (FluxTrainer, FluxTrainerConfig)}
 

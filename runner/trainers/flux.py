@@ -25,16 +25,9 @@ from runner.errors import UserError, valid_list
 from runner.registry import register_trainer
 from runner.trainer import Batch, ModelSet, batch_device, per_sample_rand, per_sample_randn
 from runner.trainers import model_configs
-from runner.trainers.common import (
-    DiffusersTrainer,
-    LatentMoments,
-    clip_tokenizer,
-    compute_dtype,
-    sample_latents,
-    t5_tokenizer,
-    tokenize,
-    vae_scale_factor,
-)
+from runner.trainers.base import DiffusersTrainer, LatentMoments, sample_latents, vae_scale_factor
+from runner.trainers.loading import compute_dtype
+from runner.trainers.tokenizers import clip_tokenizer, t5_tokenizer, tokenize
 
 TIMESTEP_SAMPLING = ("logit_normal", "uniform")
 VAE_SALT = 1

@@ -10,7 +10,7 @@ text encoders, an 8x VAE, Flux's guidance embedding, 2x2 packing and gated-GELU 
 widths of a few dozen channels, so tests and the demo run on a CPU in seconds.
 
 The dicts are plain data: diffusers models take them through ``Model.from_config(d)``,
-transformers models through ``ConfigClass(**d)`` (see :func:`runner.trainers.common.build_module`).
+transformers models through ``ConfigClass(**d)`` (see :func:`runner.trainers.loading.build_module`).
 Use the accessor functions, which return deep copies, so a caller cannot change the tables.
 """
 from __future__ import annotations
@@ -292,7 +292,7 @@ def build_denoiser(name: str, device: str = "meta", dtype: Any = None) -> Any:
     import diffusers
     import torch
 
-    from runner.trainers.common import build_module
+    from runner.trainers.loading import build_module
 
     cls_name, cfg = denoiser_config(name)
     return build_module(getattr(diffusers, cls_name), cfg, device, dtype or torch.float32)

@@ -20,19 +20,13 @@ from runner.errors import UserError, valid_list
 from runner.registry import register_trainer
 from runner.trainer import Batch, ModelSet, batch_device, per_sample_rand, per_sample_randn
 from runner.trainers import model_configs
-from runner.trainers.common import (
-    DiffusersTrainer,
-    LatentMoments,
-    clip_tokenizer,
-    compute_dtype,
-    sample_latents,
-    tokenize,
-    vae_scale_factor,
-)
+from runner.trainers.base import DiffusersTrainer, LatentMoments, sample_latents, vae_scale_factor
+from runner.trainers.loading import compute_dtype
+from runner.trainers.tokenizers import clip_tokenizer, tokenize
 
 PREDICTION_TYPES = ("epsilon", "v_prediction")
 NUM_TRAIN_TIMESTEPS = 1000
-# Salts for the per-sample draws (see common.salted / per_sample_rand).
+# Salts for the per-sample draws (see base.salted / per_sample_rand).
 VAE_SALT = 1
 TIMESTEP_SALT = 2
 

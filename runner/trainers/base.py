@@ -1,0 +1,384 @@
+"""The shared base of the built-in trainers, and the latent helpers SDXL and Flux both use.
+
+:class:`DiffusersTrainer` holds the parts of the trainer protocol that SDXL and Flux share
+(which module comes from where, in which dtype, frozen or trained; cacheable encoding), so that
+each family file only says what is specific to it: its module classes, its ``encode`` and its
+``loss``. Building and loading the modules is :mod:`runner.trainers.loading`, the tokenizers are
+:mod:`runner.trainers.tokenizers`, the repeated blocks :mod:`runner.blocks`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from runner.blocks import find_repeated_blocks
+from runner.errors import UserError, valid_list
+from runner.trainer import Batch, EncodePart, ModelSet
+from runner.trainers.loading import (
+    SAFETENSORS_ACCEPTED,
+    attach_lora,
+    build_module,
+    check_state_dict_keys,
+    compute_dtype,
+    dtype_from_name,
+    freeze,
+    load_folder_component,
+    load_single_file,
+    resolve_model_path,
+)
+from runner.trainers.tokenizers import load_folder_tokenizer
+
+log = logging.getLogger("runner")
+
+TRAIN_MODES = ("full", "lora")
+
+
+# ---- per-sample randomness ----------------------------------------------------------------------
+def salted(seeds: torch.Tensor, salt: int) -> torch.Tensor:
+    """Derived per-sample seeds, so two draws from one sample's seed are independent.
+
+    Without it the VAE posterior sample and the diffusion noise of a sample would be the *same*
+    numbers (same seed, same shape).
+    """
+    return torch.tensor([(int(s) * 7_919_007 + salt) % (1 << 62) for s in seeds.tolist()], dtype=torch.int64)
+
+
+def sample_latents(dist: Any, seeds: torch.Tensor, salt: int) -> torch.Tensor:
+    """``mean + std * eps`` of a VAE posterior in float32, with eps drawn per sample.
+
+    ``latent_dist.sample(generator)`` takes one generator for the whole batch, so the result
+    would depend on how the batch is split; the mean/std form reproduces it per sample.
+    """
+    from runner.trainer import per_sample_randn
+
+    mean, std = dist.mean.float(), dist.std.float()
+    eps = per_sample_randn(salted(seeds, salt), tuple(mean.shape[1:]), mean.device, torch.float32)
+    return mean + std * eps
+
+
+class LatentMoments(NamedTuple):
+    """A VAE posterior reduced to what sampling needs: what ``encode_part`` returns and a cache stores.
+
+    Has the ``mean``/``std`` attributes of diffusers' ``DiagonalGaussianDistribution``, so
+    :func:`sample_latents` takes either.
+    """
+
+    mean: torch.Tensor
+    std: torch.Tensor
+
+
+def file_stats(folder: str) -> list[tuple[str, int, int]]:
+    """(relative path, size, mtime_ns) of every file under ``folder``, sorted: a cheap identity
+    of local weights for cache keys (reading and hashing gigabytes of weights on every start would
+    cost more than the cache saves)."""
+    out = []
+    for root, dirs, files in os.walk(folder):
+        dirs.sort()
+        for name in sorted(files):
+            full = os.path.join(root, name)
+            st = os.stat(full)
+            out.append((os.path.relpath(full, folder), st.st_size, st.st_mtime_ns))
+    return out
+
+
+# ---- shared trainer skeleton ------------------------------------------------------------------
+class DiffusersTrainer:
+    """The parts of a trainer that do not depend on the model family.
+
+    Subclasses set ``denoiser`` (the trained module's name and diffusers subfolder), implement
+    :meth:`module_classes` and :meth:`size_configs`, and write ``encode``/``loss``/``example_batch``.
+
+    Where each module comes from:
+
+    * ``model.path`` unset: built from the ``model.size`` config dicts with random init.
+    * a diffusers folder: every module from its subfolder (``from_pretrained``, offline). The
+      denoiser's subfolder is required; a missing frozen module is built at random with a warning.
+    * a single .safetensors file: the denoiser from it (architecture of ``model.size``); the frozen
+      modules random, with a warning.
+
+    Dtypes: frozen modules (and a LoRA's frozen base) are stored in ``model.dtype``; the trained
+    weights (a fully fine-tuned denoiser, or the LoRA adapters) in ``model.train_dtype``: float32
+    master weights by default (mixed precision is the runner's job), bfloat16 to halve them
+    (kohya's ``--full_bf16``: what lets a full SDXL U-Net fine-tune fit 24 GB).
+    """
+
+    denoiser: str = ""
+    denoiser_prefixes: tuple[str, ...] = ("unet.", "transformer.")
+
+    def __init__(self, cfg: Any, run: Any = None) -> None:
+        """``run``: the :class:`~runner.resolved.ResolvedRun`, whose dtypes win over the config's
+        (a CPU run trains in float32 whatever ``model.train_dtype`` says; runner/resolved.py)."""
+        self.cfg = cfg
+        m = cfg.model
+        if str(m.train) not in TRAIN_MODES:
+            raise UserError(f"Unknown model.train '{m.train}'. Valid values: {valid_list(str(m.train), TRAIN_MODES)}.")
+        self.storage_dtype = run.frozen_dtype if run is not None else dtype_from_name(m.dtype)
+        self.train_dtype = (run.train_dtype if run is not None
+                            else dtype_from_name(m.get("train_dtype", "float32"), "model.train_dtype"))
+        if self.train_dtype not in (torch.float32, torch.bfloat16):
+            raise UserError(f"Unknown model.train_dtype '{m.train_dtype}'. Valid dtypes: float32, bfloat16.")
+        self.size = str(m.size)
+        self.size_configs()  # validates model.size
+        self.source = resolve_model_path(m.path)
+        if self.source is not None and self.source[0] == "folder" and not self._folder_has(self.denoiser):
+            folder = self.source[1]
+            present = sorted(d for d in os.listdir(folder) if os.path.isdir(os.path.join(folder, d)))
+            raise UserError(
+                f"model.path '{folder}' has no '{self.denoiser}/' subfolder for the {self.denoiser} "
+                f"(subfolders found: {', '.join(present) or 'none'}). Accepted: {SAFETENSORS_ACCEPTED}."
+            )
+        self._tokenizers: dict[str, Any] | None = None
+
+    # -- to implement ----------------------------------------------------------------------
+    def module_classes(self) -> dict[str, type]:
+        raise NotImplementedError
+
+    def size_configs(self) -> dict[str, dict[str, Any]]:
+        raise NotImplementedError
+
+    # -- configs -------------------------------------------------------------------------
+    def _folder_has(self, name: str) -> bool:
+        src = self.source
+        return src is not None and src[0] == "folder" and os.path.isdir(os.path.join(src[1], name))
+
+    def component_config(self, name: str) -> dict[str, Any]:
+        """The architecture of one module as a dict (folder config.json, else the size's dict).
+
+        Read without building anything, so ``example_batch`` can size tensors for the planner.
+        """
+        if self._folder_has(name):
+            with open(os.path.join(self.source[1], name, "config.json")) as f:
+                return json.load(f)
+        return self.size_configs()[name]
+
+    # -- models -------------------------------------------------------------------------
+    def module_dtype(self, name: str, trained_full: bool) -> torch.dtype:
+        """``model.train_dtype`` for a fully trained module; ``model.dtype`` otherwise, with one exception.
+
+        A VAE whose config sets ``force_upcast`` (the SDXL and Flux VAEs) overflows to NaN in
+        float16, so with ``model.dtype=float16`` it stays float32, as diffusers' training
+        scripts and pipelines do. bfloat16 has the range and is kept.
+        """
+        if trained_full:
+            return self.train_dtype
+        if name == "vae" and self.storage_dtype == torch.float16 and self.component_config("vae").get("force_upcast"):
+            return torch.float32
+        return self.storage_dtype
+
+    def load_component(self, name: str, cls: type, device: str, dtype: torch.dtype) -> nn.Module:
+        src = self.source
+        if src is not None and src[0] == "folder":
+            if self._folder_has(name):  # the denoiser's subfolder was checked in __init__
+                return load_folder_component(cls, src[1], name, dtype, device)
+            log.warning(
+                "model.path %s has no %s/ subfolder: %s is randomly initialised (model.size=%s)",
+                src[1], name, name, self.size,
+            )
+        elif src is not None and src[0] == "file":
+            if name == self.denoiser:
+                if torch.device(device).type == "meta":
+                    model = build_module(cls, self.size_configs()[name], "meta", dtype)
+                    from safetensors import safe_open
+
+                    with safe_open(src[1], framework="pt", device="cpu") as f:
+                        keys = list(f.keys())
+                    check_state_dict_keys(src[1], keys, model, self.denoiser_prefixes, f"model.size={self.size}")
+                    return model
+                return load_single_file(
+                    cls, self.size_configs()[name], src[1], dtype, self.denoiser_prefixes, f"model.size={self.size}"
+                )
+            log.warning("model.path is a single file: %s is randomly initialised (model.size=%s)", name, self.size)
+        return build_module(cls, self.size_configs()[name], device, dtype)
+
+    def build_models(self, device: str | torch.device = "cpu") -> ModelSet:
+        m = self.cfg.model
+        build_on = "meta" if torch.device(device).type == "meta" else "cpu"
+        full = str(m.train) == "full"
+        modules: dict[str, nn.Module] = {}
+        for name, cls in self.module_classes().items():
+            trained_full = name == self.denoiser and full
+            module = self.load_component(name, cls, build_on, self.module_dtype(name, trained_full))
+            if trained_full:
+                module.requires_grad_(True)
+                module.train()
+            else:
+                freeze(module)
+            modules[name] = module
+        if not full:
+            attach_lora(modules[self.denoiser], m.lora_rank, m.lora_alpha, list(m.lora_targets), self.train_dtype)
+            modules[self.denoiser].train()
+        models = ModelSet(modules=modules, trained={self.denoiser}, dtypes_applied=True)
+        models.blocks = self.repeated_blocks(models)
+        return models
+
+    def repeated_blocks(self, models: ModelSet) -> dict[str, list[nn.Module]]:
+        """Outermost repeated blocks of the trained denoiser (see :func:`find_repeated_blocks`)."""
+        return {self.denoiser: find_repeated_blocks(models[self.denoiser])}
+
+    # -- encoding (see "Cacheable encoding" in runner/trainer.py) ------------------------------
+    # Bump when encode_part computes something different, so that old cache entries miss.
+    cache_format: int = 1
+
+    def encode_parts(self) -> dict[str, EncodePart]:
+        """Both built-in families: VAE latents from pixels, two text encoders' outputs from captions."""
+        return {
+            "latents": EncodePart(("vae",), ("pixel_values",)),
+            "text": EncodePart(("text_encoder", "text_encoder_2"), ("caption",)),
+        }
+
+    @staticmethod
+    def encode_latents(models: ModelSet, batch: Batch) -> dict[str, torch.Tensor]:
+        """The VAE posterior (mean, std): sampling happens per step, so a cache entry stays reusable."""
+        vae = models["vae"]
+        dist = vae.encode(batch["pixel_values"].to(compute_dtype(vae))).latent_dist
+        # Contiguous, as a cache entry read back is: the CPU VAE returns channels-last
+        # tensors, and that layout made the denoiser's backward round differently.
+        return {"latent_mean": dist.mean.contiguous(), "latent_std": dist.std.contiguous()}
+
+    @torch.no_grad()
+    def encode(self, models: ModelSet, batch: Batch) -> Batch:
+        """Pixels and captions to latents and conditioning, on the batch's device.
+
+        Inputs go to the batch's device (the runner's compute device) rather than to each
+        module's parameters, so modules parked elsewhere by an offload plugin still receive
+        inputs where they will run.
+        """
+        parts = {name: self.encode_part(models, name, batch) for name in self.encode_parts()}
+        return self.finish_encode(parts, batch)
+
+    def vae_setting(self, key: str) -> Any:
+        """A VAE config value (``scaling_factor``, ``shift_factor``) without building the VAE:
+        from its config dict, else the class default, i.e. what ``vae.config`` would hold."""
+        import inspect
+
+        cfg = self.component_config("vae")
+        if key in cfg:
+            return cfg[key]
+        return inspect.signature(self.module_classes()["vae"].__init__).parameters[key].default
+
+    def module_source(self, name: str) -> dict[str, Any]:
+        """Where a module's weights come from, for cache keys: its folder's files (path, size,
+        mtime), or, when randomly initialised, what that init depends on (the runner seeds the
+        RNG with ``train.seed`` right before ``build_models``)."""
+        if self._folder_has(name):
+            folder = os.path.join(self.source[1], name)
+            return {"folder": folder, "files": file_stats(folder)}
+        seed = self.cfg.get("train", {}).get("seed") if hasattr(self.cfg, "get") else None
+        return {
+            "random_init": True,
+            "seed": seed,
+            "size": self.size,
+            "model_path": self.source[1] if self.source else None,
+            "config": self.size_configs()[name],
+        }
+
+    def tokenizer_source(self, name: str) -> dict[str, Any]:
+        tok = self.tokenizer(name)
+        info: dict[str, Any] = {"class": type(tok).__name__, "model_max_length": int(tok.model_max_length)}
+        if self._folder_has(name):
+            folder = os.path.join(self.source[1], name)
+            info["files"] = file_stats(folder)
+        else:
+            info["vocab_size"] = int(tok.vocab_size)
+        return info
+
+    def cache_signature(self, part: str) -> dict[str, Any]:
+        """Every setting that changes ``encode_part(part)`` besides the sample itself."""
+        spec = self.encode_parts()[part]
+        sig: dict[str, Any] = {
+            "format": self.cache_format,
+            "trainer": f"{type(self).__module__}.{type(self).__qualname__}",
+            "part": part,
+            "modules": {
+                name: {"dtype": str(self.module_dtype(name, False)).replace("torch.", ""), "source": self.module_source(name)}
+                for name in spec.modules
+            },
+        }
+        if "pixel_values" in spec.inputs:
+            data = self.cfg.data
+            sig["data"] = {
+                "resolution": int(data.resolution),
+                "center_crop": bool(data.get("center_crop", True)),
+                "random_flip": bool(data.get("random_flip", False)),
+            }
+        if "caption" in spec.inputs:
+            sig["tokenizers"] = {
+                m.replace("text_encoder", "tokenizer"): self.tokenizer_source(m.replace("text_encoder", "tokenizer"))
+                for m in spec.modules
+                if m.startswith("text_encoder")
+            }
+        return sig
+
+    def dataset(self) -> Any:
+        from runner.data import build_dataset  # lazily: the data module is optional for planning
+
+        return build_dataset(self.cfg.data)
+
+    # -- tokenizers ---------------------------------------------------------------------
+    def default_tokenizer(self, name: str) -> Any:
+        raise NotImplementedError
+
+    def tokenizer(self, name: str) -> Any:
+        """``tokenizer`` / ``tokenizer_2``: from the diffusers folder, else generated offline.
+
+        A folder whose text encoder is loaded but whose tokenizer is missing is an error: the
+        byte-level fallback would feed the real encoder meaningless ids without failing.
+        """
+        if self._tokenizers is None:
+            self._tokenizers = {}
+        if name not in self._tokenizers:
+            encoder = name.replace("tokenizer", "text_encoder")
+            if self._folder_has(name):
+                tok = load_folder_tokenizer(self.source[1], name)
+            elif self._folder_has(encoder):
+                raise UserError(
+                    f"model.path '{self.source[1]}' has a {encoder}/ subfolder but no {name}/ subfolder; "
+                    f"the tokenizer must come with its text encoder. Accepted: {SAFETENSORS_ACCEPTED}."
+                )
+            else:
+                tok = self.default_tokenizer(name)
+            self._tokenizers[name] = tok
+        return self._tokenizers[name]
+
+    # -- helpers for example batches -----------------------------------------------------
+    def resolution(self) -> int:
+        return int(self.cfg.data.resolution)
+
+    @staticmethod
+    def example_tensor(
+        shape: tuple[int, ...], device: str | torch.device, dtype: torch.dtype, seed: int = 0
+    ) -> torch.Tensor:
+        """Shape-only on meta; seeded standard-normal values elsewhere, so a loss is finite."""
+        if torch.device(device).type == "meta":
+            return torch.empty(shape, device="meta", dtype=dtype)
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(shape, generator=g).to(device=device, dtype=dtype)
+
+    @staticmethod
+    def example_seeds(batch_size: int, device: str | torch.device) -> torch.Tensor:
+        """Seeds stay on the CPU for ``meta``: the per-sample draws read them with ``tolist()``."""
+        dev = "cpu" if torch.device(device).type == "meta" else device
+        return torch.arange(batch_size, dtype=torch.int64, device=dev)
+
+    def example_raw_batch(self, batch_size: int, device: str | torch.device = "meta") -> Batch:
+        """A raw batch as the data loader gives it at ``data.resolution``, for the planner's encode step.
+
+        Captions are padded to the tokenizers' fixed lengths, so their text does not change any shape.
+        """
+        res = self.resolution()
+        return {
+            "pixel_values": self.example_tensor((batch_size, 3, res, res), device, torch.float32, 3),
+            "caption": ["an example caption"] * batch_size,
+            "index": self.example_seeds(batch_size, device),
+            "sample_seed": self.example_seeds(batch_size, device),
+        }
+
+
+def vae_scale_factor(vae_config: dict[str, Any]) -> int:
+    """Downsampling factor of an AutoencoderKL: one halving per block but the last (8 for 4 blocks)."""
+    return 2 ** (len(vae_config["block_out_channels"]) - 1)

@@ -1,0 +1,282 @@
+"""Building and loading the built-in trainers' modules: dtypes, random init, local weights, LoRA.
+
+Nothing here downloads: models are built from config dicts (random init) or loaded from a local
+``model.path`` (a diffusers folder, offline, or one .safetensors file read tensor by tensor).
+Casting keeps the modules a model declares float32, and the trained weights (a fully trained
+denoiser or LoRA adapters) are set up the way diffusers' training scripts do it.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from runner.errors import UserError, valid_list
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+SAFETENSORS_ACCEPTED = (
+    "a diffusers folder (with model_index.json or subfolders such as unet/ or transformer/, vae/, "
+    "text_encoder/, tokenizer/) or a single .safetensors file holding the denoiser's state dict in "
+    "diffusers key layout (keys optionally prefixed 'unet.' or 'transformer.')"
+)
+
+
+# ---- dtypes and modules ---------------------------------------------------------------------
+def dtype_from_name(name: str, key: str = "model.dtype") -> torch.dtype:
+    """The torch dtype for a config value; ``key`` names the setting in the error message."""
+    try:
+        return DTYPES[str(name)]
+    except KeyError:
+        raise UserError(f"Unknown {key} '{name}'. Valid dtypes: {valid_list(str(name), DTYPES)}.") from None
+
+
+def compute_dtype(module: nn.Module) -> torch.dtype:
+    """The dtype to feed a module's inputs in: its first floating-point parameter's.
+
+    Not ``next(parameters()).dtype``: after quantization some parameters are integer storage,
+    and with LoRA the adapters are float32 while the base (which sets the activations) is not.
+    Base layers come first in registration order, so the first float parameter is a base one.
+    """
+    for p in module.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+def _is_transformers_model(cls: type) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return False
+    return issubclass(cls, PreTrainedModel)
+
+
+def _instantiate(cls: type, config: dict[str, Any] | Any) -> nn.Module:
+    if _is_transformers_model(cls):
+        cfg = config if not isinstance(config, dict) else cls.config_class(**config)
+        return cls(cfg)
+    return cls.from_config(config)
+
+
+def build_module(
+    cls: type, config: dict[str, Any] | Any, device: str | torch.device, dtype: torch.dtype
+) -> nn.Module:
+    """Build ``cls`` from a config dict with random init, or without storage on ``meta``.
+
+    ``meta`` uses the ``torch.device("meta")`` context so that every parameter *and* buffer is
+    shape-only and a 12 B model builds in seconds. Any other device builds on the CPU (the runner
+    places modules later) in float32 and then casts: building directly in a low-precision
+    default dtype would also lower buffers that some models compute in float32 at init, at the
+    price of a float32 peak while building a random full-size model.
+    """
+    is_meta = torch.device(device).type == "meta"
+    with torch.device("meta") if is_meta else contextlib.nullcontext():
+        module = _instantiate(cls, config)
+    return cast_module(module, dtype)
+
+
+def cast_module(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast floating-point weights to ``dtype``, keeping the model's declared float32 modules.
+
+    Follows transformers' rule: ``_keep_in_fp32_modules`` (T5's ``wo``, which overflows in
+    float16) stay float32 under float16, ``_keep_in_fp32_modules_strict`` under bf16 too. The
+    plain ``nn.Module.to`` is called because diffusers' ``ModelMixin.to`` warns on every dtype
+    cast, even when the model declares no such modules.
+    """
+    keep: set[str] = set()
+    if dtype == torch.float16:
+        keep |= set(getattr(module, "_keep_in_fp32_modules", None) or [])
+    if dtype in (torch.float16, torch.bfloat16):
+        keep |= set(getattr(module, "_keep_in_fp32_modules_strict", None) or [])
+    nn.Module.to(module, dtype=dtype)
+    if keep:
+        for name, sub in module.named_modules():
+            if any(f".{k}." in f".{name}." for k in keep):
+                nn.Module.to(sub, dtype=torch.float32)
+    return module
+
+
+def freeze(module: nn.Module) -> nn.Module:
+    """No gradients and eval mode (T5 has dropout; a frozen encoder must be deterministic)."""
+    module.requires_grad_(False)
+    module.eval()
+    return module
+
+
+# ---- local weights ----------------------------------------------------------------------------
+def resolve_model_path(path: str | None) -> tuple[str, str] | None:
+    """Check ``model.path`` and say what it is: ``("folder", abs)`` or ``("file", abs)``.
+
+    A file is opened with ``safe_open`` here, which reads only its header, so a wrong file is
+    reported when the run starts rather than after the other models were loaded.
+    """
+    if path is None or str(path) == "":
+        return None
+    full = os.path.abspath(os.path.expanduser(str(path)))
+    if os.path.isdir(full):
+        return ("folder", full)
+    if not os.path.exists(full):
+        raise UserError(f"model.path '{path}' does not exist. Accepted: {SAFETENSORS_ACCEPTED}.")
+    from safetensors import safe_open
+
+    try:
+        with safe_open(full, framework="pt", device="cpu") as f:
+            f.keys()
+    except Exception as e:  # SafetensorError, OSError, ... all mean "not a usable file"
+        raise UserError(
+            f"model.path '{path}' is not a valid safetensors file ({type(e).__name__}: {e}). "
+            f"Accepted: {SAFETENSORS_ACCEPTED}."
+        ) from None
+    return ("file", full)
+
+
+def _strip_prefix(keys: Iterable[str], prefixes: Iterable[str]) -> dict[str, str]:
+    """Map file key -> model key. With a known prefix present, only prefixed keys are used."""
+    keys = list(keys)
+    for prefix in prefixes:
+        if any(k.startswith(prefix) for k in keys):
+            return {k: k[len(prefix):] for k in keys if k.startswith(prefix)}
+    return {k: k for k in keys}
+
+
+def check_state_dict_keys(
+    file: str, file_keys: Iterable[str], model: nn.Module, prefixes: Iterable[str], source: str = "its config"
+) -> dict[str, str]:
+    """Compare a file's keys with a model's; a mismatch is a UserError naming the file.
+
+    Done on key names only (the safetensors header), before any tensor is read.
+    """
+    mapping = _strip_prefix(file_keys, prefixes)
+    expected = set(model.state_dict().keys())
+    got = set(mapping.values())
+    missing, unexpected = sorted(expected - got), sorted(got - expected)
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing keys (e.g. {', '.join(missing[:3])})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected keys (e.g. {', '.join(unexpected[:3])})")
+        hint = ""
+        if any(k.startswith(("model.diffusion_model.", "double_blocks.", "diffusion_model.")) for k in mapping):
+            hint = " The file looks like an original (non-diffusers) checkpoint; convert it to diffusers layout first."
+        raise UserError(
+            f"model.path '{file}' does not match the {type(model).__name__} architecture of "
+            f"{source}: {'; '.join(parts)}.{hint} Accepted: {SAFETENSORS_ACCEPTED}."
+        )
+    return mapping
+
+
+def load_single_file(
+    cls: type,
+    config: dict[str, Any],
+    file: str,
+    dtype: torch.dtype,
+    prefixes: Iterable[str] = ("unet.", "transformer."),
+    source: str = "its config",
+) -> nn.Module:
+    """Load a denoiser from one .safetensors file, tensor by tensor, into a model built on meta.
+
+    Parameters are built on ``meta`` (accelerate's ``init_empty_weights`` keeps buffers real,
+    since non-persistent buffers are not in the file) and each tensor is read lazily with
+    ``safe_open`` and converted to ``dtype`` as it is read, then adopted with
+    ``load_state_dict(assign=True)``: the peak is about the final model size, never a float32
+    copy next to a bf16 one. diffusers' ``from_single_file`` is not used because it needs the
+    original layout plus a hub config to convert from.
+    """
+    from accelerate import init_empty_weights
+    from safetensors import safe_open
+
+    with init_empty_weights(include_buffers=False):
+        model = _instantiate(cls, config)
+    state: dict[str, torch.Tensor] = {}
+    with safe_open(file, framework="pt", device="cpu") as f:
+        mapping = check_state_dict_keys(file, f.keys(), model, prefixes, source)
+        for file_key, model_key in mapping.items():
+            t = f.get_tensor(file_key)
+            state[model_key] = t.to(dtype) if t.is_floating_point() else t
+    model.load_state_dict(state, strict=True, assign=True)
+    return model
+
+
+def load_folder_component(
+    cls: type, folder: str, subfolder: str, dtype: torch.dtype, device: str | torch.device
+) -> nn.Module:
+    """One module from a diffusers folder: ``from_pretrained`` offline, or its config on meta."""
+    sub = os.path.join(folder, subfolder)
+    if torch.device(device).type == "meta":
+        return build_module(cls, read_folder_config(cls, folder, subfolder), "meta", dtype)
+    try:
+        if _is_transformers_model(cls):
+            return cls.from_pretrained(sub, local_files_only=True, **{_transformers_dtype_kwarg(): dtype})
+        return cls.from_pretrained(folder, subfolder=subfolder, local_files_only=True, torch_dtype=dtype)
+    except (OSError, ValueError, EnvironmentError) as e:
+        raise UserError(
+            f"Could not load {cls.__name__} from '{sub}' (model.path): {e}. Accepted: {SAFETENSORS_ACCEPTED}."
+        ) from None
+
+
+@functools.lru_cache(maxsize=1)
+def _transformers_dtype_kwarg() -> str:
+    """transformers renamed ``torch_dtype`` to ``dtype`` in 4.56 (the old name warns in 5.x)."""
+    import transformers
+    from packaging.version import Version
+
+    return "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+
+
+
+def read_folder_config(cls: type, folder: str, subfolder: str) -> Any:
+    """The config of one component of a diffusers folder (a dict, or a transformers config)."""
+    sub = os.path.join(folder, subfolder)
+    if _is_transformers_model(cls):
+        return cls.config_class.from_pretrained(sub, local_files_only=True)
+    with open(os.path.join(sub, "config.json")) as f:
+        return json.load(f)
+
+
+# ---- LoRA ---------------------------------------------------------------------------------
+def attach_lora(
+    model: nn.Module, rank: int, alpha: float, targets: Iterable[str], dtype: torch.dtype = torch.float32
+) -> nn.Module:
+    """Freeze ``model`` and add a trainable peft LoRA adapter (diffusers ``add_adapter``).
+
+    The same recipe as diffusers' LoRA training scripts: base frozen first, Gaussian init (B=0,
+    so the adapter starts as the identity), adapters cast to ``dtype`` (``model.train_dtype``,
+    float32 by default) with ``cast_training_params`` so the optimizer works on float32 even
+    over a bf16/fp16 base.
+    """
+    from diffusers.training_utils import cast_training_params
+    from peft import LoraConfig
+
+    targets = [str(t) for t in targets]
+    if int(rank) <= 0:
+        raise UserError(f"model.lora_rank must be a positive integer, got {rank}.")
+    if not targets:
+        raise UserError("model.lora_targets is empty; name at least one module, e.g. [to_q, to_k, to_v, to_out.0].")
+    model.requires_grad_(False)
+    lora = LoraConfig(r=int(rank), lora_alpha=float(alpha), init_lora_weights="gaussian", target_modules=targets)
+    try:
+        if hasattr(model, "add_adapter"):  # diffusers PeftAdapterMixin models (U-Nets, transformers)
+            model.add_adapter(lora)
+        else:  # any other nn.Module, e.g. a user trainer's UNet2DModel
+            from peft import inject_adapter_in_model
+
+            inject_adapter_in_model(lora, model)
+    except ValueError as e:
+        leaves = sorted({n.split(".")[-1] for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))})
+        raise UserError(
+            f"model.lora_targets {targets} match no layer of {type(model).__name__} ({e}). "
+            f"Layer names that can be targeted include: {', '.join(leaves[:30])}."
+        ) from None
+    cast_training_params(model, dtype=dtype)
+    return model

@@ -1,0 +1,90 @@
+"""Tokenizers of the built-in trainers: a diffusers folder's own, else tiny ones built offline.
+
+Nothing here downloads: without a ``model.path`` folder the CLIP tokenizer runs over a minimal
+byte-level vocabulary written to the temp dir, and T5's is ByT5's (bytes, no files).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import torch
+
+from runner.errors import UserError
+
+
+def _clip_vocab_files() -> str:
+    """A folder with a minimal byte-level CLIP ``vocab.json`` and an empty ``merges.txt``.
+
+    Files rather than an in-memory vocabulary because ``CLIPTokenizer.from_pretrained(folder)``
+    is the one constructor that transformers 4.x (slow tokenizer) and 5.x (tokenizers backend)
+    share. The folder is keyed by the content's hash under the temp dir and written to a
+    private folder first, then renamed into place, so concurrent runs never see half a file.
+    """
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    symbols = list(bytes_to_unicode().values())
+    vocab = {s: i for i, s in enumerate(symbols)}
+    for s in symbols:
+        vocab[s + "</w>"] = len(vocab)
+    vocab["<|startoftext|>"] = len(vocab)
+    vocab["<|endoftext|>"] = len(vocab)
+    vocab_text = json.dumps(vocab, ensure_ascii=False, sort_keys=True)
+    merges_text = "#version: 0.2\n"
+    digest = hashlib.sha256((vocab_text + merges_text).encode()).hexdigest()[:16]
+    folder = os.path.join(tempfile.gettempdir(), f"runner-clip-bytes-{digest}")
+    if not os.path.isfile(os.path.join(folder, "merges.txt")):
+        staging = tempfile.mkdtemp(prefix="runner-clip-bytes-", dir=tempfile.gettempdir())
+        with open(os.path.join(staging, "vocab.json"), "w", encoding="utf-8") as f:
+            f.write(vocab_text)
+        with open(os.path.join(staging, "merges.txt"), "w", encoding="utf-8") as f:
+            f.write(merges_text)
+        try:
+            os.rename(staging, folder)
+        except OSError:  # another process got there first: use its (identical) files
+            shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+@functools.lru_cache(maxsize=4)
+def clip_tokenizer(model_max_length: int = 77) -> Any:
+    """A real ``CLIPTokenizer`` over a minimal byte-level vocabulary, built offline.
+
+    Vocabulary: the 256 byte symbols of GPT-2's byte-to-unicode table, their ``</w>`` (end of
+    word) forms, then ``<|startoftext|>`` = 512 and ``<|endoftext|>`` = 513; no merges, so every
+    word is spelled byte by byte. Tokenization, specials, padding and truncation are the library's.
+    """
+    from transformers import CLIPTokenizer
+
+    return CLIPTokenizer.from_pretrained(_clip_vocab_files(), model_max_length=model_max_length, local_files_only=True)
+
+
+@functools.lru_cache(maxsize=4)
+def t5_tokenizer(model_max_length: int = 512) -> Any:
+    """``ByT5Tokenizer`` (bytes, needs no files); ids < 384 fit both the tiny and the real T5 vocab."""
+    from transformers import ByT5Tokenizer
+
+    return ByT5Tokenizer(model_max_length=model_max_length)
+
+
+def load_folder_tokenizer(folder: str, subfolder: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(os.path.join(folder, subfolder), local_files_only=True)
+    except (OSError, ValueError) as e:
+        where = os.path.join(folder, subfolder)
+        raise UserError(f"Could not load a tokenizer from '{where}' (model.path): {e}.") from None
+
+
+def tokenize(tokenizer: Any, texts: list[str], max_length: int, device: torch.device) -> torch.Tensor:
+    """Token ids padded/truncated to ``max_length``, as diffusers pipelines tokenize prompts."""
+    ids = tokenizer(
+        list(texts), padding="max_length", max_length=max_length, truncation=True, return_tensors="pt"
+    ).input_ids
+    return ids.to(device)
