@@ -15,8 +15,8 @@ tensors, so a block that recomputes *different values* (non-determinism, state c
 forward and backward) passes silently. Our tests compare values of outputs and gradients.
 
 Blocks are taken from ``ctx.models.blocks[name]`` when the trainer provides them (it knows its
-model best: the built-in U-Net trainers name each resnet and attention), else from
-:func:`find_repeated_blocks`.
+model best), else from :func:`runner.blocks.find_repeated_blocks`, the one block finder that
+offload=stream and the planner use too.
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from runner.blocks import find_repeated_blocks
 from runner.errors import UserError, valid_list
 from runner.hooks import mark, marked, unmark
 from runner.plugin import Plugin, PluginConfig
@@ -54,42 +55,6 @@ class CheckpointConfig(PluginConfig):
 
 
 # ---- the twin functions ------------------------------------------------------------------------
-def find_repeated_blocks(module: nn.Module) -> list[nn.Module]:
-    """The outermost repeated blocks of ``module``, in module order.
-
-    Uses the class names of diffusers' ``_repeated_blocks`` (of ``module`` or, for a wrapper such
-    as a PEFT model, of the first submodule that declares them) when the list is non-empty,
-    otherwise every child of every ``nn.ModuleList``. A block inside an already selected block
-    is skipped, so nothing is checkpointed twice. Note: a diffusers U-Net declares only
-    ``BasicTransformerBlock``; its resnets stay outside, which is why trainers may pass better
-    blocks through ``ModelSet.blocks``.
-    """
-    names: set[str] = set()
-    for m in module.modules():
-        declared = getattr(type(m), "_repeated_blocks", None)
-        if declared:
-            names = set(declared)
-            break
-    if names:
-        def match(m: nn.Module, parent: nn.Module | None) -> bool:
-            return type(m).__name__ in names
-    else:
-        def match(m: nn.Module, parent: nn.Module | None) -> bool:
-            return isinstance(parent, nn.ModuleList)
-
-    found: list[nn.Module] = []
-
-    def visit(parent: nn.Module) -> None:
-        for child in parent.children():
-            if match(child, parent):
-                found.append(child)
-            else:
-                visit(child)
-
-    visit(module)
-    return found
-
-
 def _checkpointed_forward(block: nn.Module, previous: Any) -> Any:
     # Hold the block weakly: a strong reference from its own __dict__ would make a cycle that
     # keeps a dropped model alive until the next GC pass.

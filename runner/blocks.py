@@ -26,13 +26,38 @@ def outermost(root: nn.Module, match: Callable[[nn.Module], bool]) -> list[nn.Mo
     return found
 
 
-def find_repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """The outermost repeated blocks of a denoiser, for checkpointing and offload plugins.
+# ModuleLists that hold a denoiser's repeated blocks, by the names diffusers' transformers use:
+# DiT/PixArt/SD3/Qwen-Image ``transformer_blocks``, Flux's second list ``single_transformer_blocks``,
+# Wan and other video transformers' ``blocks``.
+BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks", "layers")
 
-    For a U-Net the unit is each resnet and each attention (Transformer2DModel) of the
-    down/mid/up blocks: diffusers' ``_repeated_blocks`` names only ``BasicTransformerBlock``,
-    which would leave the resnets (most of a U-Net's activation memory) outside every block.
-    Elsewhere the model's own ``_repeated_blocks`` (or ``_no_split_modules``) class names are used.
+
+def _declared_names(model: nn.Module) -> set[str]:
+    """Class names the model (or, for a wrapper, its first submodule that declares them) lists in
+    diffusers' ``_repeated_blocks`` or ``_no_split_modules``."""
+    for m in model.modules():
+        names = getattr(type(m), "_repeated_blocks", None) or getattr(type(m), "_no_split_modules", None)
+        if names:
+            return set(names)
+    return set()
+
+
+def find_repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The outermost repeated blocks of a denoiser, in module order (which is execution order for
+    every diffusers denoiser). The first rule that finds blocks wins:
+
+    1. a U-Net (``down_blocks``/``up_blocks``): each resnet and each attention (Transformer2DModel)
+       of the down/mid/up blocks. diffusers' ``_repeated_blocks`` names only
+       ``BasicTransformerBlock``, which would leave the resnets (most of a U-Net's activation
+       memory) outside every block;
+    2. the class names the model declares in ``_repeated_blocks`` / ``_no_split_modules`` (Flux's
+       two block classes, SD3's, Wan's);
+    3. the children of its block lists (:data:`BLOCK_LISTS`: a diffusers ``DiTTransformer2DModel``
+       declares nothing but has ``transformer_blocks``);
+    4. the children of every ``nn.ModuleList`` (any other model).
+
+    A trainer that knows better names its blocks in ``ModelSet.blocks``; every plugin and the
+    planner use those first.
     """
     base = model
     if hasattr(model, "get_base_model") and not hasattr(model, "down_blocks"):
@@ -46,5 +71,13 @@ def find_repeated_blocks(model: nn.Module) -> list[nn.Module]:
                 for m in getattr(stage, attr, None) or []:
                     wanted.add(id(m))
         return outermost(base, lambda m: id(m) in wanted)
-    names = set(getattr(type(base), "_repeated_blocks", None) or getattr(type(base), "_no_split_modules", None) or [])
-    return outermost(base, lambda m: type(m).__name__ in names)
+    names = _declared_names(base)
+    found = outermost(base, lambda m: type(m).__name__ in names) if names else []
+    if found:
+        return found
+    lists = {id(child) for attr in BLOCK_LISTS
+             for lst in [getattr(base, attr, None)] if isinstance(lst, nn.ModuleList) for child in lst}
+    if lists:
+        return outermost(base, lambda m: id(m) in lists)
+    in_lists = {id(child) for m in base.modules() if isinstance(m, nn.ModuleList) for child in m}
+    return outermost(base, lambda m: id(m) in in_lists)

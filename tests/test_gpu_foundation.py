@@ -14,7 +14,8 @@ import pytest
 import torch
 from diffusers import UNet2DConditionModel
 
-from runner.plugins.checkpoint import apply_activation_checkpointing, find_repeated_blocks, remove_activation_checkpointing
+from runner.blocks import find_repeated_blocks
+from runner.plugins.checkpoint import apply_activation_checkpointing, remove_activation_checkpointing
 from runner.memory.tracker import LiveBytesTracker
 
 pytestmark = pytest.mark.gpu

@@ -17,9 +17,9 @@ from runner.plugins.checkpoint import (
     BlockCheckpointing,
     CheckpointConfig,
     apply_activation_checkpointing,
-    find_repeated_blocks,
     remove_activation_checkpointing,
 )
+from runner.blocks import find_repeated_blocks
 from runner.context import RunContext
 from runner.errors import UserError
 from runner.memory.tracker import LiveBytesTracker

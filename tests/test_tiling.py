@@ -218,7 +218,8 @@ def test_attention_backends_match_default(unet):
 
 def test_attention_backend_holds_in_checkpoint_recomputation(unet):
     """The recomputation in backward runs outside any step context: it must use the same kernel."""
-    from runner.plugins.checkpoint import apply_activation_checkpointing, find_repeated_blocks, remove_activation_checkpointing
+    from runner.blocks import find_repeated_blocks
+from runner.plugins.checkpoint import apply_activation_checkpointing, remove_activation_checkpointing
 
     inputs = unet_inputs(16)
     base = step(unet, inputs)
