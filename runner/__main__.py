@@ -10,19 +10,17 @@ import logging
 import os
 import sys
 
-import hydra
 from accelerate.utils import set_seed
 from omegaconf import DictConfig
 
 from runner import registry, sweep
-from runner.errors import UserError
 from runner.loop import make_accelerator, train
 from runner.plan import plan_command, preflight
 from runner.report import summary, write_run_info
 from runner.resolved import resolve
 from runner.run import build_plugins, build_trainer, make_context, output_dir
 from runner.trainer_setup import prepare_models
-from runner.validate import conf_dir, precheck, validate
+from runner.validate import validate
 
 log = logging.getLogger("runner")
 
@@ -60,32 +58,12 @@ def run(cfg: DictConfig) -> float | None:
     return result.losses[-1] if result.losses else None
 
 
-def _task(cfg: DictConfig) -> float | None:
-    # Records job_summary.json; an error exits a single run but only marks its job in a -m sweep.
-    return sweep.run_job(run, cfg)
-
-
 def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")                # weights are local or built from config
     # bitsandbytes warns at import that an optional CPU kernel package is missing; it falls back
     # to its own CPU kernels, so the line is noise for every run.
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-    registry.load_all()                                         # compose (with friendly errors)
-    args, _ = _hydra_args()
-    if not (args.help or args.hydra_help or args.info or args.shell_completion):
-        try:
-            precheck(args.overrides, multirun=args.multirun)
-        except UserError as e:
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(e.exit_code)
-    hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(_task)()
-    sys.exit(sweep.exit_status())                               # non-zero when a sweep job failed
-
-
-def _hydra_args():
-    from hydra._internal.utils import get_args_parser
-
-    return get_args_parser().parse_known_args(sys.argv[1:])
+    sweep.launch(run)                                           # compose (friendly errors), run or sweep
 
 
 if __name__ == "__main__":

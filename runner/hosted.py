@@ -1,36 +1,252 @@
-"""Hosted mode: keep your own training loop and let the runner apply the memory plugins.
+"""Hosted mode: keep your own training loop; the runner brings everything else.
 
-A few lines of change in an existing loop::
+A plain PyTorch loop, and the same loop hosted (the README shows the diff)::
 
-    from runner.hosted import session
-    ctx = session(["+preset=sdxl_24gb"])               # same overrides as the command line
-    unet, optimizer, loader = ctx.prepare(unet, lambda params: torch.optim.AdamW(params, 1e-4), loader)
-    for batch in loader:
-        with ctx.step_context(), ctx.accelerator.autocast():
-            loss = my_loss(unet, batch)
-        ctx.accelerator.backward(loss)
-        optimizer.step(); optimizer.zero_grad()
+    @hosted                                              # Hydra overrides and -m sweeps from argv
+    def main(run):
+        unet, opt, loader = run.prepare(make_unet(), None, loader,
+                                        loss_fn=my_loss, example_batch=next(iter(loader)))
+        for batch in loader:
+            with run.step():                             # plugins' step contexts + autocast
+                loss = my_loss(unet, batch)
+                run.backward(loss)
+            opt.step(); opt.zero_grad()
+            run.log(loss)                                # metrics.jsonl, memory columns, profile
 
-The config is composed and validated exactly as ``python -m runner`` would do it; the trainer
-group is ignored because the loop is yours.
+What ``prepare`` gives the loop, exactly as managed mode does (the shared code is named):
+
+* the resolved run (runner/resolved.py): device, precision, dtypes, budget;
+* ``model.dtype``/``model.train_dtype`` and ``model.train=lora`` on the modules
+  (runner/trainer_setup.py);
+* a preflight plan (runner/plan/) from the prepared modules and one example batch, when
+  ``loss_fn`` and ``example_batch`` are given: over ``budget_gb`` the run stops there;
+* every configured plugin, through the same phases and the same RunContext;
+* the configured optimizer (``optimizer=...``) when the loop passes none, or the loop's own
+  factory; an optimizer instance together with an explicitly configured ``optimizer=`` is an
+  error, because one of them would be silently ignored;
+* the output directory, metrics.jsonl, ``profile.enabled`` and the final summary
+  (:meth:`HostedRun.finish`, called by :func:`hosted`).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import copy
+import functools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any, Iterator
 
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+from torch import nn
+
+from runner import registry, sweep
 from runner.context import RunContext
-from runner.loop import make_accelerator
-from runner.run import build_plugins, make_context
+from runner.errors import UserError
+from runner.loop import TrainResult, make_accelerator
+from runner.memory.profile import build_profiler
+from runner.memory.stats import MemoryMonitor
+from runner.optim import build_optimizer
+from runner.plan import preflight
+from runner.report import MetricsWriter, summary, write_run_info
+from runner.resolved import resolve
+from runner.run import build_plugins, make_context, output_dir
+from runner.trainer import ModelSet
+from runner.trainer_setup import prepare_models
 from runner.validate import compose_config, validate
 
+log = logging.getLogger("runner")
 
-def session(overrides: Sequence[str] = (), output_dir: str | Path | None = None) -> RunContext:
-    """Compose + validate the config, run ``configure_process`` and return a ready context."""
+
+class _LoopAsTrainer:
+    """The protocol view of a hosted loop, for the planner: its modules cloned on ``meta``, its
+    example batch, its loss. Nothing is copied but shapes."""
+
+    def __init__(self, models: ModelSet, loss_fn: Callable[..., torch.Tensor], example: dict[str, Any], single: bool):
+        self.models, self.loss_fn, self.example, self.single = models, loss_fn, example, single
+
+    def build_models(self, device: Any = "meta") -> ModelSet:
+        clones = {}
+        for name, module in self.models.items():
+            memo: dict[int, Any] = {}
+            for t in [*module.parameters(), *module.buffers()]:
+                empty = torch.empty_like(t, device="meta")
+                memo[id(t)] = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
+            clones[name] = copy.deepcopy(module, memo)
+        return ModelSet(clones, set(self.models.trained), dtypes_applied=True)
+
+    def dataset(self) -> list[Any]:
+        return []
+
+    def example_batch(self, batch_size: int, device: Any = "meta") -> dict[str, Any]:
+        out = {k: torch.empty_like(v, device=device) if isinstance(v, torch.Tensor) else v for k, v in self.example.items()}
+        n = next((len(v) for v in self.example.values() if isinstance(v, torch.Tensor) and v.dim()), 1)
+        out.setdefault("sample_seed", torch.arange(n, dtype=torch.int64))
+        return out
+
+    def loss(self, models: ModelSet, batch: dict[str, Any]) -> torch.Tensor:
+        batch = {k: v for k, v in batch.items() if k in self.example}  # without the planner's sample_seed
+        return self.loss_fn(models["model"] if self.single else models.modules, batch)
+
+
+class HostedRun:
+    """One hosted run: the resolved run, its plugins and its outputs around a loop that stays yours."""
+
+    def __init__(self, cfg: DictConfig, output_dir: Path | None = None, overrides: Sequence[str] = ()) -> None:
+        validate(cfg)
+        self.cfg = cfg
+        self.overrides = list(overrides)
+        self.run = resolve(cfg)
+        log.info("%s", self.run.describe())
+        self.output_dir = Path(output_dir) if output_dir else _default_output_dir(cfg)
+        write_run_info(self.output_dir, cfg)
+        self.ctx: RunContext = make_context(cfg, self.run, build_plugins(cfg, self.run), self.output_dir)
+        self.ctx.run_phase("configure_process")
+        self.ctx.accelerator = make_accelerator(self.run)
+        self.result = TrainResult(steps_done=0)
+        self._metrics = MetricsWriter(self.output_dir / "metrics.jsonl")
+        self._memory = MemoryMonitor(self.run.device, self.run.budget_gb)
+        self._profiler = build_profiler(cfg, self.ctx)
+        self._t0 = time.perf_counter()
+        self._times: list[float] = []
+        self._finished = False
+
+    # the services a loop uses
+    @property
+    def accelerator(self) -> Any:
+        return self.ctx.accelerator
+
+    @property
+    def device(self) -> torch.device:
+        return self.run.device
+
+    def prepare(self, models: dict[str, nn.Module] | nn.Module, optimizer: Any = None, dataloader: Any = None, *,
+                trained: set[str] | None = None, loss_fn: Callable[..., torch.Tensor] | None = None,
+                example_batch: dict[str, Any] | None = None) -> tuple[Any, Any, Any]:
+        """Apply the run to the loop's ``models`` (one module or a dict), ``optimizer`` (None: the
+        configured one; a factory ``lambda params: ...``; or an instance) and ``dataloader``
+        (returned as given). ``loss_fn(models, batch)`` with ``example_batch`` enables the
+        preflight plan. Returns ``(models, optimizer, dataloader)`` in the form given."""
+        single = isinstance(models, nn.Module)
+        named = {"model": models} if single else dict(models)
+        if trained is None:
+            trained = {n for n, m in named.items() if any(p.requires_grad for p in m.parameters())}
+        ctx = self.ctx
+        ctx.models = prepare_models(ModelSet(named, set(trained)), self.cfg.model, self.run)
+        if loss_fn is not None and example_batch is not None:
+            preflight(self.cfg, self.run, _LoopAsTrainer(ctx.models, loss_fn, example_batch, single), self.output_dir)
+        elif self.cfg.train.preflight:
+            log.info("hosted: no preflight plan (pass loss_fn= and example_batch= to prepare() for one)")
+        ctx.apply_setup_phases()
+        params = list(ctx.models.trainable_parameters())
+        if optimizer is None:
+            optimizer = build_optimizer(self.cfg.optimizer, params, notes=ctx.notes)
+        elif isinstance(optimizer, torch.optim.Optimizer):
+            if _optimizer_configured(self.cfg, self.overrides):
+                raise UserError(
+                    f"optimizer={self.cfg.optimizer.name} is configured, but the loop passed its own "
+                    f"{type(optimizer).__name__} to prepare(); one of them would be ignored. Pass None to use "
+                    "the configured optimizer, or drop optimizer= from the overrides (and the preset).")
+        else:
+            optimizer = optimizer(params)
+        ctx.optimizer = optimizer
+        ctx.run_phase("wrap_optimizer")
+        for name, m in ctx.models.items():
+            m.train(name in ctx.models.trained)
+        out_models = ctx.models["model"] if single else ctx.models.modules
+        return out_models, ctx.optimizer, dataloader
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """Around one forward and backward: the plugins' step contexts and the run's autocast."""
+        step = self.result.steps_done + 1
+        if not self._times and not self.result.losses:
+            self._t0 = time.perf_counter()
+        self._profiler.begin_step(step)
+        self.ctx.run_phase("on_step_start", step - 1)
+        with ExitStack() as stack:
+            stack.enter_context(self.ctx.step_context())
+            stack.enter_context(self.accelerator.autocast())
+            yield
+
+    def step_context(self) -> ExitStack:
+        """The plugins' step contexts alone (for loops that handle autocast themselves)."""
+        return self.ctx.step_context()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.accelerator.backward(loss)
+
+    def log(self, loss: torch.Tensor | float, **extra: Any) -> dict[str, Any]:
+        """After the optimizer step: one metrics.jsonl row (loss, s/step, memory columns)."""
+        self.result.steps_done += 1
+        step = self.result.steps_done
+        self.ctx.run_phase("on_step_end", step)
+        now = time.perf_counter()
+        dt, self._t0 = now - self._t0, now
+        self._profiler.end_step()
+        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+        row = {"step": step, "loss": value, "s_per_step": dt, **self._memory.sample(step), **extra}
+        self._metrics.write(row)
+        self.result.losses.append(value)
+        self._times.append(dt)
+        return row
+
+    def finish(self) -> str:
+        """Teardown (every plugin change undone) and the summary; idempotent."""
+        if self._finished:
+            return ""
+        self._finished = True
+        try:
+            self.ctx.teardown()
+        finally:
+            self._metrics.close()
+            self._profiler.close()
+        tail = self._times[1:] or self._times
+        self.result.seconds_per_step = sum(tail) / len(tail) if tail else float("nan")
+        self.result.notes = dict(self.ctx.notes)
+        text = summary(self.result, self.output_dir)
+        print(text)
+        return text
+
+
+def _optimizer_configured(cfg: DictConfig, overrides: Sequence[str]) -> bool:
+    """Whether ``optimizer`` was chosen explicitly: on the command line, or by a preset (which
+    then picks another than the default adamw)."""
+    return str(cfg.optimizer.get("name", "adamw")) != "adamw" or any(
+        str(o).lstrip("+~").startswith("optimizer") for o in overrides)
+
+
+def _default_output_dir(cfg: DictConfig) -> Path:
+    try:
+        return output_dir(cfg)
+    except UserError:
+        return Path("outputs") / "hosted" / time.strftime("%Y-%m-%d/%H-%M-%S")
+
+
+def session(overrides: Sequence[str] = (), output_dir: str | Path | None = None) -> HostedRun:
+    """A hosted run from command-line style overrides (``["+preset=sdxl_24gb", "train.device=cpu"]``)."""
+    registry.load_all()
     cfg = compose_config(overrides)
-    validate(cfg)
-    schedule = build_plugins(cfg)
-    ctx = make_context(cfg, schedule, Path(output_dir) if output_dir else None)
-    ctx.run_phase("configure_process")
-    ctx.accelerator = make_accelerator(cfg, ctx.device)
-    return ctx
+    return HostedRun(cfg, Path(output_dir) if output_dir else None, overrides)
+
+
+def hosted(fn: Callable[[HostedRun], Any]) -> Callable[[], None]:
+    """Decorator: ``fn(run)`` becomes a script that takes Hydra overrides and ``-m`` sweeps like
+    ``python -m runner`` (same config tree, same friendly errors, a sweep summary at the end)."""
+
+    def task(cfg: DictConfig) -> Any:
+        run = HostedRun(cfg, overrides=list(HydraConfig.get().overrides.task))
+        try:
+            value = fn(run)
+        finally:
+            run.finish()
+        return value if value is not None else (run.result.losses[-1] if run.result.losses else None)
+
+    @functools.wraps(fn)
+    def main() -> None:
+        sweep.launch(task)
+
+    return main

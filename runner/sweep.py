@@ -33,10 +33,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import hydra
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from runner import registry
 from runner.errors import UserError
+from runner.validate import conf_dir, hydra_args, precheck
 
 log = logging.getLogger("runner")
 
@@ -249,3 +252,19 @@ class SweepSummary(Callback):
 def exit_status() -> int:
     """1 when the last sweep of this process had a job that did not end ``ok``, else 0."""
     return int(bool(_last_sweep) and any(r.get("status") != "ok" for r in _last_sweep))
+
+
+def launch(task: Callable[[DictConfig], Any]) -> None:
+    """Run ``task`` as the runner's Hydra application: one run or a ``-m`` sweep over the same
+    config tree, after a friendly pre-check of the overrides; exits with the sweep's status.
+    ``python -m runner`` and hosted scripts (runner.hosted.hosted) both start here."""
+    registry.load_all()
+    args, _ = hydra_args()
+    if not (args.help or args.hydra_help or args.info or args.shell_completion):
+        try:
+            precheck(args.overrides, multirun=args.multirun)
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(e.exit_code)
+    hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(lambda cfg: run_job(task, cfg))()
+    sys.exit(exit_status())  # non-zero when a sweep job failed

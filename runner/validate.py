@@ -9,6 +9,7 @@ entry point composes once itself (cheap: ~0.1 s), turns any composition error in
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,14 @@ def expand_sweeps(overrides: Sequence[str]) -> list[list[str]]:
         else:
             choices.append([o.input_line])
     return [list(c) for c in itertools.islice(itertools.product(*choices), MAX_SWEEP_CHECKS)]
+
+
+def hydra_args() -> tuple[Any, list[str]]:
+    """The command line as Hydra will read it (overrides, -m, --help ...), parsed ahead of Hydra so
+    that bad overrides get a friendly message first. Hydra's own parser: one compat point."""
+    from hydra._internal.utils import get_args_parser  # Hydra has no public parser
+
+    return get_args_parser().parse_known_args(sys.argv[1:])
 
 
 def precheck(overrides: Sequence[str], multirun: bool) -> None:
