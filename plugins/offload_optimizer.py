@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
-from runner.plugins.stream import HostRegion, _is_fake, _nbytes, host_copy
+from runner.plugins.stream.host import HostRegion, _is_fake, _nbytes, host_copy
 from runner.errors import UserError, valid_list
 from runner.plugin import Plugin, PluginConfig
 from runner.registry import register_plugin

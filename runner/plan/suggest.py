@@ -12,6 +12,7 @@ from typing import Any
 
 from runner.plan.result import Plan
 
+
 def _available(kind: str) -> list[str]:
     from runner import registry
 
