@@ -11,7 +11,7 @@ Both train with activation checkpointing of every block (plugins/checkpoint.py),
 Variants, each timed over the same steps (forward + backward + optimizer step):
 
 * ``none``: everything on the GPU;
-* ``stream b=F``: ``offload=stream`` (plugins/stream.py) with ``device_budget`` = F x the model's
+* ``stream b=F``: ``offload=stream`` (plugins/stream/) with ``device_budget`` = F x the model's
   weight bytes, for several F, prefetch 1 (and 2 where asked);
 * ``group_offload``: diffusers ``apply_group_offloading(offload_type="block_level",
   num_blocks_per_group=1, use_stream=True)``;

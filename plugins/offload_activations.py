@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from runner.errors import UserError
+from runner.hooks import composable
 from runner.plugin import Plugin, PluginConfig
 from runner.registry import register_plugin
 
@@ -315,8 +316,8 @@ class ActivationOffloader:
         def unpack_hook(x: Any) -> torch.Tensor:
             return unpack(x)
 
-        pack_hook._runner_composable = True  # offload=stream's block hooks delegate activations to us
-        unpack_hook._runner_composable = True
+        composable(pack_hook)  # offload=stream's block hooks delegate activations to us
+        composable(unpack_hook)
         with torch.autograd.graph.saved_tensors_hooks(pack_hook, unpack_hook):
             yield
         self._packed.clear()

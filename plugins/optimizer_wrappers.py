@@ -34,7 +34,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from runner.plugins.stream import HostRegion, _is_fake, _nbytes, host_copy
+from runner.plugins.stream.host import HostRegion, _is_fake, _nbytes, host_copy
 
 
 def _torchao_class() -> type | None:

@@ -107,3 +107,18 @@ def unmark(module: nn.Module, kind: str) -> Any:
     """Forget ``kind`` on ``module``; returns the value it had (None if unmarked)."""
     marks = _MARKS.get(module)
     return None if marks is None else marks.pop(kind, None)
+
+
+# Saved-tensor hooks of the runner's plugins (activation offload, streamed offload) nest with
+# each other; a hook pair of anyone else (a checkpoint region) is left alone. Held weakly.
+_COMPOSABLE: "weakref.WeakSet[Callable[..., Any]]" = weakref.WeakSet()
+
+
+def composable(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``fn`` as one of the runner's saved-tensor hooks (see above); returns ``fn``."""
+    _COMPOSABLE.add(fn)
+    return fn
+
+
+def is_composable(fn: Any) -> bool:
+    return fn in _COMPOSABLE

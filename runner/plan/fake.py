@@ -21,6 +21,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConverter, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
+
 class _UnmemoizedOutputs(FakeTensorConverter):
     """Fake op outputs without the converter's weak memo.
 

@@ -9,6 +9,7 @@ from typing import Any
 from runner.memory.tracker import CATEGORIES
 from runner.plan.target import DEVICE, HOST, GiB
 
+
 @dataclass
 class PhasePeak:
     """The steady-state peak of one phase of the simulated step, on one device."""

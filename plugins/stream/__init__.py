@@ -1,0 +1,181 @@
+"""Streamed weight offload (``offload=stream``): train a denoiser larger than the device budget.
+
+The weights of a chosen set of repeated blocks live in (pinned) host memory and are copied to
+the device just before each block runs, on a side stream, ``offload.prefetch`` blocks ahead;
+they are dropped from the device when the block is done. The rest of the model stays resident.
+
+The package, by responsibility (each module's docstring has the details):
+
+* ``plan``: which blocks are streamed, within a budget in bytes rather than blocks
+  (:func:`plan_stream`), and the execution order they are expected to run in.
+* ``handle``: :func:`apply_stream_offload` and :class:`StreamHandle` (host copies, device
+  buffers, copies, lifecycle; parameter identity through device twins); ``hooks``: when blocks
+  are loaded and released (forward, saved tensors, backward order, gradients to the host);
+  ``state``: the runtime records.
+* ``host``: page-locked host memory (:class:`HostRegion`, :func:`host_copy`), also used by
+  ``offload=optimizer``.
+* here: the config (``offload.*``) and the plugin.
+
+It composes with the other offload plugins, each with its own node: ``offload=[park,stream]``
+(park places first: its encode pre-pass runs while the denoiser is still on the host),
+``+offload=activations``, ``+offload=optimizer``. It claims the modules it streams, so a module
+that park parks or drops cannot be streamed too (the run stops before anything is built). Combined
+with the optimizer offload, gradients stay on the device until the step (``offload_gradients``
+off), so the runner's clipping sees every gradient: the streamed blocks' on the host, the
+resident ones' on the device.
+
+Planner (``ctx.simulate``): the same code runs synchronously on fake tensors (device ``meta``,
+host fake ``cpu``), so the planned device bytes contain exactly the resident weights and the
+window, and the streamed bytes are reported as pinned host memory (``ctx.note_pinned_bytes``); a weight read in backward after its release would be a fake-tensor
+device mismatch, so every planned step also checks the load/release order.
+
+Trade-offs: every streamed byte crosses PCIe twice per step (forward and backward; frozen
+blocks without backward work are not reloaded), so the saving is paid in bandwidth; it is free
+only while resident compute hides the copies (bench/offload_bench.py measures it). Full
+fine-tune also runs the streamed parameters' optimizer step on the host CPU. Under autocast with
+float32 master weights, each streamed block's bf16 weight casts are kept out of the autocast
+cache (it is cleared after the block), which costs nothing because each weight is used once.
+Blocks holding quantized parameters (bitsandbytes) or parameters shared with other modules stay
+resident.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+
+from runner.blocks import find_repeated_blocks
+from runner.errors import UserError, valid_list
+from runner.plugin import Plugin, PluginConfig
+from runner.plugins.stream.handle import MARK, StreamHandle, apply_stream_offload
+from runner.plugins.stream.host import GiB, HostRegion, _nbytes, fmt_bytes, host_copy
+from runner.plugins.stream.plan import BlockPlan, StreamPlan, guess_execution_order, minimum_device_bytes, plan_stream
+from runner.plugins.stream.state import StreamStats
+from runner.registry import register_plugin
+
+if TYPE_CHECKING:
+    from runner.context import RunContext
+
+__all__ = [
+    "BlockPlan", "GiB", "HostRegion", "StreamConfig", "StreamHandle", "StreamOffload", "StreamPlan", "StreamStats",
+    "apply_stream_offload", "check_config", "fmt_bytes", "guess_execution_order", "host_copy",
+    "minimum_device_bytes", "plan_stream",
+]
+
+log = logging.getLogger("runner")
+
+
+# ---- config ----------------------------------------------------------------------------------
+@dataclass
+class StreamConfig(PluginConfig):
+    """``offload=stream``: repeated blocks' weights streamed from pinned host memory to the device."""
+
+    name: str = "stream"
+    device_budget_gb: Optional[float] = None  # GiB of the streamed modules' weights on the device; null: device_fraction
+    device_fraction: float = 0.5  # used when device_budget_gb is null: this share of the modules' weight bytes
+    prefetch: int = 1  # blocks copied ahead of the one computing (window = prefetch + 1 blocks)
+    modules: list[str] = field(default_factory=list)  # modules to stream; empty = the trained ones
+    pin_memory: bool = True  # page-lock host copies (CUDA only) so copies run asynchronously
+
+
+# ---- the plugin --------------------------------------------------------------------------------
+def check_config(c: Any, key: str = "offload.stream") -> None:
+    if c.device_budget_gb is not None and not c.device_budget_gb > 0:
+        raise UserError(f"{key}.device_budget_gb={c.device_budget_gb!r} is not valid: give a number of GiB > 0, "
+                        f"or null to use {key}.device_fraction.")
+    if c.device_budget_gb is None and not 0 < c.device_fraction <= 1:
+        raise UserError(f"{key}.device_fraction={c.device_fraction!r} is not valid: give a share of the weight "
+                        f"bytes in (0, 1] (0.5 keeps half of them on the device), or set {key}.device_budget_gb.")
+    if not isinstance(c.prefetch, int) or isinstance(c.prefetch, bool) or c.prefetch < 0:
+        raise UserError(f"{key}.prefetch={c.prefetch!r} is not valid: give a whole number of blocks >= 0 "
+                        "(1 copies the next block while one computes).")
+
+
+@register_plugin
+class StreamOffload(Plugin):
+    kind = "offload"
+    name = "stream"
+    Config = StreamConfig
+    description = ("repeated blocks' weights in pinned host memory, streamed to the device ahead of use "
+                   "within a byte budget (offload.stream.device_budget_gb); compose with park, activations, optimizer")
+    # offload=[park,stream]: park's encode pre-pass runs while the denoiser is still on the host.
+    after = ("offload/park",)
+
+    def validate(self) -> None:
+        check_config(self.config, self.key.replace("/", "."))
+        if self.run.train_mode == "full" and self.run.precision == "fp16":
+            raise UserError(
+                "offload=stream with model.train=full and train.mixed_precision=fp16: the streamed parameters' "
+                "gradients live on the host, where fp16 gradient scaling (GradScaler) does not unscale them. "
+                "Use train.mixed_precision=bf16 (or no), or model.train=lora."
+            )
+
+    def _targets(self, ctx: RunContext) -> list[str]:
+        names = list(self.config.modules) or sorted(ctx.models.trained)
+        unknown = [n for n in names if n not in ctx.models]
+        if unknown:
+            raise UserError(f"{self.setting('modules')} names {', '.join(map(repr, unknown))}, which the trainer does "
+                            f"not build. Valid names: {valid_list(unknown[0], ctx.models.modules)}.")
+        return names
+
+    def claim_modules(self, ctx: RunContext) -> None:
+        for name in self._targets(ctx):
+            ctx.claim(name, "stream", self.key)
+
+    def place_models(self, ctx: RunContext) -> None:
+        c = self.config
+        names = self._targets(ctx)
+        sizes = {n: sum(_nbytes(p) for p in ctx.models[n].parameters()) + sum(_nbytes(b) for b in ctx.models[n].buffers())
+                 for n in names}
+        total = sum(sizes.values()) or 1
+        handles: dict[str, StreamHandle] = {}
+        for n in names:
+            module = ctx.models[n]
+            blocks = ctx.models.blocks.get(n) or find_repeated_blocks(module)
+            if not blocks:
+                raise UserError(f"offload=stream found no repeated blocks in {n} ({type(module).__name__}) to stream; "
+                                f"give the trainer's ModelSet.blocks or choose {self.setting('modules')}.")
+            if c.device_budget_gb is not None:  # one budget, shared in proportion to weight bytes
+                budget = int(c.device_budget_gb * GiB * sizes[n] / total)
+            else:
+                budget = int(c.device_fraction * sizes[n])
+            handle = apply_stream_offload(module, blocks, budget, int(c.prefetch), ctx.device, ctx.host,
+                                          pin_memory=bool(c.pin_memory), name=n, clear_cast_cache=_cast_cache_clearer(ctx))
+            ctx.hooks.add(module, MARK, self.key, handle=handle, undo=handle.remove)
+            ctx.facts.placed.add(n)
+            ctx.facts.streamed.add(n)
+            handles[n] = handle
+            log.info("stream: %s", handle.plan.describe())
+        self.handles = handles
+        host = sum(h.host_bytes() for h in handles.values())
+        if c.pin_memory:
+            ctx.note_pinned_bytes(host)  # pinned on the target GPU (the planner's contract)
+        ctx.notes["stream: weight bytes on the host"] = host
+        ctx.notes["stream: planned device weight bytes"] = sum(h.plan.device_weight_bytes for h in handles.values())
+        ctx.notes["stream: planned window bytes"] = sum(h.plan.window_bytes for h in handles.values())
+
+    def on_oom(self, ctx: RunContext, step: int, error: BaseException) -> None:
+        for h in getattr(self, "handles", {}).values():
+            h.reset()
+
+    def teardown(self, ctx: RunContext) -> None:
+        """Report what was streamed; the hooks themselves are removed by ``ctx.hooks``."""
+        handles = getattr(self, "handles", {})
+        if handles:
+            ctx.notes["stream: peak streamed bytes on the device"] = sum(h.stats.peak_device_bytes for h in handles.values())
+            ctx.notes["stream: host-to-device bytes"] = sum(h.stats.h2d_bytes for h in handles.values())
+        self.handles = {}
+
+
+def _cast_cache_clearer(ctx: RunContext) -> Callable[[], None]:
+    """Clears torch's autocast weight-cast cache, and in simulation the planner's own copy of it
+    (``DeviceSemantics.cache``: ``meta`` has no torch autocast, so the planner keeps the cache)."""
+    def clear() -> None:
+        torch.clear_autocast_cache()
+        cache = getattr(getattr(ctx.accelerator, "semantics", None), "cache", None)
+        if ctx.simulate and isinstance(cache, dict):
+            cache.clear()
+
+    return clear
