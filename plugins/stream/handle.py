@@ -31,6 +31,8 @@ from runner.plugins.stream.host import HostRegion, _align, _is_fake, host_copy
 from runner.plugins.stream.plan import StreamPlan, _streamable, guess_execution_order, plan_stream
 from runner.plugins.stream.state import INFLIGHT, LOADED, RELEASED, StreamStats, _Block, _Slot
 
+MARK = "stream"  # runner.hooks mark on a streamed module: its StreamHandle
+
 
 class StreamHandle(_StreamHooks):
     """A module whose blocks stream their weights; created by :func:`apply_stream_offload`."""
