@@ -61,7 +61,7 @@ from runner.validate import compose_config, validate
 log = logging.getLogger("runner")
 
 
-class _LoopAsTrainer:
+class HostedLoop:
     """The protocol view of a hosted loop, for the planner: its modules cloned on ``meta``, its
     example batch, its loss. Nothing is copied but shapes."""
 
@@ -90,6 +90,31 @@ class _LoopAsTrainer:
     def loss(self, models: ModelSet, batch: dict[str, Any]) -> torch.Tensor:
         batch = {k: v for k, v in batch.items() if k in self.example}  # without the planner's sample_seed
         return self.loss_fn(models["model"] if self.single else models.modules, batch)
+
+
+class DeviceLoader:
+    """The loop's data loader, with every batch's tensors moved to the run's device (as
+    accelerate's prepared loader does): a CPU run and a GPU run need the same loop."""
+
+    def __init__(self, loader: Any, device: torch.device) -> None:
+        self.loader, self.device = loader, device
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self.loader:
+            yield _to_device(batch, self.device)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+
+def _to_device(x: Any, device: torch.device) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, dict):
+        return {k: _to_device(v, device) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_device(v, device) for v in x)
+    return x
 
 
 class HostedRun:
@@ -128,7 +153,7 @@ class HostedRun:
                 example_batch: dict[str, Any] | None = None) -> tuple[Any, Any, Any]:
         """Apply the run to the loop's ``models`` (one module or a dict), ``optimizer`` (None: the
         configured one; a factory ``lambda params: ...``; or an instance) and ``dataloader``
-        (returned as given). ``loss_fn(models, batch)`` with ``example_batch`` enables the
+        (returned wrapped so that batches arrive on the run's device). ``loss_fn(models, batch)`` with ``example_batch`` enables the
         preflight plan. Returns ``(models, optimizer, dataloader)`` in the form given."""
         single = isinstance(models, nn.Module)
         named = {"model": models} if single else dict(models)
@@ -137,7 +162,7 @@ class HostedRun:
         ctx = self.ctx
         ctx.models = prepare_models(ModelSet(named, set(trained)), self.cfg.model, self.run)
         if loss_fn is not None and example_batch is not None:
-            preflight(self.cfg, self.run, _LoopAsTrainer(ctx.models, loss_fn, example_batch, single), self.output_dir)
+            preflight(self.cfg, self.run, HostedLoop(ctx.models, loss_fn, example_batch, single), self.output_dir)
         elif self.cfg.train.preflight:
             log.info("hosted: no preflight plan (pass loss_fn= and example_batch= to prepare() for one)")
         ctx.apply_setup_phases()
@@ -157,7 +182,7 @@ class HostedRun:
         for name, m in ctx.models.items():
             m.train(name in ctx.models.trained)
         out_models = ctx.models["model"] if single else ctx.models.modules
-        return out_models, ctx.optimizer, dataloader
+        return out_models, ctx.optimizer, DeviceLoader(dataloader, self.run.device) if dataloader is not None else None
 
     @contextmanager
     def step(self) -> Iterator[None]:

@@ -33,8 +33,8 @@ def test_cfg_job_prints_the_composed_config():
 def test_mode_plugins_lists_every_plugin_with_parameters():
     r = cli("mode=plugins")
     assert r.returncode == 0, r.stderr
-    assert "checkpoint:" in r.stdout and "checkpoint.every_n" in r.stdout
-    assert "allocator.expandable_segments" in r.stdout
+    assert "checkpoint:" in r.stdout and "checkpoint.blocks.every_n" in r.stdout
+    assert "allocator.default.expandable_segments" in r.stdout
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,8 @@ def test_every_preset_composes_and_validates(preset):
     assert cfg.preset == preset
     assert cfg.budget_gb == (12 if preset == "constrained" else 24)
     for kind in ("allocator", "quantization", "offload", "checkpoint", "tiling"):
-        assert cfg[kind].name, kind
+        for name, node in cfg[kind].items():  # each selected plugin's node, at <kind>.<name>
+            assert node.name == name, (kind, name)
 
 
 def test_default_config_is_tiny_sdxl():
@@ -29,19 +30,19 @@ def test_default_config_is_tiny_sdxl():
     validate(cfg)
     assert cfg.model.size == "tiny"
     assert cfg.trainer._target_.endswith("SDXLTrainer")
-    assert cfg.checkpoint.name == "none" and cfg.offload.name == "none"
+    assert not cfg.checkpoint and not cfg.offload  # no plugin of either kind selected
 
 
 def test_overrides_reach_every_public_key():
     cfg = compose_config(["+preset=sdxl_24gb", "train.steps=7", "model.size=full", "budget_gb=10.5",
-                          "checkpoint.every_n=3", "checkpoint.mode=every_n"])
+                          "checkpoint.blocks.every_n=3", "checkpoint.blocks.mode=every_n"])
     assert (cfg.train.steps, cfg.model.size, cfg.budget_gb) == (7, "full", 10.5)
-    assert cfg.checkpoint.every_n == 3
+    assert cfg.checkpoint.blocks.every_n == 3 and cfg.checkpoint.blocks.mode == "every_n"
 
 
 def test_preset_picks_plugins_and_cli_can_change_them():
-    assert compose_config(["+preset=sdxl_24gb"]).checkpoint.name == "blocks"
-    assert compose_config(["+preset=sdxl_24gb", "checkpoint=none"]).checkpoint.name == "none"
+    assert list(compose_config(["+preset=sdxl_24gb"]).checkpoint) == ["blocks"]
+    assert list(compose_config(["+preset=sdxl_24gb", "checkpoint=none"]).checkpoint) == []
     assert compose_config(["+preset=flux_24gb"]).trainer._target_.endswith("FluxTrainer")
 
 
@@ -54,8 +55,8 @@ def test_misspelled_key_suggests_the_closest():
 
 def test_misspelled_plugin_param_suggests_within_the_chosen_plugin():
     with pytest.raises(UserError) as e:
-        compose_config(["checkpoint=blocks", "checkpoint.every_m=2"])
-    assert "checkpoint.every_m" in str(e.value) and "every_n" in str(e.value)
+        compose_config(["checkpoint=blocks", "checkpoint.blocks.every_m=2"])
+    assert "checkpoint.blocks.every_m" in str(e.value) and "every_n" in str(e.value)
 
 
 def test_wrong_type_names_the_key():
@@ -118,6 +119,8 @@ def test_data_resolution_follows_model_size_unless_set(overrides, resolution):
 
 
 def test_a_preset_key_the_chosen_plugin_lacks_names_the_preset_and_the_choice():
-    # constrained sets quantization.modules; quantization=none has no such key.
-    with pytest.raises(UserError, match=r"'quantization.modules': preset/constrained sets it, but quantization=none"):
-        compose_config(["+preset=constrained", "quantization=none"])
+    # flux_24gb sets offload.park.cache_latents; offload=none selects no park plugin to take it.
+    # (constrained no longer sets a plugin key: the quantization default skips what it used to list.)
+    with pytest.raises(UserError, match=r"preset flux_24gb sets offload\.park\.cache_latents, but offload=park is "
+                                        r"not selected \(offload=none\)"):
+        validate(compose_config(["+preset=flux_24gb", "offload=none"]))

@@ -1,38 +1,140 @@
-"""Hosted mode: a user's own loop calls ctx.prepare and gets the configured plugins applied."""
+"""Hosted mode (runner/hosted.py): a user's own loop gets everything managed mode gives."""
 from __future__ import annotations
 
+import difflib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 import torch
-from diffusers import UNet2DModel
+from torch import nn
 
+from runner.errors import UserError
+from runner.hooks import marked
 from runner.hosted import session
+from runner.plan import PlanDoesNotFit
+
+ASSETS = Path(__file__).parent / "assets"
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ASSETS))
+from toy_model import batches, make_unet, my_loss  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def tiny_unet() -> UNet2DModel:
-    torch.manual_seed(0)
-    return UNet2DModel(sample_size=16, in_channels=3, out_channels=3, block_out_channels=(16, 32), layers_per_block=1,
-                       norm_num_groups=8, down_block_types=("DownBlock2D", "DownBlock2D"),
-                       up_block_types=("UpBlock2D", "UpBlock2D"))
+def hosted_losses(tmp: Path, *overrides: str, optimizer=None, steps: int = 3) -> tuple[list[float], nn.Module, object]:
+    """The README's hosted loop, in process."""
+    run = session(["train.device=cpu", "optimizer.lr=1e-3", *overrides], output_dir=tmp)
+    unet, opt, loader = run.prepare(make_unet(), optimizer, batches(steps), loss_fn=my_loss, example_batch=batches(1)[0])
+    seen = {}
+    for batch in loader:
+        with run.step():
+            loss = my_loss(unet, batch)
+            run.backward(loss)
+        seen["checkpointed"] = any(marked(m, "checkpoint") for m in unet.modules())
+        opt.step()
+        opt.zero_grad()
+        run.log(loss)
+    run.finish()
+    return run.result.losses, unet, (run, opt, seen)
 
 
-def user_loop(overrides: list[str], steps: int = 3) -> tuple[list[float], torch.nn.Module]:
-    ctx = session(overrides)
-    unet, optimizer, loader = ctx.prepare(tiny_unet(), lambda ps: torch.optim.AdamW(ps, lr=1e-3), [0] * steps)
-    losses = []
-    for i in loader:
-        g = torch.Generator().manual_seed(i)
-        x = torch.randn(2, 3, 16, 16, generator=g)
-        with ctx.step_context(), ctx.accelerator.autocast():
-            loss = torch.nn.functional.mse_loss(unet(x, torch.tensor([1, 500])).sample, x)
-        ctx.accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, unet
+def plain_losses(steps: int = 3) -> list[float]:
+    unet = make_unet()
+    opt = torch.optim.AdamW(unet.parameters(), lr=1e-3)
+    out = []
+    for batch in batches(steps):
+        loss = my_loss(unet, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out
 
 
-def test_hosted_loop_runs_with_plugins_applied():
-    plain, _ = user_loop(["train.device=cpu"])
-    ckpt, unet = user_loop(["train.device=cpu", "checkpoint=blocks"])
-    # Checkpointing changes memory, not math.
-    torch.testing.assert_close(torch.tensor(ckpt), torch.tensor(plain), rtol=1e-5, atol=1e-6)
-    assert any(getattr(m, "_runner_checkpointed", False) for m in unet.modules()), "checkpoint plugin not applied"
+def test_hosted_loop_equals_the_plain_loop_and_applies_plugins(tmp_path):
+    plain = plain_losses()
+    same, _, _ = hosted_losses(tmp_path / "a")
+    torch.testing.assert_close(torch.tensor(same), torch.tensor(plain), rtol=0, atol=0)
+    ckpt, unet, (_, _, seen) = hosted_losses(tmp_path / "b", "checkpoint=blocks")
+    torch.testing.assert_close(torch.tensor(ckpt), torch.tensor(plain), rtol=1e-5, atol=1e-6)  # memory, not math
+    assert seen["checkpointed"], "checkpoint=blocks was not applied during the loop"
+    assert not any(marked(m, "checkpoint") for m in unet.modules()), "finish() must undo every plugin change"
+
+
+def test_hosted_run_writes_the_outputs_of_a_managed_run(tmp_path):
+    losses, _, _ = hosted_losses(tmp_path, "profile.enabled=true", "profile.start=1", "profile.steps=2")
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and [r["loss"] for r in rows] == losses
+    assert {"s_per_step", "host_rss_gb", "mem_pressure"} <= set(rows[0])
+    for name in ("resolved_config.yaml", "versions.json", "plan.json", "memory_timeline.json"):
+        assert (tmp_path / name).is_file(), name
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    weights = sum(p.numel() * 4 for p in make_unet().parameters())
+    assert plan["by_category"]["weights"] >= weights  # the preflight planned the prepared module
+
+
+def test_configured_optimizer_when_the_loop_passes_none(tmp_path):
+    _, _, (_, opt, _) = hosted_losses(tmp_path, "optimizer=adamw8bit", steps=1)
+    assert "8bit" in type(opt).__name__
+
+
+def test_an_optimizer_instance_and_an_explicit_optimizer_choice_conflict(tmp_path):
+    run = session(["train.device=cpu", "optimizer=adafactor"], output_dir=tmp_path)
+    unet = make_unet()
+    with pytest.raises(UserError, match="optimizer=adafactor is configured, but the loop passed its own AdamW"):
+        run.prepare(unet, torch.optim.AdamW(unet.parameters()), batches(1))
+    run.finish()
+
+
+def test_lora_and_dtypes_are_applied_to_the_loop_s_modules(tmp_path):
+    run = session(["train.device=cpu", "model.train=lora", "model.lora_rank=2", "model.dtype=bfloat16",
+                   "model.lora_targets=[conv1,conv2]"], output_dir=tmp_path)
+    frozen = nn.Linear(4, 4).requires_grad_(False)
+    models, opt, _ = run.prepare({"unet": make_unet(), "encoder": frozen}, None, None, trained={"unet"})
+    trainable = [n for n, p in models["unet"].named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert {p.dtype for n, p in models["unet"].named_parameters() if "lora_" not in n} == {torch.bfloat16}
+    assert {p.dtype for n, p in models["unet"].named_parameters() if "lora_" in n} == {torch.float32}
+    assert models["encoder"].weight.dtype == torch.bfloat16
+    assert {id(p) for g in opt.param_groups for p in g["params"]} == {id(p) for p in models["unet"].parameters()
+                                                                     if p.requires_grad}
+    run.finish()
+
+
+def test_preflight_refuses_a_loop_over_budget(tmp_path):
+    run = session(["train.device=cpu", "budget_gb=0.001"], output_dir=tmp_path)
+    with pytest.raises(PlanDoesNotFit, match="budget_gb=0.001"):
+        run.prepare(make_unet(), None, batches(1), loss_fn=my_loss, example_batch=batches(1)[0])
+    run.finish()
+
+
+def test_readme_diff_is_at_most_ten_changed_lines():
+    def code(name: str) -> list[str]:
+        lines = (ASSETS / name).read_text().splitlines()
+        return lines[1:]  # the docstring line says which file is which
+
+    diff = difflib.unified_diff(code("plain_loop.py"), code("hosted_loop.py"), lineterm="", n=0)
+    added = [line for line in diff if line.startswith("+") and not line.startswith("+++")]
+    assert len(added) <= 10, added
+
+
+@pytest.mark.slow
+def test_hosted_script_takes_overrides_and_sweeps(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ASSETS), str(ROOT)]), "OMP_NUM_THREADS": "1"}
+    plain = subprocess.run([sys.executable, str(ASSETS / "plain_loop.py")], env=env, capture_output=True, text=True,
+                           timeout=300)
+    r = subprocess.run([sys.executable, str(ASSETS / "hosted_loop.py"), "-m", "train.device=cpu", "optimizer.lr=1e-3,1e-4",
+                        f"hydra.sweep.dir={tmp_path}", "train.progress=false"], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = (tmp_path / "sweep_summary.csv").read_text().splitlines()
+    assert len(rows) == 3 and all(",ok," in row for row in rows[1:]), rows
+    first_job = [line for line in r.stdout.splitlines() if line.startswith("loss ")][:3]
+    assert first_job == [line for line in plain.stdout.splitlines() if line.startswith("loss ")]
+    bad = subprocess.run([sys.executable, str(ASSETS / "hosted_loop.py"), "train.devise=cpu"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "Did you mean 'device'" in bad.stderr and "Traceback" not in bad.stderr

@@ -5,6 +5,10 @@ import pytest
 
 from runner.errors import UserError
 from runner.plugin import KINDS, PHASES, Plugin, PluginSchedule, order_for_phase
+from runner.resolved import resolve
+from runner.validate import compose_config
+
+RUN = resolve(compose_config(["train.device=cpu"]))  # ordering reads no setting of the run
 
 
 def make(kind: str, name: str, phases: tuple[str, ...] = ("wrap_execution",), after=(), before=()) -> Plugin:
@@ -12,7 +16,7 @@ def make(kind: str, name: str, phases: tuple[str, ...] = ("wrap_execution",), af
     body = {"kind": kind, "name": name, "after": tuple(after), "before": tuple(before)}
     for ph in phases:
         body[ph] = lambda self, ctx, *args, _ph=ph: ctx.append((self.key, _ph))
-    return type(f"P_{kind}_{name}", (Plugin,), body)(None)
+    return type(f"P_{kind}_{name}", (Plugin,), body)(None, RUN)
 
 
 def keys(plugins):
@@ -104,24 +108,27 @@ def test_describe():
     assert PluginSchedule.build([make("tiling", "none", phases=())]).describe() == "  (no plugin phases)"
 
 
-def test_builtin_none_plugins_have_no_phases():
-    import runner.plugins  # noqa: F401
-    from runner import registry
+def test_kind_none_selects_no_plugin():
+    # `<kind>=none` used to build a do-nothing "none" plugin; it now selects no plugin at all.
+    from runner.run import build_plugins
 
-    for kind in KINDS:
-        cls = registry.get_plugin(kind, "none")
-        assert cls.kind == kind
-        assert not any(cls(None).implements(ph) for ph in PHASES), kind
-    assert registry.get_plugin("allocator", "default").name == "default"
+    cfg = compose_config([f"{kind}=none" for kind in KINDS] + ["train.device=cpu"])
+    sched = build_plugins(cfg, resolve(cfg))
+    assert sched.plugins == []
+    assert all(sched.by_phase[ph] == [] for ph in PHASES)
+    assert sched.describe() == "  (no plugin phases)"
 
 
 def test_builtin_schedule_orders_real_plugins():
     import runner.plugins  # noqa: F401
     from runner import registry
 
-    ps = [registry.get_plugin(k, n)(None) for k, n in
-          [("tiling", "none"), ("checkpoint", "blocks"), ("offload", "none"), ("quantization", "none"), ("allocator", "default")]]
+    cfg = compose_config(["checkpoint=blocks", "train.device=cpu"])
+    run = resolve(cfg)
+    ps = [registry.get_plugin(k, n)(cfg[k][n], run) for k, n in [("checkpoint", "blocks"), ("allocator", "default")]]
     sched = PluginSchedule.build(ps)
     assert keys(sched.by_phase["configure_process"]) == ["allocator/default"]
+    assert keys(sched.by_phase["claim_modules"]) == ["checkpoint/blocks"]
     assert keys(sched.by_phase["wrap_execution"]) == ["checkpoint/blocks"]
-    assert keys(sched.by_phase["teardown"]) == ["checkpoint/blocks"]
+    # checkpointing is undone through ctx.hooks (ctx.teardown), not by a teardown phase of its own
+    assert sched.by_phase["teardown"] == []

@@ -1,9 +1,10 @@
 """allocator=default: PYTORCH_CUDA_ALLOC_CONF composition and merging, CPU behaviour, validation."""
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,6 +22,18 @@ from runner.plugins.allocator import (
 from runner.context import RunContext
 from runner.errors import UserError
 from runner.plugin import PluginSchedule
+from runner.resolved import GiB, ResolvedRun, resolve
+from runner.validate import compose_config
+
+
+@functools.cache
+def _base_run() -> ResolvedRun:
+    return resolve(compose_config(["train.device=cpu"]))
+
+
+def _run(budget_gb=None) -> ResolvedRun:
+    """A CPU run with ``budget_gb`` (None: no budget)."""
+    return dataclasses.replace(_base_run(), budget_bytes=None if budget_gb is None else int(budget_gb * GiB))
 
 
 @pytest.fixture(autouse=True)
@@ -78,7 +91,7 @@ def test_user_env_is_preserved_and_logged(monkeypatch, caplog):
         result = apply_allocator_settings(AllocatorConfig(garbage_collection_threshold=0.6), None, "cpu")
     assert os.environ[ENV] == "expandable_segments:False,max_split_size_mb:64,garbage_collection_threshold:0.6"
     assert result.user_keys == ["expandable_segments", "max_split_size_mb"]
-    assert "sets expandable_segments:False, which wins over allocator.expandable_segments" in caplog.text
+    assert "sets expandable_segments:False, which wins over allocator.default.expandable_segments" in caplog.text
 
 
 def test_new_env_name_is_merged_in_place(monkeypatch):
@@ -106,34 +119,37 @@ def test_nothing_to_set_leaves_env_alone():
 @pytest.mark.parametrize(
     "kwargs, budget, match",
     [
-        (dict(garbage_collection_threshold=1.0), None, r"allocator.garbage_collection_threshold=1.0 is not valid"),
-        (dict(garbage_collection_threshold=0.0), None, r"allocator.garbage_collection_threshold"),
-        (dict(max_split_size_mb=8), None, r"allocator.max_split_size_mb=8 is not valid: PyTorch needs at least 20"),
-        (dict(cap_to_budget=True), None, r"allocator.cap_to_budget=true needs budget_gb"),
+        (dict(garbage_collection_threshold=1.0), None,
+         r"allocator.default.garbage_collection_threshold=1.0 is not valid"),
+        (dict(garbage_collection_threshold=0.0), None, r"allocator.default.garbage_collection_threshold"),
+        (dict(max_split_size_mb=8), None,
+         r"allocator.default.max_split_size_mb=8 is not valid: PyTorch needs at least 20"),
+        (dict(cap_to_budget=True), None, r"allocator.default.cap_to_budget=true needs budget_gb"),
     ],
 )
 def test_validation(kwargs, budget, match):
-    plugin = DefaultAllocator(AllocatorConfig(**kwargs))
+    plugin = DefaultAllocator(AllocatorConfig(**kwargs), _run(budget))
     with pytest.raises(UserError, match=match):
-        plugin.validate(SimpleNamespace(budget_gb=budget))
+        plugin.validate()
     with pytest.raises(UserError, match=match):
         apply_allocator_settings(AllocatorConfig(**kwargs), budget, "cpu")
 
 
 def test_valid_cap_config_passes_validation():
-    DefaultAllocator(AllocatorConfig(cap_to_budget=True)).validate(SimpleNamespace(budget_gb=12))
+    DefaultAllocator(AllocatorConfig(cap_to_budget=True), _run(12)).validate()
 
 
 def test_plugin_configure_process_on_cpu(caplog):
     from omegaconf import OmegaConf
 
-    plugin = DefaultAllocator(OmegaConf.structured(AllocatorConfig(cap_to_budget=True)))
+    run = _run(12.0)
+    plugin = DefaultAllocator(OmegaConf.structured(AllocatorConfig(cap_to_budget=True)), run)
     cfg = OmegaConf.create({"budget_gb": 12.0})
-    ctx = RunContext(cfg=cfg, schedule=PluginSchedule.build([plugin]), device=torch.device("cpu"))
+    ctx = RunContext(run=run, schedule=PluginSchedule.build([plugin]), cfg=cfg)
     assert [p.key for p in ctx.schedule.by_phase["configure_process"]] == ["allocator/default"]
     with caplog.at_level(logging.INFO, logger="runner"):
         ctx.run_phase("configure_process")
-    assert ctx.state["allocator/default"].memory_fraction is None  # the cap is a no-op on CPU
+    assert plugin.result.memory_fraction is None  # the cap is a no-op on CPU
     assert ctx.notes["allocator conf"] == "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
     assert "no CUDA device" in caplog.text
 

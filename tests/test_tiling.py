@@ -16,6 +16,8 @@ Bounds stated here, all measured on this CPU with random-init tiny models:
 from __future__ import annotations
 
 import collections
+import dataclasses
+import functools
 
 import pytest
 import torch
@@ -37,6 +39,7 @@ from runner.data.images import _to_tensor
 from runner.errors import UserError
 from runner.memory.tracker import LiveBytesTracker
 from runner.plugin import PluginSchedule
+from runner.resolved import ResolvedRun, resolve
 from runner.trainer import ModelSet
 from runner.trainers.model_configs import sdxl_configs
 from runner.validate import compose_config, validate
@@ -219,7 +222,7 @@ def test_attention_backends_match_default(unet):
 def test_attention_backend_holds_in_checkpoint_recomputation(unet):
     """The recomputation in backward runs outside any step context: it must use the same kernel."""
     from runner.blocks import find_repeated_blocks
-from runner.plugins.checkpoint import apply_activation_checkpointing, remove_activation_checkpointing
+    from runner.plugins.checkpoint import apply_activation_checkpointing, remove_activation_checkpointing
 
     inputs = unet_inputs(16)
     base = step(unet, inputs)
@@ -280,13 +283,21 @@ def test_attention_slicing_lowers_peak_bytes(unet, capsys):
 
 
 # ---- plugin and validation ------------------------------------------------------------------
+@functools.cache
+def cpu_run() -> ResolvedRun:
+    return resolve(compose_config(["train.device=cpu"]))
+
+
 def make_ctx(plugin, models: ModelSet) -> RunContext:
-    return RunContext(cfg=None, schedule=PluginSchedule.build([plugin]), device=torch.device("cpu"), models=models)
+    ctx = RunContext(run=plugin.run, schedule=PluginSchedule.build([plugin]))
+    ctx.models = models
+    return ctx
 
 
 def test_plugin_applies_everything_and_tears_down(unet):
     vae = tiny_vae()
-    plugin = VaeTiling(TilingConfig(vae_tile_size=256, vae_tile_overlap=64, attention="math", attention_slice="auto"))
+    plugin = VaeTiling(TilingConfig(vae_tile_size=256, vae_tile_overlap=64, attention="math", attention_slice="auto"),
+                       cpu_run())
     ctx = make_ctx(plugin, ModelSet({"unet": unet, "vae": vae}, trained={"unet"}))
     assert [p.key for p in ctx.schedule.by_phase["transform_models"]] == ["tiling/vae"]
     ctx.run_phase("transform_models")
@@ -294,19 +305,20 @@ def test_plugin_applies_everything_and_tears_down(unet):
     assert vae.tile_overlap_factor == 0.25
     assert all(type(p).__name__ == "SlicedAttnProcessor" for p in unet.attn_processors.values())
     assert any("forward" in m.__dict__ for m in unet.modules())
-    ctx.run_phase("teardown")
+    ctx.teardown()
     assert not vae.use_tiling and vae.tile_sample_min_size == 64
     assert all(type(p).__name__ == "AttnProcessor2_0" for p in unet.attn_processors.values())
     assert not any("forward" in m.__dict__ for m in unet.modules())
 
 
 def test_attention_only_option_and_composition():
-    cfg = compose_config(["tiling=attention", "tiling.attention=math"])
+    cfg = compose_config(["tiling=attention", "tiling.attention.attention=math"])
     validate(cfg)
-    assert cfg.tiling.name == "attention" and cfg.tiling.vae_tiling is False
-    cfg = compose_config(["tiling=vae", "tiling.vae_tile_size=256", "tiling.vae_tile_overlap=32", "tiling.attention_slice=2"])
+    assert cfg.tiling.attention.name == "attention" and cfg.tiling.attention.vae_tiling is False
+    cfg = compose_config(["tiling=vae", "tiling.vae.vae_tile_size=256", "tiling.vae.vae_tile_overlap=32",
+                          "tiling.vae.attention_slice=2"])
     validate(cfg)
-    assert cfg.tiling.vae_tiling is True and cfg.tiling.attention_slice == "2"
+    assert cfg.tiling.vae.vae_tiling is True and cfg.tiling.vae.attention_slice == "2"
 
 
 def test_slicing_a_model_without_it_is_a_user_error():
@@ -315,25 +327,32 @@ def test_slicing_a_model_without_it_is_a_user_error():
     model = FluxTransformer2DModel(patch_size=1, in_channels=8, num_layers=1, num_single_layers=1, attention_head_dim=16,
                                    num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
                                    axes_dims_rope=(4, 4, 8))
-    ctx = make_ctx(VaeTiling(AttentionConfig(attention_slice="auto")), ModelSet({"transformer": model}, trained={"transformer"}))
-    with pytest.raises(UserError, match=r"tiling.attention_slice=auto needs a model with diffusers' set_attention_slice"):
+    ctx = make_ctx(VaeTiling(AttentionConfig(attention_slice="auto"), cpu_run()),
+                   ModelSet({"transformer": model}, trained={"transformer"}))
+    with pytest.raises(UserError, match=r"tiling.attention.attention_slice=auto needs a model with diffusers' set_attention_slice"):
         ctx.run_phase("transform_models")
 
 
 @pytest.mark.parametrize(
     "overrides, match",
     [
-        (["tiling=vae", "tiling.vae_tile_overlap=512"], r"tiling.vae_tile_overlap=512 is not valid with tiling.vae_tile_size=512"),
-        (["tiling=vae", "tiling.vae_tile_overlap=-8"], r"tiling.vae_tile_overlap=-8 is not valid"),
-        (["tiling=vae", "tiling.vae_tile_size=500"], r"tiling.vae_tile_size=500 is not valid: .*multiple of 8"),
-        (["tiling=vae", "tiling.vae_tile_overlap=100"], r"tiling.vae_tile_overlap=100 .*multiple of 8 .*e.g. 96"),
-        (["tiling=attention", "tiling.attention=fast"], r"tiling.attention='fast' is not valid. Valid values: .*flash"),
-        (["tiling=attention", "tiling.attention=efficient", "train.device=cpu"], r"tiling.attention=efficient is a CUDA-only kernel"),
-        (["tiling=attention", "tiling.attention=cudnn", "train.device=cpu"], r"tiling.attention=cudnn is a CUDA-only"),
-        (["tiling=attention", "tiling.attention=flash", "train.device=cuda", "train.mixed_precision=no"],
-         r"tiling.attention=flash takes only float16/bfloat16 inputs.*train.mixed_precision=bf16"),
-        (["tiling=attention", "tiling.attention_slice=0"], r"tiling.attention_slice='0' is not valid"),
-        (["tiling=attention", "tiling.attention_slice=half"], r"tiling.attention_slice='half' is not valid"),
+        (["tiling=vae", "tiling.vae.vae_tile_overlap=512"],
+         r"tiling.vae.vae_tile_overlap=512 is not valid with tiling.vae.vae_tile_size=512"),
+        (["tiling=vae", "tiling.vae.vae_tile_overlap=-8"], r"tiling.vae.vae_tile_overlap=-8 is not valid"),
+        (["tiling=vae", "tiling.vae.vae_tile_size=500"], r"tiling.vae.vae_tile_size=500 is not valid: .*multiple of 8"),
+        (["tiling=vae", "tiling.vae.vae_tile_overlap=100"], r"tiling.vae.vae_tile_overlap=100 .*multiple of 8 .*e.g. 96"),
+        (["tiling=attention", "tiling.attention.attention=fast"],
+         r"tiling.attention.attention='fast' is not valid. Valid values: .*flash"),
+        (["tiling=attention", "tiling.attention.attention=efficient", "train.device=cpu"],
+         r"tiling.attention.attention=efficient is a CUDA-only kernel"),
+        (["tiling=attention", "tiling.attention.attention=cudnn", "train.device=cpu"],
+         r"tiling.attention.attention=cudnn is a CUDA-only"),
+        # A run for CUDA, planned from this CPU-only machine (a cuda training run needs a GPU to validate).
+        (["tiling=attention", "tiling.attention.attention=flash", "train.device=cuda", "train.mixed_precision=no",
+          "mode=plan"],
+         r"tiling.attention.attention=flash takes only float16/bfloat16 inputs.*train.mixed_precision=bf16"),
+        (["tiling=attention", "tiling.attention.attention_slice=0"], r"tiling.attention_slice='0' is not valid"),
+        (["tiling=attention", "tiling.attention.attention_slice=half"], r"tiling.attention_slice='half' is not valid"),
     ],
 )
 def test_validation(overrides, match):
@@ -343,7 +362,7 @@ def test_validation(overrides, match):
 
 def test_flash_on_cpu_is_valid():
     """PyTorch's CPU build has a flash kernel (its CPU default), so this is not a conflict."""
-    validate(compose_config(["tiling=attention", "tiling.attention=flash", "train.device=cpu"]))
+    validate(compose_config(["tiling=attention", "tiling.attention.attention=flash", "train.device=cpu"]))
     check_config(TilingConfig(attention="flash"))
 
 

@@ -128,8 +128,8 @@ def preflight(cfg: Any, run: ResolvedRun, trainer: Any, out: Path) -> Plan | Non
 
 def _over_budget(plan: Plan, path: Path) -> str:
     best = plan.suggestions[0]["override"] if plan.suggestions else None
-    return (f"The plan needs {plan.required_bytes / GiB:.2f} GiB of device memory at its peak ({plan.peak_phase}), "
-            f"more than budget_gb={plan.budget_bytes / GiB:g}. "
+    return (f"The plan needs {format_size(plan.required_bytes)} of device memory at its peak ({plan.peak_phase}), "
+            f"more than budget_gb={plan.budget_bytes / GiB:.4g}. "
             + (f"The largest estimated saving is {best}; " if best else "")
             + f"see the table above and {path}.")
 
