@@ -15,10 +15,11 @@ Two devices are distinguished:
   and what precision and dtype policies are decided for. A plan made on a CPU-only machine for a
   GPU has ``device=meta``, ``target=cuda``.
 
-The CPU policy (decided here and nowhere else): bf16/fp16 autocast and bf16 trained weights are
-emulated on CPUs without native bf16 matmuls (the tiny SDXL step went from ~0.1 s to 2.6 s), so a
-CPU target trains in float32 unless ``train.cpu_autocast=true``. Presets are written for GPUs and
-still run on a laptop.
+The CPU policy (decided here and nowhere else): bf16/fp16 autocast and bf16 weights are emulated
+on CPUs without native bf16 matmuls (the tiny SDXL step went from ~0.1 s to 2.6 s), and without
+autocast a bf16 frozen base would meet float32 activations, so a CPU target computes and stores
+every weight in float32 unless ``train.cpu_autocast=true``. Presets are written for GPUs and still
+run, unchanged, on a laptop, with any trainer.
 """
 from __future__ import annotations
 
@@ -124,21 +125,20 @@ def resolve(cfg: Any, *, target: Optional[str] = None, device: Optional[torch.de
     model = cfg.model
     train_dtype_name = str(model.get("train_dtype", "float32"))
     cpu_autocast = bool(cfg.train.get("cpu_autocast", False))
+    frozen_dtype_name = str(model.get("dtype", "float32"))
     if target == "cpu" and not cpu_autocast:
-        if precision != "no":
-            log.info("train.mixed_precision=%s applies on CUDA; this CPU run uses float32 "
-                     "(train.cpu_autocast=true forces %s autocast on CPU)", precision, precision)
-        if train_dtype_name != "float32":
-            log.info("model.train_dtype=%s applies on CUDA; this CPU run trains in float32 "
-                     "(train.cpu_autocast=true keeps %s on CPU)", train_dtype_name, train_dtype_name)
-        precision, train_dtype_name = "no", "float32"
+        if precision != "no" or train_dtype_name != "float32" or frozen_dtype_name != "float32":
+            log.info("train.mixed_precision=%s, model.dtype=%s and model.train_dtype=%s apply on CUDA; this CPU "
+                     "run computes and stores weights in float32 (train.cpu_autocast=true keeps them on CPU)",
+                     precision, frozen_dtype_name, train_dtype_name)
+        precision, train_dtype_name, frozen_dtype_name = "no", "float32", "float32"
     budget = cfg.get("budget_gb")
     return ResolvedRun(
         device=torch.device(device),
         host=torch.device("cpu"),
         target=target,
         precision=precision,
-        frozen_dtype=DTYPES[str(model.get("dtype", "float32"))],
+        frozen_dtype=DTYPES[frozen_dtype_name],
         train_dtype=DTYPES[train_dtype_name],
         train_mode=str(model.get("train", "full")),
         budget_bytes=None if budget is None else int(float(budget) * GiB),

@@ -5,6 +5,8 @@ compares VALUES of outputs and of all parameter gradients against an un-checkpoi
 """
 from __future__ import annotations
 
+import collections
+import functools
 import logging
 from dataclasses import asdict
 
@@ -22,9 +24,12 @@ from runner.plugins.checkpoint import (
 from runner.blocks import find_repeated_blocks
 from runner.context import RunContext
 from runner.errors import UserError
+from runner.hooks import marked
 from runner.memory.tracker import LiveBytesTracker
 from runner.plugin import PluginSchedule
+from runner.resolved import ResolvedRun, resolve
 from runner.trainer import ModelSet
+from runner.validate import compose_config
 
 
 # One intra-op thread (tests/conftest.py): faster tiny ops, bitwise-reproducible runs.
@@ -97,11 +102,16 @@ def activation_bytes(snap: dict) -> int:
 def test_unet_values_gradients_and_memory(unet, capsys):
     inputs = unet_inputs()
     blocks = find_repeated_blocks(unet)
-    assert [type(b).__name__ for b in blocks] == ["BasicTransformerBlock"] * 4  # diffusers' _repeated_blocks
+    # Each resnet and each attention (Transformer2DModel) of the down/mid/up blocks (runner.blocks).
+    stages = [*unet.down_blocks, unet.mid_block, *unet.up_blocks]
+    expected = {id(m) for s in stages for attr in ("resnets", "attentions") for m in getattr(s, attr, None) or []}
+    assert {id(b) for b in blocks} == expected and len(blocks) == len(expected)
+    assert collections.Counter(type(b).__name__ for b in blocks) == {"ResnetBlock2D": 8, "Transformer2DModel": 4}
+    assert type(blocks[0]).__name__ == "Transformer2DModel"
 
     # Count recomputation: the inner attention is called again in backward for wrapped blocks.
     calls = []
-    hook = blocks[0].attn1.register_forward_pre_hook(lambda m, a: calls.append(1))
+    hook = blocks[0].transformer_blocks[0].attn1.register_forward_pre_hook(lambda m, a: calls.append(1))
 
     base = run_step(unet, inputs)
     assert len(calls) == 1
@@ -138,7 +148,7 @@ def test_unet_values_gradients_and_memory(unet, capsys):
 def test_not_checkpointed_in_eval_or_no_grad(unet):
     blocks = find_repeated_blocks(unet)
     calls = []
-    hook = blocks[0].attn1.register_forward_pre_hook(lambda m, a: calls.append(1))
+    hook = blocks[0].transformer_blocks[0].attn1.register_forward_pre_hook(lambda m, a: calls.append(1))
     wrapped = apply_activation_checkpointing(blocks)
     try:
         inputs = unet_inputs()
@@ -252,13 +262,25 @@ def test_flux_transformer_values_and_memory():
 
 
 # ---- the plugin ------------------------------------------------------------------------------
+@functools.cache
+def cpu_run() -> ResolvedRun:
+    return resolve(compose_config(["train.device=cpu"]))
+
+
 def make_ctx(plugin, models: ModelSet) -> RunContext:
-    return RunContext(cfg=None, schedule=PluginSchedule.build([plugin]), device=torch.device("cpu"), models=models)
+    ctx = RunContext(run=plugin.run, schedule=PluginSchedule.build([plugin]))
+    ctx.models = models
+    return ctx
+
+
+def wrapped_by(ctx: RunContext, plugin) -> list[nn.Module]:
+    """The blocks ``plugin`` checkpointed, as recorded in ``ctx.hooks``."""
+    return [e.module() for e in ctx.hooks.entries(kind="checkpoint", owner=plugin.key)]
 
 
 def test_plugin_wraps_trained_modules_and_tears_down(caplog):
     net, frozen = Net(depth=4), Net(depth=2)
-    plugin = BlockCheckpointing(CheckpointConfig(mode="every_n", every_n=2))
+    plugin = BlockCheckpointing(CheckpointConfig(mode="every_n", every_n=2), cpu_run())
     ctx = make_ctx(plugin, ModelSet({"denoiser": net, "text": frozen}, trained={"denoiser"}))
     assert [p.key for p in ctx.schedule.by_phase["wrap_execution"]] == ["checkpoint/blocks"]
     with caplog.at_level(logging.INFO, logger="runner"):
@@ -267,41 +289,45 @@ def test_plugin_wraps_trained_modules_and_tears_down(caplog):
     assert [name for name, b in net.blocks.named_children() if "forward" in b.__dict__] == ["0", "2"]
     assert not any("forward" in b.__dict__ for b in frozen.blocks)  # frozen modules untouched
     assert ctx.notes["checkpointed blocks"] == 2
-    ctx.run_phase("teardown")
+    assert ctx.facts.checkpointed == {"denoiser": 2}
+    assert wrapped_by(ctx, plugin) == [net.blocks[0], net.blocks[2]]
+    assert [i for i, b in enumerate(net.blocks) if marked(b, "checkpoint")] == [0, 2]
+    ctx.teardown()
     assert not any("forward" in b.__dict__ for b in net.blocks)
-    assert plugin.key not in ctx.state
+    assert wrapped_by(ctx, plugin) == [] and len(ctx.hooks) == 0
+    assert not any(marked(b, "checkpoint") for b in net.blocks)
 
 
 def test_plugin_prefers_trainer_blocks_and_named_modules():
     net, other = Net(depth=4), Net(depth=3)
-    plugin = BlockCheckpointing(CheckpointConfig(mode="full", modules=["other"]))
+    plugin = BlockCheckpointing(CheckpointConfig(mode="full", modules=["other"]), cpu_run())
     models = ModelSet({"denoiser": net, "other": other}, trained={"denoiser"}, blocks={"other": [other.blocks[1]]})
     ctx = make_ctx(plugin, models)
     ctx.run_phase("wrap_execution")
-    assert ctx.state[plugin.key] == {"other": [other.blocks[1]]}
+    assert wrapped_by(ctx, plugin) == [other.blocks[1]] and ctx.facts.checkpointed == {"other": 1}
     assert not any("forward" in b.__dict__ for b in net.blocks)
-    ctx.run_phase("teardown")
+    ctx.teardown()
     assert "forward" not in other.blocks[1].__dict__
 
 
 def test_plugin_unknown_module_is_a_user_error():
-    plugin = BlockCheckpointing(CheckpointConfig(modules=["unet"]))
+    plugin = BlockCheckpointing(CheckpointConfig(modules=["unet"]), cpu_run())
     ctx = make_ctx(plugin, ModelSet({"transformer": Net()}, trained={"transformer"}))
-    with pytest.raises(UserError, match=r"checkpoint.modules.*'unet'.*Valid names: transformer"):
+    with pytest.raises(UserError, match=r"checkpoint.blocks.modules.*'unet'.*Valid names: transformer"):
         ctx.run_phase("wrap_execution")
 
 
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(mode="every"), r"checkpoint.mode='every' is not valid. Valid values: every_n, full"),
-        (dict(mode="every_n", every_n=0), r"checkpoint.every_n=0 is not valid"),
-        (dict(mode="every_n", every_n=-3), r"checkpoint.every_n=-3"),
+        (dict(mode="every"), r"checkpoint.blocks.mode='every' is not valid. Valid values: every_n, full"),
+        (dict(mode="every_n", every_n=0), r"checkpoint.blocks.every_n=0 is not valid"),
+        (dict(mode="every_n", every_n=-3), r"checkpoint.blocks.every_n=-3"),
     ],
 )
 def test_validation(kwargs, match):
     with pytest.raises(UserError, match=match):
-        BlockCheckpointing(CheckpointConfig(**kwargs)).validate(None)
+        BlockCheckpointing(CheckpointConfig(**kwargs), cpu_run()).validate()
 
 
 def test_registered_schema():

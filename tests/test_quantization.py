@@ -37,8 +37,10 @@ from runner.loop import make_accelerator, train
 from runner.memory.tracker import LiveBytesTracker
 from runner.plugin import PluginSchedule
 from runner.report import summary
+from runner.resolved import resolve
 from runner.run import build_plugins, build_trainer, make_context
 from runner.trainer import ModelSet
+from runner.trainer_setup import prepare_models
 from runner.validate import compose_config, validate
 
 METHODS = ("nf4", "int8", "fp8")
@@ -239,11 +241,14 @@ def test_planner_simulation_same_bytes_and_runs_on_meta_and_fake(lora_sdxl, meth
     trainer, models, meta_models = lora_sdxl
     real = unet_with_trained_lora(models)
     quantize(real, method)
-    dtype = [] if method == "int8" else ["quantization.compute_dtype=float32"]  # int8 computes in the input dtype
+    # int8 computes in the input dtype
+    dtype = [] if method == "int8" else [f"quantization.{method}.compute_dtype=float32"]
     cfg = compose_config(["model.train=lora", f"quantization={method}", *dtype])
-    plugin = {"nf4": NF4Quantization, "int8": Int8Quantization, "fp8": Fp8Storage}[method](cfg.quantization)
+    run = resolve(cfg, target="cuda", device=torch.device("meta")).simulated()  # as the planner runs it
+    plugin = {"nf4": NF4Quantization, "int8": Int8Quantization, "fp8": Fp8Storage}[method](cfg.quantization[method], run)
     sim_models = ModelSet({"unet": copy.deepcopy(meta_models["unet"])}, {"unet"})
-    ctx = RunContext(cfg=cfg, schedule=PluginSchedule.build([plugin]), device=torch.device("meta"), simulate=True)
+    ctx = RunContext(run=run, schedule=PluginSchedule.build([plugin]), cfg=cfg)
+    assert ctx.simulate and ctx.device.type == "meta"
     ctx.models = sim_models
     ctx.run_phase("transform_models")
     sim = sim_models["unet"]
@@ -322,24 +327,31 @@ def test_module_choice_and_trained_weights():
     frozen = nn.Sequential(nn.Linear(64, 64)).requires_grad_(False)
     trained = nn.Sequential(nn.Linear(64, 64))
     vae_like = nn.Sequential(nn.Linear(64, 64)).requires_grad_(False)
-    cfg = compose_config(["quantization=nf4"])
-    plugin = NF4Quantization(cfg.quantization)
+    cfg = compose_config(["quantization=nf4", "train.device=cpu"])
+    run = resolve(cfg)
+    plugin = NF4Quantization(cfg.quantization.nf4, run)
     models = ModelSet({"unet": trained, "text_encoder": frozen, "vae": vae_like}, {"unet"})
     assert plugin.target_modules(models) == ["text_encoder"]  # full fine-tune and VAE left out
+    # ... and so is a module another plugin drops (offload=park's cached encoders).
+    assert plugin.target_modules(models, dropped=frozenset({"text_encoder"})) == []
 
-    ctx = RunContext(cfg=cfg, schedule=PluginSchedule.build([plugin]), device=torch.device("cpu"))
+    ctx = RunContext(run=run, schedule=PluginSchedule.build([plugin]), cfg=cfg)
     ctx.models = models
+    ctx.run_phase("claim_modules")
+    assert [(c.module, c.action, c.owner) for c in ctx.facts.claims] == [("text_encoder", "quantize", "quantization/nf4")]
     ctx.run_phase("transform_models")
     assert type(models["text_encoder"][0]).__name__ == "Linear4bit"
     assert type(models["unet"][0]) is nn.Linear and type(models["vae"][0]) is nn.Linear
-    assert ctx.notes["quantized layers"] == 1
+    assert ctx.notes["quantized layers"] == 1 and ctx.facts.quantized == {"text_encoder": 1}
 
-    explicit = NF4Quantization(compose_config(["quantization=nf4", "quantization.modules=[unet]"]).quantization)
+    explicit = NF4Quantization(compose_config(["quantization=nf4", "quantization.nf4.modules=[unet]"]).quantization.nf4,
+                               run)
     ctx.models = ModelSet({"unet": nn.Sequential(nn.Linear(64, 64))}, {"unet"})
     with pytest.raises(UserError, match="model.train=lora"):
         explicit.transform_models(ctx)
-    with pytest.raises(UserError, match="Valid names: unet"):
-        NF4Quantization(compose_config(["quantization=nf4", "quantization.modules=[unte]"]).quantization).transform_models(ctx)
+    with pytest.raises(UserError, match=r"quantization.nf4.modules names 'unte'.*Valid names: unet"):
+        NF4Quantization(compose_config(["quantization=nf4", "quantization.nf4.modules=[unte]"]).quantization.nf4,
+                        run).transform_models(ctx)
     with pytest.raises(ValueError, match="trained"):
         apply_bnb_quantization(nn.Sequential(nn.Linear(64, 64)), "nf4")
     bias_trained = nn.Sequential(nn.Linear(64, 64))
@@ -386,20 +398,25 @@ def test_nf4_run_end_to_end(tmp_path: Path):
     cfg = compose_config([f"output_dir={tmp_path}", "train.progress=false", "data.demo_size=2", "train.steps=2",
                           "train.batch_size=1", "model.train=lora", "quantization=nf4", "optimizer=adamw8bit"])
     validate(cfg)
-    ctx = make_context(cfg, build_plugins(cfg), tmp_path)
-    ctx.trainer = build_trainer(cfg)
+    run = resolve(cfg)
+    ctx = make_context(cfg, run, build_plugins(cfg, run), tmp_path)
+    ctx.trainer = build_trainer(cfg, run)
     set_seed(0)
-    ctx.models = ctx.trainer.build_models("cpu")
-    ctx.accelerator = make_accelerator(cfg, ctx.device)
-    ctx.apply_setup_phases()
-    kinds = {name: {type(m).__name__ for m in mod.modules()} for name, mod in ctx.models.items()}
-    for name in ("unet", "text_encoder", "text_encoder_2"):
-        assert "Linear4bit" in kinds[name], name
-    assert "Linear4bit" not in kinds["vae"]
-    lora_before = {n: p.detach().clone() for n, p in ctx.models.named_trainable_parameters()}
-    quant_before = {n: m.weight.data.clone() for n, m in ctx.models["unet"].named_modules() if type(m).__name__ == "Linear4bit"}
+    ctx.models = prepare_models(ctx.trainer.build_models("cpu"), cfg.model, run)
+    ctx.accelerator = make_accelerator(run)
+    try:
+        ctx.apply_setup_phases()
+        kinds = {name: {type(m).__name__ for m in mod.modules()} for name, mod in ctx.models.items()}
+        for name in ("unet", "text_encoder", "text_encoder_2"):
+            assert "Linear4bit" in kinds[name], name
+        assert "Linear4bit" not in kinds["vae"]
+        lora_before = {n: p.detach().clone() for n, p in ctx.models.named_trainable_parameters()}
+        quant_before = {n: m.weight.data.clone() for n, m in ctx.models["unet"].named_modules()
+                        if type(m).__name__ == "Linear4bit"}
 
-    result = train(ctx)
+        result = train(ctx)
+    finally:
+        ctx.teardown()
 
     assert result.steps_done == 2 and all(math.isfinite(x) for x in result.losses)
     assert any(not torch.equal(lora_before[n], p) for n, p in ctx.models.named_trainable_parameters())
@@ -412,20 +429,22 @@ def test_nf4_run_end_to_end(tmp_path: Path):
 
 
 # ---- validation ---------------------------------------------------------------------------------
+# The precision conflicts exist where autocast runs: a run for CUDA (mode=plan plans one from this
+# CPU-only machine). A CPU run trains in float32 without autocast (runner/resolved.py), so there the
+# same settings are no conflict.
 @pytest.mark.parametrize("overrides,keys", [
-    (["quantization=nf4", "quantization.modules=[unet]"], ["quantization.modules", "model.train=full", "model.train=lora"]),
-    (["quantization=fp8", "trainer=flux", "quantization.modules=[transformer, text_encoder]"],
-     ["quantization.modules", "model.train=full"]),
-    (["quantization=nf4", "model.train=lora", "quantization.compute_dtype=float16", "train.mixed_precision=bf16"],
-     ["quantization.compute_dtype=float16", "train.mixed_precision=bf16"]),
-    (["quantization=fp8", "model.train=lora", "quantization.compute_dtype=bfloat16", "train.mixed_precision=fp16"],
-     ["quantization.compute_dtype=bfloat16", "train.mixed_precision=fp16"]),
-    (["quantization=nf4", "model.train=lora", "model.dtype=float16", "train.mixed_precision=bf16"],
-     ["model.dtype=float16", "train.mixed_precision=bf16", "quantization.compute_dtype=bfloat16"]),
-    (["quantization=int8", "quantization.skip=['attn(']"], ["quantization.skip[0]"]),
-    (["quantization=fp8", "quantization.storage_dtype=float8"], ["quantization.storage_dtype", "float8_e4m3fn"]),
-    (["quantization=nf4", "quantization.compute_dtype=float64"], ["quantization.compute_dtype", "bfloat16"]),
-    (["quantization=int8", "quantization.threshold=-1"], ["quantization.threshold"]),
+    (["quantization=nf4", "model.train=lora", "quantization.nf4.compute_dtype=float16", "train.mixed_precision=bf16",
+      "mode=plan"],
+     ["quantization.nf4.compute_dtype=float16", "train.mixed_precision=bf16"]),
+    (["quantization=fp8", "model.train=lora", "quantization.fp8.compute_dtype=bfloat16", "train.mixed_precision=fp16",
+      "mode=plan"],
+     ["quantization.fp8.compute_dtype=bfloat16", "train.mixed_precision=fp16"]),
+    (["quantization=nf4", "model.train=lora", "model.dtype=float16", "train.mixed_precision=bf16", "mode=plan"],
+     ["model.dtype=float16", "train.mixed_precision=bf16", "quantization.nf4.compute_dtype=bfloat16"]),
+    (["quantization=int8", "quantization.int8.skip=['attn(']"], ["quantization.int8.skip[0]"]),
+    (["quantization=fp8", "quantization.fp8.storage_dtype=float8"], ["quantization.fp8.storage_dtype", "float8_e4m3fn"]),
+    (["quantization=nf4", "quantization.nf4.compute_dtype=float64"], ["quantization.nf4.compute_dtype", "bfloat16"]),
+    (["quantization=int8", "quantization.int8.threshold=-1"], ["quantization.int8.threshold"]),
 ])
 def test_conflicts_are_user_errors(overrides, keys):
     with pytest.raises(UserError) as e:
@@ -434,14 +453,39 @@ def test_conflicts_are_user_errors(overrides, keys):
         assert key in str(e.value)
 
 
+# Quantizing a fully trained module is refused when transform_models finds its trained Linear layers
+# (the config alone cannot know which modules a trainer trains): validation passes, setup stops.
+@pytest.mark.parametrize("overrides,keys", [
+    (["quantization=nf4", "quantization.nf4.modules=[unet]"], ["quantization.nf4.modules", "'unet'", "model.train=lora"]),
+    (["quantization=fp8", "trainer=flux", "quantization.fp8.modules=[transformer, text_encoder]"],
+     ["quantization.fp8.modules", "'transformer'", "model.train=lora"]),
+], ids=["nf4-unet", "fp8-flux-transformer"])
+def test_quantizing_a_fully_trained_module_is_refused(overrides, keys):
+    cfg = compose_config([*overrides, "train.device=cpu"])
+    validate(cfg)
+    run = resolve(cfg)
+    assert run.train_mode == "full"
+    trainer = build_trainer(cfg, run)
+    ctx = make_context(cfg, run, build_plugins(cfg, run), None)
+    ctx.models = prepare_models(trainer.build_models("cpu"), cfg.model, run)
+    try:
+        with pytest.raises(UserError) as e:
+            ctx.apply_setup_phases()
+    finally:
+        ctx.teardown()
+    for key in keys:
+        assert key in str(e.value)
+    assert not ctx.facts.quantized  # refused before any layer was replaced
+
+
 def test_valid_combinations_pass_validation():
-    for overrides in (["quantization=nf4", "model.train=lora", "quantization.modules=[unet]"],
+    for overrides in (["quantization=nf4", "model.train=lora", "quantization.nf4.modules=[unet]"],
                       ["quantization=nf4"],  # full fine-tune: only the frozen encoders are quantized
-                      ["quantization=int8", "model.train=lora", "quantization.skip=[]"],
+                      ["quantization=int8", "model.train=lora", "quantization.int8.skip=[]"],
                       ["quantization=int8", "model.train=lora", "model.dtype=float16", "train.mixed_precision=bf16"],
                       ["quantization=nf4", "model.train=lora", "model.dtype=float16", "train.mixed_precision=bf16",
-                       "quantization.compute_dtype=float32"],
-                      ["quantization=fp8", "trainer=flux", "model.train=lora", "quantization.compute_dtype=bfloat16",
+                       "quantization.nf4.compute_dtype=float32"],
+                      ["quantization=fp8", "trainer=flux", "model.train=lora", "quantization.fp8.compute_dtype=bfloat16",
                        "train.mixed_precision=bf16"]):
         validate(compose_config(overrides))
 
