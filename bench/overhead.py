@@ -66,7 +66,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "benchmarks.md"
 SECTION = "## Managed-loop overhead against a plain PyTorch loop (bench/overhead.py{})"
 MARK = "<!-- bench/overhead.py{} {} -->"  # --fixed-malloc results get their own section
-BLOCKS, RESOLUTION, BATCH = (32, 64, 64), 32, 4  # ~170 ms per step on one core of this machine
+BLOCKS, RESOLUTION, BATCH = (32, 64, 64), 32, 4  # ~115-160 ms of CPU per step on one core here
 GOAL_PCT = 3.0
 SPANS = ("step", "cycle", "cycle_cpu", "faults")  # see the module docstring; faults: minor page faults per cycle
 
