@@ -56,11 +56,11 @@ def test_entry_point_plugin_and_trainer_are_discovered_and_run(tmp_path):
     listing = subprocess.run([sys.executable, "-m", "runner", "mode=plugins"], cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=300)
     assert listing.returncode == 0, listing.stderr
-    assert "third-party demo plugin" in listing.stdout and "tiling.label" in listing.stdout
+    assert "third-party demo plugin" in listing.stdout and "tiling.stamp.label" in listing.stdout
     assert "pixels" in listing.stdout
 
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "runner", "trainer=pixels", "tiling=stamp", "tiling.label=from-cli",
+    r = subprocess.run([sys.executable, "-m", "runner", "trainer=pixels", "tiling=stamp", "tiling.stamp.label=from-cli",
                         "train.steps=2", "data.resolution=16", "train.progress=false", f"output_dir={out}"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -228,12 +228,16 @@ def test_execution_order_guess_matches_the_recorded_order():
 
 
 def test_bad_settings_are_user_errors():
-    for override, match in (("offload.device_fraction=0", "device_fraction"), ("offload.prefetch=-1", "prefetch"),
-                            ("offload.device_budget_gb=-2", "device_budget_gb")):
+    for override, match in (("offload.stream.device_fraction=0", r"offload\.stream\.device_fraction=0"),
+                            ("offload.stream.prefetch=-1", r"offload\.stream\.prefetch=-1"),
+                            ("offload.stream.device_budget_gb=-2", r"offload\.stream\.device_budget_gb=-2")):
         with pytest.raises(UserError, match=match):
             validate(compose_config(["offload=stream", override]))
-    with pytest.raises(UserError, match="bf16"):
-        validate(compose_config(["offload=stream", "train.mixed_precision=fp16", "model.train=full"]))
+    # fp16 applies where the step runs in fp16: a GPU target (mode=plan plans for one), or a CPU
+    # with train.cpu_autocast=true. A plain CPU run trains in float32 (runner/resolved.py).
+    for target in ("mode=plan", "train.cpu_autocast=true"):
+        with pytest.raises(UserError, match="bf16"):
+            validate(compose_config(["offload=stream", "train.mixed_precision=fp16", "model.train=full", target]))
 
 
 # ---- memory: fake tensors on the simulated device -------------------------------------------------
@@ -311,19 +315,19 @@ FULL_SDXL = ["model.size=full", "data.resolution=1024", "train.batch_size=1", "c
 @pytest.mark.slow
 @pytest.mark.parametrize("train", ["lora", "full"])
 def test_planner_full_size_sdxl_peak_drops_by_the_streamed_weights(train, capsys):
-    """runner.plan simulates offload=stream at full SDXL size (1024 px, bf16 autocast, block
+    """runner.plan simulates offload=[park,stream] at full SDXL size (1024 px, bf16 autocast, block
     checkpointing, AdamW): against offload=park (the frozen encoders handled the same way), the
     planned device peak drops by the streamed weights minus the window loaded at the peak (LoRA:
     frozen weights only; full fine-tune with float32 master weights: their gradients and AdamW's
     two moments move to the host too), the U-Net's weights on the device stay within
-    offload.device_budget_gb, and the streamed weights are reported as pinned host memory."""
+    offload.stream.device_budget_gb, and the streamed weights are reported as pinned host memory."""
     from runner.plan import plan_step
 
     common = [*FULL_SDXL, f"model.train={train}"]
     cfg = compose_config([*common, "offload=park"])
     validate(cfg)
     before = plan_step(cfg)
-    cfg = compose_config([*common, "offload=stream", "offload.device_budget_gb=4"])
+    cfg = compose_config([*common, "offload=[park,stream]", "offload.stream.device_budget_gb=4"])
     validate(cfg)
     after = plan_step(cfg)
     notes = after.notes
@@ -357,16 +361,15 @@ def test_runner_offload_stream_gives_the_same_losses(tmp_path):
     2 micro-batches, clipping, AdamW, checkpoint saving): identical losses to offload=none."""
     common = ["train.steps=3", "train.grad_accum=2", "checkpoint=blocks"]
     plain = run_losses(tmp_path / "none", *common)
-    streamed = run_losses(tmp_path / "stream", *common, "offload=stream", "offload.device_fraction=0.5",
-                          f"offload.cache_dir={tmp_path / 'cache'}")
+    streamed = run_losses(tmp_path / "stream", *common, "offload=[park,stream]", "offload.stream.device_fraction=0.5",
+                          f"offload.park.cache_dir={tmp_path / 'cache'}")
     assert streamed == plain
     assert (tmp_path / "stream" / "checkpoints" / "step-00000003" / "trainable.safetensors").is_file()
 
 
 def test_budget_too_small_for_the_model_is_a_user_error(tmp_path):
-    with pytest.raises(UserError, match="offload.device_budget_gb"):
-        run_losses(tmp_path, "train.steps=1", "offload=stream", "offload.device_budget_gb=0.000001",
-                   "offload.park=false")
+    with pytest.raises(UserError, match=r"offload\.stream\.device_budget_gb"):
+        run_losses(tmp_path, "train.steps=1", "offload=stream", "offload.stream.device_budget_gb=0.000001")
 
 
 # ---- host memory -------------------------------------------------------------------------------

@@ -487,7 +487,8 @@ def test_valid_combinations_pass_validation():
                        "quantization.nf4.compute_dtype=float32"],
                       ["quantization=fp8", "trainer=flux", "model.train=lora", "quantization.fp8.compute_dtype=bfloat16",
                        "train.mixed_precision=bf16"]):
-        validate(compose_config(overrides))
+        validate(compose_config(overrides))  # a run on this machine (CPU)
+        validate(compose_config([*overrides, "mode=plan"]))  # planned for CUDA, where autocast applies
 
 
 # ---- GPU ------------------------------------------------------------------------------------------
