@@ -432,6 +432,8 @@ class Park(Plugin):
 
     def claim_modules(self, ctx: RunContext) -> None:
         parts = self._parts(ctx)
+        if parts:  # in the preflight plan already, before anything real is built
+            check_writable(resolve_cache_dir(self.config.cache_dir), self.setting("cache_dir"))
         dropped = droppable_modules(ctx.trainer, ctx.models, parts) if parts else []
         for name in dropped:
             ctx.claim(name, "drop", self.key)
@@ -449,8 +451,6 @@ class Park(Plugin):
         c, models, run = self.config, ctx.models, self.run
         parts = self._parts(ctx)
         ctx.facts.placed.update(models.frozen())  # the runner must not move them: they stay on the host
-        if parts and not ctx.simulate:
-            check_writable(resolve_cache_dir(c.cache_dir))
         batch = int(c.encode_batch_size) if c.encode_batch_size else run.micro_batch
         autocast = ctx.accelerator.autocast if ctx.accelerator is not None else None
         result = park_and_cache(

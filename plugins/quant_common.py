@@ -400,7 +400,8 @@ class LinearQuantization(Plugin):
             trainable = select_linear_layers(module, self.config.skip, keep).trainable  # keeps no layer alive
             if trainable:
                 raise UserError(
-                    f"quantization={self.name} would quantize '{name}', whose weights are trained "
+                    f"quantization={self.name} would quantize '{name}', whose weights are trained"
+                    f"{' (model.train=full)' if self.run.train_mode == 'full' else ''} "
                     f"({len(trainable)} Linear layers, e.g. {trainable[0]}); quantized weights cannot be "
                     f"trained. Use model.train=lora, or leave '{name}' out of {self.setting('modules')}."
                 )

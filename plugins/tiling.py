@@ -91,7 +91,7 @@ class AttentionConfig(TilingConfig):
 
 
 # ---- checks ----------------------------------------------------------------------------------
-def parse_slice(value: Any) -> str | int | None:
+def parse_slice(value: Any, key: str = "tiling.attention_slice") -> str | int | None:
     """``attention_slice`` as diffusers takes it: None, "auto", "max" or a positive int."""
     if value is None or value == "":
         return None
@@ -104,7 +104,7 @@ def parse_slice(value: Any) -> str | int | None:
         n = 0
     if n < 1:
         raise UserError(
-            f"tiling.attention_slice={value!r} is not valid: use null (off), auto (half the heads at a "
+            f"{key}={value!r} is not valid: use null (off), auto (half the heads at a "
             "time), max (one head at a time) or a positive whole number of heads per slice."
         )
     return n
@@ -116,7 +116,7 @@ def check_config(c: Any, run: Any = None) -> None:
         raise UserError(
             f"tiling.{c.name}.attention={c.attention!r} is not valid. Valid values: {valid_list(str(c.attention), ATTENTION_BACKENDS)}."
         )
-    parse_slice(c.attention_slice)
+    parse_slice(c.attention_slice, f"tiling.{c.name}.attention_slice")
     if c.vae_tiling:
         size, overlap = int(c.vae_tile_size), int(c.vae_tile_overlap)
         if size <= 0 or size % 8:
@@ -316,7 +316,7 @@ class VaeTiling(Plugin):
             for m in targets:
                 record(m, apply_attention_backend([m], c.attention))
             log.info("tiling: %d diffusers attention modules use the %s SDPA kernel", count, c.attention)
-        size = parse_slice(c.attention_slice)
+        size = parse_slice(c.attention_slice, f"tiling.{c.name}.attention_slice")
         if size is not None:
             sliceable = [(n, m) for n, m in models.items() if callable(getattr(m, "set_attention_slice", None))]
             if not sliceable:

@@ -43,8 +43,11 @@ def _declared_names(model: nn.Module) -> set[str]:
 
 
 def find_repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """The outermost repeated blocks of a denoiser, in module order (which is execution order for
-    every diffusers denoiser). The first rule that finds blocks wins:
+    """The outermost repeated blocks of a denoiser, in module (registration) order. That is
+    execution order for the transformers; for a diffusers U-Net it is not (a stage registers its
+    attentions before its resnets, and ``up_blocks`` before ``mid_block``), which is why
+    offload=stream works out the execution order itself (``guess_execution_order``) and
+    ``checkpoint.blocks.mode=every_n`` counts along this list. The first rule that finds blocks wins:
 
     1. a U-Net (``down_blocks``/``up_blocks``): each resnet and each attention (Transformer2DModel)
        of the down/mid/up blocks. diffusers' ``_repeated_blocks`` names only

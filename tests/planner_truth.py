@@ -17,7 +17,9 @@ from runner.loop import forward_backward, make_accelerator
 from runner.memory.tracker import LiveBytesTracker
 from runner.optim import build_optimizer
 from runner.plan import plan_step
+from runner.resolved import resolve
 from runner.run import build_plugins, build_trainer, make_context
+from runner.trainer_setup import prepare_models
 
 
 class _Phases:
@@ -32,21 +34,22 @@ class _Phases:
 
 def prepared_step(cfg: Any, trainer: Any = None, configure_process: bool = False) -> tuple[Any, list, dict, int]:
     """The loop's setup of a real run (models, plugins, optimizer) and the step's raw batch."""
-    trainer = trainer if trainer is not None else build_trainer(cfg)
-    ctx = make_context(cfg, build_plugins(cfg), None)
+    run = resolve(cfg)
+    trainer = trainer if trainer is not None else build_trainer(cfg, run)
+    ctx = make_context(cfg, run, build_plugins(cfg, run), None)
     if configure_process:
         ctx.run_phase("configure_process")
     ctx.trainer = trainer
     torch.manual_seed(0)
-    ctx.models = trainer.build_models("cpu")
-    ctx.accelerator = make_accelerator(cfg, ctx.device)
+    ctx.models = prepare_models(trainer.build_models("cpu"), cfg.model, run)  # dtypes, LoRA: as runner/__main__
+    ctx.accelerator = make_accelerator(run)
     ctx.apply_setup_phases()
     params = list(ctx.models.trainable_parameters())
     ctx.optimizer = build_optimizer(cfg.optimizer, params)
     ctx.run_phase("wrap_optimizer")
     for name, m in ctx.models.items():
         m.train(name in ctx.models.trained)
-    batch, micro = int(cfg.train.batch_size), int(cfg.train.batch_size) // int(cfg.train.grad_accum)
+    batch, micro = run.batch_size, run.micro_batch
     raw_fn = getattr(trainer, "example_raw_batch", None)
     raw = raw_fn(batch, "cpu") if callable(raw_fn) else trainer.example_batch(batch, "cpu")
     return ctx, params, raw, micro
@@ -71,7 +74,7 @@ def real_step(cfg: Any, trainer: Any = None) -> dict[str, Any]:
                     ctx.optimizer.step()
                 ctx.optimizer.zero_grad(set_to_none=True)
     finally:
-        ctx.run_phase("teardown")
+        ctx.teardown()
     out = tracker.snapshot()["devices"]["cpu"]
     out["batch_bytes"] = sum(v.numel() * v.element_size() for v in raw.values() if isinstance(v, torch.Tensor))
     return out
@@ -94,7 +97,8 @@ def assert_plan_matches_a_real_cpu_step(cfg: Any) -> None:
         # (sqrt and division of one parameter's moment at a time: two parameter-sized tensors);
         # the CPU run's raw batch lives on its only device through the optimizer step (on a GPU
         # it is on the host); and the loop still holds a few small tensors of the step (< 1 %).
-        largest = max(p.numel() * p.element_size() for p in build_trainer(cfg).build_models("meta")
-                      .trainable_parameters())
+        run = resolve(cfg)
+        models = prepare_models(build_trainer(cfg, run).build_models("meta"), cfg.model, run)
+        largest = max(p.numel() * p.element_size() for p in models.trainable_parameters())
         gap = real["peak_by_phase"]["optimizer"] - plan.phases["optimizer"]
         assert 0 <= gap <= 2 * largest + real["batch_bytes"] + 0.01 * real["peak_bytes"], (gap, largest)

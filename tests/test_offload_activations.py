@@ -1,7 +1,8 @@
 """Activation offload (offload=activations): saved tensors to the host and back, same numbers.
 
-On the CPU ``always_copy=True`` makes every offloaded activation a real copy (the device is the
-host there), so equality is BIT-EXACT (torch.equal). Device and host bytes are measured on fake
+On the CPU the twin ``offload_activations(..., always_copy=True)`` makes every offloaded activation
+a real copy (the device is the host there), so equality is BIT-EXACT (torch.equal); the plugin
+itself installs nothing on a CPU target, so a CPU plan and a CPU run agree. Device and host bytes are measured on fake
 tensors (device ``meta``, host fake ``cpu``) with the live-bytes tracker.
 """
 from __future__ import annotations
@@ -157,8 +158,9 @@ def test_host_ram_warning(caplog):
 
 
 def test_config_errors_and_runner_run(tmp_path):
-    for override, match in (("offload.min_bytes=-1", "min_bytes"), ("offload.max_fwd_stash=0", "max_fwd_stash"),
-                            ("offload.ram_warn_pct=0", "ram_warn_pct")):
+    for override, match in (("offload.activations.min_bytes=-1", r"offload\.activations\.min_bytes"),
+                            ("offload.activations.max_fwd_stash=0", r"offload\.activations\.max_fwd_stash"),
+                            ("offload.activations.ram_warn_pct=0", r"offload\.activations\.ram_warn_pct")):
         with pytest.raises(UserError, match=match):
             validate(compose_config(["offload=activations", override]))
     from runner.__main__ import run
@@ -170,6 +172,56 @@ def test_config_errors_and_runner_run(tmp_path):
         run(compose_config([f"output_dir={out}", "train.progress=false", "train.steps=2", "checkpoint=blocks",
                             f"offload={name}"]))
         losses[name] = [r["loss"] for r in read_metrics(out / "metrics.jsonl")]
+    assert losses["activations"] == losses["none"]
+
+
+PLAN_BYTES = ("peak_bytes", "by_category", "phases", "host_peak_bytes", "host_pinned_bytes", "peak_phase")
+
+
+def test_plugin_on_a_cpu_target_is_a_no_op_and_the_cpu_plan_equals_the_run(tmp_path):
+    """On a CPU target the device is the host: offload=activations installs no hooks and notes
+    nothing, so the run trains exactly like offload=none, and the CPU plan (mode=plan
+    train.device=cpu) is the run's own preflight plan and the plan without the plugin, byte for byte."""
+    import json
+
+    from runner.__main__ import run as run_main
+    from runner.loop import make_accelerator, read_metrics
+    from runner.plan import plan_step
+    from runner.resolved import resolve
+    from runner.run import build_plugins, build_trainer, make_context
+    from runner.trainer_setup import prepare_models
+
+    common = ["train.device=cpu", "checkpoint=blocks", "train.progress=false"]
+    cfg = compose_config([*common, "offload=activations"])
+    run = resolve(cfg)
+    assert run.target == "cpu"
+    schedule = build_plugins(cfg, run)
+    ctx = make_context(cfg, run, schedule, None)
+    ctx.trainer = build_trainer(cfg, run)
+    torch.manual_seed(0)
+    ctx.models = prepare_models(ctx.trainer.build_models("cpu"), cfg.model, run)
+    ctx.accelerator = make_accelerator(run)
+    try:
+        ctx.apply_setup_phases()
+        assert [p.key for p in schedule.plugins if p.kind == "offload"] == ["offload/activations"]
+        assert ctx.step_contexts == []  # no saved-tensor hooks: nothing to move on a CPU
+        assert ctx.facts.pinned_host_bytes == 0 and not ctx.facts.placed
+    finally:
+        ctx.teardown()
+    assert not any(k.startswith("activations:") for k in ctx.notes)
+    assert ctx.facts.pinned_host_bytes == 0
+
+    plans, losses = {}, {}
+    for name in ("none", "activations"):
+        out = tmp_path / name
+        run_main(compose_config([*common, f"offload={name}", f"output_dir={out}", "train.steps=2"]))
+        losses[name] = [r["loss"] for r in read_metrics(out / "metrics.jsonl")]
+        preflight = json.loads((out / "plan.json").read_text())
+        planned = plan_step(compose_config([*common, f"offload={name}", "mode=plan"])).to_dict()
+        assert planned["target"] == preflight["target"] == "cpu"
+        assert {k: planned[k] for k in PLAN_BYTES} == {k: preflight[k] for k in PLAN_BYTES}, name
+        plans[name] = {k: planned[k] for k in PLAN_BYTES}
+    assert plans["activations"] == plans["none"]
     assert losses["activations"] == losses["none"]
 
 

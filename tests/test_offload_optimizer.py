@@ -168,8 +168,8 @@ def test_fake_tensors_keep_no_state_on_the_device():
 
 def test_runner_runs_with_every_offload_option_and_resumes(tmp_path):
     """The loop (clipping, 2 micro-batches, LR schedule, checkpoints): identical losses for
-    offload=optimizer (both modes) and the combined offload=stream option; a run resumed from a
-    checkpoint of the wrapper continues with the same losses."""
+    offload=optimizer (both modes) and every offload plugin composed (park, stream, activations,
+    optimizer); a run resumed from a checkpoint of the wrapper continues with the same losses."""
     from runner.__main__ import run
     from runner.loop import read_metrics
 
@@ -182,29 +182,34 @@ def test_runner_runs_with_every_offload_option_and_resumes(tmp_path):
         return [r["loss"] for r in read_metrics(out / "metrics.jsonl")], out
 
     base, _ = losses("none")
-    host, out = losses("host", "offload=optimizer", "offload.offload_gradients=true")
-    state, _ = losses("state", "offload=optimizer", "offload.step_on_host=false")
-    combined, _ = losses("combined", "offload=stream", "offload.optimizer=true", "offload.activations=true",
-                         "offload.device_fraction=0.5", f"offload.cache_dir={tmp_path / 'cache'}")
+    host, out = losses("host", "offload=optimizer", "offload.optimizer.offload_gradients=true")
+    state, _ = losses("state", "offload=optimizer", "offload.optimizer.step_on_host=false")
+    combined, _ = losses("combined", "offload=[park,stream,activations,optimizer]", "offload.stream.device_fraction=0.5",
+                         f"offload.park.cache_dir={tmp_path / 'cache'}")
     assert host == base and state == base and combined == base
-    resumed, _ = losses("resumed", "offload=optimizer", "offload.offload_gradients=true",
+    resumed, _ = losses("resumed", "offload=optimizer", "offload.optimizer.offload_gradients=true",
                         f"train.resume={out / 'checkpoints' / 'step-00000002'}")
     assert resumed == base[2:]
 
 
 def test_invalid_or_unsupported_settings_are_user_errors():
-    with pytest.raises(UserError, match="bf16"):
-        validate(compose_config(["offload=optimizer", "train.mixed_precision=fp16"]))
-    validate(compose_config(["offload=optimizer", "train.mixed_precision=fp16", "offload.step_on_host=false"]))
-    with pytest.raises(UserError, match="implementation"):
-        validate(compose_config(["offload=optimizer", "offload.implementation=deepspeed"]))
-    with pytest.raises(UserError, match="chunk_mb"):
-        validate(compose_config(["offload=optimizer", "offload.chunk_mb=0"]))
+    # fp16 applies where the step runs in fp16: a GPU target (mode=plan plans for one), or a CPU
+    # with train.cpu_autocast=true. A plain CPU run trains in float32 (runner/resolved.py).
+    for target in ("mode=plan", "train.cpu_autocast=true"):
+        with pytest.raises(UserError, match="bf16"):
+            validate(compose_config(["offload=optimizer", "train.mixed_precision=fp16", target]))
+        validate(compose_config(["offload=optimizer", "train.mixed_precision=fp16",
+                                 "offload.optimizer.step_on_host=false", target]))
+    with pytest.raises(UserError, match=r"offload\.optimizer\.implementation"):
+        validate(compose_config(["offload=optimizer", "offload.optimizer.implementation=deepspeed"]))
+    with pytest.raises(UserError, match=r"offload\.optimizer\.chunk_mb"):
+        validate(compose_config(["offload=optimizer", "offload.optimizer.chunk_mb=0"]))
     if not torchao_available():
         with pytest.raises(UserError, match="torchao is not installed"):
-            validate(compose_config(["offload=optimizer", "offload.implementation=torchao", "train.max_grad_norm=0"]))
+            validate(compose_config(["offload=optimizer", "offload.optimizer.implementation=torchao",
+                                     "train.max_grad_norm=0"]))
     with pytest.raises(UserError, match="cannot clip"):
-        validate(compose_config(["offload=optimizer", "offload.implementation=torchao"]))
+        validate(compose_config(["offload=optimizer", "offload.optimizer.implementation=torchao"]))
 
 
 def test_offload_gradients_refuses_a_mix_of_host_and_device_parameters():

@@ -1,7 +1,7 @@
 """OOM recovery: split the micro-batch, retry the whole step, same math, no sample lost or repeated.
 
 The out-of-memory errors are injected by a test-only plugin (``tiling=test_oom_injector``,
-registered below) whose forward pre-hook on the trained U-Net raises a real
+registered below, set with ``tiling.test_oom_injector.<key>``) whose forward pre-hook on the trained U-Net raises a real
 ``torch.OutOfMemoryError`` while a micro-batch is larger than ``max_batch`` in the chosen steps,
 so it keeps failing until the loop has split enough. It also records the sample seeds of every
 micro-batch the trainer's loss saw, and which attempts were thrown away.
@@ -70,8 +70,8 @@ class OOMInjector(Plugin):
     Config = InjectorConfig
     description = "test only: raises torch.OutOfMemoryError in chosen steps"
 
-    def __init__(self, config):
-        super().__init__(config)
+    def __init__(self, config, run):
+        super().__init__(config, run)
         self.step = 0
         self.calls = 0
         self.attempt: list[int] = []  # sample positions of this attempt's micro-batches
@@ -88,10 +88,14 @@ class OOMInjector(Plugin):
             self.attempt += [int(s) - SEED * 1_000_003 for s in batch["sample_seed"]]
             return loss(models, batch)
 
-        ctx.trainer.loss = recording_loss
+        trainer = ctx.trainer
+        trainer.loss = recording_loss
+        ctx.hooks.add(ctx.models[next(iter(ctx.models.trained))], "test_oom_loss", self.key,
+                      undo=lambda: setattr(trainer, "loss", loss))
         for name in ctx.models.trained:
-            ctx.models[name].register_forward_pre_hook(self._maybe_raise)
-        ctx.state[self.key] = self
+            module = ctx.models[name]
+            handle = module.register_forward_pre_hook(self._maybe_raise)
+            ctx.hooks.add(module, "test_oom_injector", self.key, handle=handle, undo=handle.remove)
 
     def wrap_optimizer(self, ctx):
         original = ctx.optimizer.step
@@ -181,7 +185,7 @@ def references(tmp_path_factory) -> dict[int, Reference]:
     for accum in (1, 2, 4):
         micro = BATCH // accum
         rows, inj = train_run(root / f"m{micro}", f"train.grad_accum={accum}", "tiling=test_oom_injector",
-                              "tiling.steps=[]")
+                              "tiling.test_oom_injector.steps=[]")
         assert [r["micro_batch_size"] for r in rows] == [micro] * STEPS and not inj.ooms
         out[micro] = Reference(root / f"m{micro}", inj.grads)
     return out
@@ -202,9 +206,10 @@ PARAM_ATOL = 1e-5
 @pytest.mark.parametrize(
     "accum, inject, final_micro, retries",
     [
-        (1, ["tiling.max_batch=2"], 2, 1),  # 4 -> 2
-        (2, ["tiling.max_batch=1", "tiling.from_call=2"], 1, 1),  # 2 -> 1 after the first pass's backward
-        (1, ["tiling.max_batch=1"], 1, 2),  # 4 -> 2 -> 1 within one step
+        (1, ["tiling.test_oom_injector.max_batch=2"], 2, 1),  # 4 -> 2
+        # 2 -> 1 after the first pass's backward
+        (2, ["tiling.test_oom_injector.max_batch=1", "tiling.test_oom_injector.from_call=2"], 1, 1),
+        (1, ["tiling.test_oom_injector.max_batch=1"], 1, 2),  # 4 -> 2 -> 1 within one step
     ],
     ids=["4to2", "2to1-after-partial-gradients", "4to2to1"],
 )
@@ -216,7 +221,7 @@ def test_split_in_first_step_equals_configured_micro_batch(tmp_path, references,
     assert [r["oom_retries"] for r in rows] == [retries, 0, 0]
     assert inj.ooms == [(1, "OutOfMemoryError")] * retries
     assert inj.counted == ALL_SAMPLES  # every sample exactly once, in order
-    if "tiling.from_call=2" in inject:
+    if "tiling.test_oom_injector.from_call=2" in inject:
         assert inj.discarded[0] == [0, 1, 2, 3]  # pass 1 (0, 1) finished its backward, pass 2 failed
     warnings = [r.getMessage() for r in caplog.records if "out of memory in step" in r.getMessage()]
     assert len(warnings) == retries and "step 1" in warnings[0], warnings
@@ -233,8 +238,8 @@ def test_split_in_first_step_equals_configured_micro_batch(tmp_path, references,
 def test_split_mid_run_keeps_the_smaller_micro_batch_and_resume_honours_it(tmp_path, references, caplog):
     caplog.set_level("WARNING", logger="runner")
     out = tmp_path / "run"
-    rows, inj = train_run(out, "train.grad_accum=1", "tiling=test_oom_injector", "tiling.steps=[2]",
-                          "tiling.max_batch=2", "profile.enabled=true", "profile.steps=3")
+    rows, inj = train_run(out, "train.grad_accum=1", "tiling=test_oom_injector", "tiling.test_oom_injector.steps=[2]",
+                          "tiling.test_oom_injector.max_batch=2", "profile.enabled=true", "profile.steps=3")
     assert [r["micro_batch_size"] for r in rows] == [4, 2, 2]
     assert [r["oom_retries"] for r in rows] == [0, 1, 0]
     assert inj.ooms == [(2, "OutOfMemoryError")]
@@ -264,14 +269,15 @@ def test_split_mid_run_keeps_the_smaller_micro_batch_and_resume_honours_it(tmp_p
 
 
 def test_give_up_at_micro_batch_one_saves_the_last_completed_step(tmp_path, references, capsys):
-    from runner.__main__ import _task
+    from runner.__main__ import run
+    from runner.sweep import run_job
 
     out = tmp_path / "run"
     cfg = compose_config([*BASE, f"output_dir={out}", "train.grad_accum=1", "tiling=test_oom_injector",
-                          "tiling.steps=[2]", "tiling.max_batch=0"])
+                          "tiling.test_oom_injector.steps=[2]", "tiling.test_oom_injector.max_batch=0"])
     RECORD.clear()
     with pytest.raises(SystemExit) as e:
-        _task(cfg)  # what the CLI runs for a single (non -m) run
+        run_job(run, cfg)  # what the CLI runs for a single (non -m) run (runner.sweep.launch)
     assert e.value.code == GIVE_UP_EXIT_CODE == 3
     err = capsys.readouterr().err
     assert "Traceback" not in err
@@ -292,7 +298,8 @@ def test_give_up_at_micro_batch_one_saves_the_last_completed_step(tmp_path, refe
 
 def test_oom_in_the_optimizer_step_is_not_retried(tmp_path):
     with pytest.raises(OutOfMemoryGiveUp, match="optimizer step of step 2") as e:
-        train_run(tmp_path, "tiling=test_oom_injector", "tiling.steps=[]", "tiling.optimizer_step=2")
+        train_run(tmp_path, "tiling=test_oom_injector", "tiling.test_oom_injector.steps=[]",
+                  "tiling.test_oom_injector.optimizer_step=2")
     assert "step-00000001" in str(e.value)  # names the last saved checkpoint
     assert RECORD["last"].ooms == [(2, "OutOfMemoryError")]
     assert not (tmp_path / "checkpoints" / "step-00000002").exists()

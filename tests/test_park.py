@@ -22,11 +22,14 @@ from runner.cache import EncoderCache, SampleFingerprints, fill_cache, plan_cach
 from runner.context import RunContext
 from runner.data import FolderDataset, collate
 from runner.errors import UserError
+from runner.hooks import marked
 from runner.loop import SampleOrder, make_accelerator, train
 from runner.memory.tracker import LiveBytesTracker
 from runner.plugin import PluginSchedule
+from runner.resolved import resolve
 from runner.run import build_plugins, build_trainer, make_context
 from runner.trainer import ModelSet, encode
+from runner.trainer_setup import prepare_models
 from runner.validate import compose_config, validate
 
 ASSETS = Path(__file__).parent / "assets"
@@ -45,12 +48,13 @@ def start(tmp: Path, *overrides: str, before_apply=None) -> RunContext:
     """The steps of runner.__main__.run up to the loop, returning the context."""
     cfg = compose_config([f"output_dir={tmp}", "train.progress=false", "data.demo_size=4", "train.steps=3", *overrides])
     validate(cfg)
-    ctx = make_context(cfg, build_plugins(cfg), tmp)
+    run = resolve(cfg)
+    ctx = make_context(cfg, run, build_plugins(cfg, run), tmp)
     ctx.run_phase("configure_process")
-    ctx.trainer = build_trainer(cfg)
-    set_seed(cfg.train.seed)
-    ctx.models = ctx.trainer.build_models("cpu")
-    ctx.accelerator = make_accelerator(cfg, ctx.device)
+    ctx.trainer = build_trainer(cfg, run)
+    set_seed(run.seed)
+    ctx.models = prepare_models(ctx.trainer.build_models("cpu"), cfg.model, run)
+    ctx.accelerator = make_accelerator(run)
     if before_apply is not None:
         before_apply(ctx)
     ctx.apply_setup_phases()
@@ -59,8 +63,10 @@ def start(tmp: Path, *overrides: str, before_apply=None) -> RunContext:
 
 def run_losses(tmp: Path, *overrides: str, before_apply=None) -> tuple[list[float], RunContext]:
     ctx = start(tmp, *overrides, before_apply=before_apply)
-    result = train(ctx)
-    ctx.run_phase("teardown")
+    try:
+        result = train(ctx)
+    finally:
+        ctx.teardown()
     return result.losses, ctx
 
 
@@ -80,7 +86,7 @@ def cache_files(root: Path) -> list[Path]:
 
 def test_sdxl_cached_runs_equal_uncached_and_second_run_never_calls_encoders(tmp_path, caplog):
     cache = tmp_path / "cache"
-    park = ["offload=park", f"offload.cache_dir={cache}"]
+    park = ["offload=park", f"offload.park.cache_dir={cache}"]
     base, _ = run_losses(tmp_path / "base")
 
     first_calls: dict[str, int] = {}
@@ -104,8 +110,8 @@ def test_sdxl_cached_runs_equal_uncached_and_second_run_never_calls_encoders(tmp
     # The second run never called an encoder, and they are gone from the ModelSet.
     assert second_calls == {"vae": 0, "text_encoder": 0, "text_encoder_2": 0}
     assert set(ctx2.models.modules) == {"unet"}
-    assert ctx2.state["encode_on_device"] is False
-    assert ctx2.state["dropped_modules"] == ["text_encoder", "text_encoder_2", "vae"]
+    assert ctx2.facts.encode_on_device is False
+    assert ctx2.facts.dropped == {"text_encoder", "text_encoder_2", "vae"}
     assert [f.stat().st_mtime_ns for f in cache_files(cache)] == mtimes  # nothing rewritten
     # teardown restored the trainer's own encode and dataset
     assert "encode" not in ctx2.trainer.__dict__ and "dataset" not in ctx2.trainer.__dict__
@@ -135,9 +141,9 @@ def test_full_cache_step_holds_no_encoder_weights(tmp_path, capsys):
     cache = tmp_path / "cache"
     base = start(tmp_path / "base")
     frozen = {n: module_bytes(m) for n, m in base.models.frozen().items()}
-    start(tmp_path / "fill", "offload=park", f"offload.cache_dir={cache}")  # fills the cache
+    start(tmp_path / "fill", "offload=park", f"offload.park.cache_dir={cache}")  # fills the cache
     refs = {}
-    cached = start(tmp_path / "cached", "offload=park", f"offload.cache_dir={cache}",
+    cached = start(tmp_path / "cached", "offload=park", f"offload.park.cache_dir={cache}",
                    before_apply=lambda c: refs.update({n: weakref.ref(m) for n, m in c.models.frozen().items()}))
     assert sorted(refs) == ["text_encoder", "text_encoder_2", "vae"]
     assert all(r() is None for r in refs.values())  # freed, not just moved
@@ -156,13 +162,13 @@ def test_flux_text_only_cache_parks_the_vae(tmp_path):
     """flux_24gb's proposal: cache the embeddings (T5 + CLIP dropped), keep the VAE parked."""
     common = ["trainer=flux", "data.resolution=32"]
     base, _ = run_losses(tmp_path / "base", *common)
-    park = [*common, "offload=park", f"offload.cache_dir={tmp_path / 'cache'}", "offload.cache_latents=false"]
+    park = [*common, "offload=park", f"offload.park.cache_dir={tmp_path / 'cache'}", "offload.park.cache_latents=false"]
     first, ctx1 = run_losses(tmp_path / "first", *park)
     second, ctx2 = run_losses(tmp_path / "second", *park)
     assert base == first == second
     assert set(ctx2.models.modules) == {"transformer", "vae"}
-    assert ctx2.state["parked_modules"] == ["vae"] and ctx2.state["encode_on_device"] is True
-    assert getattr(ctx2.models["vae"], "_runner_placed") is True
+    assert ctx2.facts.parked == {"vae"} and ctx2.facts.encode_on_device is True
+    assert "vae" in ctx2.facts.placed
     assert {p.parent.parent.name for p in cache_files(tmp_path / "cache")} == {"text"}
 
 
@@ -230,15 +236,17 @@ def test_tied_weights_are_swapped_once():
 def test_hosted_mode_parks_frozen_modules(tmp_path):
     from runner.hosted import session
 
-    ctx = session(["offload=park", "offload.cache_latents=false", "offload.cache_text=false"], output_dir=tmp_path)
+    run = session(["offload=park", "offload.park.cache_latents=false", "offload.park.cache_text=false",
+                   "train.device=cpu"], output_dir=tmp_path)
+    ctx = run.ctx
     denoiser, frozen = nn.Linear(4, 4), tiny_vae()
-    models, _, _ = ctx.prepare({"denoiser": denoiser, "vae": frozen})
-    assert ctx.state["parked_modules"] == ["vae"] and frozen._runner_placed
-    assert ctx.state["encode_on_device"] is False  # no trainer: nothing is encoded by the runner
+    models, _, _ = run.prepare({"denoiser": denoiser, "vae": frozen})
+    assert ctx.facts.parked == {"vae"} and "vae" in ctx.facts.placed
+    assert ctx.facts.encode_on_device is False  # no trainer: nothing is encoded by the runner
     frozen.encode(torch.zeros(1, 3, 16, 16))
-    assert ctx.state["offload/park"].parked["vae"].loads == 1
-    ctx.run_phase("teardown")
-    assert "encode" not in frozen.__dict__
+    assert marked(frozen, "park").loads == 1
+    run.finish()
+    assert "encode" not in frozen.__dict__ and marked(frozen, "park") is None
 
 
 def test_simulate_drops_cached_modules_without_touching_disk(tmp_path):
@@ -308,34 +316,59 @@ def test_demo_fingerprints_are_pixel_hashes_with_flip(tmp_path):
 
 
 # ---- validation ---------------------------------------------------------------------------------
-def test_validation_errors(tmp_path, monkeypatch):
+def test_trainer_without_cacheable_encode_step_is_parked_not_cached(tmp_path, monkeypatch, caplog):
+    """No longer refused at validation: with cache_latents/cache_text on (the defaults) the run proceeds,
+    caches nothing and parks the frozen modules."""
     monkeypatch.syspath_prepend(str(ASSETS))
-    custom = ["trainer=custom", "trainer._target_=custom_trainer.PixelDiffusionTrainer", "offload=park",
-              f"offload.cache_dir={tmp_path}"]
-    with pytest.raises(UserError, match=r"offload.cache_latents=True.*custom_trainer.PixelDiffusionTrainer.*has no encode step"):
-        validate(compose_config(custom))
-    validate(compose_config([*custom, "offload.cache_latents=false", "offload.cache_text=false"]))  # parking only
+    custom = ["trainer=custom", "trainer._target_=custom_trainer.PixelDiffusionTrainer", "data.resolution=16"]
+    park = ["offload=park", f"offload.park.cache_dir={tmp_path / 'cache'}"]
+    validate(compose_config([*custom, *park]))
 
-    with pytest.raises(UserError, match=r"offload.encode_batch_size=0 is not valid"):
-        validate(compose_config(["offload=park", "offload.encode_batch_size=0", f"offload.cache_dir={tmp_path}"]))
+    def add_frozen(ctx: RunContext) -> None:  # the pixel trainer has no frozen module of its own
+        ctx.models.modules["frozen"] = tiny_vae()
 
+    base, _ = run_losses(tmp_path / "base", *custom, before_apply=add_frozen)
+    with caplog.at_level(logging.INFO, logger="runner"):
+        parked, ctx = run_losses(tmp_path / "park", *custom, *park, before_apply=add_frozen)
+    assert len(parked) == 3 and base == parked
+    assert "PixelDiffusionTrainer has no cacheable encode step (encode_parts); frozen modules are parked, nothing is cached" \
+        in caplog.text
+    assert ctx.facts.parked == {"frozen"} and "frozen" in ctx.facts.placed
+    assert not ctx.facts.dropped and not ctx.facts.cached_parts and not ctx.facts.encode_replaced
+    assert ctx.facts.encode_on_device is False  # the trainer has no encode step at all
+    assert not (tmp_path / "cache").exists()  # nothing cached, nothing written
+    assert "encode" not in ctx.trainer.__dict__ and "dataset" not in ctx.trainer.__dict__
+    assert marked(ctx.models["frozen"], "park") is None  # teardown unparked it
+
+
+def test_validation_errors(tmp_path):
+    with pytest.raises(UserError, match=r"offload.park.encode_batch_size=0 is not valid"):
+        validate(compose_config(["offload=park", "offload.park.encode_batch_size=0", f"offload.park.cache_dir={tmp_path}"]))
+
+
+def test_unwritable_cache_dir_is_a_user_error(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
-    with pytest.raises(UserError, match=r"offload.cache_dir='.*a_file/latents' is not a writable folder"):
-        validate(compose_config(["offload=park", f"offload.cache_dir={blocker}/latents"]))
+    # Refused before training starts (at validation or when park sets up its cache).
+    with pytest.raises(UserError, match=r"offload.park.cache_dir='.*a_file/latents' is not a writable folder"):
+        start(tmp_path / "run", "offload=park", f"offload.park.cache_dir={blocker}/latents")
 
 
 def test_plugin_sets_planner_flags_and_order(tmp_path):
-    cfg = compose_config(["offload=park", f"offload.cache_dir={tmp_path}", "checkpoint=blocks"])
-    schedule = build_plugins(cfg)
+    cfg = compose_config(["offload=park", f"offload.park.cache_dir={tmp_path}", "checkpoint=blocks", "train.device=cpu"])
+    run = resolve(cfg)
+    schedule = build_plugins(cfg, run)
     assert [p.key for p in schedule.by_phase["place_models"]] == ["offload/park"]
-    assert Park(ParkConfig()).implements("teardown")
-    ctx = RunContext(cfg=None, schedule=PluginSchedule.build([Park(ParkConfig(cache_latents=False, cache_text=False))]),
-                     device=torch.device("cpu"), models=ModelSet({"unet": nn.Linear(2, 2), "te": nn.Linear(2, 2).requires_grad_(False)},
-                                                                 trained={"unet"}))
+    assert Park(ParkConfig(), run).implements("teardown")
+    ctx = RunContext(run=run, schedule=PluginSchedule.build([Park(ParkConfig(cache_latents=False, cache_text=False), run)]))
+    ctx.models = ModelSet({"unet": nn.Linear(2, 2), "te": nn.Linear(2, 2).requires_grad_(False)}, trained={"unet"})
+    ctx.run_phase("claim_modules")
+    assert [(c.module, c.action, c.owner) for c in ctx.facts.claims] == [("te", "park", "offload/park")]
     ctx.run_phase("place_models")
-    assert ctx.state["parked_modules"] == ["te"] and ctx.state["dropped_modules"] == []
-    assert isinstance(getattr(ctx.models["te"], "_runner_parked"), ParkedModule)
+    assert ctx.facts.parked == {"te"} and ctx.facts.dropped == set() and ctx.facts.placed == {"te"}
+    assert isinstance(marked(ctx.models["te"], "park"), ParkedModule)
+    ctx.teardown()
+    assert marked(ctx.models["te"], "park") is None
 
 
 # ---- CUDA -------------------------------------------------------------------------------------

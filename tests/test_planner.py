@@ -25,15 +25,16 @@ from runner.loop import forward_backward
 from runner.memory.tracker import LiveBytesTracker
 from runner.plan import (
     CUDA_WORKSPACE_MARGIN_BYTES,
+    DEVICE,
     GiB,
     DeviceSemantics,
     Plan,
-    note_pinned_bytes,
     plan_step,
     simulation_mode,
     verify_suggestions,
 )
 from runner.plugin import Plugin, PluginSchedule
+from runner.resolved import planned_target, resolve
 from runner.run import build_plugins, build_trainer
 from runner.trainer import ModelSet
 from runner.trainers.model_configs import build_denoiser
@@ -204,18 +205,19 @@ class HostParking(Plugin):
 
     def place_models(self, ctx: Any) -> None:
         for name, module in ctx.models.frozen().items():
-            module._runner_placed = True  # stays on ctx.host
-            note_pinned_bytes(ctx, sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()]))
-        ctx.state["encode_on_device"] = False
+            ctx.facts.placed.add(name)  # stays on ctx.host
+            ctx.note_pinned_bytes(sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()]))
+        ctx.facts.encode_on_device = False
 
 
 def test_plugins_report_pinned_host_bytes_and_can_turn_encoding_off():
     cfg = compose("data.resolution=64", "train.device=cpu")
-    trainer = build_trainer(cfg)
+    run = resolve(cfg, target=planned_target(cfg), device=DEVICE).simulated()  # the run plan_step simulates
+    trainer = build_trainer(cfg, run)
     frozen = {n: m for n, m in trainer.build_models("meta").items() if n != "unet"}
     frozen_bytes = sum(t.numel() * t.element_size() for m in frozen.values() for t in [*m.parameters(), *m.buffers()])
-    base = build_plugins(cfg)
-    schedule = PluginSchedule.build([p for p in base.plugins if p.kind != "offload"] + [HostParking(None)])
+    base = build_plugins(cfg, run)
+    schedule = PluginSchedule.build([p for p in base.plugins if p.kind != "offload"] + [HostParking(None, run)])
     plan = plan_step(cfg, trainer, schedule)
     assert plan.host_pinned_bytes == frozen_bytes
     assert plan.host_steady_bytes >= frozen_bytes  # the parked modules stay in host RAM
@@ -322,7 +324,7 @@ def cuda_step_peak(cfg: Any) -> int:
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated()
     finally:
-        ctx.run_phase("teardown")
+        ctx.teardown()
 
 
 @pytest.mark.gpu

@@ -351,8 +351,9 @@ def test_slicing_a_model_without_it_is_a_user_error():
         (["tiling=attention", "tiling.attention.attention=flash", "train.device=cuda", "train.mixed_precision=no",
           "mode=plan"],
          r"tiling.attention.attention=flash takes only float16/bfloat16 inputs.*train.mixed_precision=bf16"),
-        (["tiling=attention", "tiling.attention.attention_slice=0"], r"tiling.attention_slice='0' is not valid"),
-        (["tiling=attention", "tiling.attention.attention_slice=half"], r"tiling.attention_slice='half' is not valid"),
+        (["tiling=attention", "tiling.attention.attention_slice=0"], r"tiling.attention.attention_slice='0' is not valid"),
+        (["tiling=attention", "tiling.attention.attention_slice=half"],
+         r"tiling.attention.attention_slice='half' is not valid"),
     ],
 )
 def test_validation(overrides, match):
