@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 import torch
 from torch import nn
 
+from runner.compat import current_graph_task_id, is_fake, queue_engine_callback
 from runner.errors import UserError
 from runner.hooks import composable
 from runner.plugin import Plugin, PluginConfig
@@ -116,12 +117,6 @@ class ActivationStats:
     waited: int = 0  # brought back on demand
 
 
-def _is_fake(t: Any) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(t, FakeTensor)
-
-
 def _dense(t: torch.Tensor) -> bool:
     """Non-overlapping and dense (any dimension order): a host copy with the same strides holds
     exactly its elements. Expanded or strided views are left on the device."""
@@ -179,7 +174,7 @@ class ActivationOffloader:
             return False
         if id(t) in self._skip or (t._base is not None and id(t._base) in self._skip):
             return False
-        if type(t) is not torch.Tensor and not _is_fake(t):  # quantized and other subclasses
+        if type(t) is not torch.Tensor and not is_fake(t):  # quantized and other subclasses
             return False
         return _dense(t)
 
@@ -275,12 +270,12 @@ class ActivationOffloader:
             probe -= 1
 
     def _first_backward_call(self) -> None:
-        task = torch._C._current_graph_task_id()
+        task = current_graph_task_id()
         if task == -1 or task == self._callback_task:
             return
         self._callback_task = task
         self._packed.clear()  # forward is over: later packs belong to a new forward
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        queue_engine_callback(self._end_of_backward)
         if self._fwd_stash and self.use_streams:
             current = self._api.current_stream(self.device)
             for _, ev in self._fwd_stash.values():

@@ -34,7 +34,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from runner.plugins.stream.host import HostRegion, _is_fake, _nbytes, host_copy
+from runner.compat import is_fake
+from runner.plugins.stream.host import HostRegion, _nbytes, host_copy
 
 
 def _torchao_class() -> type | None:
@@ -160,7 +161,7 @@ class HostStepOptimizer(_ForwardsToInner):
         self.device = next((p.device for p, m in self.pairs if p is not m), self.host)
         self.pin = pin_memory and self.device.type == "cuda"
         self._api = torch.get_device_module(self.device) if self.device.type not in ("cpu", "meta") and not any(
-            _is_fake(p) for p, _ in self.pairs) else None
+            is_fake(p) for p, _ in self.pairs) else None
         self._d2h = self._api.Stream(device=self.device) if self._api is not None else None
         if self.offload_gradients:
             for p, m in self.pairs:
@@ -332,7 +333,7 @@ class HostStateOptimizer(_ForwardsToInner):
                 continue
             buf = self._host_state.get((id(p), k))
             if buf is None or buf.shape != v.shape or buf.dtype != v.dtype:
-                if self.pin and not _is_fake(v):
+                if self.pin and not is_fake(v):
                     region = HostRegion(_nbytes(v), pin=True)
                     self.regions.append(region)
                     buf = region.view(0, v)

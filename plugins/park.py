@@ -77,6 +77,7 @@ from runner.cache import (
     plan_cache,
     resolve_cache_dir,
 )
+from runner.compat import has_compatible_shallow_copy_type
 from runner.errors import UserError
 from runner.hooks import mark, marked, unmark
 from runner.plugin import Plugin, PluginConfig
@@ -147,7 +148,7 @@ class ParkedModule:
         # the planner's simulated device, is not, so there the tensors' contents are exchanged
         # with torch.utils.swap_tensors instead (same objects, same effect, frozen tensors only).
         probe = torch.empty(0, device=self.host)
-        self.swap_objects = not torch._has_compatible_shallow_copy_type(probe, torch.empty(0, device=self.device))
+        self.swap_objects = not has_compatible_shallow_copy_type(probe, torch.empty(0, device=self.device))
         self._holders: list[torch.Tensor] = []
         self.wrapped: dict[str, Any] = {}  # method name -> the instance attribute it replaced (or None)
         for name in PARK_METHODS:

@@ -64,6 +64,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager
 import torch
 from torch import nn
 
+from runner.compat import is_fake
 from runner.errors import UserError, valid_list
 from runner.plugin import Plugin, PluginConfig
 
@@ -228,12 +229,6 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 # ---- simulation helpers --------------------------------------------------------------------------
-def is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(t, FakeTensor)
-
-
 def simulated(t: torch.Tensor) -> bool:
     """True for tensors without real data: the planner's meta and fake tensors."""
     return t.is_meta or is_fake(t)

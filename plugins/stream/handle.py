@@ -25,9 +25,10 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from runner.compat import has_compatible_shallow_copy_type, is_fake
 from runner.hooks import mark, marked, unmark
 from runner.plugins.stream.hooks import _StreamHooks
-from runner.plugins.stream.host import HostRegion, _align, _is_fake, host_copy
+from runner.plugins.stream.host import HostRegion, _align, host_copy
 from runner.plugins.stream.plan import StreamPlan, _streamable, guess_execution_order, plan_stream
 from runner.plugins.stream.state import INFLIGHT, LOADED, RELEASED, StreamStats, _Block, _Slot
 
@@ -49,7 +50,7 @@ class StreamHandle(_StreamHooks):
         self.stats = StreamStats()
         self.regions: list[HostRegion] = []
         self._hooks: list[Any] = []
-        fake = any(_is_fake(p) for p in module.parameters()) or device.type == "meta"
+        fake = any(is_fake(p) for p in module.parameters()) or device.type == "meta"
         self.async_copies = device.type != "cpu" and device.type != "meta" and not fake and device.type != host.type
         self.pin = bool(pin_memory) and self.async_copies and device.type == "cuda"
         self.same_storage = device == host and not always_copy
@@ -333,7 +334,7 @@ def _move_param(owner: nn.Module, name: str, p: nn.Parameter, device: torch.devi
     if p.device == device:
         return
     new = p.detach().to(device)
-    if torch._has_compatible_shallow_copy_type(p, new):
+    if has_compatible_shallow_copy_type(p, new):
         p.data = new
     else:  # e.g. fake cpu -> fake meta in the planner
         owner._parameters[name] = nn.Parameter(new, requires_grad=p.requires_grad)

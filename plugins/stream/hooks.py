@@ -44,8 +44,8 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
+from runner.compat import current_graph_task_id, outer_saved_tensors_hooks, queue_engine_callback, tree_flatten
 from runner.hooks import composable, is_composable
 from runner.plugins.stream.host import HostRegion, _nbytes
 from runner.plugins.stream.state import RELEASED, _Block, _Slot
@@ -76,7 +76,7 @@ def _composable(fn: Callable) -> Callable:
 
 
 def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
+    return current_graph_task_id() != -1
 
 
 def _autocast_on(device: torch.device) -> bool:
@@ -155,7 +155,7 @@ class _StreamHooks:
     # -- saved tensors -------------------------------------------------------------------------
     def _push_saved_hooks(self, b: _Block) -> None:
         """Enter this block's saved-tensor hooks (popped by the post hook, strictly nested)."""
-        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        outer = outer_saved_tensors_hooks()
         hooks = None
         if outer is None or is_composable(outer[0]):
             # Otherwise someone else's hooks are active (a checkpoint region that calls the
@@ -240,10 +240,10 @@ class _StreamHooks:
 
     # -- backward ---------------------------------------------------------------------------
     def _queue_final(self) -> None:
-        task = torch._C._current_graph_task_id()
+        task = current_graph_task_id()
         if task != -1 and task != self._callback_task:
             self._callback_task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            queue_engine_callback(self._finish_backward)
 
     def _make_pre_backward(self, b: _Block, pos: int) -> Callable:
         """Backward has reached the call of block ``b`` at forward position ``pos``.

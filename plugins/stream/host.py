@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import logging
 import mmap
-from typing import Any
 
 import torch
+
+from runner.compat import is_fake
 
 log = logging.getLogger("runner")
 
@@ -64,20 +65,12 @@ class HostRegion:
 def host_copy(t: torch.Tensor, pin: bool) -> tuple[torch.Tensor, HostRegion | None]:
     """A host copy of ``t`` in its own (optionally page-locked) region; other modules reuse this
     for long-lived host buffers (optimizer masters and gradients)."""
-    if not pin or not torch.cuda.is_available() or _is_fake(t):
+    if not pin or not torch.cuda.is_available() or is_fake(t):
         return t.detach().to("cpu", copy=True), None
     region = HostRegion(t.numel() * t.element_size(), pin=True)
     out = region.view(0, t)
     out.copy_(t.detach())
     return out, region
-
-
-def _is_fake(t: Any) -> bool:
-    try:
-        from torch._subclasses.fake_tensor import FakeTensor
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(t, FakeTensor)
 
 
 def fmt_bytes(n: int) -> str:

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from runner.compat import is_fake
 from runner.errors import UserError
-from runner.plugins.stream.host import GiB, _align, _is_fake, _nbytes, fmt_bytes
+from runner.plugins.stream.host import GiB, _align, _nbytes, fmt_bytes
 
 
 @dataclass
@@ -101,7 +102,7 @@ def _streamable(block: nn.Module, shared: set[int]) -> tuple[list[tuple[nn.Modul
     """(parameters to stream, bytes that stay resident, reason the block must stay resident)."""
     params, buffers = _block_members(block)
     fixed = sum(_nbytes(b) for b in buffers)
-    odd = [p for _, _, p in params if type(p) is not nn.Parameter and not _is_fake(p)]  # fake: the planner
+    odd = [p for _, _, p in params if type(p) is not nn.Parameter and not is_fake(p)]  # fake: the planner
     if odd:
         kinds = sorted({type(p).__name__ for p in odd})
         return [], fixed + sum(_nbytes(p) for _, _, p in params), f"holds {', '.join(kinds)} parameters (quantized)"

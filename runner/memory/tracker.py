@@ -89,9 +89,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_iter
+
+from runner.compat import DisableTorchFunction, FakeTensor, TorchDispatchMode, tree_iter
 
 CATEGORIES: tuple[str, ...] = ("weights", "gradients", "optimizer_state", "activations", "temporaries", "other")
 """Categories reported; "other" = pre-existing storages first seen as op inputs, or born outside a phase."""
@@ -230,7 +229,7 @@ class LiveBytesTracker(TorchDispatchMode):
         kwargs = kwargs or {}
         # Torch-function modes (the planner's DeviceSemantics) act above autograd on the user's
         # calls; the aten calls and tensor queries below are not theirs to see.
-        with torch._C.DisableTorchFunction():
+        with DisableTorchFunction():
             if self._dead:
                 self._drain()
             if self.count_inputs:

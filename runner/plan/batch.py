@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from runner.compat import unset_fake_temporarily
 from runner.plan.target import DEVICE
 
 BOOKKEEPING_KEYS = ("sample_seed", "index")  # per-sample ints the protocol reads with tolist()

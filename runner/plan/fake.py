@@ -13,13 +13,25 @@ the plan (runner/plan/simulate.py).
 """
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConverter, FakeTensorMode
-from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+from runner.compat import (
+    DISPATCH_HANDLE_DIRECTLY,
+    DISPATCH_META_HANDLERS,
+    FAKE_CACHE_FAST_PATHS,
+    FAKE_TENSOR_PARAM_KWARGS,
+    DisableTorchDispatch,
+    DispatchCacheKey,
+    FakeTensor,
+    FakeTensorConverter,
+    FakeTensorMode,
+    active_fake_mode,
+    get_default_device,
+    get_proxy_mode,
+)
 
 
 class _UnmemoizedOutputs(FakeTensorConverter):
@@ -39,13 +51,6 @@ class _UnmemoizedOutputs(FakeTensorConverter):
 class _Unusual(Exception):
     """An argument the fast cache key does not describe: use FakeTensorMode's own key."""
 
-
-try:  # private parts of PyTorch's fake-tensor cache that SimulationMode builds on
-    from torch._subclasses.fake_tensor import _DISPATCH_HANDLE_DIRECTLY, _DISPATCH_META_HANDLERS, _DispatchCacheKey
-
-    _FAST_PATHS = all(hasattr(FakeTensorMode, m) for m in ("_cached_dispatch_impl", "_cache_key"))
-except ImportError:  # another PyTorch: plan with the stock FakeTensorMode (slower, same figures)
-    _FAST_PATHS = False
 
 _PLAIN_ARGS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 _FAST_KEY = object()  # keeps fast keys apart from stock keys in FakeTensorMode's shared cache
@@ -72,8 +77,8 @@ class SimulationMode(FakeTensorMode):
     * ``_unsafe_view``, below.
 
     Cache validation, cache entries and the outputs built from them stay FakeTensorMode's own.
-    These are private PyTorch internals: where they are missing, ``simulation_mode`` uses the
-    stock mode.
+    These are private PyTorch internals (runner/compat.py): where they are missing,
+    ``simulation_mode`` uses the stock mode.
     """
 
     @classmethod
@@ -81,7 +86,7 @@ class SimulationMode(FakeTensorMode):
         return False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if not self.cache_enabled or func in _DISPATCH_META_HANDLERS or func in _DISPATCH_HANDLE_DIRECTLY:
+        if not self.cache_enabled or func in DISPATCH_META_HANDLERS or func in DISPATCH_HANDLE_DIRECTLY:
             return super().__torch_dispatch__(func, types, args, kwargs or {})
         if func is _UNSAFE_VIEW:
             # linear and matmul reshape their fresh output with _unsafe_view, which the fake
@@ -97,7 +102,7 @@ class SimulationMode(FakeTensorMode):
     def _cache_key(self, state: Any, func: Any, args: Any, kwargs: Any) -> Any:
         if self.shape_env is not None:
             return super()._cache_key(state, func, args, kwargs)
-        values: list[Any] = [_FAST_KEY, func, torch.get_default_dtype(), torch._C._get_default_device(),
+        values: list[Any] = [_FAST_KEY, func, torch.get_default_dtype(), get_default_device(),
                              torch.is_inference_mode_enabled(),
                              get_proxy_mode() is not None]
         try:
@@ -108,7 +113,7 @@ class SimulationMode(FakeTensorMode):
                     self._describe(values, (v,))
         except _Unusual:
             return super()._cache_key(state, func, args, kwargs)
-        return _DispatchCacheKey(tuple(values))
+        return DispatchCacheKey(tuple(values))
 
     def _describe(self, out: list[Any], args: Any) -> None:
         for a in args:
@@ -134,7 +139,7 @@ def simulation_mode(fast: bool = True) -> FakeTensorMode:
     ``fast=False``: PyTorch's own dispatch and cache key (:class:`SimulationMode` off), for
     checking that the fast paths change no figure.
     """
-    mode = (SimulationMode if fast and _FAST_PATHS else FakeTensorMode)(allow_non_fake_inputs=True)
+    mode = (SimulationMode if fast and FAKE_CACHE_FAST_PATHS else FakeTensorMode)(allow_non_fake_inputs=True)
     old = mode.fake_tensor_converter
     mode.fake_tensor_converter = _UnmemoizedOutputs(copy_data=old.meta_converter.copy_data, export=old.export)
     return mode
@@ -147,7 +152,7 @@ def fake_module(module: nn.Module, device: torch.device, memo: dict[int, torch.T
     across the modules of one ModelSet). Call inside the simulation mode. The fakes are made
     without dispatching an op (no dispatch mode sees them born): pass them to the tracker.
     """
-    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    mode = active_fake_mode()
     if mode is None:
         raise RuntimeError("fake_module: call it inside the simulation mode (runner.plan.simulation_mode())")
     for sub in module.modules():
@@ -165,14 +170,10 @@ def _fake_like(t: torch.Tensor, device: torch.device, mode: FakeTensorMode) -> t
     # ops per tensor (the parameter wrap detaches), ~0.5 s for the ~3,000 tensors of SDXL's
     # models. Here a plain meta tensor is wrapped directly, as the fake mode wraps its outputs.
     is_param = isinstance(t, nn.Parameter)
-    if _FAKE_PARAM_KWARGS:
-        with torch._C._DisableTorchDispatch():
+    if FAKE_TENSOR_PARAM_KWARGS:  # recent PyTorch (2.13); 2.11 takes the dispatched path below
+        with DisableTorchDispatch():
             elem = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="meta")
         return FakeTensor(mode, elem, device, requires_grad=is_param and t.requires_grad, _is_param=is_param)
     fake = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
     return nn.Parameter(fake, requires_grad=t.requires_grad) if is_param else fake
 
-
-# FakeTensor(..., requires_grad=, _is_param=) exists in recent PyTorch (2.13 here); older
-# versions (the GPU machine's 2.11) take the dispatched path above.
-_FAKE_PARAM_KWARGS = {"requires_grad", "_is_param"} <= set(inspect.signature(FakeTensor.__new__).parameters)

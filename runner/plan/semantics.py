@@ -17,9 +17,9 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.overrides import TorchFunctionMode
 
+from runner.compat import engine_run_backward, foreach_mul_, foreach_norm, sdp_priority_order, unset_fake_temporarily
 from runner.plan.target import DEVICE
 
 # CUDA autocast policies, from PyTorch's ATen/autocast_mode.h (AT_FORALL_LOWER_PRECISION_FP,
@@ -47,14 +47,6 @@ AUTOCAST_PROMOTE = frozenset({
     "scatter_add",
 })
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def _sdp_priority() -> list[int]:
-    """PyTorch's SDPA backend order (flash, efficient, math, cudnn by default)."""
-    try:
-        return list(torch._C._get_sdp_priority_order())
-    except (AttributeError, RuntimeError):  # older torch: the documented default order
-        return [1, 2, 0, 3]
 
 
 def _holds_tensor(data: Any) -> bool:
@@ -181,7 +173,7 @@ class DeviceSemantics(TorchFunctionMode):
             return func(*args, **kwargs)
         half = dtype in (torch.float16, torch.bfloat16)
         needs_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        for backend in _sdp_priority():
+        for backend in sdp_priority_order():
             if backend == 1 and torch.backends.cuda.flash_sdp_enabled() and half and mask is None and same_heads \
                     and head <= 256 and head % 8 == 0:
                 return ops._scaled_dot_product_flash_attention(q, k, v, dropout, causal, False, scale=scale)[0]
@@ -214,11 +206,9 @@ class SimulatedAccelerator:
         # The C++ engine entry, not loss.backward(): Tensor.backward goes through the function
         # mode, which is switched off while it handles a call, so checkpoint recomputation in
         # backward would run without the target's autocast and attention kernels.
-        from torch.autograd.graph import _engine_run_backward
-
         with self.semantics.autocast(cache=False):  # the forward ran under autocast: so do recomputations
-            _engine_run_backward((loss,), (torch.ones_like(loss),), False, False, (),
-                                 allow_unreachable=True, accumulate_grad=True)
+            engine_run_backward((loss,), (torch.ones_like(loss),), False, False, (),
+                                allow_unreachable=True, accumulate_grad=True)
 
     @torch.no_grad()
     def clip_grad_norm_(self, params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
@@ -235,11 +225,11 @@ class SimulatedAccelerator:
                 groups.setdefault(p.grad.dtype, []).append(p.grad)
         if not groups:
             return torch.zeros(())
-        norms = [n for grads in groups.values() for n in torch._foreach_norm(grads, 2.0)]
+        norms = [n for grads in groups.values() for n in foreach_norm(grads, 2.0)]
         total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         for grads in groups.values():
-            torch._foreach_mul_(grads, coef)
+            foreach_mul_(grads, coef)
         return total
 
     def prepare(self, *objs: Any) -> Any:

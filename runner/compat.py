@@ -1,0 +1,250 @@
+"""PyTorch's private internals, imported in one place.
+
+The planner simulates a step with fake tensors, the live-bytes tracker is a dispatch mode, and
+the offload plugins hook the autograd engine: all of that needs parts of PyTorch that are not
+public API and may change in any release. Every such import in runner/ and plugins/ comes from
+here, so a new PyTorch breaks in one file, with an error that says what is missing, instead of
+deep inside a simulated step. The range the runner is tested with is :data:`TESTED_TORCH` (also
+declared in pyproject.toml): CI and the CPU setup use torch 2.13.0 (Makefile), the GPU machine
+2.11.
+
+Each internal, what it is used for, and what happens where it is missing (``FALLBACKS`` lists
+the fallbacks in use in this process; empty on the torch CI uses):
+
+Fake tensors (no fallback: importing this module fails with :class:`MissingTorchInternal`)
+    ``torch._subclasses.fake_tensor``: ``FakeTensor``, ``FakeTensorMode``,
+    ``FakeTensorConverter``, ``unset_fake_temporarily``: the planner's simulated tensors
+    (runner/plan), the tracker's device queries, and the ``ctx.simulate`` checks of the plugins
+    (:func:`is_fake`).
+    ``torch.utils._python_dispatch.TorchDispatchMode``: the base class of the live-bytes tracker.
+    ``torch.utils._pytree``: ``tree_flatten`` (offload=stream finds a block's output tensors,
+    including diffusers' output classes, which register themselves as pytree nodes) and
+    ``tree_iter`` (the tracker's per-op walk; fallback: iterate ``tree_flatten``'s leaves).
+
+The planner's fast path through the fake-tensor cache (fallback: the stock ``FakeTensorMode``,
+slower, same figures; tests/test_planner.py checks the two agree)
+    ``torch._subclasses.fake_tensor``: ``_DISPATCH_HANDLE_DIRECTLY``,
+    ``_DISPATCH_META_HANDLERS``, ``_DispatchCacheKey`` and ``FakeTensorMode``'s
+    ``_cached_dispatch_impl`` and ``_cache_key``, which runner/plan/fake.py's ``SimulationMode``
+    overrides; ``torch.fx.experimental.proxy_tensor.get_proxy_mode`` (part of the stock cache
+    key). All present: :data:`FAKE_CACHE_FAST_PATHS`.
+    ``torch._C._get_default_device``: part of the cache key (fallback: the public
+    ``torch.get_default_device``, as a string).
+
+Fake parameters without dispatched ops (fallback: ``torch.empty_strided`` under the fake mode,
+then ``nn.Parameter``: two dispatched ops per tensor, same tensors)
+    ``FakeTensor(..., requires_grad=, _is_param=)`` (recent PyTorch, 2.13; 2.11 takes the
+    fallback) and ``torch._C._DisableTorchDispatch``: :data:`FAKE_TENSOR_PARAM_KWARGS`.
+    ``torch._C._get_dispatch_mode`` with ``_TorchDispatchModeKey.FAKE``: the active fake mode
+    (:func:`active_fake_mode`; no fallback: an error when called).
+
+The target device's semantics in the planner (runner/plan/semantics.py)
+    ``torch._C._get_sdp_priority_order``: the order PyTorch tries attention kernels in
+    (fallback: PyTorch's documented default, flash, efficient, math, cuDNN).
+    ``torch.autograd.graph._engine_run_backward``: backward without the torch-function mode
+    being switched off (fallback: ``Variable._execution_engine.run_backward``, the engine call
+    it wraps).
+    ``torch._foreach_norm``, ``torch._foreach_mul_``: gradient clipping with the foreach kernels
+    a GPU run uses (fallback: one op per gradient, same values and bytes, slower).
+
+Autograd hooks of the offload plugins (no fallback: an error when called)
+    ``torch._C._current_graph_task_id``: whether backward is running, and which one.
+    ``torch.autograd.Variable._execution_engine.queue_callback``: run code when backward ends.
+    ``torch._C._autograd._top_saved_tensors_default_hooks``: the saved-tensor hooks already
+    active, so offload=stream composes with activation offload.
+    ``torch._C.DisableTorchFunction``: the tracker keeps torch-function modes out of its own
+    bookkeeping.
+    ``torch._has_compatible_shallow_copy_type``: whether ``param.data = t`` works between two
+    devices (offload=park, offload=stream; ``meta`` and ``cpu`` are not compatible).
+
+Also relied on in place, not wrapped (attributes and operators, on hot paths or part of a
+class that overrides them): ``Tensor._base``, ``Tensor._is_view()``, ``UntypedStorage._cdata``
+(storage identity), ``FakeTensor.fake_device/fake_mode/constant``,
+``FakeTensorMode.in_kernel_invocation``, the ``_should_skip_dynamo`` hook of dispatch modes,
+``FakeTensorConverter.from_meta_and_device``, and the aten operators ``_unsafe_view`` and
+``_scaled_dot_product_{flash,efficient,cudnn}_attention`` (+ ``_flash_attention_for_cpu``).
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import torch
+
+__all__ = [
+    "DISPATCH_HANDLE_DIRECTLY", "DISPATCH_META_HANDLERS", "FAKE_CACHE_FAST_PATHS", "FAKE_TENSOR_PARAM_KWARGS",
+    "FALLBACKS", "TESTED_TORCH", "DisableTorchDispatch", "DisableTorchFunction", "DispatchCacheKey", "FakeTensor",
+    "FakeTensorConverter", "FakeTensorMode", "MissingTorchInternal", "TorchDispatchMode", "active_fake_mode",
+    "current_graph_task_id", "engine_run_backward", "foreach_mul_", "foreach_norm", "get_default_device",
+    "get_proxy_mode", "has_compatible_shallow_copy_type", "is_fake", "outer_saved_tensors_hooks",
+    "queue_engine_callback", "sdp_priority_order", "tree_flatten", "tree_iter", "unset_fake_temporarily",
+]
+
+TESTED_TORCH = ">=2.11,<2.14"
+"""The torch versions the runner is tested with; keep equal to pyproject.toml's requirement."""
+
+FALLBACKS: dict[str, str] = {}
+"""Internal missing in this PyTorch -> what is used instead."""
+
+
+class MissingTorchInternal(ImportError):
+    """A PyTorch internal the runner needs is missing from the installed torch."""
+
+    def __init__(self, name: str, use: str, error: BaseException | None = None) -> None:
+        why = f" ({type(error).__name__}: {error})" if error is not None else ""
+        super().__init__(
+            f"this PyTorch ({torch.__version__}) lacks {name}{why}, which the runner uses for {use}. "
+            f"The runner is tested with torch{TESTED_TORCH} (runner/compat.py lists the internals it needs); "
+            "install a torch in that range."
+        )
+        self.internal = name
+
+
+def _missing(name: str, use: str, error: BaseException) -> Callable[..., Any]:
+    """A stand-in for an internal without a fallback: raises :class:`MissingTorchInternal` when used."""
+
+    def missing(*args: Any, **kwargs: Any) -> Any:
+        raise MissingTorchInternal(name, use, error)
+
+    missing.__name__ = name.rsplit(".", 1)[-1]
+    return missing
+
+
+# ---- fake tensors, dispatch modes, pytrees (required) ----------------------------------------------
+try:
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConverter, FakeTensorMode, unset_fake_temporarily
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+except ImportError as e:  # pragma: no cover - outside the tested range
+    raise MissingTorchInternal("torch._subclasses.fake_tensor / torch.utils._python_dispatch / torch.utils._pytree",
+                               "the planner's fake tensors and the live-bytes tracker", e) from e
+
+try:
+    from torch.utils._pytree import tree_iter
+except ImportError:  # pragma: no cover - older torch
+
+    def tree_iter(tree: Any, is_leaf: Any = None) -> Any:
+        return iter(tree_flatten(tree, is_leaf=is_leaf)[0])
+
+    FALLBACKS["torch.utils._pytree.tree_iter"] = "tree_flatten's leaves"
+
+
+def is_fake(t: Any) -> bool:
+    """True for a fake tensor (the planner's simulated tensors)."""
+    return isinstance(t, FakeTensor)
+
+
+# ---- the planner's fast path through the fake-tensor cache (fallback: stock FakeTensorMode) --------
+DISPATCH_HANDLE_DIRECTLY: Any = frozenset()
+DISPATCH_META_HANDLERS: Any = frozenset()
+DispatchCacheKey: Any = None
+try:
+    from torch._subclasses.fake_tensor import _DISPATCH_HANDLE_DIRECTLY as DISPATCH_HANDLE_DIRECTLY
+    from torch._subclasses.fake_tensor import _DISPATCH_META_HANDLERS as DISPATCH_META_HANDLERS
+    from torch._subclasses.fake_tensor import _DispatchCacheKey as DispatchCacheKey
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    FAKE_CACHE_FAST_PATHS = all(hasattr(FakeTensorMode, m) for m in ("_cached_dispatch_impl", "_cache_key"))
+except ImportError as e:  # pragma: no cover - another PyTorch: the stock mode (slower, same figures)
+    get_proxy_mode = _missing("torch.fx.experimental.proxy_tensor.get_proxy_mode", "the planner's cache key", e)
+    FAKE_CACHE_FAST_PATHS = False
+if not FAKE_CACHE_FAST_PATHS:  # pragma: no cover
+    FALLBACKS["FakeTensorMode cache internals"] = "the stock FakeTensorMode (slower plans, same figures)"
+
+try:
+    get_default_device: Callable[[], Any] = torch._C._get_default_device
+except AttributeError:  # pragma: no cover
+
+    def get_default_device() -> Any:
+        return str(torch.get_default_device())
+
+    FALLBACKS["torch._C._get_default_device"] = "str(torch.get_default_device())"
+
+
+# ---- fake parameters without dispatched ops ---------------------------------------------------------
+DisableTorchDispatch: Any = getattr(torch._C, "_DisableTorchDispatch", None)
+FAKE_TENSOR_PARAM_KWARGS = DisableTorchDispatch is not None and (
+    {"requires_grad", "_is_param"} <= set(inspect.signature(FakeTensor.__new__).parameters))
+if not FAKE_TENSOR_PARAM_KWARGS:
+    FALLBACKS["FakeTensor(requires_grad=, _is_param=)"] = "empty_strided under the fake mode, then nn.Parameter"
+
+try:
+    _get_dispatch_mode = torch._C._get_dispatch_mode
+    _FAKE_MODE_KEY = torch._C._TorchDispatchModeKey.FAKE
+
+    def active_fake_mode() -> FakeTensorMode | None:
+        """The fake-tensor mode on the dispatch mode stack, or None."""
+        return _get_dispatch_mode(_FAKE_MODE_KEY)
+except AttributeError as e:  # pragma: no cover
+    active_fake_mode = _missing("torch._C._get_dispatch_mode", "finding the planner's fake mode", e)
+
+
+# ---- the target device's semantics in the planner -------------------------------------------------
+def sdp_priority_order() -> list[int]:
+    """PyTorch's SDPA backend order (flash, efficient, math, cudnn by default)."""
+    try:
+        return list(torch._C._get_sdp_priority_order())
+    except (AttributeError, RuntimeError):  # older torch: the documented default order
+        return [1, 2, 0, 3]
+
+
+try:
+    from torch.autograd.graph import _engine_run_backward as engine_run_backward
+except ImportError:  # pragma: no cover
+    try:
+        engine_run_backward = torch.autograd.Variable._execution_engine.run_backward
+        FALLBACKS["torch.autograd.graph._engine_run_backward"] = "Variable._execution_engine.run_backward"
+    except AttributeError as e:
+        engine_run_backward = _missing("torch.autograd.graph._engine_run_backward", "the planner's backward", e)
+
+if hasattr(torch, "_foreach_norm") and hasattr(torch, "_foreach_mul_"):
+    foreach_norm: Callable[..., Any] = torch._foreach_norm
+    foreach_mul_: Callable[..., Any] = torch._foreach_mul_
+else:  # pragma: no cover
+
+    def foreach_norm(tensors: list[torch.Tensor], ord: float = 2.0) -> list[torch.Tensor]:
+        return [torch.linalg.vector_norm(t, ord) for t in tensors]
+
+    def foreach_mul_(tensors: list[torch.Tensor], scalar: Any) -> None:
+        for t in tensors:
+            t.mul_(scalar)
+
+    FALLBACKS["torch._foreach_norm / torch._foreach_mul_"] = "one op per tensor"
+
+
+# ---- autograd hooks of the offload plugins -----------------------------------------------------------
+try:
+    current_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
+except AttributeError as e:  # pragma: no cover
+    current_graph_task_id = _missing("torch._C._current_graph_task_id", "telling forward from backward", e)
+
+if hasattr(getattr(torch.autograd.Variable, "_execution_engine", None), "queue_callback"):
+
+    def queue_engine_callback(callback: Callable[[], None]) -> None:
+        """Run ``callback`` when the backward pass now running ends."""
+        torch.autograd.Variable._execution_engine.queue_callback(callback)
+else:  # pragma: no cover
+    queue_engine_callback = _missing("torch.autograd.Variable._execution_engine.queue_callback",
+                                     "running code at the end of backward", AttributeError("queue_callback"))
+
+try:
+    _top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+
+    def outer_saved_tensors_hooks() -> tuple[Callable, Callable] | None:
+        """The (pack, unpack) saved-tensor hooks active now, or None."""
+        return _top_saved_tensors_hooks(False)
+except AttributeError as e:  # pragma: no cover
+    outer_saved_tensors_hooks = _missing("torch._C._autograd._top_saved_tensors_default_hooks",
+                                         "composing saved-tensor hooks", e)
+
+try:
+    DisableTorchFunction: Any = torch._C.DisableTorchFunction
+except AttributeError as e:  # pragma: no cover
+    DisableTorchFunction = _missing("torch._C.DisableTorchFunction", "the tracker's bookkeeping", e)
+
+try:
+    has_compatible_shallow_copy_type: Callable[[torch.Tensor, torch.Tensor], bool] = (
+        torch._has_compatible_shallow_copy_type)
+except AttributeError as e:  # pragma: no cover
+    has_compatible_shallow_copy_type = _missing("torch._has_compatible_shallow_copy_type",
+                                                "moving parameters between devices in place", e)
