@@ -36,8 +36,8 @@ class Leaky(Plugin):
     name = "test_leaky"
     Config = LeakyConfig
 
-    def __init__(self, config):
-        super().__init__(config)
+    def __init__(self, config, run):
+        super().__init__(config, run)
         self.kept: list[torch.Tensor] = []
 
     def on_step_end(self, ctx, step):
@@ -136,7 +136,7 @@ def test_timeline_bytes_largest_allocations_and_outputs(tmp_path, caplog):
 
 def test_a_leaking_plugin_is_reported_once(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="runner")
-    rec = profiled_run(tmp_path, "train.steps=6", "profile.steps=6", "tiling=test_leaky", "tiling.mib=2")
+    rec = profiled_run(tmp_path, "train.steps=6", "profile.steps=6", "tiling=test_leaky", "tiling.test_leaky.mib=2")
     ends = [p["live_bytes"] for p in rec["points"] if p["point"] == "step_end"]
     assert len(ends) == 6
     [leak] = rec["leaks"]

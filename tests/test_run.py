@@ -92,7 +92,7 @@ def test_custom_trainer_from_outside_the_package(tmp_path):
                  # LoRA over the nf4 base: this U-Net has no attention, so target its Linear and conv layers.
                  "model.lora_targets=[time_emb_proj,conv1,conv2]",
                  # The asset trainer has no cacheable encode split, so park only parks (test_park.py shows the error otherwise).
-                 "offload.cache_latents=false", "offload.cache_text=false"]
+                 "offload.park.cache_latents=false", "offload.park.cache_text=false"]
     sys.path.insert(0, str(ASSETS))
     try:
         _, rows = run_cfg(tmp_path, *overrides)
@@ -113,6 +113,6 @@ def test_missing_data_path_is_a_user_error(tmp_path):
 
 @pytest.mark.parametrize("preset", ["sdxl_24gb", "flux_24gb", "constrained"])
 def test_every_preset_trains_the_tiny_model_end_to_end(tmp_path, preset):
-    _, rows = run_cfg(tmp_path / "run", f"+preset={preset}", "train.steps=3", f"offload.cache_dir={tmp_path / 'cache'}")
+    _, rows = run_cfg(tmp_path / "run", f"+preset={preset}", "train.steps=3", f"offload.park.cache_dir={tmp_path / 'cache'}")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["loss"] == r["loss"] and r["loss"] > 0 for r in rows)  # finite, positive
