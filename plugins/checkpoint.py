@@ -148,15 +148,7 @@ class BlockCheckpointing(Plugin):
         check_config(self.config)
 
     def _targets(self, ctx: RunContext) -> list[str]:
-        models = ctx.models
-        names = list(self.config.modules) or sorted(models.trained)
-        unknown = [n for n in names if n not in models]
-        if unknown:
-            raise UserError(
-                f"checkpoint.blocks.modules names {', '.join(map(repr, unknown))}, which the trainer does not build. "
-                f"Valid names: {valid_list(unknown[0], models.modules)}."
-            )
-        return names
+        return self.known_modules(ctx.models, list(self.config.modules) or sorted(ctx.models.trained))
 
     def claim_modules(self, ctx: RunContext) -> None:
         for name in self._targets(ctx):

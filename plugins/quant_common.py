@@ -361,13 +361,7 @@ class LinearQuantization(Plugin):
         a LoRA's base) but the VAE and the modules another plugin drops (cached encoders)."""
         requested = [str(m) for m in self.config.modules]
         if requested:
-            unknown = [n for n in requested if n not in models]
-            if unknown:
-                raise UserError(
-                    f"{self.setting('modules')} names {', '.join(map(repr, unknown))}, which the trainer does not build. "
-                    f"Valid names: {valid_list(unknown[0], models.modules)}."
-                )
-            return requested
+            return self.known_modules(models, requested)
         names = []
         for name, module in models.items():
             if is_vae(name, module) or name in dropped:

@@ -31,7 +31,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from runner.errors import UserError
+from runner.errors import UserError, valid_list
 
 if TYPE_CHECKING:
     from runner.context import RunContext
@@ -104,6 +104,17 @@ class Plugin:
     def setting(self, field: str) -> str:
         """The command-line spelling of one of this plugin's keys, for messages."""
         return f"{self.kind}.{self.name}.{field}"
+
+    def known_modules(self, models: Any, names: list[str]) -> list[str]:
+        """``names`` (this plugin's ``modules`` setting), each checked to be a module the trainer
+        builds; a UserError names the key and the valid module names otherwise."""
+        unknown = [n for n in names if n not in models]
+        if unknown:
+            raise UserError(
+                f"{self.setting('modules')} names {', '.join(map(repr, unknown))}, which the trainer does not build. "
+                f"Valid names: {valid_list(unknown[0], list(models.modules))}."
+            )
+        return names
 
     def __repr__(self) -> str:
         return f"<{self.key}>"

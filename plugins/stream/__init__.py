@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 
 from runner.blocks import find_repeated_blocks
-from runner.errors import UserError, valid_list
+from runner.errors import UserError
 from runner.plugin import Plugin, PluginConfig
 from runner.plugins.stream.handle import MARK, StreamHandle, apply_stream_offload
 from runner.plugins.stream.host import GiB, HostRegion, _nbytes, fmt_bytes, host_copy
@@ -113,12 +113,7 @@ class StreamOffload(Plugin):
             )
 
     def _targets(self, ctx: RunContext) -> list[str]:
-        names = list(self.config.modules) or sorted(ctx.models.trained)
-        unknown = [n for n in names if n not in ctx.models]
-        if unknown:
-            raise UserError(f"{self.setting('modules')} names {', '.join(map(repr, unknown))}, which the trainer does "
-                            f"not build. Valid names: {valid_list(unknown[0], ctx.models.modules)}.")
-        return names
+        return self.known_modules(ctx.models, list(self.config.modules) or sorted(ctx.models.trained))
 
     def claim_modules(self, ctx: RunContext) -> None:
         for name in self._targets(ctx):

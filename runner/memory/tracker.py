@@ -91,7 +91,7 @@ import torch
 from torch import nn
 
 from runner.compat import DisableTorchFunction, FakeTensor, TorchDispatchMode, tree_iter
-from runner.memory.tracker_views import CATEGORIES, NO_MODULE, NO_PHASE, TrackerViews
+from runner.memory.tracker_views import CATEGORIES, NO_MODULE, NO_PHASE, TrackerViews  # noqa: F401 (re-exported)
 
 
 PHASE_CATEGORIES: dict[str, str] = {
