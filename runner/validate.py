@@ -133,6 +133,13 @@ def _friendly(err: Exception, overrides: Sequence[str]) -> UserError:
                 f"add it to a preset's choice with +{kind}={option}, or list several: {kind}=[{option},...]."
             )
         if kind in KINDS and option and "." not in option:
+            owners = [n for (k, n), cls in registry.all_plugins().items()
+                      if k == kind and option in {f for f, _, _ in registry.describe_config(cls.Config)}]
+            if owners:  # an old single-plugin spelling: checkpoint.every_n -> checkpoint.blocks.every_n
+                return UserError(
+                    f"Unknown config key '{full_key}': a plugin's settings live under its name. Did you mean "
+                    + " or ".join(f"{kind}.{n}.{option}" for n in owners) + "?"
+                )
             return UserError(
                 f"Unknown config key '{full_key}': '{option}' is not {'an' if kind[0] in 'aeiou' else 'a'} {kind} plugin. "
                 f"Valid names: {valid_list(option, registry.plugin_names(kind))}."
@@ -219,10 +226,15 @@ def validate_plugins(cfg: DictConfig, run: ResolvedRun) -> None:
             source = f"preset {cfg.preset}" if cfg.get("preset") else "the config"
             raise UserError(
                 f"{source} sets {keys or kind + '.' + name}, but {kind}={name} is not selected "
-                f"({kind}={'[' + ','.join(chosen) + ']' if chosen else 'none'}). Add it with +{kind}={name}, "
+                f"({kind}={_spelling(chosen)}). Add it with +{kind}={name}, "
                 f"or copy the preset into conf/preset/ without those lines."
             )
         registry.get_plugin(kind, name)(node, run).validate()
+
+
+def _spelling(names: list[str]) -> str:
+    """A kind's choice as a user types it: none, park, [park,stream]."""
+    return "none" if not names else names[0] if len(names) == 1 else "[" + ",".join(names) + "]"
 
 
 def resolve_for_mode(cfg: DictConfig) -> ResolvedRun:
