@@ -8,15 +8,15 @@ resumes with or without offload). The wrappers themselves live in
 :mod:`runner.plugins.optimizer_wrappers`; this module holds the config, its checks, the choice
 of wrapper (the twin :func:`offload_optimizer`) and the plugin.
 
-``offload.step_on_host=true`` (default): ZeRO-offload style. Host master copies of the trained
+``offload.optimizer.step_on_host=true`` (default): ZeRO-offload style. Host master copies of the trained
 parameters, host state, the step on the CPU, the masters copied back. Device memory: weights
 and gradients only. Cost: two PCIe transfers of the trained weights per step plus a CPU step.
-``offload.offload_gradients=true`` additionally moves each gradient to the host as soon as
+``offload.optimizer.offload_gradients=true`` additionally moves each gradient to the host as soon as
 backward has accumulated it, so device gradients never pile up; gradient accumulation then
 happens on the host and clipping inside the wrapper (with ``train.max_grad_norm``), because the
 runner's own clipping sees no device gradients.
 
-``offload.step_on_host=false``: the state lives on the host between steps and the step runs on
+``offload.optimizer.step_on_host=false``: the state lives on the host between steps and the step runs on
 the device, ``offload.chunk_mb`` of parameters at a time, so the device holds one chunk's state.
 Gradients, clipping, fp16 scaling and accumulation are untouched. Cost: the state crosses PCIe
 twice per step.
@@ -77,7 +77,7 @@ def torchao_blockers(config: Any, max_grad_norm: float, grad_accum: int, device_
     if device_type != "cuda":
         why.append("it needs a CUDA device")
     if not config.step_on_host:
-        why.append("it always steps on the host (offload.step_on_host=false)")
+        why.append("it always steps on the host (offload.optimizer.step_on_host=false)")
     if max_grad_norm > 0:
         why.append(f"it cannot clip gradients (train.max_grad_norm={max_grad_norm})")
     if config.offload_gradients and grad_accum > 1:
@@ -139,7 +139,7 @@ def offload_optimizer(
             log.info("offload=optimizer: using torchao's CPUOffloadOptimizer")
             return _torchao_optimizer(optimizer, offload_gradients)
         if implementation == "torchao":
-            raise UserError(f"offload.implementation=torchao cannot run here: {'; '.join(why)}.")
+            raise UserError(f"offload.optimizer.implementation=torchao cannot run here: {'; '.join(why)}.")
         if device_type == "cuda":
             log.info("offload=optimizer: built-in host offload (torchao not used: %s)", "; ".join(why))
     if step_on_host:

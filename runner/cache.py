@@ -67,7 +67,7 @@ def resolve_cache_dir(value: str | os.PathLike[str] | None) -> Path:
     return default_cache_dir() if value in (None, "") else Path(os.path.expanduser(str(value))).absolute()
 
 
-def check_writable(folder: Path, key: str = "offload.cache_dir") -> None:
+def check_writable(folder: Path, key: str = "offload.park.cache_dir") -> None:
     """Create ``folder`` and write a file in it; a UserError naming ``key`` if either fails."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -216,7 +216,7 @@ class EncoderCache:
         except Exception as e:  # missing (deleted mid-run) or unreadable
             raise UserError(
                 f"Encoder cache entry {str(path)!r} cannot be read ({type(e).__name__}: {e}). Delete it "
-                f"(or the whole folder {str(self.root)!r}, set by offload.cache_dir) and run again to re-encode."
+                f"(or the whole folder {str(self.root)!r}, set by offload.park.cache_dir) and run again to re-encode."
             ) from None
 
     def load_batch(self, part: str, keys: Sequence[str], device: torch.device | str) -> dict[str, torch.Tensor]:

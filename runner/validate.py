@@ -45,6 +45,7 @@ def conf_dir() -> Path:
 def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
     """Compose the run config like ``python -m runner`` would, raising UserError on bad input."""
     registry.load_all()
+    _check_kind_overrides(overrides)
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
@@ -54,6 +55,21 @@ def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
                 raise _friendly(e, overrides) from None
     finally:
         GlobalHydra.instance().clear()
+
+
+def _check_kind_overrides(overrides: Sequence[str]) -> None:
+    """``offload=[park,stream] +offload=activations``: Hydra applies the list after the addition and
+    silently drops it, so refuse the pair and say how to write it."""
+    for kind in KINDS:
+        chosen = [o for o in overrides if o.split("=", 1)[0] == kind]
+        added = [o for o in overrides if o.split("=", 1)[0] == f"+{kind}"]
+        if chosen and added:
+            names = [n.strip() for o in chosen for n in o.split("=", 1)[1].strip("[]").split(",") if n.strip()]
+            names += [o.split("=", 1)[1] for o in added]
+            raise UserError(
+                f"{' '.join(chosen + added)}: '+{kind}=' adds to the choice of a preset or of the defaults, but "
+                f"'{kind}=' on the same command line replaces it. List them all in one: {kind}=[{','.join(names)}]."
+            )
 
 
 def expand_sweeps(overrides: Sequence[str]) -> list[list[str]]:

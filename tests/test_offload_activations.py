@@ -2,8 +2,8 @@
 
 On the CPU the twin ``offload_activations(..., always_copy=True)`` makes every offloaded activation
 a real copy (the device is the host there), so equality is BIT-EXACT (torch.equal); the plugin
-itself installs nothing on a CPU target, so a CPU plan and a CPU run agree. Device and host bytes are measured on fake
-tensors (device ``meta``, host fake ``cpu``) with the live-bytes tracker.
+itself installs nothing on a CPU target, so a CPU plan and a CPU run agree. Device and host bytes
+are measured on fake tensors (device ``meta``, host fake ``cpu``) with the live-bytes tracker.
 """
 from __future__ import annotations
 

@@ -184,8 +184,8 @@ def test_runner_runs_with_every_offload_option_and_resumes(tmp_path):
     base, _ = losses("none")
     host, out = losses("host", "offload=optimizer", "offload.optimizer.offload_gradients=true")
     state, _ = losses("state", "offload=optimizer", "offload.optimizer.step_on_host=false")
-    combined, _ = losses("combined", "offload=[park,stream,activations,optimizer]", "offload.stream.device_fraction=0.5",
-                         f"offload.park.cache_dir={tmp_path / 'cache'}")
+    combined, _ = losses("combined", "offload=[park,stream,activations,optimizer]",
+                         "offload.stream.device_fraction=0.5", f"offload.park.cache_dir={tmp_path / 'cache'}")
     assert host == base and state == base and combined == base
     resumed, _ = losses("resumed", "offload=optimizer", "offload.optimizer.offload_gradients=true",
                         f"train.resume={out / 'checkpoints' / 'step-00000002'}")

@@ -361,8 +361,8 @@ def test_runner_offload_stream_gives_the_same_losses(tmp_path):
     2 micro-batches, clipping, AdamW, checkpoint saving): identical losses to offload=none."""
     common = ["train.steps=3", "train.grad_accum=2", "checkpoint=blocks"]
     plain = run_losses(tmp_path / "none", *common)
-    streamed = run_losses(tmp_path / "stream", *common, "offload=[park,stream]", "offload.stream.device_fraction=0.5",
-                          f"offload.park.cache_dir={tmp_path / 'cache'}")
+    streamed = run_losses(tmp_path / "stream", *common, "offload=[park,stream]",
+                          "offload.stream.device_fraction=0.5", f"offload.park.cache_dir={tmp_path / 'cache'}")
     assert streamed == plain
     assert (tmp_path / "stream" / "checkpoints" / "step-00000003" / "trainable.safetensors").is_file()
 

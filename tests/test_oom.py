@@ -1,10 +1,11 @@
 """OOM recovery: split the micro-batch, retry the whole step, same math, no sample lost or repeated.
 
 The out-of-memory errors are injected by a test-only plugin (``tiling=test_oom_injector``,
-registered below, set with ``tiling.test_oom_injector.<key>``) whose forward pre-hook on the trained U-Net raises a real
-``torch.OutOfMemoryError`` while a micro-batch is larger than ``max_batch`` in the chosen steps,
-so it keeps failing until the loop has split enough. It also records the sample seeds of every
-micro-batch the trainer's loss saw, and which attempts were thrown away.
+registered below, set with ``tiling.test_oom_injector.<key>``) whose forward pre-hook on the
+trained U-Net raises a real ``torch.OutOfMemoryError`` while a micro-batch is larger than
+``max_batch`` in the chosen steps, so it keeps failing until the loop has split enough. It also
+records the sample seeds of every micro-batch the trainer's loss saw, and which attempts were
+thrown away.
 
 Equality claims, and why they hold:
 

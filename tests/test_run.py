@@ -111,8 +111,10 @@ def test_missing_data_path_is_a_user_error(tmp_path):
         run_cfg(tmp_path, f"data.path={tmp_path / 'nope'}", "train.steps=1")
 
 
-@pytest.mark.parametrize("preset", ["sdxl_24gb", "flux_24gb", "constrained"])
+@pytest.mark.parametrize("preset", ["sdxl_24gb", "flux_24gb", "constrained",
+                                    pytest.param("flux_24gb_full", marks=pytest.mark.slow)])
 def test_every_preset_trains_the_tiny_model_end_to_end(tmp_path, preset):
-    _, rows = run_cfg(tmp_path / "run", f"+preset={preset}", "train.steps=3", f"offload.park.cache_dir={tmp_path / 'cache'}")
+    _, rows = run_cfg(tmp_path / "run", f"+preset={preset}", "train.steps=3",
+                      f"offload.park.cache_dir={tmp_path / 'cache'}")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["loss"] == r["loss"] and r["loss"] > 0 for r in rows)  # finite, positive

@@ -1,7 +1,7 @@
 """Streamed weight offload (``offload=stream``): train a denoiser larger than the device budget.
 
 The weights of a chosen set of repeated blocks live in (pinned) host memory and are copied to
-the device just before each block runs, on a side stream, ``offload.prefetch`` blocks ahead;
+the device just before each block runs, on a side stream, ``offload.stream.prefetch`` blocks ahead;
 they are dropped from the device when the block is done. The rest of the model stays resident.
 
 The package, by responsibility (each module's docstring has the details):

@@ -2,7 +2,7 @@
 
 Budget in bytes, not blocks
 ---------------------------
-``offload.device_budget_gb`` (or ``offload.device_fraction`` of the module's weight bytes) bounds
+``offload.stream.device_budget_gb`` (or ``offload.stream.device_fraction`` of the module's weight bytes) bounds
 the module's *weights* on the device: resident bytes plus the streaming window, i.e. the blocks
 that can be loaded at once (the one computing and ``prefetch`` ahead). :func:`plan_stream`
 precomputes which blocks are streamed, like OneTrainer's layer-offload strategy, so U-Nets with
@@ -159,7 +159,7 @@ def plan_stream(module: nn.Module, blocks: list[nn.Module], budget_bytes: int, p
     block does not fit, naming the smallest budget that would.
     """
     if prefetch < 0:
-        raise UserError(f"offload.prefetch={prefetch} is not valid: it must be a whole number >= 0.")
+        raise UserError(f"offload.stream.prefetch={prefetch} is not valid: it must be a whole number >= 0.")
     plan = _all_resident_plan(module, blocks, budget_bytes, prefetch, name)
     if plan.device_weight_bytes <= budget_bytes:
         return plan  # everything fits resident: nothing to stream
@@ -182,10 +182,10 @@ def plan_stream(module: nn.Module, blocks: list[nn.Module], budget_bytes: int, p
                "nf4/int8 weights stay resident (quantization=fp8 streams).")
     raise UserError(
         f"offload=stream cannot fit {name}'s weights into the device budget of {fmt_bytes(budget_bytes)} "
-        f"(offload.device_budget_gb / offload.device_fraction): even with all {len(candidates)} streamable blocks "
+        f"(offload.stream.device_budget_gb / offload.stream.device_fraction): even with all {len(candidates)} streamable blocks "
         f"streamed it needs {fmt_bytes(minimum)} ({fmt_bytes(plan.resident_bytes)} that stay resident + a "
         f"window of {plan.prefetch + 1} blocks of {fmt_bytes(plan.window_bytes)}).{why} Raise the budget to at least "
-        f"{minimum / GiB:.3f} GiB or lower offload.prefetch (now {prefetch})."
+        f"{minimum / GiB:.3f} GiB or lower offload.stream.prefetch (now {prefetch})."
     )
 
 
