@@ -117,7 +117,7 @@ def main() -> None:
     registry.load_all()
     b = args.batch
     base = [f"model.size={args.size}", f"data.resolution={args.resolution}", f"train.batch_size={b}",
-            f"train.steps={args.steps}", "train.checkpoint_every=0", "data.demo_size=32", *args.overrides]
+            f"train.steps={args.steps}", "train.save_every=0", "data.demo_size=32", *args.overrides]
     work = Path(tempfile.mkdtemp(prefix="bench-oom-"))
     lines = []
     try:

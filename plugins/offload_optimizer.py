@@ -17,7 +17,7 @@ happens on the host and clipping inside the wrapper (with ``train.max_grad_norm`
 runner's own clipping sees no device gradients.
 
 ``offload.optimizer.step_on_host=false``: the state lives on the host between steps and the step runs on
-the device, ``offload.chunk_mb`` of parameters at a time, so the device holds one chunk's state.
+the device, ``offload.optimizer.chunk_mb`` of parameters at a time, so the device holds one chunk's state.
 Gradients, clipping, fp16 scaling and accumulation are untouched. Cost: the state crosses PCIe
 twice per step.
 

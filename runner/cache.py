@@ -81,7 +81,7 @@ def check_writable(folder: Path, key: str = "offload.park.cache_dir") -> None:
 
 
 def is_image_part(spec: EncodePart) -> bool:
-    """Parts that read pixels are "latents" parts (``offload.cache_latents``); the rest are text."""
+    """Parts that read pixels are "latents" parts (``offload.park.cache_latents``); the rest are text."""
     return "pixel_values" in spec.inputs
 
 

@@ -47,8 +47,10 @@ class TrainConfig:
     max_grad_norm: float = 1.0  # 0 disables clipping
     lr_scheduler: str = "constant"  # any name diffusers.optimization.get_scheduler accepts
     lr_warmup_steps: int = 0
-    checkpoint_every: int = 0  # optimizer steps between checkpoints; 0 = only at the end
-    keep_checkpoints: int = 2
+    # Saving training state (weights, optimizer, RNG) under checkpoints/step-N, apart in name from
+    # the checkpoint= plugin kind, which is activation recompute.
+    save_every: int = 0  # optimizer steps between saves; 0 = only at the end
+    keep_saved: int = 2  # saved steps kept on disk (the newest)
     resume: Optional[str] = None  # a run directory or a checkpoint directory
     progress: bool = True
     preflight: bool = True  # plan the step first (runner/plan/); refuse to start (exit 3) over budget_gb

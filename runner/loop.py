@@ -170,7 +170,7 @@ def train(ctx: RunContext) -> TrainResult:
             except OutOfMemoryGiveUp as e:  # already at micro-batch 1: keep the last completed step, stop
                 state.micro_batch_size = recovery.micro_batch_size
                 saved = save_checkpoint(ckpt_root, state, models, ctx.optimizer, scheduler,
-                                        cfg.train.keep_checkpoints) if state.step else None
+                                        cfg.train.keep_saved) if state.step else None
                 e.add_checkpoint(saved, state.step)
                 raise
             with profiler.phase("optimizer"):
@@ -191,10 +191,10 @@ def train(ctx: RunContext) -> TrainResult:
             result.losses.append(step_loss)
             bar.set_postfix({"loss": f"{step_loss:.4f}", "s_step": f"{dt:.2f}", **memory.postfix(mem)})  # in this order
             bar.update(1)
-            due = cfg.train.checkpoint_every and state.step % cfg.train.checkpoint_every == 0
+            due = cfg.train.save_every and state.step % cfg.train.save_every == 0
             if due or state.step == cfg.train.steps or stop.signum is not None:
                 state.micro_batch_size = recovery.micro_batch_size
-                result.checkpoint = save_checkpoint(ckpt_root, state, models, ctx.optimizer, scheduler, cfg.train.keep_checkpoints)
+                result.checkpoint = save_checkpoint(ckpt_root, state, models, ctx.optimizer, scheduler, cfg.train.keep_saved)
             if stop.signum is not None:
                 result.interrupted_by = stop.signum
                 break

@@ -204,7 +204,7 @@ def validate(cfg: DictConfig) -> None:
     _one_of(cfg, "train.device", ("auto", "cpu", "cuda"))
     for key in ("train.steps", "train.batch_size", "train.grad_accum", "optimizer.lr", "model.lora_rank"):
         _positive(cfg, key)
-    for key in ("train.checkpoint_every", "train.max_grad_norm", "train.lr_warmup_steps"):
+    for key in ("train.save_every", "train.max_grad_norm", "train.lr_warmup_steps"):
         _positive(cfg, key, allow_zero=True)
     if cfg.budget_gb is not None:
         _positive(cfg, "budget_gb")

@@ -174,7 +174,7 @@ def test_runner_runs_with_every_offload_option_and_resumes(tmp_path):
     from runner.loop import read_metrics
 
     common = ["train.progress=false", "train.steps=4", "train.grad_accum=2", "checkpoint=blocks",
-              "train.lr_scheduler=linear", "train.lr_warmup_steps=1", "train.checkpoint_every=2"]
+              "train.lr_scheduler=linear", "train.lr_warmup_steps=1", "train.save_every=2"]
 
     def losses(name, *extra):
         out = tmp_path / name

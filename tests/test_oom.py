@@ -45,8 +45,8 @@ BATCH = 4
 STEPS = 3
 SEED = 0
 BASE = ["trainer=custom", "trainer._target_=custom_trainer.PixelDiffusionTrainer", "data.resolution=16",
-        f"train.batch_size={BATCH}", f"train.steps={STEPS}", "train.progress=false", "train.checkpoint_every=1",
-        "train.keep_checkpoints=5", "optimizer.lr=1e-4",
+        f"train.batch_size={BATCH}", f"train.steps={STEPS}", "train.progress=false", "train.save_every=1",
+        "train.keep_saved=5", "optimizer.lr=1e-4",
         # The preflight plan builds its own (simulated) plugin instances; these tests follow the real one.
         "train.preflight=false"]
 

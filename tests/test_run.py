@@ -48,7 +48,7 @@ def test_preset_run_writes_outputs_and_loss_goes_down(tmp_path):
 
 
 def test_interrupt_then_resume_gives_the_same_losses(tmp_path):
-    common = ["train.steps=6", "train.grad_accum=2", "train.progress=false", "train.checkpoint_every=100"]
+    common = ["train.steps=6", "train.grad_accum=2", "train.progress=false", "train.save_every=100"]
     _, full = run_cfg(tmp_path / "full", *common)
 
     # Interrupt a real CLI run with SIGTERM after its second step is logged.
