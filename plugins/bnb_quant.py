@@ -36,7 +36,7 @@ planner simulates. It costs CPU inference speed only.
 Planner simulation (``ctx.simulate``): bitsandbytes kernels cannot run on fake/meta tensors,
 so each selected layer becomes a :class:`SimulatedQuantLinear` that holds uninitialised
 (meta or fake) tensors of exactly the real layout (:func:`nf4_layout`, :func:`int8_layout`;
-tests/test_quantization.py checks them against real bitsandbytes byte for byte), and whose
+tests/plugins/test_quantization.py checks them against real bitsandbytes byte for byte), and whose
 forward/backward allocate the temporaries the real kernels do (the dequantized weight for nf4;
 int8 row-quantized activations in forward and a dequantized weight in backward for int8) and
 return outputs of the real shape and dtype.

@@ -11,7 +11,7 @@ hooks upcast a layer's weight in a pre-forward hook and cast it back after, but 
 saves the upcast weight for the input gradient. In a module that gradients flow through (a
 LoRA-trained denoiser, the case fp8 storage is for) every layer's compute-dtype copy then stays
 alive until backward: the model is held twice, once in fp8 and once in bf16, which is more than
-plain bf16. tests/test_quantization.py measures this with the live-bytes tracker. Here an
+plain bf16. tests/plugins/test_quantization.py measures this with the live-bytes tracker. Here an
 autograd function saves the fp8 weight and upcasts again in backward, so only one layer's
 upcast copy exists at a time (a temporary), in forward and in backward alike. The hook also
 casts every supported layer type including LoRA's own ``lora_A``/``lora_B`` unless told to

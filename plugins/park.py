@@ -32,7 +32,7 @@ VAE and text encoders of the built-in trainers):
    the run by one that reads cached parts from disk, computes the others with the parked
    modules, and calls the trainer's ``finish_encode``, which draws the VAE posterior sample from
    each sample's seed, exactly as the uncached encode does: a cached run's losses equal an
-   uncached run's (tests/test_park.py checks this bit for bit). When every part is cached the
+   uncached run's (tests/plugins/test_park.py checks this bit for bit). When every part is cached the
    trainer's dataset is replaced too, by one that yields only sample indices, so no image is
    decoded during training.
 

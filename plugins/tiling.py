@@ -15,7 +15,7 @@ We take the tile size and overlap in pixels and check them, because diffusers ac
 that silently misalign tiles (a stride that is not a multiple of the VAE's factor shifts the
 latent tiles against the pixel tiles). Images no larger than one tile are encoded whole.
 Trade-off: each tile is normalised (GroupNorm) and attended over on its own, so results differ
-from whole-image encoding; tests/test_tiling.py bounds the difference. Peak activation memory
+from whole-image encoding; tests/plugins/test_tiling.py bounds the difference. Peak activation memory
 of encode and decode drops from whole-image to one-tile size (measured there at 1024 px).
 ``vae_slicing`` runs the VAE one sample at a time (``enable_slicing``): exact, less memory
 with batches > 1.

@@ -22,7 +22,7 @@ Fake tensors (no fallback: importing this module fails with :class:`MissingTorch
     ``tree_iter`` (the tracker's per-op walk; fallback: iterate ``tree_flatten``'s leaves).
 
 The planner's fast path through the fake-tensor cache (fallback: the stock ``FakeTensorMode``,
-slower, same figures; tests/test_planner.py checks the two agree)
+slower, same figures; tests/runner/plan/test_planner.py checks the two agree)
     ``torch._subclasses.fake_tensor``: ``_DISPATCH_HANDLE_DIRECTLY``,
     ``_DISPATCH_META_HANDLERS``, ``_DispatchCacheKey`` and ``FakeTensorMode``'s
     ``_cached_dispatch_impl`` and ``_cache_key``, which runner/plan/fake.py's ``SimulationMode``

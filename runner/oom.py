@@ -8,7 +8,7 @@ is put back to where the step began, and the same samples (the runner's ``Sample
 them before the first attempt) are cut into smaller micro-batches. Because each micro-batch's
 loss is weighted by ``len(micro-batch) / batch_size``, the step's gradient is the same sum in a
 different order: a retried step equals a step run with the smaller micro-batch from the start
-(bit for bit on CPU, see tests/test_oom.py), and matches the un-split step up to float
+(bit for bit on CPU, see tests/runner/test_oom.py), and matches the un-split step up to float
 summation order.
 
 What is retried and what is not:

@@ -35,7 +35,7 @@ The planner cannot run the bitsandbytes kernels on fake tensors, and needs the s
 without the arithmetic: :func:`build_optimizer` with ``simulate=True`` returns a
 :class:`SimulatedOptimizer` that allocates exactly the tensors the real optimizer would (from
 :func:`state_layout`, checked against the real optimizers byte for byte in
-tests/test_optimizers.py) and updates nothing. :func:`simulate_state_bytes` gives the same
+tests/runner/test_optimizers.py) and updates nothing. :func:`simulate_state_bytes` gives the same
 figure without allocating.
 """
 from __future__ import annotations

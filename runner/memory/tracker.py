@@ -10,7 +10,7 @@ How death is observed
 PyTorch preserves the Python object of a storage (``tensor.untyped_storage()`` returns the
 same object for as long as the C++ storage lives, even after Python dropped every reference
 to it), so a ``weakref`` to that object fires exactly when the storage is freed, including
-frees done by C++ (autograd releasing saved tensors in backward). ``tests/test_tracker.py``
+frees done by C++ (autograd releasing saved tensors in backward). ``tests/runner/memory/test_tracker.py``
 checks this (allocate, delete, bytes go back down; views keep the storage alive). The
 callback only appends to a queue; the queue is drained before every op and every query, so
 bookkeeping never runs re-entrantly inside a half-done update (a GC pass can free a tensor at

@@ -33,7 +33,7 @@ Contract for plugins (what ``ctx.simulate`` means)
   real kernel produces (including what the real kernel dequantizes transiently).
 * Optimizers: the planner calls :func:`runner.optim.build_optimizer` with ``simulate=True``,
   which returns an optimizer that allocates exactly the state the real one keeps after its first
-  step (checked against the real optimizers byte for byte in tests/test_optimizers.py), then
+  step (checked against the real optimizers byte for byte in tests/runner/test_optimizers.py), then
   runs ``wrap_optimizer``. A plugin wrapping the optimizer must keep ``step()`` runnable on it.
 * Encoding: a plugin that makes the encoders unnecessary during training (every latent and
   embedding cached) sets ``ctx.facts.encode_on_device = False`` by the end of

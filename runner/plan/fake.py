@@ -62,7 +62,7 @@ class SimulationMode(FakeTensorMode):
 
     Why: a simulated SDXL or Flux step dispatches 50-80 k ops, nearly all cache hits, so the
     fixed cost of one hit is most of a plan's time. Three changes, each measured on a full-size
-    plan, none changing a figure (tests/test_planner.py plans tiny presets both ways and
+    plan, none changing a figure (tests/runner/plan/test_planner.py plans tiny presets both ways and
     compares the plans byte for byte):
 
     * The cache key. The stock key describes each tensor argument through a generic,

@@ -26,8 +26,8 @@ from runner.loop import read_metrics
 from runner.validate import compose_config, conf_dir, validate
 from planner_truth import assert_plan_matches_a_real_cpu_step
 
-ROOT = Path(__file__).resolve().parents[1]
-ASSETS = Path(__file__).parent / "assets"
+ROOT = Path(__file__).resolve().parents[2]
+ASSETS = ROOT / "tests" / "assets"
 PRESETS = sorted(p.stem for p in (conf_dir() / "preset").glob("*.yaml"))  # a new preset is covered too
 DIT = ["trainer=custom", "trainer._target_=dit_trainer.ClassConditionalDiT", "train.device=cpu"]
 

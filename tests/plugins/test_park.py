@@ -32,7 +32,7 @@ from runner.trainer import ModelSet, encode
 from runner.trainer_setup import prepare_models
 from runner.validate import compose_config, validate
 
-ASSETS = Path(__file__).parent / "assets"
+ASSETS = Path(__file__).resolve().parents[2] / "tests" / "assets"
 
 
 # One intra-op thread (tests/conftest.py): faster tiny ops, bitwise-reproducible runs.

@@ -19,7 +19,7 @@ from runner.plugins.checkpoint import apply_activation_checkpointing, remove_act
 from runner.memory.tracker import LiveBytesTracker
 
 pytestmark = pytest.mark.gpu
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def mid_unet() -> UNet2DConditionModel:

@@ -41,8 +41,8 @@ from runner.trainers.model_configs import build_denoiser
 from runner.validate import compose_config, conf_dir, validate
 from planner_truth import assert_plan_matches_a_real_cpu_step, prepared_step
 
-ROOT = Path(__file__).resolve().parents[1]
-ASSETS = Path(__file__).parent / "assets"
+ROOT = Path(__file__).resolve().parents[3]
+ASSETS = ROOT / "tests" / "assets"
 PRESETS = sorted(p.stem for p in (conf_dir() / "preset").glob("*.yaml"))
 # The presets' stated full-size targets (their comments): 1024 px images (data.resolution's default at
 # model.size=full), the default batch of 2.

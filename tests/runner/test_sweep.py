@@ -14,8 +14,8 @@ from runner import sweep
 from runner.errors import UserError
 from runner.validate import compose_config
 
-ROOT = Path(__file__).resolve().parents[1]
-ASSETS = Path(__file__).parent / "assets"
+ROOT = Path(__file__).resolve().parents[2]
+ASSETS = ROOT / "tests" / "assets"
 
 
 def test_multirun_marks_the_oom_job_and_goes_on(tmp_path):

@@ -16,7 +16,7 @@ from runner.plugin import Plugin, PluginConfig
 from runner.registry import register_plugin
 from runner.validate import compose_config
 
-ASSETS = Path(__file__).parent / "assets"
+ASSETS = Path(__file__).resolve().parents[3] / "tests" / "assets"
 MIB = 2**20
 PIXEL = ["trainer=custom", "trainer._target_=custom_trainer.PixelDiffusionTrainer", "data.resolution=16",
          "train.batch_size=4", "train.grad_accum=2", "train.progress=false"]

@@ -40,7 +40,7 @@ from runner.plugin import Plugin, PluginConfig
 from runner.registry import register_plugin
 from runner.validate import compose_config
 
-ASSETS = Path(__file__).parent / "assets"
+ASSETS = Path(__file__).resolve().parents[2] / "tests" / "assets"
 BATCH = 4
 STEPS = 3
 SEED = 0

@@ -17,8 +17,8 @@ from runner.hooks import marked
 from runner.hosted import session
 from runner.plan import PlanDoesNotFit
 
-ASSETS = Path(__file__).parent / "assets"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+ASSETS = ROOT / "tests" / "assets"
 sys.path.insert(0, str(ASSETS))
 from toy_model import batches, make_unet, my_loss  # noqa: E402
 

@@ -13,7 +13,7 @@ from runner.loop import read_metrics
 from runner.memory.stats import GIB, MemoryMonitor, PressureMonitor, fragmentation, pressure_level
 from runner.validate import compose_config
 
-ASSETS = Path(__file__).parent / "assets"
+ASSETS = Path(__file__).resolve().parents[3] / "tests" / "assets"
 COLUMNS = ("memory_in_use_gb", "memory_peak_gb", "host_rss_gb", "mem_allocated_gb", "mem_reserved_gb",
            "mem_peak_reserved_gb", "mem_fragmentation", "cuda_alloc_retries", "cuda_ooms", "mem_budget_gb",
            "mem_budget_used", "mem_pressure")

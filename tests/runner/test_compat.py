@@ -13,7 +13,7 @@ from packaging.version import Version
 
 from runner import compat
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # The brief's definition of "a PyTorch internal": a private torch attribute or module.
 PRIVATE = re.compile(r"torch\._[a-zA-Z]|from torch\._|torch\.utils\._|torch\.fx\.experimental|_C\.")
 _NOT_CODE = {tokenize.COMMENT, tokenize.STRING, getattr(tokenize, "FSTRING_MIDDLE", tokenize.STRING)}  # 3.12+ splits f-strings

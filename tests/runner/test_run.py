@@ -16,8 +16,8 @@ from runner.errors import UserError
 from runner.loop import read_metrics
 from runner.validate import compose_config
 
-ROOT = Path(__file__).resolve().parents[1]
-ASSETS = Path(__file__).parent / "assets"
+ROOT = Path(__file__).resolve().parents[2]
+ASSETS = ROOT / "tests" / "assets"
 
 
 def run_cfg(tmp: Path, *overrides: str):

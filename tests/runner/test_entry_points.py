@@ -12,8 +12,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-ASSETS = Path(__file__).parent / "assets"
+ROOT = Path(__file__).resolve().parents[2]
+ASSETS = ROOT / "tests" / "assets"
 
 PLUGIN_MODULE = '''
 from dataclasses import dataclass
