@@ -91,8 +91,9 @@ def test_an_optimizer_instance_and_an_explicit_optimizer_choice_conflict(tmp_pat
 
 
 def test_lora_and_dtypes_are_applied_to_the_loop_s_modules(tmp_path):
-    run = session(["train.device=cpu", "model.train=lora", "model.lora_rank=2", "model.dtype=bfloat16",
-                   "model.lora_targets=[conv1,conv2]"], output_dir=tmp_path)
+    # train.cpu_autocast keeps model.dtype on a CPU (runner/resolved.py: else everything is float32 there)
+    run = session(["train.device=cpu", "train.cpu_autocast=true", "model.train=lora", "model.lora_rank=2",
+                   "model.dtype=bfloat16", "model.lora_targets=[conv1,conv2]"], output_dir=tmp_path)
     frozen = nn.Linear(4, 4).requires_grad_(False)
     models, opt, _ = run.prepare({"unet": make_unet(), "encoder": frozen}, None, None, trained={"unet"})
     trainable = [n for n, p in models["unet"].named_parameters() if p.requires_grad]

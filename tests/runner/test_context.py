@@ -1,0 +1,78 @@
+"""The run context (runner/context.py): typed claims refuse incompatible plugins; every module
+change is undone in one place, even when the run fails; plugins never import the planner."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from runner.__main__ import run
+from runner.errors import UserError
+from runner.hooks import marked
+from runner.plan import plan_step
+from runner.validate import compose_config
+
+ROOT = Path(__file__).resolve().parents[2]
+BUILT: dict[str, torch.nn.Module] = {}
+
+
+def test_incompatible_claims_name_both_plugins():
+    cfg = compose_config(["offload=[park,stream]", "offload.stream.modules=[text_encoder]", "train.device=cpu"])
+    with pytest.raises(UserError, match=r"offload=stream and offload=park both claim 'text_encoder' \(stream and drop\)"):
+        plan_step(cfg)
+
+
+def test_two_quantizations_of_one_module_are_refused():
+    cfg = compose_config(["quantization=[nf4,fp8]", "model.train=lora", "train.device=cpu", "mode=plan"])
+    with pytest.raises(UserError, match=r"quantization=(nf4|fp8) and quantization=(fp8|nf4) both claim 'unet' "
+                                         r"\(quantize and quantize\)"):
+        plan_step(cfg)
+
+
+class FailingTrainer:
+    """A working pixel trainer whose loss fails at its third call."""
+
+    def __init__(self, cfg):
+        from custom_trainer import PixelDiffusionTrainer
+
+        self.inner = PixelDiffusionTrainer(cfg)
+        self.calls = 0
+
+    def build_models(self, device="cpu"):
+        models = self.inner.build_models(device)
+        if str(device) != "meta":
+            BUILT["unet"] = models["unet"]
+        return models
+
+    def dataset(self):
+        return self.inner.dataset()
+
+    def example_batch(self, batch_size, device="meta"):
+        return self.inner.example_batch(batch_size, device)
+
+    def loss(self, models, batch):
+        self.calls += 1
+        if self.calls == 3:
+            raise RuntimeError("a bug in the user's loss")
+        return self.inner.loss(models, batch)
+
+
+def test_a_failing_run_still_undoes_every_plugin_change(tmp_path, monkeypatch, one_thread):
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "assets"))
+    cfg = compose_config(["trainer=custom", f"trainer._target_={__name__}.FailingTrainer", "data.resolution=16",
+                          "checkpoint=blocks", "train.device=cpu", "train.steps=5", "train.progress=false",
+                          f"output_dir={tmp_path}"])
+    with pytest.raises(RuntimeError, match="a bug in the user's loss"):
+        run(cfg)
+    blocks = [m for m in BUILT["unet"].modules() if "forward" in m.__dict__ or marked(m, "checkpoint") is not None]
+    assert blocks == [], "checkpoint wrappers left on the model after a failed run"
+
+
+def test_plugins_never_import_the_planner():
+    for path in sorted((ROOT / "plugins").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        names = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+        names += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        assert not [m for m in names if m.startswith("runner.plan")], f"{path} imports the planner"
