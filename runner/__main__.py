@@ -14,6 +14,7 @@ from accelerate.utils import set_seed
 from omegaconf import DictConfig
 
 from runner import registry, sweep
+from runner.hostmem import keep_freed_host_memory
 from runner.loop import make_accelerator, train
 from runner.plan import plan_command, preflight
 from runner.report import summary, write_run_info
@@ -38,6 +39,7 @@ def run(cfg: DictConfig) -> float | None:
         return None
     run = resolve(cfg)                                          # resolve: device, precision, dtypes, budget, once
     log.info("%s", run.describe())
+    keep_freed_host_memory(run)                                 # CPU runs: no page-fault churn between steps
     schedule = build_plugins(cfg, run)
     log.info("plugin order:\n%s", schedule.describe())
     ctx = make_context(cfg, run, schedule, out)

@@ -46,6 +46,7 @@ from torch import nn
 from runner import registry, sweep
 from runner.context import RunContext
 from runner.errors import UserError
+from runner.hostmem import keep_freed_host_memory
 from runner.loop import TrainResult, make_accelerator
 from runner.memory.profile import build_profiler
 from runner.memory.stats import MemoryMonitor
@@ -126,6 +127,7 @@ class HostedRun:
         self.overrides = list(overrides)
         self.run = resolve(cfg)
         log.info("%s", self.run.describe())
+        keep_freed_host_memory(self.run)
         self.output_dir = Path(output_dir) if output_dir else _default_output_dir(cfg)
         write_run_info(self.output_dir, cfg)
         self.ctx: RunContext = make_context(cfg, self.run, build_plugins(cfg, self.run), self.output_dir)

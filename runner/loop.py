@@ -150,7 +150,6 @@ def train(ctx: RunContext) -> TrainResult:
     profiler = build_profiler(cfg, ctx)  # a no-op unless profile.enabled
     bar = tqdm(total=cfg.train.steps, initial=state.step, disable=not cfg.train.progress, desc="train", dynamic_ncols=True)
     step_times: list[float] = []
-    last_loss: list[torch.Tensor] = []  # see forward_backward's ``keep``
 
     def update() -> None:
         if run.max_grad_norm > 0:
@@ -166,7 +165,7 @@ def train(ctx: RunContext) -> TrainResult:
             raw = collate([dataset[i] for i in order.indices(start, batch_size)])
             raw["sample_seed"] = order.sample_seeds(start, batch_size)
             try:
-                step_loss = recovery.run(state.step + 1, lambda m: forward_backward(ctx, raw, m, profiler, last_loss))
+                step_loss = recovery.run(state.step + 1, lambda m: forward_backward(ctx, raw, m, profiler))
             except OutOfMemoryGiveUp as e:  # already at micro-batch 1: keep the last completed step, stop
                 state.micro_batch_size = recovery.micro_batch_size
                 saved = save_checkpoint(ckpt_root, state, models, ctx.optimizer, scheduler,
@@ -206,17 +205,11 @@ def train(ctx: RunContext) -> TrainResult:
     return result
 
 
-def forward_backward(ctx: RunContext, raw: dict[str, Any], micro: int, profiler: Any,
-                     keep: list[torch.Tensor] | None = None) -> float:
+def forward_backward(ctx: RunContext, raw: dict[str, Any], micro: int, profiler: Any) -> float:
     """Every forward and backward pass of one step, ``micro`` samples at a time; the step's loss.
 
     Each micro-batch's loss is weighted by its share of the batch, so the accumulated gradient
-    and the returned loss are the batch mean for any ``micro`` (the OOM retry relies on this).
-    ``keep`` receives the last (detached, scalar) loss tensor, which the loop holds until the
-    next step, as a plain loop's ``loss`` variable does: freeing it with the step released the
-    top of glibc's heap every step on CPU, and the next forward faulted ~10 MB back in (~3 ms of
-    a 130 ms step, bench/overhead.py). It costs one scalar.
-    """
+    and the returned loss are the batch mean for any ``micro`` (the OOM retry relies on this).    """
     batch_size = batch_len(raw)
     total = 0.0
     for lo in range(0, batch_size, micro):
@@ -228,8 +221,6 @@ def forward_backward(ctx: RunContext, raw: dict[str, Any], micro: int, profiler:
         with profiler.phase("backward"):
             ctx.accelerator.backward(loss * weight)
         total += float(loss.detach()) * weight
-    if keep is not None:
-        keep[:] = [loss.detach()]
     return total
 
 

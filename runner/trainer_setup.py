@@ -43,7 +43,7 @@ def prepare_models(models: ModelSet, model_cfg: Any, run: ResolvedRun) -> ModelS
             if has_adapters(module):
                 continue
             if not models.dtypes_applied:
-                module.to(run.frozen_dtype)
+                _cast(module, run.frozen_dtype)
             attach_lora(module, int(model_cfg.lora_rank), float(model_cfg.lora_alpha), list(model_cfg.lora_targets),
                         run.train_dtype)
             log.info("model.train=lora: peft LoRA (rank %s) on %s's %s", model_cfg.lora_rank, name,
@@ -51,9 +51,15 @@ def prepare_models(models: ModelSet, model_cfg: Any, run: ResolvedRun) -> ModelS
             continue
         if models.dtypes_applied:
             continue
-        if trained:
-            module.to(run.train_dtype)
-        else:
-            module.to(run.frozen_dtype)
+        _cast(module, run.train_dtype if trained else run.frozen_dtype)
+        if not trained:
             module.requires_grad_(False)
     return models
+
+
+def _cast(module: nn.Module, dtype: Any) -> None:
+    """``module.to(dtype)`` when a floating tensor has another dtype (diffusers warns on every
+    ``to(dtype)`` call, even a no-op one)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    if any(t.is_floating_point() and t.dtype != dtype for t in tensors):
+        module.to(dtype)
