@@ -15,13 +15,23 @@ crash mid-write leaves a half checkpoint that looks complete. Here a checkpoint 
 It is written into a hidden temporary directory, each file fsynced, then renamed into place;
 ``latest`` is replaced atomically afterwards. A reader therefore sees either the previous
 checkpoint or the new one, never a torn one.
+
+The ``.pt`` files hold only tensors, numbers, strings, ``None`` and plain containers, and are read
+with ``torch.load(weights_only=True)``: a checkpoint someone sent you cannot run code when resumed.
+A file that would need any other object unpickled is refused with a :class:`UserError`. The one
+non-plain object the runner used to write, numpy's RNG key (an ``ndarray``), is now saved as an
+int64 tensor; ``rng.pt`` files of the earlier layout load with numpy's array reconstruction (and
+nothing else) allowlisted.
 """
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
+import re
 import shutil
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -64,11 +74,17 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def _numpy_rng_state() -> tuple:
+    """``np.random.get_state()`` with its uint32 key as an int64 tensor (loadable with weights_only)."""
+    name, key, pos, has_gauss, cached_gaussian = np.random.get_state()
+    return (name, torch.from_numpy(key.astype(np.int64)), int(pos), int(has_gauss), float(cached_gaussian))
+
+
 def rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": _numpy_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -78,7 +94,10 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, key, *rest = state["numpy"]
+    if isinstance(key, torch.Tensor):  # current layout; older rng.pt files hold the ndarray itself
+        key = key.numpy().astype(np.uint32)
+    np.random.set_state((name, key, *rest))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -156,6 +175,34 @@ def find_checkpoint(path: str | Path) -> Path:
     )
 
 
+# Globals an rng.pt of the earlier layout needs (numpy's RNG key as an ndarray): rebuilding a uint32
+# array, nothing that calls arbitrary code. Allowlisted for rng.pt only.
+_reconstruct = (np._core if hasattr(np, "_core") else np.core).multiarray._reconstruct
+_LEGACY_RNG_GLOBALS: list[Any] = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), _reconstruct]
+if hasattr(np, "_core"):  # numpy >= 2 reading a file pickled by numpy 1
+    _LEGACY_RNG_GLOBALS.append((_reconstruct, "numpy.core.multiarray._reconstruct"))
+
+
+def _torch_load(path: Path) -> Any:
+    """``torch.load`` that unpickles nothing but tensors and plain values; a UserError otherwise."""
+    allowed = _LEGACY_RNG_GLOBALS if path.name == "rng.pt" else []
+    try:
+        with warnings.catch_warnings(), torch.serialization.safe_globals(allowed):
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL (\S+)|function (<[^>]*>)|got (<[^>]*>)", str(e))
+        why = (f"loading it would need unpickling arbitrary Python objects (it references "
+               f"{next(g for g in found.groups() if g)}), which can run code" if found else
+               "it is not a torch.save file of tensors and plain values: it is corrupt, or loading it would "
+               "need unpickling arbitrary Python objects, which can run code")
+        raise UserError(
+            f"Checkpoint file {path} is refused: {why}. Nothing in it was executed. Checkpoints written by this "
+            "runner hold only tensors, numbers, strings and plain containers. Resume only from checkpoints this "
+            "runner wrote, or start without train.resume."
+        ) from None
+
+
 def _load(path: Path, what: str) -> Any:
     if not path.is_file():
         raise UserError(f"Checkpoint file {path} is missing; the checkpoint is incomplete. Resume from another one.")
@@ -164,10 +211,11 @@ def _load(path: Path, what: str) -> Any:
             return load_file(str(path))
         if path.suffix == ".json":
             return json.loads(path.read_text())
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return _torch_load(path)
     except (SafetensorError, json.JSONDecodeError, RuntimeError, EOFError, OSError, ValueError) as e:
+        reason = (str(e).splitlines() or [type(e).__name__])[0]  # an empty file raises a bare EOFError
         raise UserError(
-            f"Checkpoint file {path} is corrupt ({what} could not be read: {str(e).splitlines()[0]}). "
+            f"Checkpoint file {path} is corrupt ({what} could not be read: {reason}). "
             "Resume from an earlier checkpoint in the same directory or start without train.resume."
         ) from None
 
