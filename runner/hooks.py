@@ -42,30 +42,10 @@ class ModuleHooks:
         """Record that ``owner`` did ``kind`` to ``module``; ``undo`` reverts it at teardown."""
         self._entries.append(HookEntry(weakref.ref(module), kind, owner, handle, undo))
 
-    def get(self, module: nn.Module, kind: str) -> Any:
-        """The handle of the newest live ``kind`` change on ``module``, or None."""
-        for e in reversed(self._entries):
-            if e.kind == kind and e.module() is module:
-                return e.handle
-        return None
-
-    def has(self, module: nn.Module, kind: str) -> bool:
-        return any(e.kind == kind and e.module() is module for e in self._entries)
-
     def entries(self, kind: Optional[str] = None, owner: Optional[str] = None) -> Iterator[HookEntry]:
         for e in self._entries:
             if (kind is None or e.kind == kind) and (owner is None or e.owner == owner) and e.module() is not None:
                 yield e
-
-    def remove(self, owner: str) -> None:
-        """Undo every change of one plugin, newest first (a plugin's own teardown or OOM reset)."""
-        keep = []
-        for e in reversed(self._entries):
-            if e.owner == owner:
-                self._undo(e)
-            else:
-                keep.append(e)
-        self._entries = list(reversed(keep))
 
     def remove_all(self) -> None:
         """Undo everything, newest first. One failing undo is logged and does not stop the others."""
