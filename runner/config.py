@@ -53,6 +53,8 @@ class TrainConfig:
     keep_saved: int = 2  # saved steps kept on disk (the newest)
     resume: Optional[str] = None  # a run directory or a checkpoint directory
     progress: bool = True
+    on_nonfinite: str = "skip"  # skip | stop: a NaN/inf loss or gradient skips the update, or stops the run
+    nonfinite_patience: int = 3  # with skip: this many non-finite steps in a row stop the run (exit 4)
     preflight: bool = True  # plan the step first (runner/plan/); refuse to start (exit 3) over budget_gb
 
 

@@ -20,7 +20,8 @@ import logging
 import math
 import signal
 import time
-from contextlib import closing
+from collections.abc import Iterator
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,14 +33,15 @@ from tqdm.auto import tqdm
 
 from runner.context import RunContext
 from runner.data import collate
-from runner.errors import UserError
+from runner.errors import Interrupted, UserError
 from runner.memory.profile import build_profiler
 from runner.memory.stats import MemoryMonitor
+from runner.nonfinite import NonFiniteGuard, NonFiniteStop, grad_norm
 from runner.oom import MicroBatchRecovery, OutOfMemoryGiveUp
 from runner.optim import build_optimizer
 from runner.report import MetricsWriter
 from runner.resolved import ResolvedRun
-from runner.train_state import TrainState, find_checkpoint, load_checkpoint, save_checkpoint
+from runner.train_state import TrainState, find_checkpoint, load_checkpoint, remove_leftovers, save_checkpoint
 from runner.trainer import batch_len, encode, move_batch, slice_batch
 
 log = logging.getLogger("runner")
@@ -69,10 +71,20 @@ class SampleOrder:
 
 
 class StopRequest:
-    """SIGINT/SIGTERM handler: the first signal asks the loop to save and stop after the step."""
+    """SIGINT/SIGTERM: the first signal asks the loop to save and stop after the current step.
+
+    A second signal stops at once, except while a checkpoint is being written: then it waits for
+    the write to finish (a half-written checkpoint would be wasted work, and the runner would
+    leave the previous one as the newest), and only a third forces the exit. A forced exit
+    raises :class:`Interrupted`, which the job wrapper reports in one line; whatever save was in
+    flight stays a hidden temporary folder that the next start removes.
+    """
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self.count = 0
+        self.last_saved: Path | None = None
+        self._saving = False
         self._old: dict[int, Any] = {}
 
     def __enter__(self) -> StopRequest:
@@ -84,10 +96,29 @@ class StopRequest:
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.signum is not None:  # second signal: give up immediately
-            raise KeyboardInterrupt
-        self.signum = signum
-        log.warning("%s received: finishing this step, saving a checkpoint and stopping", signal.Signals(signum).name)
+        self.count += 1
+        name = signal.Signals(signum).name
+        if self.count == 1:
+            self.signum = signum
+            log.warning("%s received: finishing this step, saving a checkpoint and stopping "
+                        "(again: stop at once)", name)
+            return
+        if self._saving and self.count == 2:
+            log.warning("%s received again: a checkpoint is being written; stopping right after it "
+                        "(a third signal forces the exit and discards that checkpoint)", name)
+            return
+        kept = (f"The newest complete checkpoint is {self.last_saved} (train.resume={self.last_saved})."
+                if self.last_saved is not None else "No checkpoint was saved in this run.")
+        raise Interrupted(signum, f"Stopped at once by a repeated {name}; the step in progress is lost. {kept}")
+
+    @contextmanager
+    def deferred(self) -> Iterator[None]:
+        """A block (a checkpoint save) that a second signal does not cut short."""
+        self._saving = True
+        try:
+            yield
+        finally:
+            self._saving = False
 
     def __exit__(self, *exc: Any) -> None:
         for s, h in self._old.items():
@@ -132,6 +163,7 @@ def train(ctx: RunContext) -> TrainResult:
         cfg.train.lr_scheduler, ctx.optimizer, num_warmup_steps=cfg.train.lr_warmup_steps, num_training_steps=cfg.train.steps
     )
     state = TrainState(micro_batch_size=micro)
+    remove_leftovers(out / "checkpoints")  # hidden folders of a save or prune that was killed
     if cfg.train.resume:
         ckpt = find_checkpoint(cfg.train.resume)
         state = load_checkpoint(ckpt, models, ctx.optimizer, scheduler)
@@ -148,13 +180,23 @@ def train(ctx: RunContext) -> TrainResult:
     recovery = MicroBatchRecovery(ctx, micro, batch_size, params)  # OOM: discard the step, halve, retry
     memory = MemoryMonitor(ctx.device, run.budget_gb)  # per-step memory columns and pressure warnings
     profiler = build_profiler(cfg, ctx)  # a no-op unless profile.enabled
+    guard = NonFiniteGuard(cfg.train.on_nonfinite, cfg.train.nonfinite_patience, lr=cfg.optimizer.get("lr"),
+                           scaler_active=accelerator.scaler is not None, precision=run.precision)
     bar = tqdm(total=cfg.train.steps, initial=state.step, disable=not cfg.train.progress, desc="train", dynamic_ncols=True)
     step_times: list[float] = []
 
-    def update() -> None:
+    def update(step_loss: float) -> None:
+        norm = None
         if run.max_grad_norm > 0:
-            accelerator.clip_grad_norm_(params, run.max_grad_norm)
-        optimizer.step()
+            norm = accelerator.clip_grad_norm_(params, run.max_grad_norm)
+        elif guard.needs_grad_norm and math.isfinite(step_loss):
+            norm = grad_norm(params)
+        if guard.allow_update(state.step + 1, step_loss, norm):  # NaN/inf: skip, or stop (runner/nonfinite.py)
+            optimizer.step()
+
+    def save() -> Path:
+        state.micro_batch_size = recovery.micro_batch_size
+        return save_checkpoint(ckpt_root, state, models, ctx.optimizer, scheduler, cfg.train.keep_saved)
 
     with StopRequest() as stop, bar, closing(metrics), closing(profiler):
         while state.step < cfg.train.steps:
@@ -167,13 +209,15 @@ def train(ctx: RunContext) -> TrainResult:
             try:
                 step_loss = recovery.run(state.step + 1, lambda m: forward_backward(ctx, raw, m, profiler))
             except OutOfMemoryGiveUp as e:  # already at micro-batch 1: keep the last completed step, stop
-                state.micro_batch_size = recovery.micro_batch_size
-                saved = save_checkpoint(ckpt_root, state, models, ctx.optimizer, scheduler,
-                                        cfg.train.keep_saved) if state.step else None
-                e.add_checkpoint(saved, state.step)
+                e.add_checkpoint(save() if state.step else None, state.step)
                 raise
-            with profiler.phase("optimizer"):
-                recovery.update(state.step + 1, update, result.checkpoint)
+            try:
+                with profiler.phase("optimizer"):
+                    recovery.update(state.step + 1, lambda: update(step_loss), result.checkpoint)
+            except NonFiniteStop as e:  # the update was not applied: the weights are the last good step's
+                optimizer.zero_grad(set_to_none=True)
+                e.add_checkpoint(save() if state.step else None, state.step)
+                raise
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             state.step += 1
@@ -185,15 +229,15 @@ def train(ctx: RunContext) -> TrainResult:
             mem = memory.sample(state.step)
             row = {"step": state.step, "loss": step_loss, "lr": scheduler.get_last_lr()[0], "s_per_step": dt,
                    "samples_seen": state.samples_seen, "micro_batch_size": recovery.micro_batch_size,
-                   "oom_retries": recovery.retries_this_step, **mem}
+                   "oom_retries": recovery.retries_this_step, "nonfinite_skips": guard.total, **mem}
             metrics.write(row)
             result.losses.append(step_loss)
             bar.set_postfix({"loss": f"{step_loss:.4f}", "s_step": f"{dt:.2f}", **memory.postfix(mem)})  # in this order
             bar.update(1)
             due = cfg.train.save_every and state.step % cfg.train.save_every == 0
             if due or state.step == cfg.train.steps or stop.signum is not None:
-                state.micro_batch_size = recovery.micro_batch_size
-                result.checkpoint = save_checkpoint(ckpt_root, state, models, ctx.optimizer, scheduler, cfg.train.keep_saved)
+                with stop.deferred():  # a second Ctrl-C waits for the save; a third forces the exit
+                    result.checkpoint = stop.last_saved = save()
             if stop.signum is not None:
                 result.interrupted_by = stop.signum
                 break

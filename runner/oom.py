@@ -78,6 +78,7 @@ class OutOfMemoryGiveUp(UserError):
     """
 
     exit_code = GIVE_UP_EXIT_CODE
+    status = "oom"
 
     def __init__(self, message: str, step: int, device: str) -> None:
         super().__init__(message)

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import json
+import math
+import os
 import platform
+import tempfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -21,11 +24,47 @@ class MetricsWriter:
         self._f = open(path, "a" if append else "w", encoding="utf-8")
 
     def write(self, row: dict[str, Any]) -> None:
-        self._f.write(json.dumps(row) + "\n")
-        self._f.flush()
+        from runner.errors import storage_error
+
+        try:
+            self._f.write(json_text(row) + "\n")
+            self._f.flush()
+        except OSError as e:
+            raise storage_error(e, "Writing a row of metrics.jsonl", self._f.name) from None
 
     def close(self) -> None:
         self._f.close()
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with NaN and infinities as ``None``: JSON has no spelling for them, and a bare
+    ``NaN`` makes a file no strict JSON reader accepts."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def json_text(value: Any, indent: int | None = None) -> str:
+    return json.dumps(json_safe(value), indent=indent, allow_nan=False)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``path`` so that a reader sees the old content or the new, never a torn or empty file:
+    a temporary file in the same folder, fsynced, then renamed over it."""
+    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def package_versions() -> dict[str, str]:

@@ -1,7 +1,9 @@
 """How each job ended, and a summary of a ``-m`` sweep.
 
-Every job (a single run too) writes ``job_summary.json`` in its directory: its overrides, status
-(``ok``, ``oom``, ``failed``, ``interrupted``), steps done, final loss, s/step, peak memory and
+Every job (a single run too) writes ``job_summary.json`` in its directory, atomically and as
+strict JSON (a NaN loss is ``null``): its overrides, status (``ok``; ``failed``: bad input, exit 2;
+``oom``: exit 3; ``nonfinite``: NaN/inf loss or gradients, exit 4; ``io_error``: a full, read-only
+or vanished folder, exit 5; ``interrupted``: 128 + the signal), steps done, final loss, s/step, peak memory and
 final micro-batch size, read back from its metrics.jsonl. After a sweep, the
 :class:`SweepSummary` Hydra callback (configured under ``hydra.callbacks`` in conf/config.yaml)
 collects them into ``sweep_summary.csv`` in the sweep directory and prints a table.
@@ -27,6 +29,7 @@ import gc
 import json
 import logging
 import math
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -38,14 +41,14 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from runner import registry
-from runner.errors import UserError
+from runner.errors import Interrupted, UserError, storage_error
 from runner.validate import conf_dir, hydra_args, precheck
 
 log = logging.getLogger("runner")
 
 JOB_SUMMARY = "job_summary.json"
 SWEEP_CSV = "sweep_summary.csv"
-STATUSES = ("ok", "oom", "failed", "interrupted")
+STATUSES = ("ok", "oom", "failed", "interrupted", "nonfinite", "io_error")
 COLUMNS = ("job", "status", "overrides", "steps_done", "final_loss", "s_per_step", "peak_memory_gb",
            "peak_memory_source", "micro_batch_size", "exit_code", "error", "dir")
 
@@ -70,27 +73,23 @@ def _hydra_job() -> tuple[bool, int | None, list[str]]:
 def run_job(task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
     """Run ``task(cfg)`` (one job), write its job_summary.json, and decide what an error does.
 
-    Single run: a UserError is printed without traceback and exits with its status; other
-    errors propagate. In a sweep: every error is recorded, logged, and the job returns None.
+    Single run: a UserError, an OSError (a full, read-only or vanished folder) and Ctrl-C before
+    the loop's own handler are printed as one paragraph without traceback and exit with their
+    status; other errors (bugs) propagate with their traceback. In a sweep: every error is
+    recorded and logged, and the job returns None, except an interrupt, which ends the sweep.
     """
     multirun, num, overrides = _hydra_job()
     started = time.perf_counter()
     _reset_cuda_peaks()
 
     def record(status: str, error: str | None, exit_code: int) -> None:
-        write_job_summary(cfg, status, error, exit_code, num, overrides, time.perf_counter() - started)
+        try:  # the error path must not raise: on a full disk this write fails too
+            write_job_summary(cfg, status, error, exit_code, num, overrides, time.perf_counter() - started)
+        except Exception as e:
+            log.warning("could not write %s: %s", JOB_SUMMARY, f"{type(e).__name__}: {e}".splitlines()[0])
 
     try:
         value = task(cfg)
-    except UserError as e:
-        from runner.oom import OutOfMemoryGiveUp
-
-        record("oom" if isinstance(e, OutOfMemoryGiveUp) else "failed", str(e), e.exit_code)
-        print(f"error: {e}", file=sys.stderr)
-        if not multirun:
-            sys.exit(e.exit_code)
-        _forget(e)
-        return None
     except SystemExit as e:  # run() exits 128+signal when interrupted; such a signal stops the sweep too
         code = e.code if isinstance(e.code, int) else 1
         if code == 0:
@@ -99,6 +98,14 @@ def run_job(task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
         record("interrupted" if code >= 128 else "failed", f"exit status {code}", code)
         if not multirun or code >= 128:
             raise
+        return None
+    except (UserError, OSError, KeyboardInterrupt) as e:
+        error = as_user_error(e)
+        record(error.status, str(error), error.exit_code)
+        print(f"error: {error}", file=sys.stderr)
+        if not multirun or isinstance(error, Interrupted):
+            sys.exit(error.exit_code)
+        _forget(e)
         return None
     except Exception as e:
         from runner.oom import first_line, is_out_of_memory
@@ -111,6 +118,17 @@ def run_job(task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
         return None
     record("ok", None, 0)
     return value
+
+
+def as_user_error(error: BaseException) -> UserError:
+    """The one-paragraph form of an expected failure: a UserError as is, an OSError (the runner wraps
+    the ones it expects with more context; this is the net under the rest) and a Ctrl-C that came
+    before the training loop's own handler."""
+    if isinstance(error, UserError):
+        return error
+    if isinstance(error, OSError):
+        return storage_error(error, "Reading or writing a file")
+    return Interrupted(signal.SIGINT, "Interrupted (Ctrl-C) before training started; nothing was trained or saved.")
 
 
 def _reset_cuda_peaks() -> None:
@@ -167,11 +185,13 @@ def write_job_summary(cfg: DictConfig, status: str, error: str | None, exit_code
         out = output_dir(cfg)
     except UserError:  # no output directory (not under Hydra, none configured): nothing to write into
         return None
+    from runner.report import json_text, write_text_atomic
+
     out.mkdir(parents=True, exist_ok=True)
     summary = {"job": num, "status": status, "overrides": overrides, **summarize_metrics(out),
                "exit_code": exit_code, "error": error, "dir": str(out), "wall_s": round(wall_s, 3)}
     path = out / JOB_SUMMARY
-    path.write_text(json.dumps(summary, indent=2) + "\n")
+    write_text_atomic(path, json_text(summary, indent=2) + "\n")  # valid JSON even for a NaN loss, never torn
     return path
 
 
@@ -233,8 +253,29 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
+def _make_dir_or_exit(path: str, key: str) -> None:
+    """Create Hydra's run or sweep directory before Hydra does, so that a read-only or full disk is
+    one message (exit 5) instead of the traceback Hydra prints when its own ``mkdir`` fails."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        error = storage_error(e, f"Creating the output folder ({key})", path,
+                              advice=f"Hydra keeps its logs there: run from a folder you can write to, or set "
+                              f"{key}=<folder> (output_dir=<folder> moves the run's own outputs).")
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(error.exit_code)
+
+
 class SweepSummary(Callback):
-    """Hydra callback: at the end of a ``-m`` sweep, print the table and write sweep_summary.csv."""
+    """Hydra callback: creates the run or sweep directory with a clear error, and at the end of a
+    ``-m`` sweep prints the table and writes sweep_summary.csv."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        # Hydra resolves ${now:...} once (a cached resolver), so this is the folder it will use.
+        _make_dir_or_exit(str(config.hydra.run.dir), "hydra.run.dir")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _make_dir_or_exit(str(config.hydra.sweep.dir), "hydra.sweep.dir")
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         global _last_sweep

@@ -26,6 +26,7 @@ nothing else) allowlisted.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import random
@@ -41,8 +42,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from runner.errors import UserError
+from runner.errors import UserError, as_os_error, storage_error
+from runner.nonfinite import check_finite_weights
 from runner.trainer import ModelSet
+
+log = logging.getLogger("runner")
 
 FORMAT_VERSION = 1
 FILES = ("trainable.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt", "state.json")
@@ -114,44 +118,120 @@ def save_checkpoint(
     scheduler: Any,
     keep: int = 2,
 ) -> Path:
-    """Write ``root/step-N`` atomically, point ``root/latest`` at it, prune to ``keep``."""
-    root.mkdir(parents=True, exist_ok=True)
+    """Write ``root/step-N`` atomically, point ``root/latest`` at it, prune to ``keep``.
+
+    Weights holding NaN or inf are refused (:class:`runner.nonfinite.NonFiniteStop`): a checkpoint
+    is what the user goes back to. A failed write (full disk, read-only folder) removes its
+    temporary folder, so it does not keep the disk full, and ends in a
+    :class:`runner.errors.StorageError` that says how many bytes the checkpoint needs; the newest
+    complete checkpoint stays as it was.
+    """
+    weights = trainable_state_dict(models)
+    check_finite_weights(weights, state.step)
     final = root / f"step-{state.step:08d}"
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    save_file(trainable_state_dict(models), str(tmp / "trainable.safetensors"))
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(scheduler.state_dict() if scheduler is not None else {}, tmp / "scheduler.pt")
-    torch.save(rng_state(), tmp / "rng.pt")
-    (tmp / "state.json").write_text(json.dumps(asdict(state), indent=2))
-    for name in FILES:
-        _fsync_file(tmp / name)
-    _fsync_dir(tmp)
-    if final.exists():  # re-saving the same step (e.g. interrupted right after a save)
-        old = root / f".old-{final.name}-{os.getpid()}"
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-    latest_tmp = root / f".latest-{os.getpid()}"
-    latest_tmp.write_text(final.name + "\n")
-    _fsync_file(latest_tmp)
-    os.replace(latest_tmp, root / "latest")
-    _fsync_dir(root)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        save_file(weights, str(tmp / "trainable.safetensors"))
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(scheduler.state_dict() if scheduler is not None else {}, tmp / "scheduler.pt")
+        torch.save(rng_state(), tmp / "rng.pt")
+        (tmp / "state.json").write_text(json.dumps(asdict(state), indent=2))
+        for name in FILES:
+            _fsync_file(tmp / name)
+        _fsync_dir(tmp)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os_error = as_os_error(e, tmp)
+        if os_error is not None:
+            raise _save_failed(os_error, root, state.step, weights, optimizer) from None
+        raise
+    try:
+        if final.exists():  # re-saving the same step (e.g. interrupted right after a save)
+            old = root / f".old-{final.name}-{os.getpid()}"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        latest_tmp = root / f".latest-{os.getpid()}"
+        latest_tmp.write_text(final.name + "\n")
+        _fsync_file(latest_tmp)
+        os.replace(latest_tmp, root / "latest")
+        _fsync_dir(root)
+    except OSError as e:
+        raise _save_failed(e, root, state.step, weights, optimizer) from None
     _prune(root, keep, final)
     return final
 
 
+def _save_failed(error: OSError, root: Path, step: int, weights: dict[str, torch.Tensor],
+                 optimizer: torch.optim.Optimizer) -> UserError:
+    tensors = list(weights.values()) + [t for s in optimizer.state.values() for t in s.values()
+                                        if isinstance(t, torch.Tensor)]
+    needed = sum(t.numel() * t.element_size() for t in tensors)
+    latest = root / "latest"
+    try:
+        newest = f"{root / latest.read_text().strip()} is intact" if latest.is_file() else "none was saved before"
+    except OSError:
+        newest = "the earlier ones are untouched"
+    return storage_error(error, f"Saving the checkpoint of step {step} into {root}", root, needed_bytes=needed,
+                         advice=f"The newest complete checkpoint: {newest}. Training stopped here.")
+
+
 def _prune(root: Path, keep: int, newest: Path) -> None:
+    """Delete all but the ``keep`` newest checkpoints. Each is first renamed to a hidden name, so a
+    kill in the middle of deleting never leaves a visible, half-deleted ``step-N``; the hidden
+    rest is removed by :func:`remove_leftovers` at the next start."""
     if keep <= 0:
         return
     ckpts = sorted(p for p in root.glob("step-*") if p.is_dir())
     for p in ckpts[:-keep]:
         if p != newest:
+            doomed = root / f".prune-{p.name}-{os.getpid()}"
+            try:
+                os.replace(p, doomed)
+            except OSError:
+                continue
+            shutil.rmtree(doomed, ignore_errors=True)
+
+
+_LEFTOVER = re.compile(r"^\.(?:tmp|old|prune)-step-\d+-(\d+)$|^\.latest-(\d+)$")
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # this process has just started its run: nothing of it is in flight yet
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def remove_leftovers(root: Path) -> list[str]:
+    """Remove what an interrupted save or prune left in ``root`` (hidden ``.tmp-``, ``.old-``,
+    ``.prune-`` folders and ``.latest-`` files) whose writer process is gone; their names."""
+    removed: list[str] = []
+    if not root.is_dir():
+        return removed
+    for p in root.iterdir():
+        m = _LEFTOVER.match(p.name)
+        if m is None or _alive(int(m.group(1) or m.group(2))):
+            continue
+        if p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        removed.append(p.name)
+    if removed:
+        log.info("removed %d leftovers of an interrupted save in %s: %s", len(removed), root, ", ".join(sorted(removed)))
+    return removed
 
 
 def find_checkpoint(path: str | Path) -> Path:
