@@ -32,7 +32,7 @@ from diffusers.optimization import get_scheduler
 from tqdm.auto import tqdm
 
 from runner.context import RunContext
-from runner.data import collate
+from runner.data import collate, describe_dataset
 from runner.errors import Interrupted, UserError
 from runner.memory.profile import build_profiler
 from runner.memory.stats import MemoryMonitor
@@ -155,6 +155,7 @@ def train(ctx: RunContext) -> TrainResult:
     accelerator = ctx.accelerator
     batch_size, micro = run.batch_size, run.micro_batch
     dataset = trainer.dataset()
+    log.info("data: %s", describe_dataset(dataset))  # what is used, and what was skipped or upscaled and why
     order = SampleOrder(len(dataset), run.seed)
 
     ctx.optimizer = build_optimizer(cfg.optimizer, list(models.trainable_parameters()), notes=ctx.notes)

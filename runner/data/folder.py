@@ -45,6 +45,10 @@ CAPTION_EXTENSION = ".txt"
 # check always runs too.
 VERIFY_LIMIT = 2048
 
+# An image whose short side is less than resolution / UPSCALE_WARN is named in a warning and the
+# data summary: blown up that far it teaches the model blur (kohya and OneTrainer users expect it).
+UPSCALE_WARN = 4
+
 _PATH_HINT = (
     "Set data.path to a folder of images (" + _ACCEPTED + ", any letter case; subfolders are "
     "searched) each with a same-named .txt caption beside it (cat.png + cat.txt), or leave "
@@ -79,7 +83,7 @@ class FolderDataset(Dataset):
         self.root = _check_root(path)
         shown = str(path)
 
-        images = _find_images(self.root)
+        images, self.skipped = _find_images(self.root)
         if not images:
             raise UserError(
                 f"data.path={shown!r} contains no images: searched {str(self.root)!r} and its "
@@ -116,9 +120,17 @@ class FolderDataset(Dataset):
         self.missing_captions = len(missing)
 
         self.verified = len(images) <= verify_limit
+        self.upscaled: list[tuple[Path, tuple[int, int]]] = []  # short side < resolution / UPSCALE_WARN
         if self.verified:
             for img in images:
-                _verify_header(img, shown)
+                w, h = _verify_header(img, shown)
+                if min(w, h) * UPSCALE_WARN < self.resolution:
+                    self.upscaled.append((img, (w, h)))
+        if self.upscaled:
+            p, (w, h) = self.upscaled[0]
+            log.warning("data.path=%r: %d images are upscaled more than %dx to %d px and will look blurry (first: "
+                        "%s, %dx%d); remove them or lower data.resolution", shown, len(self.upscaled), UPSCALE_WARN,
+                        self.resolution, p, w, h)
 
         self.paths: list[Path] = images
         self.captions: list[str] = captions
@@ -139,8 +151,15 @@ class FolderDataset(Dataset):
         return {"pixel_values": _to_tensor(img), "caption": self.captions[index], "index": index}
 
     def describe(self) -> str:
+        """One line at start: how many images are used, and what was skipped or upscaled and why."""
         r = self.resolution
         extra = []
+        skipped = [f"{n} {why}" for why, n in self.skipped.items() if n]
+        if skipped:
+            extra.append("skipped: " + ", ".join(skipped))
+        if self.upscaled:
+            p, (w, h) = self.upscaled[0]
+            extra.append(f"{len(self.upscaled)} upscaled more than {UPSCALE_WARN}x, e.g. {p.name} {w}x{h}")
         if self.missing_captions:
             extra.append(f"{self.missing_captions} with empty captions")
         extra.append("center crop" if self.center_crop else "per-index random crop")
@@ -148,7 +167,7 @@ class FolderDataset(Dataset):
             extra.append("per-index random flip")
         if not self.verified:
             extra.append("headers not pre-checked")
-        return f"{len(self)} images at {r}x{r} from folder {str(self.root)!r} ({', '.join(extra)})"
+        return f"{len(self)} images used, at {r}x{r}, from folder {str(self.root)!r} ({'; '.join(extra)})"
 
 
 def _check_root(path: Any) -> Path:
@@ -163,28 +182,39 @@ def _check_root(path: Any) -> Path:
     return root
 
 
-def _find_images(root: Path) -> list[Path]:
-    """All non-hidden image files under ``root``, sorted by relative POSIX path.
+def _find_images(root: Path) -> tuple[list[Path], dict[str, int]]:
+    """All non-hidden image files under ``root``, sorted by relative POSIX path, and how many
+    files were passed over, by reason (for the data summary line).
 
     Symlinked folders are followed (people link data sets in), with a guard against loops.
     """
     found: list[tuple[str, Path]] = []
     seen: set[str] = set()
+    hidden, other_types = 0, {}
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
         real = os.path.realpath(dirpath)
         if real in seen:
             dirnames[:] = []
             continue
         seen.add(real)
+        hidden += sum(d.startswith(".") for d in dirnames)
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
         for name in filenames:
             if name.startswith("."):
+                hidden += 1
                 continue
-            if os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS:
+            ext = os.path.splitext(name)[1].lower()
+            if ext in IMAGE_EXTENSIONS:
                 p = Path(dirpath) / name
                 found.append((p.relative_to(root).as_posix(), p))
+            elif ext != CAPTION_EXTENSION:
+                other_types[ext or "no extension"] = other_types.get(ext or "no extension", 0) + 1
     found.sort(key=lambda t: t[0])
-    return [p for _, p in found]
+    skipped = {"hidden files or folders": hidden}
+    if other_types:
+        kinds = ", ".join(sorted(other_types)[:4]) + (", ..." if len(other_types) > 4 else "")
+        skipped[f"files that are not {_ACCEPTED} images ({kinds})"] = sum(other_types.values())
+    return [p for _, p in found], skipped
 
 
 def _caption_path(image: Path) -> Path | None:

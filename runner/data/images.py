@@ -83,10 +83,14 @@ def _bad_image(path: Path, shown: str, err: BaseException) -> UserError:
     )
 
 
-def _verify_header(path: Path, shown: str) -> None:
+def _verify_header(path: Path, shown: str) -> tuple[int, int]:
+    """Check the file without decoding pixels; its (width, height) as stored (before EXIF rotation,
+    which does not change the short side)."""
     try:
         with Image.open(path) as im:
+            size = im.size
             im.verify()
+            return size
     except Exception as e:  # PIL raises many types (OSError, SyntaxError, struct.error ...)
         raise _bad_image(path, shown, e) from None
 

@@ -116,7 +116,8 @@ def test_nested_folder_sorted_and_captions(tmp_path):
     for i in range(4):
         check_pixels(ds[i]["pixel_values"])
         assert ds[i]["index"] == i
-    assert "4 images at 32x32" in describe_dataset(ds) and str(tmp_path) in describe_dataset(ds)
+    assert "4 images used, at 32x32" in describe_dataset(ds) and str(tmp_path) in describe_dataset(ds)
+    assert "skipped: 3 hidden files or folders, 1 files that are not" in describe_dataset(ds)
 
 
 @pytest.mark.parametrize(
@@ -333,3 +334,18 @@ def test_collate():
 def test_describe_demo_and_foreign():
     assert describe_dataset(DemoDataset(16, 64)).startswith("16 images at 64x64 from the built-in demo")
     assert describe_dataset([1, 2, 3]) == "3 samples from list"
+
+
+def test_the_data_summary_names_what_was_used_skipped_and_upscaled(tmp_path, caplog):
+    write(tmp_path / "big.png", solid(size=(64, 80)))
+    write(tmp_path / "tiny.png", solid(size=(6, 30)))  # short side 6: blown up 5.3x to 32 px
+    (tmp_path / ".DS_Store").write_bytes(b"junk")
+    (tmp_path / "notes.json").write_text("{}")
+    (tmp_path / "anim.gif").write_bytes(b"GIF89a")
+    with caplog.at_level(logging.WARNING, logger="runner"):
+        ds = FolderDataset(tmp_path, R)
+    line = describe_dataset(ds)
+    assert line.startswith(f"2 images used, at {R}x{R}")
+    assert "skipped: 1 hidden files or folders, 2 files that are not" in line and ".gif, .json" in line
+    assert "1 upscaled more than 4x, e.g. tiny.png 6x30" in line
+    assert "tiny.png" in caplog.text and "blurry" in caplog.text
