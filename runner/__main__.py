@@ -19,6 +19,7 @@ from runner.loop import make_accelerator, train
 from runner.plan import plan_command, preflight
 from runner.report import summary, write_run_info
 from runner.resolved import resolve
+from runner.resume import resume_base
 from runner.run import build_plugins, build_trainer, make_context, output_dir
 from runner.trainer_setup import prepare_models
 from runner.validate import validate
@@ -28,6 +29,7 @@ log = logging.getLogger("runner")
 
 def run(cfg: DictConfig) -> float | None:
     """The Hydra task: one job of a run or of a ``-m`` sweep (composed by Hydra)."""
+    cfg, overrides = resume_base(cfg)                           # resume: on the checkpoint's saved command line
     validate(cfg)                                               # validate
     if cfg.mode == "plugins":
         print(registry.format_plugin_list())
@@ -42,7 +44,7 @@ def run(cfg: DictConfig) -> float | None:
     keep_freed_host_memory(run)                                 # CPU runs: no page-fault churn between steps
     schedule = build_plugins(cfg, run)
     log.info("plugin order:\n%s", schedule.describe())
-    ctx = make_context(cfg, run, schedule, out)
+    ctx = make_context(cfg, run, schedule, out, overrides)
     ctx.run_phase("configure_process")                          # before anything touches CUDA
     ctx.trainer = build_trainer(cfg, run)                       # build trainer
     preflight(cfg, run, ctx.trainer, out)                       # plan: refuse to start (exit 3) over budget_gb

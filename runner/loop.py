@@ -39,7 +39,8 @@ from runner.memory.stats import MemoryMonitor
 from runner.nonfinite import NonFiniteGuard, NonFiniteStop, grad_norm
 from runner.oom import MicroBatchRecovery, OutOfMemoryGiveUp
 from runner.optim import build_optimizer
-from runner.report import MetricsWriter
+from runner.report import MetricsWriter, drop_metrics_after
+from runner.resume import saved_config_text
 from runner.resolved import ResolvedRun
 from runner.train_state import TrainState, find_checkpoint, load_checkpoint, remove_leftovers, save_checkpoint
 from runner.trainer import batch_len, encode, move_batch, slice_batch
@@ -167,9 +168,10 @@ def train(ctx: RunContext) -> TrainResult:
     remove_leftovers(out / "checkpoints")  # hidden folders of a save or prune that was killed
     if cfg.train.resume:
         ckpt = find_checkpoint(cfg.train.resume)
-        state = load_checkpoint(ckpt, models, ctx.optimizer, scheduler)
+        state = load_checkpoint(ckpt, models, ctx.optimizer, scheduler, optimizer_name=cfg.optimizer.get("name"))
         micro = state.micro_batch_size or micro
         log.info("resumed from %s at step %d (%d samples seen)", ckpt, state.step, state.samples_seen)
+        drop_metrics_after(out / "metrics.jsonl", state.step)  # one curve: no step twice
     optimizer, scheduler = accelerator.prepare(ctx.optimizer, scheduler)
     params = list(models.trainable_parameters())
     for name, m in models.items():
@@ -197,7 +199,8 @@ def train(ctx: RunContext) -> TrainResult:
 
     def save() -> Path:
         state.micro_batch_size = recovery.micro_batch_size
-        return save_checkpoint(ckpt_root, state, models, ctx.optimizer, scheduler, cfg.train.keep_saved)
+        return save_checkpoint(ckpt_root, state, models, ctx.optimizer, scheduler, cfg.train.keep_saved,
+                               config_text=saved_config_text(cfg, ctx.overrides), optimizer_name=cfg.optimizer.get("name"))
 
     with StopRequest() as stop, bar, closing(metrics), closing(profiler):
         while state.step < cfg.train.steps:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import platform
@@ -34,6 +35,31 @@ class MetricsWriter:
 
     def close(self) -> None:
         self._f.close()
+
+
+def drop_metrics_after(path: Path, step: int) -> int:
+    """Keep the rows of ``path`` up to ``step`` (a resume from that step); how many were dropped.
+
+    Rows after a checkpoint's step were trained by a run that then lost them (killed after the
+    save, or resumed from an older checkpoint); the resumed run writes those steps again, and a
+    curve with every step once is what plots and the sweep summary expect. Rewritten atomically.
+    """
+    if not path.is_file():
+        return 0
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                kept.append(line)
+        except json.JSONDecodeError:  # a torn last line of a killed run
+            continue
+    dropped = len(lines) - len(kept)
+    if dropped:
+        write_text_atomic(path, "".join(line + "\n" for line in kept))
+        logging.getLogger("runner").info("metrics.jsonl: dropped %d rows after step %d (the resumed run writes "
+                                         "those steps again)", dropped, step)
+    return dropped
 
 
 def json_safe(value: Any) -> Any:

@@ -56,8 +56,9 @@ def build_trainer(cfg: DictConfig, run: ResolvedRun | None = None) -> Trainer:
     return trainer
 
 
-def make_context(cfg: Any, run: ResolvedRun, schedule: PluginSchedule, output_dir: Path | None) -> RunContext:
-    return RunContext(run=run, schedule=schedule, cfg=cfg, output_dir=output_dir)
+def make_context(cfg: Any, run: ResolvedRun, schedule: PluginSchedule, output_dir: Path | None,
+                 overrides: list[str] | None = None) -> RunContext:
+    return RunContext(run=run, schedule=schedule, cfg=cfg, output_dir=output_dir, overrides=list(overrides or []))
 
 
 def output_dir(cfg: DictConfig) -> Path:

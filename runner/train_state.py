@@ -10,6 +10,8 @@ crash mid-write leaves a half checkpoint that looks complete. Here a checkpoint 
         scheduler.pt            LR scheduler state_dict
         rng.pt                  torch CPU (and CUDA) RNG states, python and numpy RNG
         state.json              step, samples seen, micro-batch size, format version
+        config.yaml             the run's composed config: the base of a resume (runner/resume.py)
+        trained.json            parameter names, shapes, dtypes; optimizer kind and state layout
     checkpoints/latest          name of the newest complete checkpoint
 
 It is written into a hidden temporary directory, each file fsynced, then renamed into place;
@@ -117,6 +119,8 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
     keep: int = 2,
+    config_text: str | None = None,
+    optimizer_name: str | None = None,
 ) -> Path:
     """Write ``root/step-N`` atomically, point ``root/latest`` at it, prune to ``keep``.
 
@@ -140,7 +144,12 @@ def save_checkpoint(
         torch.save(scheduler.state_dict() if scheduler is not None else {}, tmp / "scheduler.pt")
         torch.save(rng_state(), tmp / "rng.pt")
         (tmp / "state.json").write_text(json.dumps(asdict(state), indent=2))
-        for name in FILES:
+        extra = []  # what a resume checks against (runner/resume.py): the run's config, the trained state
+        if config_text is not None:
+            (tmp / "config.yaml").write_text(config_text)
+            (tmp / "trained.json").write_text(json.dumps(describe_trained_state(weights, optimizer, optimizer_name)))
+            extra = ["config.yaml", "trained.json"]
+        for name in (*FILES, *extra):
             _fsync_file(tmp / name)
         _fsync_dir(tmp)
     except BaseException as e:
@@ -300,17 +309,23 @@ def _load(path: Path, what: str) -> Any:
         ) from None
 
 
-def load_checkpoint(
-    ckpt: Path, models: ModelSet, optimizer: torch.optim.Optimizer, scheduler: Any
-) -> TrainState:
-    """Restore weights, optimizer, scheduler and RNG from ``ckpt``; return the saved state."""
-    raw_state = _load(ckpt / "state.json", "the step state")
-    try:
-        state = TrainState(**raw_state)
-    except TypeError:
-        raise UserError(f"Checkpoint file {ckpt / 'state.json'} has unexpected fields {sorted(raw_state)}.") from None
-    weights = _load(ckpt / "trainable.safetensors", "the trained weights")
-    params = dict(models.named_trainable_parameters())
+def describe_trained_state(weights: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
+                           optimizer_name: str | None) -> dict[str, Any]:
+    """``trained.json``: what a resume must match: parameter names, shapes and dtypes, the optimizer's
+    kind and its state layout (per parameter: state keys with shapes and dtypes)."""
+    sd = optimizer.state_dict()
+    layout = {str(i): {k: [list(v.shape), str(v.dtype).replace("torch.", "")] if isinstance(v, torch.Tensor) else
+                       type(v).__name__ for k, v in st.items()} for i, st in sd["state"].items()}
+    return {
+        "parameters": {n: {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")} for n, t in weights.items()},
+        "optimizer": {"name": optimizer_name, "class": type(optimizer).__name__,
+                      "param_groups": [len(g["params"]) for g in sd["param_groups"]], "state": layout},
+    }
+
+
+def _check_matches(ckpt: Path, weights: dict[str, torch.Tensor], params: dict[str, torch.nn.Parameter],
+                   opt_state: dict[str, Any], optimizer: torch.optim.Optimizer, optimizer_name: str | None) -> None:
+    """Refuse, before anything is loaded, a checkpoint whose trained state does not fit this run."""
     missing, unexpected = sorted(set(params) - set(weights)), sorted(set(weights) - set(params))
     if missing or unexpected:
         raise UserError(
@@ -318,16 +333,58 @@ def load_checkpoint(
             f"(e.g. {missing[:2]}), {len(unexpected)} unexpected (e.g. {unexpected[:2]}). "
             "Resume with the same trainer, model.size and model.train settings it was saved with."
         )
-    with torch.no_grad():
-        for name, p in params.items():
-            p.copy_(weights[name].to(p.dtype))
+    shapes = [f"{n}: saved {tuple(weights[n].shape)}, this run {tuple(p.shape)}"
+              for n, p in params.items() if tuple(weights[n].shape) != tuple(p.shape)]
+    if shapes:
+        raise UserError(
+            f"Checkpoint {ckpt} does not match this model: {len(shapes)} trained parameters have another shape "
+            f"({'; '.join(shapes[:3])}). A different model.lora_rank, lora_targets or model.size does this; resume "
+            "with the settings the checkpoint was saved with (its config.yaml) or start a new run."
+        )
+    described = ckpt / "trained.json"
+    if described.is_file() and optimizer_name is not None:
+        saved_name = _load(described, "the trained-state description").get("optimizer", {}).get("name")
+        if saved_name is not None and saved_name != optimizer_name:
+            raise UserError(
+                f"Checkpoint {ckpt} holds the state of optimizer={saved_name}, but this run uses optimizer="
+                f"{optimizer_name}. Resume with optimizer={saved_name}, or start a new run without train.resume."
+            )
+    saved_groups = [len(g.get("params", [])) for g in opt_state.get("param_groups", [])]
+    groups = [len(g["params"]) for g in optimizer.param_groups]
+    if saved_groups != groups:
+        raise UserError(
+            f"Checkpoint file {ckpt / 'optimizer.pt'} holds optimizer state for parameter groups of sizes "
+            f"{saved_groups}; this run's optimizer has {groups}. Resume with the settings it was saved with."
+        )
+
+
+def load_checkpoint(
+    ckpt: Path, models: ModelSet, optimizer: torch.optim.Optimizer, scheduler: Any, optimizer_name: str | None = None
+) -> TrainState:
+    """Restore weights, optimizer, scheduler and RNG from ``ckpt``; return the saved state.
+
+    Every file is read and checked against this run first (names, shapes, optimizer kind and
+    groups): a refused checkpoint changes nothing.
+    """
+    raw_state = _load(ckpt / "state.json", "the step state")
+    try:
+        state = TrainState(**raw_state)
+    except TypeError:
+        raise UserError(f"Checkpoint file {ckpt / 'state.json'} has unexpected fields {sorted(raw_state)}.") from None
+    weights = _load(ckpt / "trainable.safetensors", "the trained weights")
     opt_state = _load(ckpt / "optimizer.pt", "the optimizer state")
+    sched_state = _load(ckpt / "scheduler.pt", "the scheduler state")
+    rng = _load(ckpt / "rng.pt", "the RNG state")
+    params = dict(models.named_trainable_parameters())
+    _check_matches(ckpt, weights, params, opt_state, optimizer, optimizer_name)
     try:
         optimizer.load_state_dict(opt_state)
     except (ValueError, KeyError) as e:
         raise UserError(f"Checkpoint file {ckpt / 'optimizer.pt'} does not match this optimizer: {e}") from None
-    sched_state = _load(ckpt / "scheduler.pt", "the scheduler state")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(weights[name].to(p.dtype))
     if scheduler is not None and sched_state:
         scheduler.load_state_dict(sched_state)
-    set_rng_state(_load(ckpt / "rng.pt", "the RNG state"))
+    set_rng_state(rng)
     return state
