@@ -111,6 +111,10 @@ SIZES = ("tiny", "full")
 DTYPES = ("float32", "bfloat16", "float16")
 TRAIN_DTYPES = ("float32", "bfloat16")  # model.train_dtype (bfloat16 = kohya's --full_bf16)
 PRECISIONS = ("no", "bf16", "fp16")
+# diffusers.optimization.SchedulerType's values (train.lr_scheduler). Listed here because importing
+# diffusers to validate a config costs ~4 s; tests/runner/test_bad_inputs.py checks the list.
+LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+                 "piecewise_constant")
 
 
 NATIVE_RESOLUTION = {"tiny": 64, "full": 1024}  # px; full = SDXL's and Flux's training resolution

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,18 @@ def build_trainer(cfg: DictConfig, run: ResolvedRun | None = None) -> Trainer:
         takes_run = "run" in inspect.signature(cls).parameters
     except (TypeError, ValueError):  # a class without an inspectable signature
         takes_run = False
-    trainer = cls(cfg, run=run) if takes_run and run is not None else cls(cfg)
+    try:
+        trainer = cls(cfg, run=run) if takes_run and run is not None else cls(cfg)
+    except UserError:
+        raise
+    except Exception as e:  # a user's trainer: its message, not our traceback (RUNNER_DEBUG=1 re-raises)
+        if os.environ.get("RUNNER_DEBUG"):
+            raise
+        raise UserError(
+            f"trainer._target_={target!r}: constructing {cls.__name__} failed with {type(e).__name__}: "
+            f"{(str(e).strip().splitlines() or [''])[0]}. Fix the trainer or its options (trainer.*); set "
+            "RUNNER_DEBUG=1 to see the traceback."
+        ) from None
     missing = [m for m in ("build_models", "dataset", "loss", "example_batch") if not callable(getattr(trainer, m, None))]
     if missing:
         raise UserError(

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -24,8 +26,9 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 import torch
 
 from runner import registry
-from runner.config import DTYPES, MODES, PRECISIONS, SIZES, TRAIN_DTYPES
+from runner.config import DTYPES, LR_SCHEDULERS, MODES, PRECISIONS, SIZES, TRAIN_DTYPES
 from runner.errors import UserError, did_you_mean, valid_list
+from runner.nonfinite import POLICIES as NONFINITE_POLICIES
 from runner.optim import validate_optimizer
 from runner.plugin import KINDS
 from runner.resolved import ResolvedRun, planned_target, resolve
@@ -51,7 +54,8 @@ def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
             try:
                 return compose(config_name="config", overrides=list(overrides))
-            except (ConfigCompositionException, MissingConfigException, OverrideParseException, OmegaConfBaseException) as e:
+            except (ConfigCompositionException, MissingConfigException, OverrideParseException, OmegaConfBaseException,
+                    yaml.YAMLError) as e:
                 raise _friendly(e, overrides) from None
     finally:
         GlobalHydra.instance().clear()
@@ -98,17 +102,18 @@ def precheck(overrides: Sequence[str], multirun: bool) -> None:
     try:
         combos = expand_sweeps(overrides) if multirun else [list(overrides)]
     except OverrideParseException as e:
-        raise UserError(f"Could not parse the command-line overrides: {e}") from None
+        raise _unparsable(e, overrides) from None
     for combo in combos:
         validate(compose_config(combo))
 
 
-def _group_keys(overrides: Sequence[str], path: str) -> list[str]:
-    """Valid child keys at ``path`` given the group choices among ``overrides``.
+def _group_keys(overrides: Sequence[str], path: str, bad_key: str = "") -> list[str]:
+    """Valid child keys at ``path`` given the group choices among ``overrides`` (less the bad one).
 
     Called while compose_config's Hydra context is still initialised.
     """
-    choices = [o for o in overrides if "=" in o and "." not in o.split("=", 1)[0]]
+    choices = [o for o in overrides if "=" in o and "." not in o.split("=", 1)[0]
+               and o.split("=", 1)[0].lstrip("+~") != bad_key]
     try:
         cfg = compose(config_name="config", overrides=choices)
     except Exception:
@@ -124,7 +129,32 @@ def _choices(overrides: Sequence[str]) -> DictConfig:
     return OmegaConf.create(picked)
 
 
+def _yaml_error(err: yaml.YAMLError) -> UserError:
+    """``file:line:col: problem`` for a config file (a preset) that is not valid YAML."""
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    problem = ", ".join(str(x) for x in (getattr(err, "context", None), getattr(err, "problem", None)) if x) or str(err)
+    where = f"{mark.name}:{mark.line + 1}:{mark.column + 1}" if mark is not None else "a config file"
+    return UserError(f"{where}: {problem}. The file is not valid YAML; fix that line (a preset is a YAML mapping "
+                     "of keys to values, starting with '# @package _global_').")
+
+
+def _unparsable(err: OverrideParseException, overrides: Sequence[str]) -> UserError:
+    """Name the override the grammar refused (Hydra's message does not)."""
+    parser = OverridesParser.create()
+    for o in overrides:
+        try:
+            parser.parse_overrides([o])
+        except OverrideParseException:
+            return UserError(f"Could not parse the override {o!r}: {str(err).splitlines()[0]}. Quote values with "
+                             "brackets, commas or spaces: key='[a,b]' (https://hydra.cc/docs/advanced/override_grammar/basic).")
+    return UserError(f"Could not parse the command-line overrides: {str(err).splitlines()[0]}.")
+
+
 def _friendly(err: Exception, overrides: Sequence[str]) -> UserError:
+    if isinstance(err, yaml.YAMLError):
+        return _yaml_error(err)
+    if isinstance(err, OverrideParseException):
+        return _unparsable(err, overrides)
     cause: Any = err
     # Hydra chains some errors implicitly (raised while handling), so follow __context__ too.
     while not isinstance(cause, OmegaConfBaseException) and (cause.__cause__ or cause.__context__) is not None:
@@ -161,7 +191,7 @@ def _friendly(err: Exception, overrides: Sequence[str]) -> UserError:
                 f"Valid names: {valid_list(option, registry.plugin_names(kind))}."
             )
         parent, _, key = full_key.rpartition(".")
-        valid = _group_keys(overrides, parent)
+        valid = _group_keys(overrides, parent, full_key)
         hint = did_you_mean(key, valid)
         where = f"'{parent}'" if parent else "the root config"
         listing = f" Valid keys in {where}: {', '.join(sorted(valid))}." if valid else ""
@@ -174,9 +204,18 @@ def _friendly(err: Exception, overrides: Sequence[str]) -> UserError:
                 "conf/preset/ without that line."
             )
         return UserError(f"Unknown config key '{full_key}'.{hint}{listing}")
+    if isinstance(cause, yaml.YAMLError):
+        return _yaml_error(cause)
     if isinstance(cause, ValidationError):
         full_key = str(getattr(cause, "full_key", "") or "")
-        return UserError(f"Bad value for '{full_key}': {cause.msg}.")
+        if full_key == "preset" and "DictConfig" in cause.msg:
+            name = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("preset=")), "?")
+            return UserError(
+                f"Preset '{name}' (preset/{name}.yaml) sets no keys: the file is empty or lacks its first line "
+                "'# @package _global_', which makes its keys apply to the whole config. Add that line and the keys "
+                "the preset sets, as in conf/preset/sdxl_24gb.yaml.")
+        msg = cause.msg.splitlines()[0].rstrip(".")  # OmegaConf appends full_key/reference_type lines
+        return UserError(f"Bad value for '{full_key}': {msg}.")
     return UserError(f"Configuration error: {str(err).strip()}")
 
 
@@ -208,6 +247,13 @@ def validate(cfg: DictConfig) -> None:
         _positive(cfg, key, allow_zero=True)
     if cfg.budget_gb is not None:
         _positive(cfg, "budget_gb")
+    _one_of(cfg, "train.lr_scheduler", LR_SCHEDULERS)
+    _one_of(cfg, "train.on_nonfinite", NONFINITE_POLICIES)
+    _positive(cfg, "train.nonfinite_patience")
+    _positive(cfg, "train.keep_saved", allow_zero=True)
+    if not 0 <= cfg.train.seed < 2**32:
+        raise UserError(f"train.seed={cfg.train.seed} is not valid: it must be an integer from 0 to 2**32-1 "
+                        "(numpy's seed range; the runner seeds torch, numpy and Python's random from it).")
     if cfg.train.batch_size % cfg.train.grad_accum:
         raise UserError(
             f"train.batch_size={cfg.train.batch_size} is not divisible by train.grad_accum={cfg.train.grad_accum}; "
@@ -224,6 +270,10 @@ def validate(cfg: DictConfig) -> None:
             f"train.resume={cfg.train.resume!r} does not exist. Give a run directory or one of its "
             "checkpoints/step-* directories."
         )
+    if cfg.data.path is not None and cfg.mode == "train":  # scan and check the folder now, not after the model build
+        from runner.data import build_dataset
+
+        build_dataset(cfg.data)
     run = resolve_for_mode(cfg)
     validate_optimizer(cfg, run)
     validate_plugins(cfg, run)

@@ -16,6 +16,8 @@ images, bad ``data.*`` values) raise :class:`runner.errors.UserError` naming the
 """
 from __future__ import annotations
 
+import os
+
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,13 +55,25 @@ def build_dataset(data_cfg: Any) -> Dataset:
             )
         return DemoDataset(demo_size, resolution, random_flip=random_flip)
 
-    return FolderDataset(
-        path,
-        resolution,
-        center_crop=center_crop,
-        random_flip=random_flip,
-        missing_caption=missing_caption,
-    )
+    key = (str(path), resolution, center_crop, random_flip, missing_caption, _folder_stamp(path))
+    if key not in _FOLDERS:
+        _FOLDERS.clear()  # one folder at a time: a sweep over data sets does not keep them all
+        _FOLDERS[key] = FolderDataset(path, resolution, center_crop=center_crop, random_flip=random_flip,
+                                      missing_caption=missing_caption)
+    return _FOLDERS[key]
+
+
+# Validation builds the folder data set before any model or plan (a broken image fails in seconds,
+# not after the model build), and the trainer asks for it again: the scan and header checks run
+# once. The folder's mtime is part of the key, so an edited folder is scanned again.
+_FOLDERS: dict[tuple, FolderDataset] = {}
+
+
+def _folder_stamp(path: Any) -> float | None:
+    try:
+        return os.stat(os.path.expanduser(str(path))).st_mtime
+    except OSError:
+        return None
 
 
 def collate(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -93,3 +93,19 @@ def test_sigint_saves_a_checkpoint_and_exits_130(tmp_path):
     assert proc.returncode == 130, err[-2000:]
     assert "Traceback" not in err
     assert (out / "checkpoints" / "latest").is_file()
+
+
+def test_a_plugins_folder_in_the_working_directory_changes_nothing(tmp_path):
+    """The memory plugins ship inside the package (runner.plugins): a user's own plugins/ folder,
+    even one whose modules raise on import, is never imported."""
+    (tmp_path / "plugins").mkdir()
+    (tmp_path / "plugins" / "__init__.py").write_text("")
+    (tmp_path / "plugins" / "park.py").write_text("raise RuntimeError('the wrong plugins package was imported')\n")
+    (tmp_path / "conf").mkdir()
+    r = cli("mode=plugins", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "offload.park.cache_latents" in r.stdout
+    r = cli("train.steps=1", "train.progress=false", "train.preflight=false", "offload=park",
+            f"offload.park.cache_dir={tmp_path / 'cache'}", f"output_dir={tmp_path / 'out'}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "wrong plugins package" not in r.stdout + r.stderr

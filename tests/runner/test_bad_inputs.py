@@ -1,0 +1,163 @@
+"""A corpus of bad inputs: each ends with a non-zero exit, no traceback and a message naming it.
+
+Cases run in this process through the real entry point (tests/bad_input.py). Files the cases
+need (broken images, captions, presets, checkpoints, model folders) are made by the fixture.
+Faults of the running system (NaN, full or read-only disks, kills) are in test_faults.py,
+cache damage in test_cache.py, mismatched resumes in test_resume.py.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from bad_input import assert_clean_failure, run_main
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[2]
+FAST = ["train.progress=false", "train.preflight=false", "train.steps=1", "data.demo_size=2"]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("bad")
+    f: dict[str, Path] = {}
+
+    def folder(name: str) -> Path:
+        p = d / name
+        p.mkdir()
+        f[name] = p
+        return p
+
+    def image(path: Path, caption: bytes | None = b"a caption") -> None:
+        Image.new("RGB", (64, 64), (200, 30, 30)).save(path)
+        if caption is not None:
+            path.with_suffix(".txt").write_bytes(caption)
+
+    f["a_file"] = d / "a_file.txt"
+    f["a_file"].write_text("not a folder")
+    folder("empty")
+    (folder("only_txt") / "a.txt").write_text("caption without image")
+    (folder("not_image") / "fake.png").write_bytes(b"this is text, not a PNG")
+    (f["not_image"] / "fake.txt").write_text("caption")
+    (folder("zero_byte") / "empty.png").write_bytes(b"")
+    (f["zero_byte"] / "empty.txt").write_text("caption")
+    image(folder("latin1") / "cat.png", caption="caf\xe9".encode("latin-1"))
+    image(folder("no_caption") / "uncaptioned.png", caption=None)
+    folder("model_dir_without_index")
+    f["corrupt_weights"] = d / "model.safetensors"
+    f["corrupt_weights"].write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{broken json")
+    folder("no_checkpoint")
+    ckpt = folder("bad_state") / "checkpoints" / "step-00000001"
+    ckpt.mkdir(parents=True)
+    (ckpt / "state.json").write_text("{not json")
+    f["bad_state_ckpt"] = ckpt
+    presets = folder("presets") / "preset"
+    presets.mkdir()
+    (presets / "bad_syntax.yaml").write_text("# @package _global_\nbudget_gb: 12\ntrain:\n  steps: [1, 2\n")
+    (presets / "empty.yaml").write_text("")
+    (presets / "bad_value.yaml").write_text("# @package _global_\ntrain:\n  steps: many\n")
+    (presets / "unknown_key.yaml").write_text("# @package _global_\ntrain:\n  stepz: 3\n")
+    return f
+
+
+# (id, arguments with {name} for a fixture path, words the message must contain)
+CASES = [
+    ("typo nested", ["train.stepz=3"], ["Did you mean 'steps'"]),
+    ("typo top level", ["budgt_gb=12"], ["Did you mean 'budget_gb'"]),
+    ("typo model key", ["model.lora_rnak=3"], ["Did you mean 'lora_rank'"]),
+    ("typo plugin key", ["offload=park", "offload.park.cache_latentz=true"], ["cache_latents"]),
+    ("plugin key not selected", ["offload.park.cache_dir=/tmp/x"], ["offload=park", "not selected"]),
+    ("steps not a number", ["train.steps=abc"], ["train.steps"]),
+    ("steps zero", ["train.steps=0"], ["train.steps=0"]),
+    ("steps negative", ["train.steps=-1"], ["train.steps=-1"]),
+    ("batch zero", ["train.batch_size=0"], ["train.batch_size=0"]),
+    ("grad_accum does not divide", ["train.grad_accum=3"], ["train.grad_accum=3"]),
+    ("warmup negative", ["train.lr_warmup_steps=-1"], ["train.lr_warmup_steps"]),
+    ("save_every negative", ["train.save_every=-1"], ["train.save_every"]),
+    ("keep_saved negative", ["train.keep_saved=-1"], ["train.keep_saved"]),
+    ("seed negative", ["train.seed=-1"], ["train.seed=-1", "2**32"]),
+    ("seed too large", ["train.seed=4294967296"], ["train.seed=4294967296"]),
+    ("seed not a number", ["train.seed=x"], ["train.seed"]),
+    ("unknown scheduler", ["train.lr_scheduler=cosin"], ["train.lr_scheduler='cosin'", "cosine"]),
+    ("unknown nonfinite policy", ["train.on_nonfinite=maybe"], ["train.on_nonfinite", "skip, stop"]),
+    ("nonfinite patience zero", ["train.nonfinite_patience=0"], ["train.nonfinite_patience"]),
+    ("unknown precision", ["train.mixed_precision=fp8"], ["train.mixed_precision"]),
+    ("unknown device", ["train.device=tpu"], ["train.device"]),
+    ("max_grad_norm negative", ["train.max_grad_norm=-1"], ["train.max_grad_norm"]),
+    ("bool not a bool", ["train.progress=maybe"], ["train.progress"]),
+    ("unknown model size", ["model.size=huge"], ["model.size"]),
+    ("unknown model dtype", ["model.dtype=int8"], ["model.dtype"]),
+    ("unknown train mode", ["model.train=half"], ["model.train"]),
+    ("unknown train dtype", ["model.train_dtype=float16"], ["model.train_dtype"]),
+    ("lora rank zero", ["model.train=lora", "model.lora_rank=0"], ["model.lora_rank"]),
+    ("bf16 weights in fp16 autocast", ["model.train_dtype=bfloat16", "train.mixed_precision=fp16"], ["conflicts"]),
+    ("lr zero", ["optimizer.lr=0"], ["optimizer.lr"]),
+    ("lr negative", ["optimizer.lr=-1"], ["optimizer.lr"]),
+    ("unknown optimizer", ["optimizer=adamw9bit"], ["adamw9bit", "Valid names"]),
+    ("unknown offload plugin", ["offload=strem"], ["strem", "Valid names"]),
+    ("unknown quantization", ["quantization=nf5"], ["nf5"]),
+    ("unknown checkpoint plugin", ["checkpoint=blockz"], ["blockz"]),
+    ("unknown tiling", ["tiling=vea"], ["vea"]),
+    ("unknown allocator", ["allocator=defualt"], ["defualt"]),
+    ("unknown trainer", ["trainer=sdxxl"], ["sdxxl"]),
+    ("unknown preset", ["+preset=sdxl_24g"], ["sdxl_24g", "sdxl_24gb"]),
+    ("list and add of one kind", ["offload=[park,stream]", "+offload=activations"], ["List them all in one"]),
+    ("budget zero", ["budget_gb=0"], ["budget_gb"]),
+    ("budget negative", ["budget_gb=-3"], ["budget_gb"]),
+    ("unknown mode", ["mode=trian"], ["mode"]),
+    ("resolution zero", ["data.resolution=0"], ["data.resolution"]),
+    ("resolution not a number", ["data.resolution=abc"], ["data.resolution"]),
+    ("unknown missing_caption policy", ["data.missing_caption=maybe"], ["data.missing_caption"]),
+    ("demo size zero", ["data.demo_size=0"], ["data.demo_size"]),
+    ("data path missing", ["data.path=/no/such/folder"], ["/no/such/folder"]),
+    ("data path is a file", ["data.path={a_file}"], ["is a file"]),
+    ("data folder empty", ["data.path={empty}"], ["contains no images"]),
+    ("data folder of captions only", ["data.path={only_txt}"], ["contains no images"]),
+    ("png that is not an image", ["data.path={not_image}"], ["fake.png"]),
+    ("zero-byte image", ["data.path={zero_byte}"], ["empty.png"]),
+    ("caption not UTF-8", ["data.path={latin1}"], ["cat.txt", "UTF-8"]),
+    ("image without caption", ["data.path={no_caption}"], ["uncaptioned.png", "missing_caption=empty"]),
+    ("model path missing", ["model.path=/no/such/model"], ["model.path"]),
+    ("model folder without model_index.json", ["model.path={model_dir_without_index}"], ["model.path"]),
+    ("corrupt model weights", ["model.path={corrupt_weights}"], ["model.safetensors"]),
+    ("resume path missing", ["train.resume=/no/such/run"], ["train.resume"]),
+    ("resume folder without checkpoint", ["train.resume={no_checkpoint}"], ["holds no checkpoint"]),
+    ("resume checkpoint corrupt", ["train.resume={bad_state_ckpt}"], ["state.json", "corrupt"]),
+    ("trainer class not importable", ["trainer=custom", "trainer._target_=no_such_module.Trainer"], ["no_such_module"]),
+    ("trainer constructor raises", ["trainer=custom", "trainer._target_=broken_trainers.RaisingInit"],
+     ["RaisingInit", "resolution_typo"]),
+    ("trainer missing methods", ["trainer=custom", "trainer._target_=broken_trainers.MissingMethods"],
+     ["MissingMethods", "dataset"]),
+    ("preset with a YAML syntax error", ["hydra.searchpath=[file://{presets}]", "+preset=bad_syntax"],
+     ["bad_syntax.yaml:5:1"]),
+    ("empty preset", ["hydra.searchpath=[file://{presets}]", "+preset=empty"], ["Preset 'empty'", "sets no keys"]),
+    ("preset with a bad value", ["hydra.searchpath=[file://{presets}]", "+preset=bad_value"], ["train.steps"]),
+    ("preset with an unknown key", ["hydra.searchpath=[file://{presets}]", "+preset=unknown_key"], ["stepz"]),
+    ("unparsable override", ["train.steps=[1,"], ["train.steps"]),
+    ("sweep with a bad value", ["-m", "train.steps=1,abc"], ["train.steps"]),
+]
+
+
+@pytest.mark.parametrize("args, needles", [pytest.param(a, n, id=i) for i, a, n in CASES])
+def test_bad_input_fails_cleanly(files, tmp_path, args, needles):
+    args = [a.format(**files) for a in args]
+    sys.path.insert(0, str(ROOT / "tests" / "assets"))
+    try:
+        result = run_main([*FAST, *args, f"output_dir={tmp_path / 'out'}", f"hydra.run.dir={tmp_path / 'h'}",
+                           f"hydra.sweep.dir={tmp_path / 's'}"])
+    finally:
+        sys.path.remove(str(ROOT / "tests" / "assets"))
+    assert_clean_failure(result, *needles)
+
+
+def test_the_corpus_is_large():
+    assert len(CASES) >= 60 and len({c[0] for c in CASES}) == len(CASES)
+
+
+def test_the_scheduler_list_matches_diffusers():
+    from diffusers.optimization import SchedulerType
+
+    from runner.config import LR_SCHEDULERS
+
+    assert sorted(LR_SCHEDULERS) == sorted(s.value for s in SchedulerType)
