@@ -126,7 +126,8 @@ class Sampler:
                 "prompts, *, steps, guidance, seed, resolution, negative_prompt) method, and only the built-in SDXL and "
                 "Flux trainers sample without one. Add the method (runner/sampling/__init__.py) or set sample.every=0."
             )
-        default_guidance = self.family.default_guidance if self.family else 1.0
+        # Unset: the family's usual scale; a user's sample() gets None and chooses its own.
+        default_guidance = self.family.default_guidance if self.family else None
         self.guidance = float(config.guidance) if config.guidance is not None else default_guidance
         self.cond: list[dict[str, torch.Tensor]] = []
         self.negative: dict[str, torch.Tensor] | None = None
@@ -173,8 +174,8 @@ class Sampler:
         if not due or step in self.done:
             return
         if not self.done and "vae" in self.kept and "vae" not in self.ctx.models:
-            log.info("sample: %s dropped the VAE from training; it stays on the host for the sample decodes",
-                     "a plugin (offload=park)")
+            log.info("sample: a plugin (offload=park) dropped the VAE from training; the sampler keeps it on the "
+                     "host for its decodes")
         self.done.add(step)
         try:
             self.sample(step)
