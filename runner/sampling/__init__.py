@@ -50,7 +50,7 @@ import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
@@ -62,7 +62,8 @@ from runner.sampling.families import FluxSampling, SDXLSampling, family_sampling
 if TYPE_CHECKING:
     from runner.context import RunContext
 
-__all__ = ["NoSampler", "SampleConfig", "Sampler", "build_sampler", "check_sample_config", "read_prompts"]
+__all__ = ["NoSampler", "SampleConfig", "Sampler", "build_sampler", "check_sample_config", "read_prompts",
+           "vae_on_device"]
 
 log = logging.getLogger("runner")
 
@@ -102,6 +103,27 @@ def on_device_per_call(modules: Iterable[nn.Module], device: torch.device, host:
     finally:
         for h in handles:
             h.remove()
+
+
+@contextmanager
+def vae_on_device(vae: nn.Module, ctx: RunContext, track: Callable[[nn.Module], Any] | None = None) -> Iterator[None]:
+    """The VAE on the run's device for one decode.
+
+    A no-op when it is there already, or parked (the park plugin moves a parked VAE in per call
+    itself); otherwise (on the host: kept by the sampler after ``offload=park`` dropped it) it is
+    moved in and back out after the decode. ``track``: the planner's hook to label the copy.
+    """
+    on_device = next(vae.parameters()).device.type == ctx.device.type
+    if on_device or any(ctx.models.modules.get(n) is vae for n in ctx.facts.parked):
+        yield
+        return
+    vae.to(ctx.device)
+    if track is not None:
+        track(vae)
+    try:
+        yield
+    finally:
+        vae.to(ctx.host)
 
 
 class Sampler:
@@ -226,7 +248,7 @@ class Sampler:
             images.append(self.family.generate(
                 self.ctx.trainer, modules, cond, self.negative, steps=self.steps, guidance=self.guidance,
                 resolution=self.resolution, generator=generator, device=self.ctx.device,
-                vae_on_device=lambda: self.vae_on_device(modules["vae"])))
+                vae_on_device=lambda: vae_on_device(modules["vae"], self.ctx)))
         return images
 
     def modules(self) -> dict[str, nn.Module]:
@@ -235,21 +257,6 @@ class Sampler:
         for name, module in self.kept.items():
             out.setdefault(name, module)
         return out
-
-    @contextmanager
-    def vae_on_device(self, vae: nn.Module) -> Iterator[None]:
-        """The VAE on the device for one decode: a no-op when it is there already or parked (the
-        park plugin moves a parked VAE in per call itself); otherwise moved in and back."""
-        ctx = self.ctx
-        on_device = next(vae.parameters()).device.type == ctx.device.type
-        if on_device or any(ctx.models.modules.get(n) is vae for n in ctx.facts.parked):
-            yield
-            return
-        vae.to(ctx.device)
-        try:
-            yield
-        finally:
-            vae.to(ctx.host)
 
     def _write_settings(self) -> None:
         path = self.root / "prompts.json"

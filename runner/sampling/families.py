@@ -86,6 +86,12 @@ class SDXLSampling:
     default_guidance = 5.0
     negative_prompt = True
 
+    @staticmethod
+    def denoiser_batch(guidance: float) -> int:
+        """Samples per U-Net call: the pipeline runs the unconditional and conditional halves
+        together when guidance > 1 (classifier-free guidance)."""
+        return 2 if guidance > 1 else 1
+
     def encode(self, trainer: Any, models: ModelSet, prompt: str, device: torch.device) -> dict[str, torch.Tensor]:
         return _text(trainer, models, prompt, device)
 
@@ -122,6 +128,10 @@ class FluxSampling:
     factor = 16  # VAE factor 8 times the 2x2 latent packing
     default_guidance = 3.5
     negative_prompt = False  # guidance-distilled: no classifier-free guidance
+
+    @staticmethod
+    def denoiser_batch(guidance: float) -> int:
+        return 1  # the guidance scale is an input of the model, not a second pass
 
     def encode(self, trainer: Any, models: ModelSet, prompt: str, device: torch.device) -> dict[str, torch.Tensor]:
         return _text(trainer, models, prompt, device)

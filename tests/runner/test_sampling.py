@@ -9,19 +9,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from accelerate.utils import set_seed
 from PIL import Image
 from safetensors.torch import load_file
 
 from runner.__main__ import run
 from runner.errors import UserError
-from runner.loop import make_accelerator, read_metrics
+from runner.loop import read_metrics
 from runner.resolved import resolve
-from runner.run import build_plugins, build_trainer, make_context
 from runner.sampling import NoSampler, Sampler, build_sampler, image_name, read_prompts
-from runner.trainer_setup import prepare_models
 from runner.trainers.sdxl import SDXLTrainer
 from runner.validate import compose_config, validate
+from runner_setup import prepared_context
 
 PROMPTS = "sample.prompts=[a photo of a cat,a red car]"
 FILES = ["00-a-photo-of-a-cat.png", "01-a-red-car.png"]
@@ -91,20 +89,8 @@ def test_park_drops_encoders_and_vae_and_the_samples_are_unchanged(tmp_path, fam
 
 
 # ---- the sampler on its own -------------------------------------------------------------------
-def context(out: Path, *overrides: str, trainer=None):
-    cfg = compose_config([f"output_dir={out}", "train.progress=false", *overrides])
-    validate(cfg)
-    resolved = resolve(cfg)
-    ctx = make_context(cfg, resolved, build_plugins(cfg, resolved), out)
-    ctx.trainer = trainer or build_trainer(cfg, resolved)
-    set_seed(resolved.seed)
-    ctx.models = prepare_models(ctx.trainer.build_models("cpu"), cfg.model, resolved)
-    ctx.accelerator = make_accelerator(resolved)
-    return ctx
-
-
 def test_sampling_restores_train_flags_grad_mode_and_rng(tmp_path):
-    ctx = context(tmp_path, "sample.every=1", PROMPTS, "sample.steps=2")
+    ctx = prepared_context(tmp_path, "sample.every=1", PROMPTS, "sample.steps=2")
     sampler = build_sampler(ctx)
     ctx.apply_setup_phases()
     try:
@@ -137,7 +123,7 @@ def test_a_trainers_own_sample_method_is_used(tmp_path):
     cfg = compose_config(["sample.every=1", PROMPTS, "sample.steps=3", "sample.resolution=16", "sample.seed=7",
                           "sample.negative_prompt=blurry"])
     trainer = TrainerWithOwnSample(cfg, resolve(cfg))
-    ctx = context(tmp_path, "sample.every=1", PROMPTS, "sample.steps=3", "sample.resolution=16", "sample.seed=7",
+    ctx = prepared_context(tmp_path, "sample.every=1", PROMPTS, "sample.steps=3", "sample.resolution=16", "sample.seed=7",
                   "sample.negative_prompt=blurry", trainer=trainer)
     try:
         build_sampler(ctx).sample(0)
@@ -150,7 +136,7 @@ def test_a_trainers_own_sample_method_is_used(tmp_path):
 
 # ---- settings ---------------------------------------------------------------------------------
 def test_sampling_is_off_by_default(tmp_path):
-    ctx = context(tmp_path)
+    ctx = prepared_context(tmp_path)
     assert isinstance(build_sampler(ctx), NoSampler)
 
 
@@ -179,7 +165,7 @@ def test_bad_settings_are_user_errors_naming_the_key(overrides, words):
     (["trainer=flux", "sample.negative_prompt=blurry"], "sample.negative_prompt is set"),
 ])
 def test_family_specific_settings_are_user_errors(tmp_path, overrides, words):
-    ctx = context(tmp_path, "sample.every=1", PROMPTS, *overrides)
+    ctx = prepared_context(tmp_path, "sample.every=1", PROMPTS, *overrides)
     with pytest.raises(UserError, match=words.replace(".", r"\.")):
         build_sampler(ctx)
 
