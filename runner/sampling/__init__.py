@@ -47,7 +47,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -84,7 +84,7 @@ def image_name(index: int, prompt: str) -> str:
 
 
 @contextmanager
-def on_device_per_call(modules: Iterable[nn.Module], device: torch.device, host: torch.device) -> Iterator[None]:
+def on_device_per_call(modules: list[nn.Module], device: torch.device, host: torch.device) -> Iterator[None]:
     """Each module moves to ``device`` for each of its calls and back to ``host`` after it.
 
     Only one module is then on the device at a time. Plain forward hooks suffice here (text
@@ -103,6 +103,8 @@ def on_device_per_call(modules: Iterable[nn.Module], device: torch.device, host:
     finally:
         for h in handles:
             h.remove()
+        for m in modules:  # a call that raised skipped its forward hook
+            m.to(host)
 
 
 @contextmanager
