@@ -21,6 +21,7 @@ from runner.report import summary, write_run_info
 from runner.resolved import resolve
 from runner.resume import resume_base
 from runner.run import build_plugins, build_trainer, make_context, output_dir
+from runner.sampling import build_sampler
 from runner.trainer_setup import prepare_models
 from runner.validate import validate
 
@@ -52,6 +53,7 @@ def run(cfg: DictConfig) -> float | None:
     ctx.models = prepare_models(ctx.trainer.build_models("cpu"), cfg.model, run)  # dtypes, LoRA
     ctx.accelerator = make_accelerator(run)
     try:
+        ctx.sampler = build_sampler(ctx)                        # sample prompts encoded before park can drop encoders
         ctx.apply_setup_phases()                                # apply plugins
         result = train(ctx)                                     # loop
     finally:

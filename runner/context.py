@@ -28,6 +28,7 @@ from runner.errors import UserError
 from runner.hooks import ModuleHooks
 from runner.plugin import PluginSchedule
 from runner.resolved import ResolvedRun
+from runner.sampling import NoSampler
 from runner.trainer import ModelSet
 
 log = logging.getLogger("runner")
@@ -86,6 +87,7 @@ class RunContext:
     step_contexts: list[Callable[[], Any]] = field(default_factory=list)
     # Lines for the run report and plan.json ("optimizer state bytes": 1234): shown, never read back.
     notes: dict[str, Any] = field(default_factory=dict)
+    sampler: Any = field(default_factory=NoSampler)  # sample.every: runner.sampling.build_sampler; no-op by default
     _torn_down: bool = False
 
     # The resolved run's devices, under the names plugins have always used.

@@ -203,6 +203,7 @@ def train(ctx: RunContext) -> TrainResult:
                                config_text=saved_config_text(cfg, ctx.overrides), optimizer_name=cfg.optimizer.get("name"))
 
     with StopRequest() as stop, bar, closing(metrics), closing(profiler):
+        ctx.sampler.maybe_sample(state.step)  # samples at the start (step 0, or the resumed step)
         while state.step < cfg.train.steps:
             t0 = time.perf_counter()
             profiler.begin_step(state.step + 1)
@@ -242,6 +243,7 @@ def train(ctx: RunContext) -> TrainResult:
             if due or state.step == cfg.train.steps or stop.signum is not None:
                 with stop.deferred():  # a second Ctrl-C waits for the save; a third forces the exit
                     result.checkpoint = stop.last_saved = save()
+            ctx.sampler.maybe_sample(state.step)  # every sample.every steps and at the end (runner/sampling/)
             if stop.signum is not None:
                 result.interrupted_by = stop.signum
                 break

@@ -32,6 +32,7 @@ from runner.nonfinite import POLICIES as NONFINITE_POLICIES
 from runner.optim import validate_optimizer
 from runner.plugin import KINDS
 from runner.resolved import ResolvedRun, planned_target, resolve
+from runner.sampling.config import check_sample_config
 
 MAX_SWEEP_CHECKS = 64
 
@@ -270,6 +271,7 @@ def validate(cfg: DictConfig) -> None:
             f"train.resume={cfg.train.resume!r} does not exist. Give a run directory or one of its "
             "checkpoints/step-* directories."
         )
+    check_sample_config(cfg)
     if cfg.data.path is not None and cfg.mode == "train":  # scan and check the folder now, not after the model build
         from runner.data import build_dataset
 

@@ -41,6 +41,7 @@ class Plan:
     notes: dict[str, Any] = field(default_factory=dict)
     suggestions: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
+    sampling: dict[str, Any] | None = None  # sample.every: the sampling pass's peak beside the step's (runner/sampling/plan.py)
 
     @property
     def required_bytes(self) -> int:
@@ -106,6 +107,11 @@ def format_plan(plan: Plan) -> str:
     lines.append(f"  {'all':<22}" + "".join(f"{plan.by_category.get(c, 0) / unit[0]:>12.3f}" for c in cats)
                  + f"{plan.peak_bytes / unit[0]:>12.3f}")
     lines += ["", "  steady-state peak by phase: " + ", ".join(f"{k} {format_size(v, unit)}" for k, v in plan.phases.items())]
+    if plan.sampling:
+        sp = plan.sampling
+        lines.append(f"  sampling pass (sample.every, {sp['resolution']} px, denoiser batch {sp['denoiser_batch']}"
+                     f"{', tiled VAE decode' if sp['vae_tiled'] else ''}): peak {format_size(sp['peak_bytes'], unit)}; "
+                     f"training step: {format_size(sp['training_step_peak_bytes'], unit)}")
     state = ", ".join(f"{'device' if d == DEVICE.type else 'host' if d == HOST.type else d} {format_size(n)}"
                       for d, n in plan.optimizer_state_bytes.items() if n)
     if state:

@@ -47,6 +47,7 @@ from runner.plan.suggest import suggest
 from runner.plan.target import CUDA_WORKSPACE_MARGIN_BYTES, DEVICE, HOST
 from runner.resolved import ResolvedRun, planned_target, resolve
 from runner.run import build_plugins, build_trainer
+from runner.sampling.plan import plan_sampling
 from runner.trainer_setup import prepare_models
 
 log = logging.getLogger("runner")
@@ -132,6 +133,7 @@ def plan_step(
             _isolated(trainer if trainer is not None else build_trainer(cfg, run)),
             schedule if schedule is not None else build_plugins(cfg, run),
         )
+        sampling = plan_sampling(sim)  # sample.every: keeps the VAE as the sampler does; a no-op when off
         with sim.mode:
             try:
                 with sim.tracker, sim.semantics:
@@ -139,10 +141,13 @@ def plan_step(
                     for i in range(sim.n_micro):
                         sim.timed("forward+backward", sim.forward_backward, i)
                     sim.timed("optimizer", sim.optimizer_step)
+                    sampling.simulate()  # one sampling pass, between steps (runner/sampling/plan.py)
             finally:
                 sim.tracker.detach_module_hooks()
                 sim.ctx.teardown()
-    return _assemble(sim, time.perf_counter() - started)
+    plan = _assemble(sim, time.perf_counter() - started)
+    sampling.report(plan)
+    return plan
 
 
 @contextlib.contextmanager

@@ -1,0 +1,171 @@
+"""Sampling for the built-in families: diffusers' own pipelines around the modules being trained.
+
+Each family (SDXL, Flux) does two things:
+
+* ``encode(trainer, models, prompt)``: the prompt's conditioning, computed by the trainer's own
+  ``encode_part(models, "text", ...)``, i.e. exactly what training feeds the denoiser;
+* ``generate(trainer, modules, cond, ...)``: the family's diffusers pipeline
+  (``StableDiffusionXLPipeline``, ``FluxPipeline``) built from the denoiser in memory (LoRA
+  adapters active) and the VAE, fed the precomputed embeddings, with no text encoder at all.
+
+The pipeline runs with ``output_type="latent"`` and the VAE decode is ours (:func:`decode`):
+the pipelines move the latents to the device the VAE's *weights* are on, which for a VAE kept
+on the host (parked, or kept for sampling after ``offload=park`` dropped it) would decode on the
+CPU; we decode on the run's device, with the VAE brought there only for the decode
+(``vae_on_device``), and tiled when ``tiling=vae`` tiled it (the same module object).
+"""
+from __future__ import annotations
+
+import functools
+from contextlib import AbstractContextManager
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from runner.trainer import ModelSet
+
+VaeOnDevice = Callable[[], AbstractContextManager[None]]
+
+# FLUX.1-dev's scheduler (scheduler/scheduler_config.json of the published folder), used when
+# model.path has no scheduler/ subfolder: the resolution-dependent shift is part of the model.
+FLUX_SCHEDULER = dict(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                      base_image_seq_len=256, max_image_seq_len=4096)
+
+
+@functools.lru_cache(maxsize=1)
+def _quiet_pipelines() -> tuple[type, type]:
+    """The two pipeline classes, imported with transformers' logging at error level (they import
+    image processors that warn about a missing torchvision; sampling uses none)."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        from diffusers import FluxPipeline, StableDiffusionXLPipeline
+    finally:
+        hf_logging.set_verbosity(level)
+    return StableDiffusionXLPipeline, FluxPipeline
+
+
+def _folder_scheduler(trainer: Any, cls: type) -> Any | None:
+    """The scheduler of a diffusers ``model.path`` folder, when it has one (the model's own settings)."""
+    if trainer._folder_has("scheduler"):
+        return cls.from_pretrained(trainer.source[1], subfolder="scheduler", local_files_only=True)
+    return None
+
+
+def _text(trainer: Any, models: ModelSet, prompt: str, device: torch.device) -> dict[str, torch.Tensor]:
+    """One prompt's text conditioning from the trainer's own ``encode_part``, moved to the host."""
+    batch = {"caption": [prompt], "sample_seed": torch.zeros(1, dtype=torch.int64, device=device)}
+    out = trainer.encode_part(models, "text", batch)
+    return {k: v.detach().to("cpu") for k, v in out.items()}
+
+
+def decode(vae: Any, latents: torch.Tensor, vae_on_device: VaeOnDevice, shift: float = 0.0) -> torch.Tensor:
+    """Unscaled latents -> images in [-1, 1] on the latents' device, as the pipelines decode
+    (``latents_mean``/``latents_std`` when the VAE config has them, else ``/ scaling_factor``)."""
+    c = vae.config
+    if getattr(c, "latents_mean", None) is not None and getattr(c, "latents_std", None) is not None:
+        n = latents.shape[1]
+        mean = torch.tensor(c.latents_mean).view(1, n, 1, 1).to(latents.device, latents.dtype)
+        std = torch.tensor(c.latents_std).view(1, n, 1, 1).to(latents.device, latents.dtype)
+        latents = latents * std / c.scaling_factor + mean
+    else:
+        latents = latents / c.scaling_factor + shift
+    with vae_on_device():
+        dtype = next(vae.parameters()).dtype
+        return vae.decode(latents.to(dtype), return_dict=False)[0]
+
+
+class SDXLSampling:
+    """``StableDiffusionXLPipeline`` with an Euler scheduler on the trainer's noise schedule."""
+
+    factor = 8  # sample.resolution must be a multiple of the VAE factor
+    default_guidance = 5.0
+    negative_prompt = True
+
+    @staticmethod
+    def denoiser_batch(guidance: float) -> int:
+        """Samples per U-Net call: the pipeline runs the unconditional and conditional halves
+        together when guidance > 1 (classifier-free guidance)."""
+        return 2 if guidance > 1 else 1
+
+    def encode(self, trainer: Any, models: ModelSet, prompt: str, device: torch.device) -> dict[str, torch.Tensor]:
+        return _text(trainer, models, prompt, device)
+
+    def scheduler(self, trainer: Any) -> Any:
+        from diffusers import EulerDiscreteScheduler
+
+        # The training schedule (betas, prediction type) with SDXL's inference spacing.
+        return _folder_scheduler(trainer, EulerDiscreteScheduler) or EulerDiscreteScheduler.from_config(
+            trainer.scheduler(torch.device("cpu")).config, timestep_spacing="leading", steps_offset=1)
+
+    def generate(self, trainer: Any, modules: Mapping[str, nn.Module], cond: dict[str, torch.Tensor], negative: dict | None, *,
+                 steps: int, guidance: float, resolution: int, generator: torch.Generator,
+                 device: torch.device, vae_on_device: VaeOnDevice) -> Any:
+        sdxl, _ = _quiet_pipelines()
+        vae = modules["vae"]
+        pipe = sdxl(vae=vae, text_encoder=None, text_encoder_2=None, tokenizer=None, tokenizer_2=None,
+                    unet=modules["unet"], scheduler=self.scheduler(trainer), add_watermarker=False)
+        pipe.set_progress_bar_config(disable=True)
+        kw: dict[str, Any] = {}
+        if negative is not None:
+            kw = {"negative_prompt_embeds": negative["prompt_embeds"].to(device),
+                  "negative_pooled_prompt_embeds": negative["pooled_prompt_embeds"].to(device)}
+        latents = pipe(prompt_embeds=cond["prompt_embeds"].to(device),
+                       pooled_prompt_embeds=cond["pooled_prompt_embeds"].to(device),
+                       num_inference_steps=steps, guidance_scale=guidance, height=resolution, width=resolution,
+                       generator=generator, output_type="latent", return_dict=False, **kw)[0]
+        image = decode(vae, latents, vae_on_device)
+        return pipe.image_processor.postprocess(image.float(), output_type="pil")[0]
+
+
+class FluxSampling:
+    """``FluxPipeline`` with FLUX.1-dev's flow-matching scheduler (or the folder's own)."""
+
+    factor = 16  # VAE factor 8 times the 2x2 latent packing
+    default_guidance = 3.5
+    negative_prompt = False  # guidance-distilled: no classifier-free guidance
+
+    @staticmethod
+    def denoiser_batch(guidance: float) -> int:
+        return 1  # the guidance scale is an input of the model, not a second pass
+
+    def encode(self, trainer: Any, models: ModelSet, prompt: str, device: torch.device) -> dict[str, torch.Tensor]:
+        return _text(trainer, models, prompt, device)
+
+    def scheduler(self, trainer: Any) -> Any:
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        return _folder_scheduler(trainer, FlowMatchEulerDiscreteScheduler) or FlowMatchEulerDiscreteScheduler(
+            **FLUX_SCHEDULER)
+
+    def generate(self, trainer: Any, modules: Mapping[str, nn.Module], cond: dict[str, torch.Tensor], negative: dict | None, *,
+                 steps: int, guidance: float, resolution: int, generator: torch.Generator,
+                 device: torch.device, vae_on_device: VaeOnDevice) -> Any:
+        _, flux = _quiet_pipelines()
+        vae = modules["vae"]
+        pipe = flux(scheduler=self.scheduler(trainer), vae=vae, text_encoder=None, tokenizer=None,
+                    text_encoder_2=None, tokenizer_2=None, transformer=modules["transformer"])
+        pipe.set_progress_bar_config(disable=True)
+        packed = pipe(prompt_embeds=cond["prompt_embeds"].to(device),
+                      pooled_prompt_embeds=cond["pooled_prompt_embeds"].to(device),
+                      num_inference_steps=steps, guidance_scale=guidance, height=resolution, width=resolution,
+                      generator=generator, output_type="latent", return_dict=False)[0]
+        latents = pipe._unpack_latents(packed, resolution, resolution, pipe.vae_scale_factor)
+        image = decode(vae, latents, vae_on_device, shift=float(vae.config.shift_factor or 0.0))
+        return pipe.image_processor.postprocess(image.float(), output_type="pil")[0]
+
+
+def family_sampling(trainer: Any) -> SDXLSampling | FluxSampling | None:
+    """The built-in sampling for ``trainer`` (an SDXL or Flux trainer or a subclass), else None."""
+    from runner.trainers.flux import FluxTrainer
+    from runner.trainers.sdxl import SDXLTrainer
+
+    if isinstance(trainer, SDXLTrainer):
+        return SDXLSampling()
+    if isinstance(trainer, FluxTrainer):
+        return FluxSampling()
+    return None

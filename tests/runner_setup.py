@@ -1,0 +1,31 @@
+"""The runner's setup of a managed run, step by step as runner/__main__.py does it, up to the plugins.
+
+Not a test module (no ``test_`` prefix); pytest puts tests/ on ``sys.path``, so test files import it
+by name. For tests that need a RunContext with real tiny models before ``apply_setup_phases``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from accelerate.utils import set_seed
+
+from runner.context import RunContext
+from runner.loop import make_accelerator
+from runner.resolved import resolve
+from runner.run import build_plugins, build_trainer, make_context
+from runner.trainer_setup import prepare_models
+from runner.validate import compose_config, validate
+
+
+def prepared_context(out: Path, *overrides: str, trainer: Any = None) -> RunContext:
+    """Composed, validated, resolved; trainer, models (dtypes, LoRA) and accelerator built; no plugin phase run."""
+    cfg = compose_config([f"output_dir={out}", "train.progress=false", *overrides])
+    validate(cfg)
+    resolved = resolve(cfg)
+    ctx = make_context(cfg, resolved, build_plugins(cfg, resolved), out)
+    ctx.trainer = trainer or build_trainer(cfg, resolved)
+    set_seed(resolved.seed)
+    ctx.models = prepare_models(ctx.trainer.build_models("cpu"), cfg.model, resolved)
+    ctx.accelerator = make_accelerator(resolved)
+    return ctx
