@@ -324,8 +324,8 @@ def require_fillable(cache: EncoderCache, plan: CachePlan, key: str = "offload.p
     raise UserError(
         f"{key}={str(cache.root)!r} cannot be written ({e.strerror or e}), but {plan.missing_count()} of the "
         f"{plan.entry_count()} encoder cache entries this run needs must be encoded there: {what}. Make the folder "
-        f"writable, or set {key} to a writable folder (the entries are encoded there), or fill this cache "
-        f"from a run that can write to it."
+        f"writable, so that they are re-encoded in place, or set {key} to a writable folder (copy this cache "
+        f"there first to re-encode only these entries)."
     )
 
 

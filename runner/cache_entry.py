@@ -146,7 +146,10 @@ def entry_bytes(tensors: dict[str, torch.Tensor], part: str, key: str) -> bytes:
     blob = save(tensors, metadata={"format": FORMAT, "part": part, "key": key})
     header, meta, data = parse(blob)
     meta[CHECKSUM_KEY] = checksum(header, data)
-    head = json.dumps({"__metadata__": meta, **header}, separators=(",", ":")).encode()
+    # Sorted keys: the same tensors give the same bytes (safetensors' own metadata order varies
+    # between calls), so two runs writing one entry at once write identical files.
+    ordered = {"__metadata__": dict(sorted(meta.items())), **dict(sorted(header.items()))}
+    head = json.dumps(ordered, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # safetensors aligns the data region to 8 bytes
     return struct.pack("<Q", len(head)) + head + bytes(data)
 
