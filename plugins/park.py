@@ -75,6 +75,7 @@ from runner.cache import (
     fill_cache,
     is_image_part,
     plan_cache,
+    require_fillable,
     resolve_cache_dir,
 )
 from runner.compat import has_compatible_shallow_copy_type
@@ -341,12 +342,14 @@ def park_and_cache(
     extra_signature: dict[str, Any] | None = None,
     autocast: Callable[[], Any] | None = None,
     simulate: bool = False,
+    cache_setting: str = "offload.park.cache_dir",
 ) -> ParkResult:
     """Park every frozen module of ``models``; fill and use the encoder cache for ``trainer``.
 
     ``trainer`` may be None (hosted mode): then only parking happens. The trainer's ``encode``
     (and, when every part is cached, its ``dataset``) are replaced by instance attributes;
-    ``ParkResult.restore`` undoes that.
+    ``ParkResult.restore`` undoes that. The cache folder is written only when entries are missing
+    or fail verification (then it must be writable, else a UserError naming ``cache_setting``).
     """
     result = ParkResult()
 
@@ -369,11 +372,15 @@ def park_and_cache(
 
     result.cache = cache = EncoderCache(resolve_cache_dir(cache_dir))
     dataset = trainer.dataset()
-    plan = plan_cache(trainer, dataset, parts, cache, extra_signature)
+    plan = plan_cache(trainer, dataset, parts, cache, extra_signature)  # verifies every entry it will read
     result.plan = plan
     hits = {p: len(set(plan.keys[p])) - len(plan.missing[p]) for p in parts}
     log.info("park: encoder cache %s: %s", cache.root,
              ", ".join(f"{p} {hits[p]}/{len(set(plan.keys[p]))} entries cached" for p in parts))
+    require_fillable(cache, plan, cache_setting)  # before any encoding: a read-only cache with holes stops here
+    if plan.bad:
+        log.warning("park: encoder cache: %s; re-encoding %s", plan.describe_bad(),
+                    "it" if len(plan.bad) == 1 else "them")
     if plan.missing_count():
         park_frozen()  # the pre-pass runs the encoders parked: one on the device at a time
         result.encoded = fill_cache(trainer, models, dataset, plan, cache, encode_batch_size, device, autocast)
@@ -433,8 +440,12 @@ class Park(Plugin):
 
     def claim_modules(self, ctx: RunContext) -> None:
         parts = self._parts(ctx)
-        if parts:  # in the preflight plan already, before anything real is built
-            check_writable(resolve_cache_dir(self.config.cache_dir), self.setting("cache_dir"))
+        folder = resolve_cache_dir(self.config.cache_dir)
+        if parts and not folder.is_dir():
+            # Nothing is cached yet, so everything will be written: refuse an unwritable place in the
+            # preflight plan already, before anything real is built. An existing folder is checked
+            # only once its entries are verified (place_models): a complete cache may be read-only.
+            check_writable(folder, self.setting("cache_dir"))
         dropped = droppable_modules(ctx.trainer, ctx.models, parts) if parts else []
         for name in dropped:
             ctx.claim(name, "drop", self.key)
@@ -458,6 +469,7 @@ class Park(Plugin):
             ctx.trainer if parts else None, models, ctx.device, host=ctx.host, cache_dir=c.cache_dir,
             cache_latents=c.cache_latents, cache_text=c.cache_text, encode_batch_size=batch,
             pin_memory=c.pin_memory, extra_signature=ctx.encoder_signature(), autocast=autocast, simulate=ctx.simulate,
+            cache_setting=self.setting("cache_dir"),
         )
         self.result = result
         for name, parked in result.parked.items():
