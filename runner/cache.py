@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from runner.cache_entry import FORMAT, verify_entry, write_entry  # noqa: F401  (FORMAT: re-exported)
-from runner.errors import UserError
+from runner.errors import UserError, as_os_error, storage_error
 from runner.trainer import EncodePart, ModelSet
 
 log = logging.getLogger("runner")
@@ -226,7 +226,15 @@ class EncoderCache:
         """Write one entry, with its checksum, atomically (temporary file, then ``os.replace``)."""
         final = self.path(part, key)
         data = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-        write_entry(final, data, part, key)
+        try:
+            write_entry(final, data, part, key)
+        except Exception as e:  # a full or read-only disk (safetensors wraps the OSError in its own error)
+            os_error = as_os_error(e, final)
+            if os_error is None:
+                raise
+            raise storage_error(os_error, "Writing an encoder cache entry", final.parent,
+                                advice=f"Entries written so far are kept and reused; set offload.park.cache_dir to "
+                                       "a folder with space, or free some.") from None
         return final
 
     def load(self, part: str, key: str) -> dict[str, torch.Tensor]:

@@ -272,10 +272,10 @@ def validate(cfg: DictConfig) -> None:
             "checkpoints/step-* directories."
         )
     check_sample_config(cfg)
-    if cfg.data.path is not None and cfg.mode == "train":  # scan and check the folder now, not after the model build
-        from runner.data import build_dataset
+    if cfg.mode == "train":  # a data.path folder is scanned and checked now, not after the model build
+        from runner.data import check_dataset
 
-        build_dataset(cfg.data)
+        check_dataset(cfg.data)
     run = resolve_for_mode(cfg)
     validate_optimizer(cfg, run)
     validate_plugins(cfg, run)

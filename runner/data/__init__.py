@@ -16,7 +16,6 @@ images, bad ``data.*`` values) raise :class:`runner.errors.UserError` naming the
 """
 from __future__ import annotations
 
-import os
 
 from collections.abc import Sequence
 from typing import Any
@@ -29,7 +28,7 @@ from runner.data.demo import DemoDataset
 from runner.data.folder import FolderDataset
 from runner.errors import UserError
 
-__all__ = ["DemoDataset", "FolderDataset", "build_dataset", "collate", "describe_dataset"]
+__all__ = ["DemoDataset", "FolderDataset", "build_dataset", "check_dataset", "collate", "describe_dataset"]
 
 
 def build_dataset(data_cfg: Any) -> Dataset:
@@ -55,25 +54,30 @@ def build_dataset(data_cfg: Any) -> Dataset:
             )
         return DemoDataset(demo_size, resolution, random_flip=random_flip)
 
-    key = (str(path), resolution, center_crop, random_flip, missing_caption, _folder_stamp(path))
-    if key not in _FOLDERS:
-        _FOLDERS.clear()  # one folder at a time: a sweep over data sets does not keep them all
-        _FOLDERS[key] = FolderDataset(path, resolution, center_crop=center_crop, random_flip=random_flip,
-                                      missing_caption=missing_caption)
-    return _FOLDERS[key]
+    handed_over = _CHECKED.pop(_folder_key(data_cfg), None)
+    if handed_over is not None:
+        return handed_over
+    return FolderDataset(path, resolution, center_crop=center_crop, random_flip=random_flip,
+                         missing_caption=missing_caption)
 
 
-# Validation builds the folder data set before any model or plan (a broken image fails in seconds,
-# not after the model build), and the trainer asks for it again: the scan and header checks run
-# once. The folder's mtime is part of the key, so an edited folder is scanned again.
-_FOLDERS: dict[tuple, FolderDataset] = {}
+def check_dataset(data_cfg: Any) -> None:
+    """Build the folder data set during validation, so that a broken image or caption fails before
+    the plan and the model build, and hand it to the next :func:`build_dataset` of the same settings
+    (the trainer's, seconds later) so the scan and header checks run once. Handed over once only:
+    later builds read the folder again, so edits between runs of one process are seen."""
+    if _get(data_cfg, "path", None) is None:
+        return
+    _CHECKED.clear()
+    _CHECKED[_folder_key(data_cfg)] = build_dataset(data_cfg)
 
 
-def _folder_stamp(path: Any) -> float | None:
-    try:
-        return os.stat(os.path.expanduser(str(path))).st_mtime
-    except OSError:
-        return None
+_CHECKED: dict[tuple, FolderDataset] = {}
+
+
+def _folder_key(data_cfg: Any) -> tuple:
+    return tuple(str(_get(data_cfg, k, None)) for k in ("path", "resolution", "center_crop", "random_flip",
+                                                         "missing_caption"))
 
 
 def collate(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:

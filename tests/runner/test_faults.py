@@ -247,3 +247,13 @@ def test_sigkill_during_saves_and_pruning_then_resume_gives_the_same_loss_curve(
     assert [by_step[s] for s in range(1, 11)] == clean
     left = sorted(os.listdir(out / "checkpoints"))
     assert left == ["latest", "step-00000009", "step-00000010"], left
+
+
+@needs_faults
+def test_a_full_cache_disk_is_one_message(tmp_path):
+    cache = tmp_path / "cache"
+    r = cli_with_faults(tmp_path / "run", "train.steps=1", "offload=park", f"offload.park.cache_dir={cache}",
+                        small={cache: 48 * 1024})
+    assert r.returncode == 5, r.stderr[-3000:]
+    assert "Traceback" not in r.stdout + r.stderr
+    assert "Writing an encoder cache entry failed: the disk is full" in r.stderr and str(cache) in r.stderr
