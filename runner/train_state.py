@@ -300,15 +300,9 @@ def _load(path: Path, what: str) -> Any:
         ) from None
 
 
-def load_checkpoint(
-    ckpt: Path, models: ModelSet, optimizer: torch.optim.Optimizer, scheduler: Any
-) -> TrainState:
-    """Restore weights, optimizer, scheduler and RNG from ``ckpt``; return the saved state."""
-    raw_state = _load(ckpt / "state.json", "the step state")
-    try:
-        state = TrainState(**raw_state)
-    except TypeError:
-        raise UserError(f"Checkpoint file {ckpt / 'state.json'} has unexpected fields {sorted(raw_state)}.") from None
+def load_trainable_weights(ckpt: Path, models: ModelSet) -> None:
+    """Copy ``ckpt``'s trained weights into ``models`` (resume, and ``mode=export``, which needs
+    no optimizer state)."""
     weights = _load(ckpt / "trainable.safetensors", "the trained weights")
     params = dict(models.named_trainable_parameters())
     missing, unexpected = sorted(set(params) - set(weights)), sorted(set(weights) - set(params))
@@ -321,6 +315,18 @@ def load_checkpoint(
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(weights[name].to(p.dtype))
+
+
+def load_checkpoint(
+    ckpt: Path, models: ModelSet, optimizer: torch.optim.Optimizer, scheduler: Any
+) -> TrainState:
+    """Restore weights, optimizer, scheduler and RNG from ``ckpt``; return the saved state."""
+    raw_state = _load(ckpt / "state.json", "the step state")
+    try:
+        state = TrainState(**raw_state)
+    except TypeError:
+        raise UserError(f"Checkpoint file {ckpt / 'state.json'} has unexpected fields {sorted(raw_state)}.") from None
+    load_trainable_weights(ckpt, models)
     opt_state = _load(ckpt / "optimizer.pt", "the optimizer state")
     try:
         optimizer.load_state_dict(opt_state)

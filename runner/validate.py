@@ -26,6 +26,7 @@ import torch
 from runner import registry
 from runner.config import DTYPES, MODES, PRECISIONS, SIZES, TRAIN_DTYPES
 from runner.errors import UserError, did_you_mean, valid_list
+from runner.export.config import validate_export
 from runner.optim import validate_optimizer
 from runner.plugin import KINDS
 from runner.resolved import ResolvedRun, planned_target, resolve
@@ -224,6 +225,7 @@ def validate(cfg: DictConfig) -> None:
             f"train.resume={cfg.train.resume!r} does not exist. Give a run directory or one of its "
             "checkpoints/step-* directories."
         )
+    validate_export(cfg)
     run = resolve_for_mode(cfg)
     validate_optimizer(cfg, run)
     validate_plugins(cfg, run)
