@@ -11,6 +11,7 @@ adapter clearly moves, and alpha != rank so a lost alpha would show), then:
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -173,26 +174,32 @@ def test_mode_export_rewrites_the_same_files(lora_runs, tmp_path):
     assert not list((copy / CKPT).glob(".*export*"))  # no staging folder left
 
 
-def test_full_finetune_exports_a_pipeline_folder(tmp_path):
+@pytest.mark.parametrize("family,plugins", [("sdxl", []), ("flux", []), ("sdxl", ["offload=park"])],
+                         ids=["sdxl", "flux", "sdxl-park"])
+def test_full_finetune_exports_a_pipeline_folder(tmp_path, caplog, family, plugins):
     """model.train=full: checkpoints/step-N/export/diffusers loads with DiffusionPipeline.from_pretrained
-    and holds the trained U-Net and the run's frozen modules."""
-    from diffusers import DiffusionPipeline, StableDiffusionXLPipeline
+    and holds the trained denoiser, the run's frozen modules and its tokenizers; also when park
+    dropped the encoders during training (the export rebuilds them)."""
+    from diffusers import DiffusionPipeline
 
-    ckpt = train_run(tmp_path, "sdxl")
-    folder = ckpt / EXPORT_DIR / FULL_DIR
-    pipe = DiffusionPipeline.from_pretrained(str(folder))
-    assert isinstance(pipe, StableDiffusionXLPipeline)
+    with caplog.at_level(logging.INFO, logger="runner"):
+        ckpt = train_run(tmp_path, family, *plugins)
+    assert ("rebuilding them on the CPU" in caplog.text) == bool(plugins)
+    pipe = DiffusionPipeline.from_pretrained(str(ckpt / EXPORT_DIR / FULL_DIR))
+    trainer, base = fresh(family)
+    assert type(pipe) is trainer.pipeline_class()
+    name = trainer.denoiser
     trained = load_file(str(ckpt / "trainable.safetensors"))
-    unet = pipe.unet.state_dict()
-    assert len(trained) == len(unet)
+    loaded = getattr(pipe, name).state_dict()
+    assert len(trained) == len(loaded)
     for k, v in trained.items():
-        torch.testing.assert_close(unet[k.removeprefix("unet.")], v, rtol=0, atol=0)
-    trainer, base = fresh("sdxl")
-    assert any(not torch.equal(base["unet"].state_dict()[k.removeprefix("unet.")], v) for k, v in trained.items())
-    for name in ("vae", "text_encoder", "text_encoder_2"):
-        for k, v in base[name].state_dict().items():
-            torch.testing.assert_close(getattr(pipe, name).state_dict()[k], v, rtol=0, atol=0)
-    assert pipe.tokenizer("a cat").input_ids == trainer.tokenizer("tokenizer")("a cat").input_ids
+        torch.testing.assert_close(loaded[k.removeprefix(f"{name}.")], v, rtol=0, atol=0)
+    assert any(not torch.equal(base[name].state_dict()[k.removeprefix(f"{name}.")], v) for k, v in trained.items())
+    for frozen in ("vae", "text_encoder", "text_encoder_2"):
+        for k, v in base[frozen].state_dict().items():
+            torch.testing.assert_close(getattr(pipe, frozen).state_dict()[k], v, rtol=0, atol=0)
+    for tok in ("tokenizer", "tokenizer_2"):
+        assert getattr(pipe, tok)("a cat").input_ids == trainer.tokenizer(tok)("a cat").input_ids
 
 
 def test_export_disabled_and_bad_values(tmp_path):
