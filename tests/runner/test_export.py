@@ -210,3 +210,15 @@ def test_export_disabled_and_bad_values(tmp_path):
         run(compose_config([f"output_dir={tmp_path}", "export.lora_format=kohy"]))
     with pytest.raises(UserError, match="mode=export needs train.resume"):
         run(compose_config([f"output_dir={tmp_path}", "mode=export"]))
+
+
+def test_a_trainer_without_a_pipeline_keeps_only_trainable_safetensors(tmp_path, caplog, monkeypatch):
+    """A user's trainer (tests/assets/dit_trainer.py: no pipeline_class) trains with LoRA as before;
+    the log says why no export is written."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "assets"))
+    with caplog.at_level(logging.INFO, logger="runner"):
+        run(compose_config([f"output_dir={tmp_path}", "trainer=custom", "trainer._target_=dit_trainer.ClassConditionalDiT",
+                            "model.train=lora", "train.steps=1", "train.device=cpu", "train.progress=false"]))
+    ckpt = tmp_path / "checkpoints" / "step-00000001"
+    assert (ckpt / "trainable.safetensors").is_file() and not (ckpt / EXPORT_DIR).exists()
+    assert "has no pipeline_class()/pipeline(models), so no diffusers/kohya export is written" in caplog.text
