@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -157,13 +159,15 @@ def test_lora_pipeline_call_is_finite(lora_runs, family):
 
 def test_mode_export_rewrites_the_same_files(lora_runs, tmp_path):
     """``mode=export train.resume=<run dir>`` (settings from the run's resolved_config.yaml)
-    exports the checkpoint again: the same tensors and metadata; no staging folder is left."""
+    exports the checkpoint again: the same tensors and metadata; what a killed export left is removed."""
     ckpt = lora_runs("sdxl")
     run_dir = ckpt.parent.parent
     copy = tmp_path / "run"
     shutil.copytree(run_dir, copy)
     exported = copy / CKPT / EXPORT_DIR
     shutil.rmtree(exported)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (copy / CKPT / f".tmp-export-{int(dead.stdout)}").mkdir()  # what an export killed mid-write leaves
     run(compose_config([f"output_dir={tmp_path / 'export-job'}", "mode=export", f"train.resume={copy}",
                         "train.device=cpu"]))
     for name in (DIFFUSERS_FILE, KOHYA_FILE):  # safetensors orders a header's metadata at random: compare contents
@@ -171,7 +175,7 @@ def test_mode_export_rewrites_the_same_files(lora_runs, tmp_path):
         assert set(again) == set(first) and all(torch.equal(again[k], first[k]) for k in first)
         assert metadata(exported / name) == metadata(ckpt / EXPORT_DIR / name)
     assert json.loads((exported / INFO_FILE).read_text())["step"] == STEPS
-    assert not list((copy / CKPT).glob(".*export*"))  # no staging folder left
+    assert not list((copy / CKPT).glob(".*export*"))  # the dead writer's folder removed, no staging folder left
 
 
 @pytest.mark.parametrize("family,plugins", [("sdxl", []), ("flux", []), ("sdxl", ["offload=park"])],
