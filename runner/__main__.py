@@ -14,6 +14,7 @@ from accelerate.utils import set_seed
 from omegaconf import DictConfig
 
 from runner import registry, sweep
+from runner.export.checkpoint import export_after_training, export_command
 from runner.hostmem import keep_freed_host_memory
 from runner.loop import make_accelerator, train
 from runner.plan import plan_command, preflight
@@ -40,6 +41,9 @@ def run(cfg: DictConfig) -> float | None:
     if cfg.mode == "plan":                                      # only plan: table + plan.json; exit 3 over budget
         plan_command(cfg, out)
         return None
+    if cfg.mode == "export":                                    # export a saved checkpoint (train.resume); no training
+        export_command(cfg, out)
+        return None
     run = resolve(cfg)                                          # resolve: device, precision, dtypes, budget, once
     log.info("%s", run.describe())
     keep_freed_host_memory(run)                                 # CPU runs: no page-fault churn between steps
@@ -58,6 +62,7 @@ def run(cfg: DictConfig) -> float | None:
         result = train(ctx)                                     # loop
     finally:
         ctx.teardown()                                          # every plugin change undone, even on error
+    export_after_training(ctx, result)                          # LoRA / diffusers files beside the final checkpoint
     print(summary(result, out))                                 # report
     if result.interrupted_by is not None:
         sys.exit(128 + result.interrupted_by)

@@ -12,6 +12,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from runner.export.config import ExportConfig
 from runner.sampling.config import SampleConfig
 
 
@@ -103,13 +104,14 @@ class RunConfig:
     quantization: Any = field(default_factory=dict)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)  # samples during training (runner/sampling/)
+    export: ExportConfig = field(default_factory=ExportConfig)  # LoRA / diffusers files beside the final checkpoint (runner/export/)
     budget_gb: Optional[float] = None  # device memory budget; used by allocator cap and the planner
-    mode: str = "train"  # train | plan (predict memory, exit 3 if over budget_gb) | plugins
+    mode: str = "train"  # train | plan (predict memory, exit 3 if over budget_gb) | export (a saved checkpoint: train.resume=...) | plugins
     preset: Optional[str] = None  # set by the preset file, for the log
     output_dir: Optional[str] = None  # default: Hydra's run directory
 
 
-MODES = ("train", "plan", "plugins")
+MODES = ("train", "plan", "export", "plugins")
 SIZES = ("tiny", "full")
 DTYPES = ("float32", "bfloat16", "float16")
 TRAIN_DTYPES = ("float32", "bfloat16")  # model.train_dtype (bfloat16 = kohya's --full_bf16)

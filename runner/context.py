@@ -76,7 +76,7 @@ class RunContext:
     schedule: PluginSchedule
     cfg: Any = None  # the composed config: for the loop and the trainer; plugins read only their own node
     output_dir: Path | None = None
-    overrides: list[str] = field(default_factory=list)  # the command line that composed cfg (saved with checkpoints)
+    overrides: list[str] | None = None  # the command line that composed cfg (saved with checkpoints); None: unknown
     models: ModelSet | None = None
     trainer: Any = None
     optimizer: torch.optim.Optimizer | None = None

@@ -19,7 +19,8 @@ steps, the LR schedule and optimizer hyperparameters, saving, logging, data, and
 plugins (resuming with another memory layout after an out-of-memory stop is the point).
 
 Outside Hydra (a test or a script calling ``run(compose_config([...]))``), the command line is not
-known: the config is used as given, and still compared with the saved one.
+known: the config is used as given, and still compared with the saved one; ``mode=export`` then
+takes the checkpoint's command line with only its own keys (mode, train.resume, output_dir).
 """
 from __future__ import annotations
 
@@ -41,9 +42,10 @@ OWN = ("train.resume", "output_dir", "mode")
 _MISSING = object()
 
 
-def saved_config_text(cfg: DictConfig, overrides: Sequence[str]) -> str:
-    """``config.yaml`` of a checkpoint: the run's command line and its composed config (unresolved)."""
-    return OmegaConf.to_yaml(OmegaConf.create({"overrides": list(overrides),
+def saved_config_text(cfg: DictConfig, overrides: Sequence[str] | None) -> str:
+    """``config.yaml`` of a checkpoint: the run's command line (null when unknown: not run by Hydra)
+    and its composed config (unresolved)."""
+    return OmegaConf.to_yaml(OmegaConf.create({"overrides": None if overrides is None else list(overrides),
                                                "config": OmegaConf.to_container(cfg, resolve=False)}))
 
 
@@ -123,7 +125,7 @@ def check_unchanged(saved_config: dict[str, Any], cfg: DictConfig, where: Any) -
     return [d for d in diffs if not _under(d[0], TRAINED)]
 
 
-def resume_base(cfg: DictConfig, overrides: Sequence[str] | None = None) -> tuple[DictConfig, list[str]]:
+def resume_base(cfg: DictConfig, overrides: Sequence[str] | None = None) -> tuple[DictConfig, list[str] | None]:
     """The run's config and its effective command line; with ``train.resume``, composed on the
     checkpoint's saved command line and checked against its saved config (module docstring).
 
@@ -134,15 +136,24 @@ def resume_base(cfg: DictConfig, overrides: Sequence[str] | None = None) -> tupl
 
         overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else None
     if not cfg.train.get("resume"):
-        return cfg, list(overrides or [])
+        return cfg, None if overrides is None else list(overrides)
     from runner.train_state import find_checkpoint
 
     ckpt = find_checkpoint(cfg.train.resume)
     saved = load_saved(ckpt)
     if saved is None:
         log.info("resume: %s has no saved config (an older checkpoint); using this run's config as given", ckpt)
-        return cfg, list(overrides or [])
-    effective = list(overrides or [])
+        return cfg, None if overrides is None else list(overrides)
+    own = [f"{k}={OmegaConf.select(cfg, k)}" for k in OWN if OmegaConf.select(cfg, k) is not None]
+    if overrides is None and cfg.mode == "export":  # export a checkpoint as it was trained
+        if saved.get("overrides") is None:  # nor was its command line known: its config, with this run's own keys
+            from runner.validate import compose_config
+
+            cfg = OmegaConf.merge(compose_config(own), {k: v for k, v in saved["config"].items() if k not in OWN})
+            cfg.mode, cfg.train.resume = "export", own_value(own, "train.resume")
+            return cfg, None
+        overrides = own
+    effective = None if overrides is None else list(overrides)
     if overrides is not None:
         from hydra.initialize import get_gh_backup, restore_gh_from_backup
 
@@ -158,3 +169,7 @@ def resume_base(cfg: DictConfig, overrides: Sequence[str] | None = None) -> tupl
     log.info("resume: from %s on its saved command line%s", ckpt,
              "; changed: " + ", ".join(f"{k}={_show(b)}" for k, _, b in allowed) if allowed else " (nothing changed)")
     return cfg, effective
+
+
+def own_value(own: Sequence[str], key: str) -> str:
+    return next(o.split("=", 1)[1] for o in own if o.startswith(key + "="))

@@ -70,7 +70,8 @@ def build_trainer(cfg: DictConfig, run: ResolvedRun | None = None) -> Trainer:
 
 def make_context(cfg: Any, run: ResolvedRun, schedule: PluginSchedule, output_dir: Path | None,
                  overrides: list[str] | None = None) -> RunContext:
-    return RunContext(run=run, schedule=schedule, cfg=cfg, output_dir=output_dir, overrides=list(overrides or []))
+    return RunContext(run=run, schedule=schedule, cfg=cfg, output_dir=output_dir,
+                      overrides=None if overrides is None else list(overrides))
 
 
 def output_dir(cfg: DictConfig) -> Path:

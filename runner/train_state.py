@@ -323,9 +323,8 @@ def describe_trained_state(weights: dict[str, torch.Tensor], optimizer: torch.op
     }
 
 
-def _check_matches(ckpt: Path, weights: dict[str, torch.Tensor], params: dict[str, torch.nn.Parameter],
-                   opt_state: dict[str, Any], optimizer: torch.optim.Optimizer, optimizer_name: str | None) -> None:
-    """Refuse, before anything is loaded, a checkpoint whose trained state does not fit this run."""
+def _check_weights(ckpt: Path, weights: dict[str, torch.Tensor], params: dict[str, torch.nn.Parameter]) -> None:
+    """Refuse, before anything is loaded, saved weights whose names or shapes do not fit this model."""
     missing, unexpected = sorted(set(params) - set(weights)), sorted(set(weights) - set(params))
     if missing or unexpected:
         raise UserError(
@@ -341,6 +340,11 @@ def _check_matches(ckpt: Path, weights: dict[str, torch.Tensor], params: dict[st
             f"({'; '.join(shapes[:3])}). A different model.lora_rank, lora_targets or model.size does this; resume "
             "with the settings the checkpoint was saved with (its config.yaml) or start a new run."
         )
+
+
+def _check_optimizer(ckpt: Path, opt_state: dict[str, Any], optimizer: torch.optim.Optimizer,
+                     optimizer_name: str | None) -> None:
+    """Refuse optimizer state of another kind or for other parameter groups, before loading it."""
     described = ckpt / "trained.json"
     if described.is_file() and optimizer_name is not None:
         saved_name = _load(described, "the trained-state description").get("optimizer", {}).get("name")
@@ -356,6 +360,17 @@ def _check_matches(ckpt: Path, weights: dict[str, torch.Tensor], params: dict[st
             f"Checkpoint file {ckpt / 'optimizer.pt'} holds optimizer state for parameter groups of sizes "
             f"{saved_groups}; this run's optimizer has {groups}. Resume with the settings it was saved with."
         )
+
+
+def load_trainable_weights(ckpt: Path, models: ModelSet) -> None:
+    """Copy ``ckpt``'s trained weights into ``models``, names and shapes checked first (``mode=export``
+    needs no optimizer state)."""
+    weights = _load(ckpt / "trainable.safetensors", "the trained weights")
+    params = dict(models.named_trainable_parameters())
+    _check_weights(ckpt, weights, params)
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(weights[name].to(p.dtype))
 
 
 def load_checkpoint(
@@ -376,7 +391,8 @@ def load_checkpoint(
     sched_state = _load(ckpt / "scheduler.pt", "the scheduler state")
     rng = _load(ckpt / "rng.pt", "the RNG state")
     params = dict(models.named_trainable_parameters())
-    _check_matches(ckpt, weights, params, opt_state, optimizer, optimizer_name)
+    _check_weights(ckpt, weights, params)
+    _check_optimizer(ckpt, opt_state, optimizer, optimizer_name)
     try:
         optimizer.load_state_dict(opt_state)
     except (ValueError, KeyError) as e:

@@ -28,6 +28,7 @@ import torch
 from runner import registry
 from runner.config import DTYPES, LR_SCHEDULERS, MODES, PRECISIONS, SIZES, TRAIN_DTYPES
 from runner.errors import UserError, did_you_mean, valid_list
+from runner.export.config import validate_export
 from runner.nonfinite import POLICIES as NONFINITE_POLICIES
 from runner.optim import validate_optimizer
 from runner.plugin import KINDS
@@ -276,6 +277,7 @@ def validate(cfg: DictConfig) -> None:
         from runner.data import check_dataset
 
         check_dataset(cfg.data)
+    validate_export(cfg)
     run = resolve_for_mode(cfg)
     validate_optimizer(cfg, run)
     validate_plugins(cfg, run)

@@ -141,6 +141,26 @@ class DiffusersTrainer:
     def size_configs(self) -> dict[str, dict[str, Any]]:
         raise NotImplementedError
 
+    def pipeline_class(self) -> type:
+        """The diffusers pipeline class of this family: what exports write for (runner/export/)."""
+        raise NotImplementedError
+
+    def inference_scheduler(self) -> Any:
+        """The sampling scheduler a pipeline of this family ships with (not the training one)."""
+        raise NotImplementedError
+
+    def pipeline(self, models: ModelSet) -> Any:
+        """A diffusers pipeline around the modules in memory (no copy): ``models`` plus this
+        trainer's tokenizers and :meth:`inference_scheduler`. What a full fine-tune is exported
+        as, and what the export tests render with; every module must be present (a run whose
+        plugins dropped or quantized frozen modules rebuilds them first, runner/export/)."""
+        parts: dict[str, Any] = {name: models[name] for name in self.module_classes()}
+        for name in parts.copy():
+            if name.startswith("text_encoder"):
+                tok = name.replace("text_encoder", "tokenizer")
+                parts[tok] = self.tokenizer(tok)
+        return self.pipeline_class()(**parts, scheduler=self.inference_scheduler())
+
     # -- configs -------------------------------------------------------------------------
     def _folder_has(self, name: str) -> bool:
         src = self.source

@@ -111,6 +111,18 @@ class FluxTrainer(DiffusersTrainer):
             return clip_tokenizer(model_configs.CLIP_MAX_LENGTH)
         return t5_tokenizer(model_configs.FLUX_T5_MAX_LENGTH[self.size])
 
+    def pipeline_class(self) -> type:
+        return _flux_pipeline()
+
+    def inference_scheduler(self) -> Any:
+        """black-forest-labs/FLUX.1-dev's scheduler/scheduler_config.json (resolution-dependent shift)."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        return FlowMatchEulerDiscreteScheduler(
+            num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+            base_image_seq_len=256, max_image_seq_len=4096,
+        )
+
     def t5_max_length(self) -> int:
         """T5 prompt length: the tokenizer's ``model_max_length``, capped at FLUX.1-dev's 512.
 

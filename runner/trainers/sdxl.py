@@ -75,6 +75,22 @@ class SDXLTrainer(DiffusersTrainer):
     def default_tokenizer(self, name: str) -> Any:
         return clip_tokenizer(model_configs.CLIP_MAX_LENGTH)
 
+    def pipeline_class(self) -> type:
+        from diffusers import StableDiffusionXLPipeline
+
+        return StableDiffusionXLPipeline
+
+    def inference_scheduler(self) -> Any:
+        """stabilityai/stable-diffusion-xl-base-1.0's scheduler/scheduler_config.json, with this
+        run's prediction type."""
+        from diffusers import EulerDiscreteScheduler
+
+        return EulerDiscreteScheduler(
+            num_train_timesteps=NUM_TRAIN_TIMESTEPS, beta_start=0.00085, beta_end=0.012,
+            beta_schedule="scaled_linear", steps_offset=1, timestep_spacing="leading",
+            prediction_type=self.prediction_type,
+        )
+
     def scheduler(self, device: torch.device) -> Any:
         """One DDPMScheduler per device: ``add_noise`` moves its tables to the samples' device
         and keeps them there, so a shared instance would flip between CPU, CUDA and meta."""

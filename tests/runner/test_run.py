@@ -42,7 +42,10 @@ def test_preset_run_writes_outputs_and_loss_goes_down(tmp_path):
     assert "diffusers" in json.loads((tmp_path / "versions.json").read_text())
     ckpt = tmp_path / "checkpoints" / "step-00000024"
     assert sorted(p.name for p in ckpt.iterdir()) == sorted(
-        ["trainable.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt", "state.json", "config.yaml", "trained.json"])
+        ["trainable.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt", "state.json", "config.yaml", "trained.json",
+         "export"])
+    # a full fine-tune whose text encoders park dropped: the pipeline folder is rebuilt (runner/export/)
+    assert (ckpt / "export" / "diffusers" / "model_index.json").is_file()
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == ckpt.name
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
 

@@ -400,6 +400,8 @@ def test_planning_leaves_the_garbage_collector_as_it_found_it():
     try:
         with _old_objects_frozen():
             pass
-        assert gc.get_freeze_count() == frozen  # the application's own freeze is kept
+        # The application's own freeze is kept: an unfreeze would make the count 0. (It may drop by a few
+        # meanwhile: a frozen object whose last reference goes away, e.g. in another thread, is freed.)
+        assert gc.get_freeze_count() > frozen // 2
     finally:
         gc.unfreeze()

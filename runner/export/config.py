@@ -1,0 +1,44 @@
+"""``export.*``: the schema of the exports (registered in runner/config.py's RunConfig)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from runner.errors import UserError, valid_list
+
+LORA_FORMATS = ("diffusers", "kohya", "both")
+FULL_FORMATS = ("diffusers",)
+
+
+@dataclass
+class ExportConfig:
+    enabled: bool = True  # export the final checkpoint at the end of training (mode=export always exports)
+    lora_format: str = "both"  # model.train=lora: diffusers | kohya (ComfyUI, Forge, A1111) | both
+    full_format: str = "diffusers"  # model.train=full: diffusers (a pipeline folder for from_pretrained)
+
+    def wants(self, fmt: str) -> bool:
+        """Whether ``lora_format`` asks for the LoRA format ``fmt`` (diffusers or kohya)."""
+        return self.lora_format in (fmt, "both")
+
+
+def export_config(cfg: Any) -> ExportConfig:
+    """The run's ``export`` node as a plain dataclass (defaults when the node is absent)."""
+    node = cfg.get("export") if hasattr(cfg, "get") else None
+    if node is None:
+        return ExportConfig()
+    return ExportConfig(enabled=bool(node.get("enabled", True)), lora_format=str(node.get("lora_format", "both")),
+                        full_format=str(node.get("full_format", "diffusers")))
+
+
+def validate_export(cfg: Any) -> None:
+    """Checked before anything is built: a typo must not cost a whole run before the export fails."""
+    ec = export_config(cfg)
+    for key, value, valid in (("export.lora_format", ec.lora_format, LORA_FORMATS),
+                              ("export.full_format", ec.full_format, FULL_FORMATS)):
+        if value not in valid:
+            raise UserError(f"{key}={value!r} is not valid. Valid values: {valid_list(value, valid)}.")
+    if cfg.get("mode") == "export" and not cfg.train.get("resume"):
+        raise UserError(
+            "mode=export needs train.resume=<checkpoint>: a run directory (its newest checkpoint is exported) "
+            "or one of its checkpoints/step-N directories."
+        )

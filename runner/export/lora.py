@@ -1,0 +1,135 @@
+"""A trained LoRA as files diffusers, ComfyUI, Forge and A1111 load.
+
+Two layouts of the same weights:
+
+* **diffusers**: peft's own state dict (``get_peft_model_state_dict``: adapter name removed,
+  ``lora_A``/``lora_B``), written by the family pipeline's ``save_lora_weights`` with the
+  ``LoraConfig`` in the file's ``lora_adapter_metadata``, so ``pipe.load_lora_weights(file)``
+  rebuilds the adapter with this run's rank *and* alpha (without it diffusers would assume
+  alpha = rank).
+* **kohya** (what A1111, Forge and ComfyUI users load): ``<prefix>_<module path with _>`` keys
+  with ``lora_down``/``lora_up`` and a per-module ``.alpha``; diffusers' own
+  ``convert_state_dict_to_kohya`` does the renaming. Its ``.alpha`` is the rank (it assumes
+  alpha = rank), so the run's alpha is written over it. The prefix is ``lora_unet`` for SDXL's
+  U-Net; for Flux it is ``lora_transformer`` with diffusers' module names, the layout ComfyUI and
+  Forge map for Flux (OneTrainer's) and diffusers reads back. Not written: sd-scripts' Flux layout
+  (``lora_unet_double_blocks_*`` with fused qkv), whose diffusers reader assumes the full-size
+  FLUX.1 widths, so it could not be checked on the tiny models the tests build.
+
+Both files carry the same plain metadata: rank, alpha, target modules, base model, preset, step
+(and kohya's ``ss_network_*`` keys, which the UIs show).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"
+KOHYA_FILE = "lora_kohya.safetensors"
+
+# Denoiser name in the trainer's ModelSet -> kohya key prefix (see the module docstring).
+KOHYA_PREFIX = {"unet": "lora_unet", "transformer": "lora_transformer"}
+# Pipeline class -> kohya's ss_base_model_version, which A1111/Forge use to filter LoRAs by model.
+BASE_MODEL_VERSION = {"StableDiffusionXLPipeline": "sdxl_base_v1-0", "FluxPipeline": "flux1"}
+
+
+def adapter_config(module: nn.Module) -> Any:
+    """The module's peft ``LoraConfig`` (its one adapter: the runner attaches ``default``)."""
+    configs = getattr(module, "peft_config", None)
+    if not configs:
+        raise ValueError(f"{type(module).__name__} has no peft adapter; nothing to export as a LoRA")
+    return configs.get("default") or next(iter(configs.values()))
+
+
+def lora_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """peft's state dict of the adapter (``…to_q.lora_A.weight``), on the CPU, contiguous."""
+    from peft.utils import get_peft_model_state_dict
+
+    return {k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(module).items()}
+
+
+def lora_metadata(config: Any, info: dict[str, Any]) -> dict[str, str]:
+    """safetensors metadata (strings only): the adapter's shape and where it came from
+    (``info``: base_model, preset, step, trainer, pipeline class name)."""
+    targets = sorted(config.target_modules) if not isinstance(config.target_modules, str) else [config.target_modules]
+    meta = {
+        "lora_rank": str(config.r),
+        "lora_alpha": str(config.lora_alpha),
+        "lora_target_modules": json.dumps(targets),
+        "base_model": str(info.get("base_model", "")),
+        "preset": str(info.get("preset") or ""),
+        "step": str(info.get("step", "")),
+        "trainer": str(info.get("trainer", "")),
+        "ss_network_module": "networks.lora",
+        "ss_network_dim": str(config.r),
+        "ss_network_alpha": str(config.lora_alpha),
+    }
+    version = BASE_MODEL_VERSION.get(str(info.get("pipeline", "")))
+    if version:
+        meta["ss_base_model_version"] = version
+    return meta
+
+
+def _add_metadata(path: Path, extra: dict[str, str]) -> None:
+    """Rewrite ``path`` with ``extra`` merged into its metadata. safetensors cannot edit a header
+    in place; a LoRA is megabytes, so reading it back once costs nothing."""
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        meta = dict(f.metadata() or {})
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    save_file(tensors, str(path), metadata={**meta, **extra})
+
+
+def write_diffusers_lora(pipeline_class: type, denoiser: str, module: nn.Module, folder: Path,
+                         info: dict[str, Any]) -> Path:
+    """``folder/pytorch_lora_weights.safetensors`` via ``pipeline_class.save_lora_weights``
+    (a classmethod: no pipeline, so no frozen module, is needed); ``info`` as in :func:`lora_metadata`."""
+    config = adapter_config(module)
+    pipeline_class.save_lora_weights(
+        str(folder),
+        **{f"{denoiser}_lora_layers": lora_state_dict(module),
+           f"{denoiser}_lora_adapter_metadata": config.to_dict()},
+        weight_name=DIFFUSERS_FILE,
+        safe_serialization=True,
+    )
+    path = folder / DIFFUSERS_FILE
+    _add_metadata(path, lora_metadata(config, info))
+    return path
+
+
+def kohya_state_dict(peft_state: dict[str, torch.Tensor], prefix: str, alpha: float) -> dict[str, torch.Tensor]:
+    """peft keys -> kohya keys with ``prefix`` (``lora_unet``, ``lora_transformer``) and the run's alpha.
+
+    diffusers' converter knows the ``unet`` prefix only; every key is fed in under it and the
+    prefix swapped afterwards (module paths of the SDXL U-Net and the Flux transformer never
+    contain ``unet``, so the converter's ``replace`` touches the prefix alone).
+    """
+    from diffusers.utils.state_dict_utils import convert_state_dict_to_kohya
+
+    converted = convert_state_dict_to_kohya({f"unet.{k}": v for k, v in peft_state.items()})
+    out: dict[str, torch.Tensor] = {}
+    for key, value in converted.items():
+        if not key.startswith("lora_unet_"):  # the converter's contract, relied on below
+            raise ValueError(f"diffusers' kohya converter returned an unexpected key {key!r}")
+        key = prefix + key[len("lora_unet"):]
+        if key.endswith(".alpha"):
+            value = torch.tensor(float(alpha))
+        out[key] = value.contiguous()
+    return out
+
+
+def write_kohya_lora(denoiser: str, module: nn.Module, folder: Path, info: dict[str, Any]) -> Path:
+    """``folder/lora_kohya.safetensors``: the kohya layout for ComfyUI (models/loras), Forge and
+    A1111 (models/Lora)."""
+    if denoiser not in KOHYA_PREFIX:
+        raise ValueError(f"no kohya key prefix is known for a denoiser named {denoiser!r}")
+    config = adapter_config(module)
+    state = kohya_state_dict(lora_state_dict(module), KOHYA_PREFIX[denoiser], float(config.lora_alpha))
+    path = folder / KOHYA_FILE
+    save_file(state, str(path), metadata={"format": "pt", **lora_metadata(config, info)})
+    return path
