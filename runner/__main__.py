@@ -20,6 +20,7 @@ from runner.plan import plan_command, preflight
 from runner.report import summary, write_run_info
 from runner.resolved import resolve
 from runner.run import build_plugins, build_trainer, make_context, output_dir
+from runner.tracking import accelerator_kwargs
 from runner.trainer_setup import prepare_models
 from runner.validate import validate
 
@@ -48,7 +49,7 @@ def run(cfg: DictConfig) -> float | None:
     preflight(cfg, run, ctx.trainer, out)                       # plan: refuse to start (exit 3) over budget_gb
     set_seed(run.seed)                                          # random init is reproducible, so resume is exact
     ctx.models = prepare_models(ctx.trainer.build_models("cpu"), cfg.model, run)  # dtypes, LoRA
-    ctx.accelerator = make_accelerator(run)
+    ctx.accelerator = make_accelerator(run, **accelerator_kwargs(cfg.log, out))  # log.tracker: runner/tracking.py
     try:
         ctx.apply_setup_phases()                                # apply plugins
         result = train(ctx)                                     # loop

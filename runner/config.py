@@ -12,6 +12,8 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from runner.tracking import LogConfig
+
 
 @dataclass
 class ModelConfig:
@@ -100,6 +102,7 @@ class RunConfig:
     tiling: Any = field(default_factory=dict)
     quantization: Any = field(default_factory=dict)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    log: LogConfig = field(default_factory=LogConfig)  # trackers (tensorboard, wandb, ...): runner/tracking.py
     budget_gb: Optional[float] = None  # device memory budget; used by allocator cap and the planner
     mode: str = "train"  # train | plan (predict memory, exit 3 if over budget_gb) | plugins
     preset: Optional[str] = None  # set by the preset file, for the log

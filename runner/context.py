@@ -28,6 +28,7 @@ from runner.errors import UserError
 from runner.hooks import ModuleHooks
 from runner.plugin import PluginSchedule
 from runner.resolved import ResolvedRun
+from runner.tracking import NoTracking, Tracking
 from runner.trainer import ModelSet
 
 log = logging.getLogger("runner")
@@ -85,6 +86,8 @@ class RunContext:
     step_contexts: list[Callable[[], Any]] = field(default_factory=list)
     # Lines for the run report and plan.json ("optimizer state bytes": 1234): shown, never read back.
     notes: dict[str, Any] = field(default_factory=dict)
+    # The run's experiment tracker (runner/tracking.py): ``ctx.tracking.log_images(step, {name: image})``.
+    tracking: Tracking = field(default_factory=NoTracking)
     _torn_down: bool = False
 
     # The resolved run's devices, under the names plugins have always used.

@@ -41,6 +41,7 @@ from runner.oom import MicroBatchRecovery, OutOfMemoryGiveUp
 from runner.optim import build_optimizer
 from runner.report import MetricsWriter
 from runner.resolved import ResolvedRun
+from runner.tracking import start_tracking
 from runner.train_state import TrainState, find_checkpoint, load_checkpoint, remove_leftovers, save_checkpoint
 from runner.trainer import batch_len, encode, move_batch, slice_batch
 
@@ -135,8 +136,9 @@ class TrainResult:
     notes: dict[str, Any] = field(default_factory=dict)  # ctx.notes at the end (optimizer state bytes, ...)
 
 
-def make_accelerator(run: ResolvedRun) -> Accelerator:
-    """A fresh Accelerator for this job, with the resolved precision (runner/resolved.py decides it).
+def make_accelerator(run: ResolvedRun, **tracking: Any) -> Accelerator:
+    """A fresh Accelerator for this job, with the resolved precision (runner/resolved.py decides it)
+    and the tracker's ``log_with``/``project_dir`` (runner/tracking.py:accelerator_kwargs).
 
     accelerate keeps a process-wide singleton state; Hydra's ``-m`` runs jobs one after another
     in the same process, and jobs may differ in mixed precision, so the state is reset first.
@@ -145,7 +147,7 @@ def make_accelerator(run: ResolvedRun) -> Accelerator:
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    return Accelerator(mixed_precision=run.precision, cpu=run.device.type == "cpu")
+    return Accelerator(mixed_precision=run.precision, cpu=run.device.type == "cpu", **tracking)
 
 
 def train(ctx: RunContext) -> TrainResult:
@@ -185,6 +187,7 @@ def train(ctx: RunContext) -> TrainResult:
                            scaler_active=accelerator.scaler is not None, precision=run.precision)
     bar = tqdm(total=cfg.train.steps, initial=state.step, disable=not cfg.train.progress, desc="train", dynamic_ncols=True)
     step_times: list[float] = []
+    tracking = ctx.tracking = start_tracking(accelerator, cfg)  # a no-op unless log.tracker; samplers log images here
 
     def update(step_loss: float) -> None:
         norm = None
@@ -199,7 +202,7 @@ def train(ctx: RunContext) -> TrainResult:
         state.micro_batch_size = recovery.micro_batch_size
         return save_checkpoint(ckpt_root, state, models, ctx.optimizer, scheduler, cfg.train.keep_saved)
 
-    with StopRequest() as stop, bar, closing(metrics), closing(profiler):
+    with StopRequest() as stop, bar, closing(metrics), closing(profiler), closing(tracking):
         while state.step < cfg.train.steps:
             t0 = time.perf_counter()
             profiler.begin_step(state.step + 1)
@@ -232,6 +235,7 @@ def train(ctx: RunContext) -> TrainResult:
                    "samples_seen": state.samples_seen, "micro_batch_size": recovery.micro_batch_size,
                    "oom_retries": recovery.retries_this_step, "nonfinite_skips": guard.total, **mem}
             metrics.write(row)
+            tracking.log_metrics(state.step, row)
             result.losses.append(step_loss)
             bar.set_postfix({"loss": f"{step_loss:.4f}", "s_step": f"{dt:.2f}", **memory.postfix(mem)})  # in this order
             bar.update(1)

@@ -29,6 +29,7 @@ from runner.errors import UserError, did_you_mean, valid_list
 from runner.optim import validate_optimizer
 from runner.plugin import KINDS
 from runner.resolved import ResolvedRun, planned_target, resolve
+from runner.tracking import validate_log_config
 
 MAX_SWEEP_CHECKS = 64
 
@@ -224,6 +225,7 @@ def validate(cfg: DictConfig) -> None:
             f"train.resume={cfg.train.resume!r} does not exist. Give a run directory or one of its "
             "checkpoints/step-* directories."
         )
+    validate_log_config(cfg.log)
     run = resolve_for_mode(cfg)
     validate_optimizer(cfg, run)
     validate_plugins(cfg, run)
