@@ -23,6 +23,7 @@ from runner.resolved import resolve
 from runner.resume import resume_base
 from runner.run import build_plugins, build_trainer, make_context, output_dir
 from runner.sampling import build_sampler
+from runner.tracking import accelerator_kwargs
 from runner.trainer_setup import prepare_models
 from runner.validate import validate
 
@@ -55,7 +56,7 @@ def run(cfg: DictConfig) -> float | None:
     preflight(cfg, run, ctx.trainer, out)                       # plan: refuse to start (exit 3) over budget_gb
     set_seed(run.seed)                                          # random init is reproducible, so resume is exact
     ctx.models = prepare_models(ctx.trainer.build_models("cpu"), cfg.model, run)  # dtypes, LoRA
-    ctx.accelerator = make_accelerator(run)
+    ctx.accelerator = make_accelerator(run, **accelerator_kwargs(cfg.log, out))  # log.tracker: runner/tracking.py
     try:
         ctx.sampler = build_sampler(ctx)                        # sample prompts encoded before park can drop encoders
         ctx.apply_setup_phases()                                # apply plugins

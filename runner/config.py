@@ -14,6 +14,7 @@ from omegaconf import MISSING, OmegaConf
 
 from runner.export.config import ExportConfig
 from runner.sampling.config import SampleConfig
+from runner.tracking import LogConfig
 
 
 @dataclass
@@ -105,6 +106,7 @@ class RunConfig:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)  # samples during training (runner/sampling/)
     export: ExportConfig = field(default_factory=ExportConfig)  # LoRA / diffusers files beside the final checkpoint (runner/export/)
+    log: LogConfig = field(default_factory=LogConfig)  # trackers (tensorboard, wandb, ...): runner/tracking.py
     budget_gb: Optional[float] = None  # device memory budget; used by allocator cap and the planner
     mode: str = "train"  # train | plan (predict memory, exit 3 if over budget_gb) | export (a saved checkpoint: train.resume=...) | plugins
     preset: Optional[str] = None  # set by the preset file, for the log

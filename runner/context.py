@@ -29,6 +29,7 @@ from runner.hooks import ModuleHooks
 from runner.plugin import PluginSchedule
 from runner.resolved import ResolvedRun
 from runner.sampling import NoSampler
+from runner.tracking import NoTracking, Tracking
 from runner.trainer import ModelSet
 
 log = logging.getLogger("runner")
@@ -88,6 +89,8 @@ class RunContext:
     # Lines for the run report and plan.json ("optimizer state bytes": 1234): shown, never read back.
     notes: dict[str, Any] = field(default_factory=dict)
     sampler: Any = field(default_factory=NoSampler)  # sample.every: runner.sampling.build_sampler; no-op by default
+    # The run's experiment tracker (runner/tracking.py): ``ctx.tracking.log_images(step, {name: image})``.
+    tracking: Tracking = field(default_factory=NoTracking)
     _torn_down: bool = False
 
     # The resolved run's devices, under the names plugins have always used.

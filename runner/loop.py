@@ -42,6 +42,7 @@ from runner.optim import build_optimizer
 from runner.report import MetricsWriter, drop_metrics_after
 from runner.resume import saved_config_text
 from runner.resolved import ResolvedRun
+from runner.tracking import start_tracking
 from runner.train_state import TrainState, find_checkpoint, load_checkpoint, remove_leftovers, save_checkpoint
 from runner.trainer import batch_len, encode, move_batch, slice_batch
 
@@ -136,8 +137,9 @@ class TrainResult:
     notes: dict[str, Any] = field(default_factory=dict)  # ctx.notes at the end (optimizer state bytes, ...)
 
 
-def make_accelerator(run: ResolvedRun) -> Accelerator:
-    """A fresh Accelerator for this job, with the resolved precision (runner/resolved.py decides it).
+def make_accelerator(run: ResolvedRun, **tracking: Any) -> Accelerator:
+    """A fresh Accelerator for this job, with the resolved precision (runner/resolved.py decides it)
+    and the tracker's ``log_with``/``project_dir`` (runner/tracking.py:accelerator_kwargs).
 
     accelerate keeps a process-wide singleton state; Hydra's ``-m`` runs jobs one after another
     in the same process, and jobs may differ in mixed precision, so the state is reset first.
@@ -146,7 +148,7 @@ def make_accelerator(run: ResolvedRun) -> Accelerator:
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    return Accelerator(mixed_precision=run.precision, cpu=run.device.type == "cpu")
+    return Accelerator(mixed_precision=run.precision, cpu=run.device.type == "cpu", **tracking)
 
 
 def train(ctx: RunContext) -> TrainResult:
@@ -187,6 +189,7 @@ def train(ctx: RunContext) -> TrainResult:
                            scaler_active=accelerator.scaler is not None, precision=run.precision)
     bar = tqdm(total=cfg.train.steps, initial=state.step, disable=not cfg.train.progress, desc="train", dynamic_ncols=True)
     step_times: list[float] = []
+    tracking = ctx.tracking = start_tracking(accelerator, cfg)  # a no-op unless log.tracker; samplers log images here
 
     def update(step_loss: float) -> None:
         norm = None
@@ -202,7 +205,7 @@ def train(ctx: RunContext) -> TrainResult:
         return save_checkpoint(ckpt_root, state, models, ctx.optimizer, scheduler, cfg.train.keep_saved,
                                config_text=saved_config_text(cfg, ctx.overrides), optimizer_name=cfg.optimizer.get("name"))
 
-    with StopRequest() as stop, bar, closing(metrics), closing(profiler):
+    with StopRequest() as stop, bar, closing(metrics), closing(profiler), closing(tracking):
         ctx.sampler.maybe_sample(state.step)  # samples at the start (step 0, or the resumed step)
         while state.step < cfg.train.steps:
             t0 = time.perf_counter()
@@ -236,6 +239,7 @@ def train(ctx: RunContext) -> TrainResult:
                    "samples_seen": state.samples_seen, "micro_batch_size": recovery.micro_batch_size,
                    "oom_retries": recovery.retries_this_step, "nonfinite_skips": guard.total, **mem}
             metrics.write(row)
+            tracking.log_metrics(state.step, row)
             result.losses.append(step_loss)
             bar.set_postfix({"loss": f"{step_loss:.4f}", "s_step": f"{dt:.2f}", **memory.postfix(mem)})  # in this order
             bar.update(1)

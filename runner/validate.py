@@ -34,6 +34,7 @@ from runner.optim import validate_optimizer
 from runner.plugin import KINDS
 from runner.resolved import ResolvedRun, planned_target, resolve
 from runner.sampling.config import check_sample_config
+from runner.tracking import validate_log_config
 
 MAX_SWEEP_CHECKS = 64
 
@@ -278,6 +279,7 @@ def validate(cfg: DictConfig) -> None:
 
         check_dataset(cfg.data)
     validate_export(cfg)
+    validate_log_config(cfg.log)
     run = resolve_for_mode(cfg)
     validate_optimizer(cfg, run)
     validate_plugins(cfg, run)

@@ -193,6 +193,7 @@ class LiveBytesTracker(TrackerViews, TorchDispatchMode):
         self._hooks: list[Any] = []
         self.current: dict[str, int] = {}
         self.peak: dict[str, int] = {}
+        self.max_since_mark: dict[str, int] = {}  # highest live bytes since take_max_since_mark (profile points)
         self._total = 0
         self._peak_seq: dict[str, int] = {}
         self._peak_phase: dict[str, str] = {}
@@ -326,6 +327,8 @@ class LiveBytesTracker(TrackerViews, TorchDispatchMode):
             self._module_live[module] = self._module_live.get(module, 0) + n
         if n <= 0:
             return
+        if cur > self.max_since_mark.get(dev, 0):
+            self.max_since_mark[dev] = cur
         if cur > self.peak.get(dev, 0):
             self.peak[dev] = cur
             self._peak_seq[dev] = self._seq

@@ -21,6 +21,7 @@ class TrackerViews:
 
     current: dict[str, int]
     peak: dict[str, int]
+    max_since_mark: dict[str, int]
 
     def current_bytes(self, device: str = "cpu") -> int:
         self._drain()
@@ -55,6 +56,22 @@ class TrackerViews:
             if n:
                 per = out.setdefault(NO_MODULE if mod is None else mod, {})
                 per[cat] = per.get(cat, 0) + n
+        return out
+
+    def take_max_since_mark(self) -> dict[str, int]:
+        """The highest live bytes per device since the previous call (or the start), then start
+        again from the current level.
+
+        A profile samples live bytes at phase edges only; inside a checkpointed backward the
+        recomputed activations come and go between two edges, so the sampled points can miss the
+        real peak by a fifth. Every allocation updates this running maximum, so no peak between
+        two points is lost; unlike :meth:`reset_peaks` it leaves the run-wide peaks alone.
+        """
+        self._drain()
+        out = {d: max(n, self.current.get(d, 0)) for d, n in self.max_since_mark.items()}
+        for d, n in self.current.items():
+            out.setdefault(d, n)
+        self.max_since_mark = dict(self.current)
         return out
 
     def reset_peaks(self) -> None:

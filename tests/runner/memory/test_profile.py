@@ -161,3 +161,18 @@ def test_cuda_snapshot_for_the_memory_viewer(tmp_path):
     assert data["segments"] and data["device_traces"]
     for p in rec["points"]:
         assert p["cuda_reserved_bytes"] >= p["cuda_allocated_bytes"] >= p["live_bytes"] > 0
+
+
+def test_the_peak_inside_a_checkpointed_backward_is_recorded(tmp_path):
+    """The issue's case: points at phase edges miss the recomputed activations of a checkpointed
+    backward; every point's running maximum catches them, and the record's peak is the tracker's."""
+    rec = profiled_run(tmp_path, "trainer=sdxl", "trainer._target_=runner.trainers.sdxl.SDXLTrainer", "data.resolution=32",
+                       "train.batch_size=2", "train.grad_accum=1", "train.steps=2", "profile.steps=2",
+                       "offload=park", "checkpoint=blocks", "optimizer=adamw8bit", "train.preflight=false")
+    points = rec["points"]
+    for before, p in zip(points, points[1:]):
+        assert p["peak_live_bytes_since_previous"] >= max(p["live_bytes"], before["live_bytes"] if before["step"] == p["step"] else 0)
+    sampled = max(p["live_bytes"] for p in points)
+    assert rec["peak_live_bytes"] == max(p["peak_live_bytes_since_previous"] for p in points)
+    assert rec["peak_live_bytes"] > sampled, (rec["peak_live_bytes"], sampled)
+    assert rec["peak_before"]["point"] == "after_backward"  # inside the checkpointed backward
