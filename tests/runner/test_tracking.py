@@ -14,7 +14,7 @@ from runner.loop import read_metrics
 from runner.tracking import NoTracking, flat_hparams
 from runner.validate import compose_config, validate
 
-pytest.importorskip("tensorboard")
+import tensorboard  # noqa: E402,F401  (the test extra installs it: a missing TensorBoard fails, not skips)
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
 
