@@ -79,6 +79,8 @@ def run(cfg: DictConfig) -> float | None:
 
 def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")                # weights are local or built from config
+    if not sys.stderr.isatty():  # no \r-redrawn bars in a log file (transformers' save_pretrained has one)
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # our own progress: runner/progress.py
     # bitsandbytes warns at import that an optional CPU kernel package is missing; it falls back
     # to its own CPU kernels, so the line is noise for every run.
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)

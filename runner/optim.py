@@ -3,7 +3,7 @@
 Optimizer state is the largest memory item of a full fine-tune after the weights: AdamW keeps
 two moments per parameter, 8 B/param in float32 (SDXL's U-Net: 2.6 B params -> 21 GB). The
 options, one dataclass schema each in Hydra's ConfigStore group ``optimizer``
-(``optimizer=adamw8bit optimizer.lr=1e-5``):
+(``optimizer=adamw8bit optimizer.lr=1e-5``; the schemas are in runner/optim_config.py, without torch):
 
 ========================  ==============================================  ===========================
 option                    state per parameter tensor of n elements         notes

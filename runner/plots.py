@@ -20,9 +20,10 @@ one plot, and per job a bar of its planned peak beside its measured one (CUDA pe
 the tracked peak of a profiled CPU run; a CPU job with neither shows its host RSS, hatched and
 labelled, since that is not a device figure).
 
-matplotlib's Agg canvas is used directly (no pyplot, no global backend): headless, no display,
-~0.1 s a figure after matplotlib's import. A plot must never end a run: every failure is one
-warning line (:func:`safely`).
+matplotlib's Agg canvas is used directly (no pyplot, no global backend): headless, no display;
+one figure per run (measured: 1.8 s to draw loss.png of 25 steps, plus 3.5 s to import matplotlib,
+on 2 cores at load average 11; an idle machine takes a fraction of that). A plot must never end a
+run: every failure is one warning line (:func:`safely`).
 """
 from __future__ import annotations
 
