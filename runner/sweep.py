@@ -355,6 +355,21 @@ def exit_status() -> int:
     return int(bool(_last_sweep) and any(r.get("status") != "ok" for r in _last_sweep))
 
 
+def _fast_help(args: Any) -> None:
+    """``--help``: Hydra's text from runner/help.py (a second instead of Hydra's several); returns when
+    the help template needs Hydra itself."""
+    from runner.help import format_help
+
+    try:
+        text = format_help(args.overrides, resolve=bool(args.resolve))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    if text is not None:
+        print(text)
+        sys.exit(0)
+
+
 def launch(task: Callable[[DictConfig], Any]) -> None:
     """Run ``task`` as the runner's Hydra application: one run or a ``-m`` sweep over the same
     config tree, after a friendly pre-check of the overrides; exits with the sweep's status.
@@ -366,6 +381,8 @@ def launch(task: Callable[[DictConfig], Any]) -> None:
         sys.exit(0)
     registry.load_all()
     args, _ = hydra_args()
+    if args.help and not (args.hydra_help or args.info or args.cfg):
+        _fast_help(args)
     if not (args.help or args.hydra_help or args.info or args.shell_completion):
         try:  # every job's config checked first (no torch), then against this machine (torch)
             configs = precheck(args.overrides, multirun=args.multirun, run_checks=False)

@@ -62,15 +62,16 @@ def conf_dir() -> Path:
     raise RuntimeError(f"conf/config.yaml not found next to {pkg}; the installation is incomplete")
 
 
-def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
-    """Compose the run config like ``python -m runner`` would, raising UserError on bad input."""
+def compose_config(overrides: Sequence[str] = (), return_hydra_config: bool = False) -> DictConfig:
+    """Compose the run config like ``python -m runner`` would, raising UserError on bad input
+    (with Hydra's own node under ``hydra`` when ``return_hydra_config``: for ``--help``)."""
     registry.load_all()
     _check_kind_overrides(overrides)
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
             try:
-                return compose(config_name="config", overrides=list(overrides))
+                return compose(config_name="config", overrides=list(overrides), return_hydra_config=return_hydra_config)
             except (ConfigCompositionException, MissingConfigException, OverrideParseException, OmegaConfBaseException,
                     yaml.YAMLError) as e:
                 raise _friendly(e, overrides) from None

@@ -179,3 +179,19 @@ def test_version_is_the_package_metadata_version():
     if script.exists():
         r = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0 and r.stdout.strip() == expected
+
+
+@pytest.mark.parametrize("overrides", [[], ["+preset=constrained", "offload.park.cache_text=false"]], ids=["defaults", "preset"])
+def test_fast_help_prints_exactly_what_hydras_help_prints(overrides, capsys, monkeypatch):
+    """runner/help.py lists the groups itself (Hydra's own listing is most of --help's time)."""
+    import hydra
+
+    from runner import registry
+    from runner.help import format_help
+    from runner.validate import conf_dir
+
+    registry.load_all()
+    monkeypatch.setattr(sys, "argv", ["runner", "--help", *overrides])
+    with pytest.raises(SystemExit):
+        hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(lambda cfg: None)()
+    assert format_help(overrides) + "\n" == capsys.readouterr().out
