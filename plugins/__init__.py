@@ -1,8 +1,12 @@
-"""Built-in plugins. Importing this package registers every one of them (see runner.registry).
+"""Built-in plugins. Importing this package declares every one of them (see runner.registry).
 
-Keep this a plain, explicit import list: one module per plugin file.
+Declared, not imported: each plugin's schema, description and setting checks come from
+``runner.plugins.schemas`` (no torch), and its module (``park.py``, ``stream/`` ...) is imported
+when a run builds it. A new built-in plugin adds its schema and a ``BuiltinPlugin`` line there.
 """
-from runner.plugins import allocator, checkpoint  # noqa: F401
-from runner.plugins import park, tiling  # noqa: F401  (offload=park; tiling=vae|attention)
-from runner.plugins import bnb_quant, fp8  # noqa: F401  (quantization=nf4|int8; quantization=fp8)
-from runner.plugins import stream, offload_activations, offload_optimizer  # noqa: F401  (offload=stream|activations|optimizer)
+from runner.plugins.schemas import BUILTINS
+from runner.registry import declare_plugin
+
+for _p in BUILTINS:
+    declare_plugin(_p.kind, _p.name, _p.config, _p.target, _p.description, _p.check)
+del _p

@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from runner.errors import UserError
-from runner.plugin import Plugin, PluginConfig
+from runner.plugin import Plugin
+from runner.plugins.schemas import MIN_SPLIT_MB, AllocatorConfig, check_allocator  # noqa: F401  (re-exported)
 from runner.registry import register_plugin
 
 if TYPE_CHECKING:
@@ -52,19 +52,6 @@ log = logging.getLogger("runner")
 
 ENV = "PYTORCH_CUDA_ALLOC_CONF"
 ENV_NEW = "PYTORCH_ALLOC_CONF"  # the device-generic name of newer PyTorch; read before ENV
-MIN_SPLIT_MB = 20  # PyTorch's minimum for max_split_size_mb (its large-block size)
-
-
-@dataclass
-class AllocatorConfig(PluginConfig):
-    """``allocator=default``: caching-allocator settings, an optional cap at ``budget_gb``, TF32."""
-
-    name: str = "default"
-    expandable_segments: bool = True  # grow segments in place: less fragmentation; breaks CUDA IPC
-    max_split_size_mb: Optional[int] = None  # never split cached blocks larger than this (>= 20)
-    garbage_collection_threshold: Optional[float] = None  # in (0, 1): reclaim cache above this fraction
-    cap_to_budget: bool = False  # limit this process to budget_gb of the card (needs budget_gb)
-    tf32: bool = True  # TensorFloat-32 for fp32 matmul/conv on Ampere and newer
 
 
 @dataclass
@@ -82,24 +69,9 @@ class AllocatorResult:
 
 # ---- the twin functions ------------------------------------------------------------------------
 def check_config(cfg: Any, budget_gb: Optional[float] = None) -> None:
-    """Raise UserError naming the key for values PyTorch would reject (or reject late)."""
-    gct = cfg.garbage_collection_threshold
-    if gct is not None and not 0.0 < float(gct) < 1.0:
-        raise UserError(
-            f"allocator.default.garbage_collection_threshold={gct!r} is not valid: it must be a fraction strictly "
-            "between 0 and 1 (e.g. 0.8), or null to leave it unset."
-        )
-    mss = cfg.max_split_size_mb
-    if mss is not None and int(mss) < MIN_SPLIT_MB:
-        raise UserError(
-            f"allocator.default.max_split_size_mb={mss!r} is not valid: PyTorch needs at least {MIN_SPLIT_MB} (MiB), "
-            "e.g. 128 or 512, or null to leave it unset."
-        )
-    if cfg.cap_to_budget and budget_gb is None:
-        raise UserError(
-            "allocator.default.cap_to_budget=true needs budget_gb: set budget_gb=<GiB> (e.g. budget_gb=24) "
-            "or allocator.default.cap_to_budget=false."
-        )
+    """Raise UserError naming the key for values PyTorch would reject (or reject late), ``cap_to_budget``
+    without a budget included (runner/plugins/schemas.py has the node-only part)."""
+    check_allocator(cfg, budget_gb=budget_gb, check_budget=True)
 
 
 def allocator_conf_string(cfg: Any) -> str:
@@ -221,7 +193,6 @@ class DefaultAllocator(Plugin):
     kind = "allocator"
     name = "default"
     Config = AllocatorConfig
-    description = "expandable segments (less fragmentation), optional cap at budget_gb, TF32"
 
     def validate(self) -> None:
         check_config(self.config, self.run.budget_gb)

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -57,12 +56,11 @@ from runner.plugins.quant_common import (
     LinearQuantization,
     LinearTarget,
     QuantizationResult,
-    QuantTargetsConfig,
     empty_like_device,
     replace_layers,
     select_linear_layers,
 )
-from runner.errors import UserError
+from runner.plugins.schemas import Int8Config, NF4Config
 from runner.registry import register_plugin
 
 if TYPE_CHECKING:
@@ -266,28 +264,10 @@ def quantize_device(ctx: RunContext) -> torch.device | None:
     return ctx.device if ctx.device.type == "cuda" else None
 
 
-@dataclass
-class NF4Config(QuantTargetsConfig):
-    """``quantization=nf4``: frozen Linear weights in 4-bit NormalFloat (QLoRA)."""
-
-    name: str = "nf4"
-    compute_dtype: Optional[str] = None  # float32 | bfloat16 | float16; None = model.dtype
-    double_quant: bool = True  # quantize the absmax statistics too (0.5 + 0.016 instead of 0.5 + 0.0625 B/param)
-
-
-@dataclass
-class Int8Config(QuantTargetsConfig):
-    """``quantization=int8``: frozen Linear weights in 8-bit (LLM.int8)."""
-
-    name: str = "int8"
-    threshold: float = 6.0  # outlier threshold of LLM.int8's mixed decomposition (CUDA); 0 = pure int8
-
-
 @register_plugin
 class NF4Quantization(LinearQuantization):
     name = "nf4"
     Config = NF4Config
-    description = "frozen Linear weights in 4-bit NF4 (bitsandbytes, ~0.52 B/param); train with model.train=lora"
 
     def quantize(self, module: nn.Module, skip: Sequence[str], keep: Sequence[str], ctx: RunContext) -> QuantizationResult:
         return apply_bnb_quantization(
@@ -300,15 +280,6 @@ class NF4Quantization(LinearQuantization):
 class Int8Quantization(LinearQuantization):
     name = "int8"
     Config = Int8Config
-    description = "frozen Linear weights in 8-bit LLM.int8 (bitsandbytes, ~1 B/param); train with model.train=lora"
-
-    def validate(self) -> None:
-        super().validate()
-        if float(self.config.threshold) < 0:
-            raise UserError(
-                f"{self.setting('threshold')}={self.config.threshold} is not valid: it must be >= 0 "
-                "(6.0 = LLM.int8 outlier decomposition, 0 = pure int8)."
-            )
 
     def quantize(self, module: nn.Module, skip: Sequence[str], keep: Sequence[str], ctx: RunContext) -> QuantizationResult:
         return apply_bnb_quantization(

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import weakref
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,9 +29,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from runner.blocks import find_repeated_blocks
-from runner.errors import UserError, valid_list
 from runner.hooks import mark, marked, unmark
-from runner.plugin import Plugin, PluginConfig
+from runner.plugin import Plugin
+from runner.plugins.schemas import CHECKPOINT_MODES as MODES, CheckpointConfig, check_checkpoint  # noqa: F401
 from runner.registry import register_plugin
 
 if TYPE_CHECKING:
@@ -40,18 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("runner")
 
-MODES = ("full", "every_n")
 MARK = "checkpoint"  # runner.hooks mark on wrapped blocks: (the forward they had before, or None,)
-
-
-@dataclass
-class CheckpointConfig(PluginConfig):
-    """``checkpoint=blocks``: recompute repeated blocks in backward instead of storing activations."""
-
-    name: str = "blocks"
-    mode: str = "full"  # full: every repeated block | every_n: one block in every `every_n`
-    every_n: int = 2  # used by mode=every_n
-    modules: list[str] = field(default_factory=list)  # trained modules to checkpoint; empty = all trained
 
 
 # ---- the twin functions ------------------------------------------------------------------------
@@ -121,16 +109,8 @@ def remove_activation_checkpointing(blocks: list[nn.Module]) -> int:
 
 
 def check_config(config: Any) -> None:
-    """Raise UserError for an invalid ``checkpoint.mode`` / ``checkpoint.every_n``."""
-    mode = config.mode
-    if mode not in MODES:
-        raise UserError(f"checkpoint.blocks.mode={mode!r} is not valid. Valid values: {valid_list(str(mode), MODES)}.")
-    every_n = config.every_n
-    if mode == "every_n" and (not isinstance(every_n, int) or isinstance(every_n, bool) or every_n < 1):
-        raise UserError(
-            f"checkpoint.blocks.every_n={every_n!r} is not valid: it must be an integer >= 1 "
-            "(2 = checkpoint every second block; 1 is the same as checkpoint.blocks.mode=full)."
-        )
+    """Raise UserError for an invalid ``checkpoint.mode`` / ``checkpoint.every_n`` (runner/plugins/schemas.py)."""
+    check_checkpoint(config)
 
 
 # ---- the plugin --------------------------------------------------------------------------------
@@ -139,7 +119,6 @@ class BlockCheckpointing(Plugin):
     kind = "checkpoint"
     name = "blocks"
     Config = CheckpointConfig
-    description = "recompute repeated blocks in backward (mode=full|every_n): less activation memory, ~30% more compute"
     # Wrap after placement decisions and offload hooks exist, so our forward is the outer one
     # and is restored first at teardown.
     after = ("offload",)

@@ -34,7 +34,6 @@ Planner: plain torch ops, so the real path runs on meta and fake tensors unchang
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -46,11 +45,11 @@ from runner.plugins.quant_common import (
     LinearQuantization,
     LinearTarget,
     QuantizationResult,
-    QuantTargetsConfig,
     replace_layers,
     select_linear_layers,
 )
 from runner.errors import UserError, valid_list
+from runner.plugins.schemas import Fp8Config
 from runner.registry import register_plugin
 
 if TYPE_CHECKING:
@@ -142,20 +141,10 @@ def apply_fp8_storage(
     return replace_layers(module, sel, make)
 
 
-@dataclass
-class Fp8Config(QuantTargetsConfig):
-    """``quantization=fp8``: frozen Linear weights stored in fp8, upcast per layer."""
-
-    name: str = "fp8"
-    storage_dtype: str = "float8_e4m3fn"  # float8_e4m3fn | float8_e5m2
-    compute_dtype: Optional[str] = None  # float32 | bfloat16 | float16; None = model.dtype
-
-
 @register_plugin
 class Fp8Storage(LinearQuantization):
     name = "fp8"
     Config = Fp8Config
-    description = "frozen Linear weights stored in fp8 (1 B/param), upcast per layer; train with model.train=lora"
 
     def storage_dtype(self) -> torch.dtype:
         value = str(self.config.storage_dtype)

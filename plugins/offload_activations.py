@@ -43,9 +43,9 @@ import torch
 from torch import nn
 
 from runner.compat import current_graph_task_id, is_fake, queue_engine_callback
-from runner.errors import UserError
 from runner.hooks import composable
-from runner.plugin import Plugin, PluginConfig
+from runner.plugin import Plugin
+from runner.plugins.schemas import ActivationOffloadConfig, check_activation_offload
 from runner.registry import register_plugin
 
 if TYPE_CHECKING:
@@ -54,28 +54,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("runner")
 
 
-@dataclass
-class ActivationOffloadConfig(PluginConfig):
-    """``offload=activations``: saved activations go to pinned host memory during forward."""
-
-    name: str = "activations"
-    min_bytes: int = 1024  # smaller saved tensors stay on the device
-    use_streams: bool = True  # copy on a side stream (CUDA); false: copies on the compute stream
-    max_fwd_stash: int = 5  # device tensors kept alive until their host copy has landed
-    prefetch: int = 2  # in backward, tensors brought back ahead of need
-    pin_memory: bool = True
-    ram_warn_pct: float = 60.0  # warn when host RAM use passes this share
-
-
 def check_config(c: Any, key: str = "offload.activations") -> None:
-    if not isinstance(c.min_bytes, int) or c.min_bytes < 0:
-        raise UserError(f"{key}.min_bytes={c.min_bytes!r} is not valid: give a whole number of bytes >= 0 (default 1024).")
-    if not isinstance(c.max_fwd_stash, int) or c.max_fwd_stash < 1:
-        raise UserError(f"{key}.max_fwd_stash={c.max_fwd_stash!r} is not valid: give a whole number >= 1 (default 5).")
-    if not isinstance(c.prefetch, int) or c.prefetch < 0:
-        raise UserError(f"{key}.prefetch={c.prefetch!r} is not valid: give a whole number >= 0 (default 2).")
-    if not 0 < float(c.ram_warn_pct) <= 100:
-        raise UserError(f"{key}.ram_warn_pct={c.ram_warn_pct!r} is not valid: give a percentage in (0, 100].")
+    """This plugin's settings (runner/plugins/schemas.py)."""
+    check_activation_offload(c, key)
 
 
 class _Region:
@@ -352,7 +333,6 @@ class ActivationOffload(Plugin):
     kind = "offload"
     name = "activations"
     Config = ActivationOffloadConfig
-    description = "saved activations to pinned host memory on a side stream during forward, back in backward"
 
     def validate(self) -> None:
         check_config(self.config, self.key.replace("/", "."))

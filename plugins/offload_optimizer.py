@@ -37,14 +37,15 @@ finds in the optimizer's parameter groups (the host masters), which are filled o
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from runner.errors import UserError, valid_list
-from runner.plugin import Plugin, PluginConfig
+from runner.errors import UserError
+from runner.plugin import Plugin
 from runner.plugins.optimizer_wrappers import HostStateOptimizer, HostStepOptimizer, _torchao_class, _torchao_optimizer
+from runner.plugins.schemas import OPTIMIZER_OFFLOAD_IMPLEMENTATIONS as IMPLEMENTATIONS  # noqa: F401
+from runner.plugins.schemas import OptimizerOffloadConfig, check_optimizer_offload
 from runner.registry import register_plugin
 
 if TYPE_CHECKING:
@@ -52,19 +53,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("runner")
 
-IMPLEMENTATIONS = ("auto", "torchao", "builtin")
-
-
-@dataclass
-class OptimizerOffloadConfig(PluginConfig):
-    """``offload=optimizer``: optimizer state in host memory; the step on the host (default) or the device."""
-
-    name: str = "optimizer"
-    step_on_host: bool = True  # false: state on the host, step on the device chunk by chunk
-    offload_gradients: bool = False  # step_on_host: move gradients to the host during backward
-    implementation: str = "auto"  # auto (torchao when importable and correct, else builtin) | torchao | builtin
-    chunk_mb: float = 512.0  # step_on_host=false: parameters (MiB) whose state is on the device at once
-    pin_memory: bool = True
 
 
 def torchao_available() -> bool:
@@ -88,12 +76,8 @@ def torchao_blockers(config: Any, max_grad_norm: float, grad_accum: int, device_
 
 
 def check_config(c: Any, run: Any = None, key: str = "offload.optimizer") -> None:
-    """This plugin's settings, and against the resolved ``run`` when given."""
-    if c.implementation not in IMPLEMENTATIONS:
-        raise UserError(f"{key}.implementation={c.implementation!r} is not valid. "
-                        f"Valid values: {valid_list(str(c.implementation), IMPLEMENTATIONS)}.")
-    if not c.chunk_mb > 0:
-        raise UserError(f"{key}.chunk_mb={c.chunk_mb!r} is not valid: give the MiB of parameters stepped at once, > 0.")
+    """This plugin's settings (runner/plugins/schemas.py), and against the resolved ``run`` when given."""
+    check_optimizer_offload(c, key)
     if run is None:
         return
     if c.step_on_host and run.precision == "fp16":
@@ -153,8 +137,6 @@ class OptimizerOffload(Plugin):
     kind = "offload"
     name = "optimizer"
     Config = OptimizerOffloadConfig
-    description = ("optimizer state in host memory; the step on the host (step_on_host=true, ZeRO-offload style) "
-                   "or on the device chunk by chunk")
 
     def validate(self) -> None:
         check_config(self.config, self.run, self.key.replace("/", "."))

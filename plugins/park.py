@@ -63,7 +63,7 @@ import gc
 import logging
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
@@ -79,9 +79,9 @@ from runner.cache import (
     resolve_cache_dir,
 )
 from runner.compat import has_compatible_shallow_copy_type
-from runner.errors import UserError
 from runner.hooks import mark, marked, unmark
-from runner.plugin import Plugin, PluginConfig
+from runner.plugin import Plugin
+from runner.plugins.schemas import ParkConfig, check_park
 from runner.registry import register_plugin
 from runner.trainer import ModelSet, batch_device
 
@@ -92,18 +92,6 @@ log = logging.getLogger("runner")
 
 PARK_METHODS = ("forward", "encode", "decode")
 MARK = "park"  # runner.hooks mark: the module's ParkedModule
-
-
-@dataclass
-class ParkConfig(PluginConfig):
-    """``offload=park``: frozen modules on the host, visiting the device per call; cached outputs."""
-
-    name: str = "park"
-    cache_latents: bool = True  # cache VAE posteriors (mean, std); drop the VAE once all are cached
-    cache_text: bool = True  # cache text embeddings; drop the text encoders once all are cached
-    cache_dir: Optional[str] = None  # default: $XDG_CACHE_HOME or ~/.cache, /diffusion-memory-runner/latents
-    encode_batch_size: Optional[int] = None  # pre-pass batch; default: the run's micro-batch (bitwise-equal results)
-    pin_memory: bool = True  # pinned host copies of parked weights on CUDA (async copies in)
 
 
 # ---- parking: the twin functions ----------------------------------------------------------------
@@ -242,10 +230,11 @@ class CachedEncode:
     """Stands in for ``trainer.encode``: cached parts from disk, the others computed, then
     the trainer's own ``finish_encode`` (per-sample randomness)."""
 
-    def __init__(self, trainer: Any, cache: EncoderCache, keys: dict[str, list[str]]) -> None:
+    def __init__(self, trainer: Any, cache: EncoderCache, keys: dict[str, list[str]], samples: int = 0) -> None:
         self.trainer_ref = weakref.ref(trainer)  # stored on the trainer: no reference cycle
         self.cache = cache
-        self.keys = keys
+        self.keys = keys  # part -> key per view (runner/cache.py CachePlan: index, + samples when mirrored)
+        self.samples = samples
         self.reads = 0
 
     @torch.no_grad()
@@ -255,11 +244,13 @@ class CachedEncode:
             raise RuntimeError("offload=park: the batch has no 'index' key, so cached entries cannot be found; "
                                "the trainer's dataset must return each sample's index")
         index = batch["index"].tolist()
+        flip = batch["flip"].tolist() if "flip" in batch else [False] * len(index)  # data.random_flip, this visit
+        views = [i + self.samples if f else i for i, f in zip(index, flip)]
         device = batch_device(batch)
         parts = {}
         for part in trainer.encode_parts():
             if part in self.keys:
-                parts[part] = self.cache.load_batch(part, [self.keys[part][i] for i in index], device)
+                parts[part] = self.cache.load_batch(part, [self.keys[part][v] for v in views], device)
                 self.reads += 1
             else:
                 parts[part] = trainer.encode_part(models, part, batch)
@@ -343,6 +334,7 @@ def park_and_cache(
     autocast: Callable[[], Any] | None = None,
     simulate: bool = False,
     cache_setting: str = "offload.park.cache_dir",
+    random_flip: bool = False,
 ) -> ParkResult:
     """Park every frozen module of ``models``; fill and use the encoder cache for ``trainer``.
 
@@ -350,6 +342,8 @@ def park_and_cache(
     (and, when every part is cached, its ``dataset``) are replaced by instance attributes;
     ``ParkResult.restore`` undoes that. The cache folder is written only when entries are missing
     or fail verification (then it must be writable, else a UserError naming ``cache_setting``).
+    ``random_flip`` (``data.random_flip``): image parts are cached in both orientations and each
+    batch reads the one its ``flip`` asks for (runner/data/flip.py).
     """
     result = ParkResult()
 
@@ -372,7 +366,7 @@ def park_and_cache(
 
     result.cache = cache = EncoderCache(resolve_cache_dir(cache_dir))
     dataset = trainer.dataset()
-    plan = plan_cache(trainer, dataset, parts, cache, extra_signature)  # verifies every entry it will read
+    plan = plan_cache(trainer, dataset, parts, cache, extra_signature, random_flip)  # verifies every entry it will read
     result.plan = plan
     hits = {p: len(set(plan.keys[p])) - len(plan.missing[p]) for p in parts}
     log.info("park: encoder cache %s: %s", cache.root,
@@ -389,7 +383,7 @@ def park_and_cache(
     _drop_modules(models, droppable, result)
     park_frozen()
 
-    encode = CachedEncode(trainer, cache, {p: plan.keys[p] for p in parts})
+    encode = CachedEncode(trainer, cache, {p: plan.keys[p] for p in parts}, plan.samples)
     result.encode = encode
     had_encode = trainer.__dict__.get("encode")
     trainer.encode = encode
@@ -421,16 +415,9 @@ class Park(Plugin):
     kind = "offload"
     name = "park"
     Config = ParkConfig
-    description = ("frozen modules (VAE, text encoders) on the host, on the device only per call; "
-                   "latents/embeddings cached to disk, encoders dropped once cached")
 
     def validate(self) -> None:
-        c = self.config
-        if c.encode_batch_size is not None and int(c.encode_batch_size) < 1:
-            raise UserError(
-                f"{self.setting('encode_batch_size')}={c.encode_batch_size!r} is not valid: give a whole number >= 1 "
-                "or leave it unset (null) to use the run's micro-batch size."
-            )
+        check_park(self.config, self.key.replace("/", "."))
 
     def _parts(self, ctx: RunContext) -> list[str]:
         c = self.config
@@ -469,7 +456,7 @@ class Park(Plugin):
             ctx.trainer if parts else None, models, ctx.device, host=ctx.host, cache_dir=c.cache_dir,
             cache_latents=c.cache_latents, cache_text=c.cache_text, encode_batch_size=batch,
             pin_memory=c.pin_memory, extra_signature=ctx.encoder_signature(), autocast=autocast, simulate=ctx.simulate,
-            cache_setting=self.setting("cache_dir"),
+            cache_setting=self.setting("cache_dir"), random_flip=ctx.flip.enabled,
         )
         self.result = result
         for name, parked in result.parked.items():

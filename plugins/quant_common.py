@@ -55,7 +55,6 @@ undone): the original weights are freed, which is the point.
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Iterable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -66,7 +65,8 @@ from torch import nn
 
 from runner.compat import is_fake
 from runner.errors import UserError, valid_list
-from runner.plugin import Plugin, PluginConfig
+from runner.plugin import Plugin
+from runner.plugins.schemas import DEFAULT_SKIP, QuantTargetsConfig, check_quantization, compile_patterns  # noqa: F401
 
 if TYPE_CHECKING:
     from runner.context import RunContext
@@ -74,27 +74,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("runner")
 
-DEFAULT_SKIP: tuple[str, ...] = (
-    r"(^|\.)(time_embedding|add_embedding|time_text_embed)\.",
-    r"^(x_embedder|context_embedder|proj_in|proj_out|norm_out)(\.|$)",
-    r"(^|\.)text_projection$",
-)
-"""Regular expressions (``re.search`` on the logical layer name) of layers kept unquantized."""
-
 COMPUTE_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
 PRECISION_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
-
-
-@dataclass
-class QuantTargetsConfig(PluginConfig):
-    """The settings every quantization plugin has: which modules, which layers to leave alone."""
-
-    modules: list[str] = field(default_factory=list)  # [] = every module holding frozen base weights, VAE excepted
-    skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))  # regexes (re.search) on layer names; replaces the defaults
 
 
 # ---- choosing layers ---------------------------------------------------------------------------
@@ -118,20 +103,6 @@ class Selection:
 def logical_name(name: str) -> str:
     """``a.to_q.base_layer`` -> ``a.to_q``: the name a layer has with or without a LoRA wrapper."""
     return name.replace(".base_layer", "")
-
-
-def compile_patterns(patterns: Iterable[str], key: str = "quantization.skip") -> list[re.Pattern[str]]:
-    """Compile skip patterns; a bad one is a UserError naming the key and the pattern."""
-    out = []
-    for i, p in enumerate(patterns):
-        try:
-            out.append(re.compile(str(p)))
-        except re.error as e:
-            raise UserError(
-                f"{key}[{i}]={p!r} is not a valid regular expression ({e}). Patterns are Python regular "
-                r"expressions matched with re.search against layer names, e.g. 'attn2' or '^proj_out$'."
-            ) from None
-    return out
 
 
 def keep_patterns(module: nn.Module, compute_dtype: torch.dtype) -> list[str]:
@@ -335,7 +306,7 @@ class LinearQuantization(Plugin):
 
     # -- validation ----------------------------------------------------------------------------
     def validate(self) -> None:
-        compile_patterns(self.config.skip, self.setting("skip"))
+        check_quantization(self.config, self.key.replace("/", "."))  # names, patterns, ranges (schemas.py)
         resolved = self.compute_dtype()  # raises on an invalid name
         precision = self.run.precision
         half = {torch.float16, torch.bfloat16}

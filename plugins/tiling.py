@@ -49,14 +49,20 @@ from __future__ import annotations
 
 import logging
 import weakref
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
 
-from runner.errors import UserError, valid_list
-from runner.plugin import Plugin, PluginConfig
+from runner.errors import UserError
+from runner.plugin import Plugin
+from runner.plugins.schemas import (  # noqa: F401  (re-exported)
+    ATTENTION_BACKENDS,
+    AttentionConfig,
+    TilingConfig,
+    check_tiling,
+    parse_slice,
+)
 from runner.registry import register_plugin
 
 if TYPE_CHECKING:
@@ -64,76 +70,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("runner")
 
-ATTENTION_BACKENDS = ("default", "math", "flash", "efficient", "cudnn")
 CPU_BACKENDS = ("default", "math", "flash")
 HALF_ONLY_BACKENDS = ("flash", "cudnn")
 
 
-@dataclass
-class TilingConfig(PluginConfig):
-    """``tiling=vae``: tiled VAE encode/decode, plus attention backend and slicing."""
-
-    name: str = "vae"
-    vae_tiling: bool = True  # tiled VAE encode/decode with blended seams (diffusers enable_tiling)
-    vae_tile_size: int = 512  # tile side in pixels (a multiple of the VAE factor, 8)
-    vae_tile_overlap: int = 128  # overlap of neighbouring tiles in pixels, blended (0 <= overlap < tile size)
-    vae_slicing: bool = False  # VAE one sample at a time (exact; less memory for batches > 1)
-    attention: str = "default"  # default | math | flash | efficient | cudnn (diffusers attention modules)
-    attention_slice: Optional[str] = None  # null (off) | auto | max | <int>: diffusers set_attention_slice
-
-
-@dataclass
-class AttentionConfig(TilingConfig):
-    """``tiling=attention``: the same plugin with the VAE untiled by default."""
-
-    name: str = "attention"
-    vae_tiling: bool = False
-
-
 # ---- checks ----------------------------------------------------------------------------------
-def parse_slice(value: Any, key: str = "tiling.attention_slice") -> str | int | None:
-    """``attention_slice`` as diffusers takes it: None, "auto", "max" or a positive int."""
-    if value is None or value == "":
-        return None
-    text = str(value).strip()
-    if text in ("auto", "max"):
-        return text
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise UserError(
-            f"{key}={value!r} is not valid: use null (off), auto (half the heads at a "
-            "time), max (one head at a time) or a positive whole number of heads per slice."
-        )
-    return n
-
-
 def check_config(c: Any, run: Any = None) -> None:
-    """Values diffusers or PyTorch would reject late or accept wrongly; UserErrors naming keys."""
-    if c.attention not in ATTENTION_BACKENDS:
-        raise UserError(
-            f"tiling.{c.name}.attention={c.attention!r} is not valid. Valid values: {valid_list(str(c.attention), ATTENTION_BACKENDS)}."
-        )
-    parse_slice(c.attention_slice, f"tiling.{c.name}.attention_slice")
-    if c.vae_tiling:
-        size, overlap = int(c.vae_tile_size), int(c.vae_tile_overlap)
-        if size <= 0 or size % 8:
-            raise UserError(
-                f"tiling.{c.name}.vae_tile_size={size} is not valid: it must be a positive multiple of 8 pixels "
-                "(the VAE's downsampling factor), e.g. 512."
-            )
-        if overlap < 0 or overlap >= size:
-            raise UserError(
-                f"tiling.{c.name}.vae_tile_overlap={overlap} is not valid with tiling.{c.name}.vae_tile_size={size}: the overlap "
-                f"must be at least 0 and smaller than the tile (e.g. {size // 4})."
-            )
-        if overlap % 8:
-            raise UserError(
-                f"tiling.{c.name}.vae_tile_overlap={overlap} is not valid: it must be a multiple of 8 pixels so that "
-                f"tiles start on the latent grid (e.g. {overlap // 8 * 8 or 8})."
-            )
+    """Values diffusers or PyTorch would reject late or accept wrongly, and the kernels the run's target
+    cannot use; UserErrors naming keys. The settings' own checks are in runner/plugins/schemas.py."""
+    check_tiling(c)
     if run is None:
         return
     if run.target == "cpu" and c.attention not in CPU_BACKENDS:
@@ -279,8 +224,6 @@ class VaeTiling(Plugin):
     kind = "tiling"
     name = "vae"
     Config = TilingConfig
-    description = ("tiled VAE encode/decode (tile size, blended overlap), attention backend "
-                   "(math|flash|efficient|cudnn) and attention slicing")
 
     def validate(self) -> None:
         check_config(self.config, self.run)
@@ -334,4 +277,3 @@ class VaeTiling(Plugin):
 class AttentionTiling(VaeTiling):
     name = "attention"
     Config = AttentionConfig
-    description = "tiling=vae with vae_tiling off by default: attention backend and slicing only"

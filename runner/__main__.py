@@ -3,6 +3,10 @@
 One run, top to bottom: compose -> validate -> resolve -> build trainer -> plan -> apply plugins
 -> loop -> report. Each step is a function in runner/ that tests call on its own;
 docs/architecture.md maps each one to its file.
+
+Nothing heavy is imported at the top of this module: ``--help``, ``--version``, ``mode=plugins``
+and every config error are answered before torch, diffusers or accelerate load (runner/sweep.py
+:func:`~runner.sweep.launch`); :func:`run` imports them once the config is valid.
 """
 from __future__ import annotations
 
@@ -10,21 +14,10 @@ import logging
 import os
 import sys
 
-from accelerate.utils import set_seed
 from omegaconf import DictConfig
 
 from runner import registry, sweep
-from runner.export.checkpoint import export_after_training, export_command
-from runner.hostmem import keep_freed_host_memory
-from runner.loop import make_accelerator, train
-from runner.plan import plan_command, preflight
-from runner.report import summary, write_run_info
-from runner.resolved import resolve
 from runner.resume import resume_base
-from runner.run import build_plugins, build_trainer, make_context, output_dir
-from runner.sampling import build_sampler
-from runner.tracking import accelerator_kwargs
-from runner.trainer_setup import prepare_models
 from runner.validate import validate
 
 log = logging.getLogger("runner")
@@ -33,10 +26,24 @@ log = logging.getLogger("runner")
 def run(cfg: DictConfig) -> float | None:
     """The Hydra task: one job of a run or of a ``-m`` sweep (composed by Hydra)."""
     cfg, overrides = resume_base(cfg)                           # resume: on the checkpoint's saved command line
-    validate(cfg)                                               # validate
+    validate(cfg)                                               # validate (imports torch to resolve the device)
     if cfg.mode == "plugins":
         print(registry.format_plugin_list())
         return None
+    # The steps below import torch, diffusers and accelerate: only now, once the config is valid.
+    from accelerate.utils import set_seed
+
+    from runner.export.checkpoint import export_after_training, export_command
+    from runner.hostmem import keep_freed_host_memory
+    from runner.loop import make_accelerator, train
+    from runner.plan import plan_command, preflight
+    from runner.report import print_summary, write_run_info
+    from runner.resolved import resolve
+    from runner.run import build_plugins, build_trainer, make_context, output_dir
+    from runner.sampling import build_sampler
+    from runner.tracking import accelerator_kwargs
+    from runner.trainer_setup import prepare_models
+
     out = output_dir(cfg)
     write_run_info(out, cfg)
     if cfg.mode == "plan":                                      # only plan: table + plan.json; exit 3 over budget
@@ -64,7 +71,7 @@ def run(cfg: DictConfig) -> float | None:
     finally:
         ctx.teardown()                                          # every plugin change undone, even on error
     export_after_training(ctx, result)                          # LoRA / diffusers files beside the final checkpoint
-    print(summary(result, out))                                 # report
+    print_summary(result, out)                                  # report: stdout and __main__.log (loss.png: sweep.run_job)
     if result.interrupted_by is not None:
         sys.exit(128 + result.interrupted_by)
     return result.losses[-1] if result.losses else None
@@ -72,6 +79,8 @@ def run(cfg: DictConfig) -> float | None:
 
 def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")                # weights are local or built from config
+    if not sys.stderr.isatty():  # no \r-redrawn bars in a log file (transformers' save_pretrained has one)
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # our own progress: runner/progress.py
     # bitsandbytes warns at import that an optional CPU kernel package is missing; it falls back
     # to its own CPU kernels, so the line is noise for every run.
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)

@@ -14,10 +14,17 @@ written to a temporary name in the same folder and renamed into place, so a cras
 run filling the same cache never leaves a half-written entry.
 
 How entries are keyed: ``sha256`` of the trainer's ``cache_signature(part)`` (model identity,
-source files' size and mtime, dtypes, tokenizer, resolution, crop, flip ...) plus the runner's
+source files' size and mtime, dtypes, tokenizer, resolution, crop ...) plus the runner's
 extra settings (device type, autocast, quantization and tiling config), plus the content of the
-sample's inputs: the image file's bytes (with the per-index crop/flip it gets), or the pixels
-for the built-in demo set and any other dataset, and the caption text. Identical captions share
+sample's inputs: the image file's bytes (with the per-index crop it gets), or the pixels
+for the built-in demo set and any other dataset, and the caption text; and the orientation.
+
+``data.random_flip`` flips a sample on some visits and not on others (runner/data/flip.py), so
+with it an image part is planned for each sample in both orientations (kohya's ``flip_aug``), a
+"view" ``(index, flip)``, and the cached encode reads the one each visit asks for (the batch's
+``flip``); text parts do not depend on the orientation, so both views share one entry. Entries
+of trainer cache format 1 (the flip was a fixed coin per image, and ``random_flip`` was part of
+the signature) have other keys: they are never read, and are re-encoded once. Identical captions share
 one text entry. Local weights are identified by file size and mtime rather than by hashing
 gigabytes of weights on every start; an in-place edit that keeps both would not be noticed
 (delete the cache folder after such an edit).
@@ -115,10 +122,10 @@ class SampleFingerprints:
     """What each sample's inputs are, by content, without decoding images where avoidable.
 
     * a :class:`runner.data.FolderDataset`: the image file's sha256 (reading bytes is much
-      cheaper than decoding), the flip that index gets and, without center crop, the index
+      cheaper than decoding), the orientation (``flip``) and, without center crop, the index
       (its crop offset is a hash of the index); captions from the dataset's list;
-    * the built-in demo set and any other map-style dataset: the sha256 of ``ds[i]``'s pixels
-      and its caption (the demo set draws small images quickly).
+    * the built-in demo set and any other map-style dataset: the sha256 of ``ds[i]``'s pixels,
+      the orientation, and its caption (the demo set draws small images quickly).
     """
 
     def __init__(self, dataset: Any) -> None:
@@ -145,26 +152,24 @@ class SampleFingerprints:
             return demo_caption(index)
         return str(self._sample(index)["caption"])
 
-    def image(self, index: int) -> dict[str, Any]:
+    def image(self, index: int, flip: bool = False) -> dict[str, Any]:
         if self.folder is not None:
-            from runner.data.images import flips
-
             ds = self.folder
             fp: dict[str, Any] = {
                 "file_sha256": _sha256_file(ds.paths[index]),
                 "pipeline": IMAGE_PIPELINE_VERSION,
-                "flip": bool(ds.random_flip and flips(index)),
+                "flip": bool(flip),
             }
             if not ds.center_crop:
                 fp["crop_index"] = index
             return fp
-        return {"pixels_sha256": _sha256_tensor(self._sample(index)["pixel_values"])}
+        return {"pixels_sha256": _sha256_tensor(self._sample(index)["pixel_values"]), "flip": bool(flip)}
 
-    def of(self, index: int, inputs: Sequence[str]) -> dict[str, Any]:
+    def of(self, index: int, inputs: Sequence[str], flip: bool = False) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for key in inputs:
             if key == "pixel_values":
-                out[key] = self.image(index)
+                out[key] = self.image(index, flip)
             elif key == "caption":
                 out[key] = self.caption(index)
             else:
@@ -172,13 +177,17 @@ class SampleFingerprints:
                 out[key] = _sha256_tensor(value) if isinstance(value, torch.Tensor) else repr(value)
         return out
 
-    def raw_inputs(self, indices: Sequence[int], inputs: Sequence[str]) -> dict[str, Any]:
-        """A raw batch with just ``inputs`` for ``indices`` (captions without decoding pixels)."""
+    def raw_inputs(self, indices: Sequence[int], inputs: Sequence[str], flips: Sequence[bool] | None = None) -> dict[str, Any]:
+        """A raw batch with just ``inputs`` for ``indices`` (captions without decoding pixels), the
+        pixels of the rows where ``flips`` is true mirrored as the training loop mirrors them."""
         from runner.data import collate
+        from runner.data.flip import flip_rows
 
         if set(inputs) <= {"caption"}:
             return {"caption": [self.caption(i) for i in indices]}
         batch = collate([self.dataset[i] for i in indices])
+        if flips is not None and "pixel_values" in batch:
+            batch["pixel_values"] = flip_rows(batch["pixel_values"], torch.tensor(list(flips), dtype=torch.bool))
         return {k: batch[k] for k in inputs}
 
 
@@ -259,11 +268,22 @@ class EncoderCache:
 # ---- planning and filling ---------------------------------------------------------------------
 @dataclass
 class CachePlan:
-    """Entry keys of every sample, per part, and which entries are still to be encoded."""
+    """Entry keys of every sample view, per part, and which entries are still to be encoded.
 
-    keys: dict[str, list[str]]  # part -> key of each dataset index
-    missing: dict[str, list[int]] = field(default_factory=dict)  # part -> one index per missing key (bad included)
+    A view is a dataset index in one orientation: view ``v`` is index ``v % n`` (``n`` samples),
+    mirrored when ``v >= n``; there are ``n`` views without ``data.random_flip`` and ``2n`` with it.
+    """
+
+    keys: dict[str, list[str]]  # part -> key of each view (the first n: each dataset index, unflipped)
+    missing: dict[str, list[int]] = field(default_factory=dict)  # part -> one view per missing key (bad included)
     bad: dict[Path, str] = field(default_factory=dict)  # entries on disk that failed verification -> why
+    samples: int = 0  # n: views >= n are the mirrored ones
+
+    def view(self, index: int, flip: bool) -> int:
+        return index + self.samples if flip else index
+
+    def index_and_flip(self, view: int) -> tuple[int, bool]:
+        return (view - self.samples, True) if self.samples and view >= self.samples else (view, False)
 
     def missing_count(self) -> int:
         return sum(len(v) for v in self.missing.values())
@@ -286,8 +306,10 @@ def plan_cache(
     parts: Sequence[str],
     cache: EncoderCache,
     extra_signature: dict[str, Any] | None = None,
+    random_flip: bool = False,
 ) -> CachePlan:
-    """Key every sample of ``dataset`` for each of ``parts`` and list the entries to encode.
+    """Key every sample of ``dataset`` for each of ``parts`` (both orientations with ``random_flip``)
+    and list the entries to encode.
 
     Every entry the run will read is verified here (:mod:`runner.cache_entry`), so an entry that
     is absent, empty, truncated, of an older format or fails its checksum is planned as missing
@@ -296,14 +318,15 @@ def plan_cache(
     specs = trainer.encode_parts()
     fps = SampleFingerprints(dataset)
     n = len(dataset)
-    plan = CachePlan(keys={p: [] for p in parts}, missing={p: [] for p in parts})
+    plan = CachePlan(keys={p: [] for p in parts}, missing={p: [] for p in parts}, samples=n)
     signatures = {p: {**trainer.cache_signature(p), "runner": dict(extra_signature or {})} for p in parts}
-    first_index: dict[tuple[str, str], int] = {}  # (part, key) -> first dataset index with it
+    first_index: dict[tuple[str, str], int] = {}  # (part, key) -> first view with it
+    views = [(i, flip) for flip in ((False, True) if random_flip else (False,)) for i in range(n)]
     for p in parts:
-        for i in range(n):
-            key = entry_key(signatures[p], fps.of(i, specs[p].inputs))
+        for v, (i, flip) in enumerate(views):
+            key = entry_key(signatures[p], fps.of(i, specs[p].inputs, flip))
             plan.keys[p].append(key)
-            first_index.setdefault((p, key), i)
+            first_index.setdefault((p, key), v)
     unusable = cache.verify_many(first_index)
     for (p, key), i in first_index.items():  # dict order: by part, then by first index
         why = unusable.get((p, key))
@@ -364,17 +387,17 @@ def fill_cache(
     done, t0, last = 0, time.perf_counter(), time.perf_counter()
     log.info("encoder cache: encoding %d entries (%s) in batches of %d into %s", total,
              ", ".join(f"{p}: {len(v)}" for p, v in plan.missing.items() if v), batch_size, cache.root)
-    for part, indices in plan.missing.items():
-        for lo in range(0, len(indices), batch_size):
-            chunk = indices[lo:lo + batch_size]
-            padded = chunk + [chunk[-1]] * (batch_size - len(chunk))
-            raw = fps.raw_inputs(padded, specs[part].inputs)
+    for part, views in plan.missing.items():
+        for lo in range(0, len(views), batch_size):
+            chunk = views[lo:lo + batch_size]
+            padded = [plan.index_and_flip(v) for v in chunk + [chunk[-1]] * (batch_size - len(chunk))]
+            raw = fps.raw_inputs([i for i, _ in padded], specs[part].inputs, [f for _, f in padded])
             batch = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in raw.items()}
             batch["sample_seed"] = torch.zeros(len(padded), dtype=torch.int64, device=device)
             with (autocast() if autocast is not None else nullcontext()), torch.no_grad():
                 out = trainer.encode_part(models, part, batch)
-            for row, index in enumerate(chunk):
-                cache.save(part, plan.keys[part][index], {k: v[row] for k, v in out.items()})
+            for row, view in enumerate(chunk):
+                cache.save(part, plan.keys[part][view], {k: v[row] for k, v in out.items()})
             done += len(chunk)
             now = time.perf_counter()
             if now - last >= log_every_s or done == total:

@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 
+from runner.files import fix_fd_mode
+
 FORMAT = "runner-encoder-cache/2"  # /1 had no checksum: its entries are re-encoded
 CHECKSUM_KEY = "crc32"
 HEADER_LIMIT = 100 << 20  # safetensors' own cap on a header's size
@@ -164,6 +166,7 @@ def write_entry(final: Path, tensors: dict[str, torch.Tensor], part: str, key: s
     final.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=final.parent)
     try:
+        fix_fd_mode(fd)  # 0644 under umask 022, not mkstemp's 0600: a cache may be shared (runner/files.py)
         with os.fdopen(fd, "wb") as f:
             f.write(blob)
         os.replace(tmp, final)

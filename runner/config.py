@@ -93,7 +93,7 @@ class RunConfig:
     """The root schema. ``defaults`` live in conf/config.yaml."""
 
     trainer: Any = MISSING
-    optimizer: Any = MISSING  # one schema per option (adamw, adamw8bit, ...): runner/optim.py
+    optimizer: Any = MISSING  # one schema per option (adamw, adamw8bit, ...): runner/optim_config.py
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -118,6 +118,7 @@ SIZES = ("tiny", "full")
 DTYPES = ("float32", "bfloat16", "float16")
 TRAIN_DTYPES = ("float32", "bfloat16")  # model.train_dtype (bfloat16 = kohya's --full_bf16)
 PRECISIONS = ("no", "bf16", "fp16")
+NONFINITE_POLICIES = ("skip", "stop")  # train.on_nonfinite (runner/nonfinite.py)
 # diffusers.optimization.SchedulerType's values (train.lr_scheduler). Listed here because importing
 # diffusers to validate a config costs ~4 s; tests/runner/test_bad_inputs.py checks the list.
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
@@ -141,6 +142,6 @@ def store_schemas() -> None:
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
     cs.store(group="trainer", name="custom", node=CustomTrainerConfig)
-    from runner.optim import store_optimizer_schemas
+    from runner.optim_config import store_optimizer_schemas
 
     store_optimizer_schemas()

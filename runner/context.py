@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 
+from runner.data.flip import NO_FLIP, VisitFlip
 from runner.errors import UserError
 from runner.hooks import ModuleHooks
 from runner.plugin import PluginSchedule
@@ -91,6 +92,8 @@ class RunContext:
     sampler: Any = field(default_factory=NoSampler)  # sample.every: runner.sampling.build_sampler; no-op by default
     # The run's experiment tracker (runner/tracking.py): ``ctx.tracking.log_images(step, {name: image})``.
     tracking: Tracking = field(default_factory=NoTracking)
+    # data.random_flip, per visit (runner/data/flip.py): the loop applies it, the encoder cache keys both orientations.
+    flip: VisitFlip = NO_FLIP
     _torn_down: bool = False
 
     # The resolved run's devices, under the names plugins have always used.

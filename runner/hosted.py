@@ -52,7 +52,7 @@ from runner.memory.profile import build_profiler
 from runner.memory.stats import MemoryMonitor
 from runner.optim import build_optimizer
 from runner.plan import preflight
-from runner.report import MetricsWriter, summary, write_run_info
+from runner.report import MetricsWriter, print_summary, write_run_info
 from runner.resolved import resolve
 from runner.run import build_plugins, make_context, output_dir
 from runner.trainer import ModelSet
@@ -234,8 +234,10 @@ class HostedRun:
         tail = self._times[1:] or self._times
         self.result.seconds_per_step = sum(tail) / len(tail) if tail else float("nan")
         self.result.notes = dict(self.ctx.notes)
-        text = summary(self.result, self.output_dir)
-        print(text)
+        text = print_summary(self.result, self.output_dir)  # stdout and the job's log file
+        from runner.plots import LOSS_PNG, safely, write_loss_plot
+
+        safely(LOSS_PNG, lambda: write_loss_plot(self.output_dir, self.cfg))
         return text
 
 

@@ -15,7 +15,6 @@ time (and ``accelerator.accumulate`` assumes a fixed count).
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import signal
@@ -29,7 +28,6 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from diffusers.optimization import get_scheduler
-from tqdm.auto import tqdm
 
 from runner.context import RunContext
 from runner.data import collate, describe_dataset
@@ -38,8 +36,9 @@ from runner.memory.profile import build_profiler
 from runner.memory.stats import MemoryMonitor
 from runner.nonfinite import NonFiniteGuard, NonFiniteStop, grad_norm
 from runner.oom import MicroBatchRecovery, OutOfMemoryGiveUp
+from runner.progress import build_progress
 from runner.optim import build_optimizer
-from runner.report import MetricsWriter, drop_metrics_after
+from runner.report import MetricsWriter, drop_metrics_after, read_metrics  # noqa: F401  (read_metrics: re-exported)
 from runner.resume import saved_config_text
 from runner.resolved import ResolvedRun
 from runner.tracking import start_tracking
@@ -158,7 +157,7 @@ def train(ctx: RunContext) -> TrainResult:
     accelerator = ctx.accelerator
     batch_size, micro = run.batch_size, run.micro_batch
     dataset = trainer.dataset()
-    log.info("data: %s", describe_dataset(dataset))  # what is used, and what was skipped or upscaled and why
+    log.info("data: %s%s", describe_dataset(dataset), ctx.flip.describe())  # what is used, skipped or upscaled, and why
     order = SampleOrder(len(dataset), run.seed)
 
     ctx.optimizer = build_optimizer(cfg.optimizer, list(models.trainable_parameters()), notes=ctx.notes)
@@ -187,7 +186,7 @@ def train(ctx: RunContext) -> TrainResult:
     profiler = build_profiler(cfg, ctx)  # a no-op unless profile.enabled
     guard = NonFiniteGuard(cfg.train.on_nonfinite, cfg.train.nonfinite_patience, lr=cfg.optimizer.get("lr"),
                            scaler_active=accelerator.scaler is not None, precision=run.precision)
-    bar = tqdm(total=cfg.train.steps, initial=state.step, disable=not cfg.train.progress, desc="train", dynamic_ncols=True)
+    progress = build_progress(cfg, state.step)  # tqdm on a terminal, else a log line every log.every steps
     step_times: list[float] = []
     tracking = ctx.tracking = start_tracking(accelerator, cfg)  # a no-op unless log.tracker; samplers log images here
 
@@ -205,7 +204,7 @@ def train(ctx: RunContext) -> TrainResult:
         return save_checkpoint(ckpt_root, state, models, ctx.optimizer, scheduler, cfg.train.keep_saved,
                                config_text=saved_config_text(cfg, ctx.overrides), optimizer_name=cfg.optimizer.get("name"))
 
-    with StopRequest() as stop, bar, closing(metrics), closing(profiler), closing(tracking):
+    with StopRequest() as stop, closing(progress), closing(metrics), closing(profiler), closing(tracking):
         ctx.sampler.maybe_sample(state.step)  # samples at the start (step 0, or the resumed step)
         while state.step < cfg.train.steps:
             t0 = time.perf_counter()
@@ -214,6 +213,7 @@ def train(ctx: RunContext) -> TrainResult:
             start = state.samples_seen
             raw = collate([dataset[i] for i in order.indices(start, batch_size)])
             raw["sample_seed"] = order.sample_seeds(start, batch_size)
+            raw = ctx.flip.apply(raw)  # data.random_flip: a coin per visit, from sample_seed (runner/data/flip.py)
             try:
                 step_loss = recovery.run(state.step + 1, lambda m: forward_backward(ctx, raw, m, profiler))
             except OutOfMemoryGiveUp as e:  # already at micro-batch 1: keep the last completed step, stop
@@ -241,8 +241,7 @@ def train(ctx: RunContext) -> TrainResult:
             metrics.write(row)
             tracking.log_metrics(state.step, row)
             result.losses.append(step_loss)
-            bar.set_postfix({"loss": f"{step_loss:.4f}", "s_step": f"{dt:.2f}", **memory.postfix(mem)})  # in this order
-            bar.update(1)
+            progress.update(state.step, step_loss, row["lr"], dt, memory.postfix(mem))
             due = cfg.train.save_every and state.step % cfg.train.save_every == 0
             if due or state.step == cfg.train.steps or stop.signum is not None:
                 with stop.deferred():  # a second Ctrl-C waits for the save; a third forces the exit
@@ -276,7 +275,3 @@ def forward_backward(ctx: RunContext, raw: dict[str, Any], micro: int, profiler:
             ctx.accelerator.backward(loss * weight)
         total += float(loss.detach()) * weight
     return total
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -29,12 +29,13 @@ from pathlib import Path
 
 import torch
 
+from runner.config import NONFINITE_POLICIES
 from runner.errors import UserError
 
 log = logging.getLogger("runner")
 
 NONFINITE_EXIT_CODE = 4
-POLICIES = ("skip", "stop")
+POLICIES = NONFINITE_POLICIES  # train.on_nonfinite (listed in runner/config.py: validation reads it without torch)
 
 
 class NonFiniteStop(UserError):

@@ -3,7 +3,7 @@
 Optimizer state is the largest memory item of a full fine-tune after the weights: AdamW keeps
 two moments per parameter, 8 B/param in float32 (SDXL's U-Net: 2.6 B params -> 21 GB). The
 options, one dataclass schema each in Hydra's ConfigStore group ``optimizer``
-(``optimizer=adamw8bit optimizer.lr=1e-5``):
+(``optimizer=adamw8bit optimizer.lr=1e-5``; the schemas are in runner/optim_config.py, without torch):
 
 ========================  ==============================================  ===========================
 option                    state per parameter tensor of n elements         notes
@@ -44,60 +44,25 @@ import logging
 import math
 from collections.abc import Iterable
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
-from hydra.core.config_store import ConfigStore
-from omegaconf import OmegaConf
 
 from runner.errors import UserError, valid_list
+from runner.optim_config import (  # noqa: F401  (the schemas: re-exported)
+    AdafactorConfig,
+    AdamW8bitConfig,
+    AdamWConfig,
+    PagedAdamW8bitConfig,
+    check_optimizer_config,
+    store_optimizer_schemas,  # runner/config.py used to take it from here
+)
 
 log = logging.getLogger("runner")
 
 BNB_BLOCKSIZE = 256  # bitsandbytes' blockwise 8-bit optimizer state block
 PAGED_MIN_NUMEL = 100_000  # bitsandbytes pages only state tensors of at least this many elements
-
-
-# ---- schemas ------------------------------------------------------------------------------------
-@dataclass
-class AdamWConfig:
-    """``optimizer=adamw``: torch.optim.AdamW, float32 moments (8 B/param for float32 weights)."""
-
-    name: str = "adamw"
-    lr: float = 1e-4
-    weight_decay: float = 1e-2
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-
-
-@dataclass
-class AdamW8bitConfig(AdamWConfig):
-    """``optimizer=adamw8bit``: bitsandbytes AdamW with blockwise 8-bit moments (~2 B/param)."""
-
-    name: str = "adamw8bit"
-    min_8bit_size: int = 4096  # tensors with fewer elements keep 32-bit moments (bitsandbytes' default)
-
-
-@dataclass
-class PagedAdamW8bitConfig(AdamW8bitConfig):
-    """``optimizer=paged_adamw8bit``: adamw8bit with its state in CUDA unified (pageable) memory."""
-
-    name: str = "paged_adamw8bit"
-
-
-@dataclass
-class AdafactorConfig:
-    """``optimizer=adafactor``: factored second moment, no first moment; fixed lr (see module doc)."""
-
-    name: str = "adafactor"
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    eps: list[float] = field(default_factory=lambda: [1e-30, 1e-3])  # (regulariser of the squared grad, of the RMS)
-    clip_threshold: float = 1.0
-    decay_rate: float = -0.8
-    beta1: Optional[float] = None  # None: no first moment (the memory saving)
-    scale_parameter: bool = False  # True multiplies lr by each tensor's RMS
 
 
 # ---- state layout -------------------------------------------------------------------------------
@@ -212,13 +177,6 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
         OptimizerSpec("adafactor", AdafactorConfig, _build_adafactor, _adafactor_layout),
     )
 }
-
-
-def store_optimizer_schemas() -> None:
-    """Store every optimizer schema as an option of Hydra's ``optimizer`` group."""
-    cs = ConfigStore.instance()
-    for spec in OPTIMIZERS.values():
-        cs.store(group="optimizer", name=spec.name, node=spec.config())
 
 
 def _spec(cfg: Any) -> OptimizerSpec:
@@ -394,19 +352,8 @@ class SimulatedOptimizer(torch.optim.Optimizer):
 def validate_optimizer(cfg: Any, run: Any) -> None:
     """Name, schema and requirements of ``cfg.optimizer`` for the resolved ``run``; each failure
     names the key and the fix."""
-    node = cfg.optimizer
-    spec = _spec(node)
-    schema = OmegaConf.get_type(node) if OmegaConf.is_config(node) else type(node)
-    if schema is not None and schema is not spec.config and schema in {s.config for s in OPTIMIZERS.values()}:
-        chosen = next(s.name for s in OPTIMIZERS.values() if s.config is schema)
-        raise UserError(
-            f"optimizer.name={spec.name} does not switch the optimizer (the optimizer group is '{chosen}'): "
-            f"select it with optimizer={spec.name}, which also brings its own settings."
-        )
-    if hasattr(node, "betas"):
-        betas = list(node.betas)
-        if len(betas) != 2 or not all(0.0 <= float(b) < 1.0 for b in betas):
-            raise UserError(f"optimizer.betas={betas} is not valid: give two numbers in [0, 1), e.g. [0.9, 0.999].")
+    check_optimizer_config(cfg.optimizer)  # name, schema, betas: runner/optim_config.py
+    spec = _spec(cfg.optimizer)
     if spec.needs_cuda and not run.on_cuda:
         where = "train.device=cpu" if str(cfg.train.device) == "cpu" else "train.device=auto and no CUDA device is available"
         raise UserError(

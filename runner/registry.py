@@ -9,6 +9,11 @@ Every registered config dataclass is also stored in Hydra's ConfigStore as optio
 group ``kind``, placed at ``<kind>.<name>``: ``offload=[park,activations]`` (or ``+offload=activations``
 on top of a preset's choice) selects two plugins of one kind, each with its own schema-checked
 node (``offload.park.cache_latents=false``). ``offload=none`` (or ``offload=[]``) selects none.
+
+Built-in plugins and trainers are *declared* (:func:`declare_plugin`, :func:`register_trainer`)
+with their schema and the path of their class, and the class is imported only when a run builds
+it (:func:`get_plugin`, the trainer's ``_target_``). That keeps torch out of ``--help``, ``--version``,
+``mode=plugins`` and every config error (runner/plugins/schemas.py, runner/trainers/__init__.py).
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ import importlib
 import logging
 from dataclasses import MISSING, dataclass, fields
 from importlib.metadata import entry_points
-from typing import Any
+from typing import Any, Callable
 
 from hydra.core.config_store import ConfigStore
 
@@ -28,7 +33,27 @@ log = logging.getLogger("runner")
 PLUGIN_GROUP = "runner.plugins"
 TRAINER_GROUP = "runner.trainers"
 
-_PLUGINS: dict[tuple[str, str], type[Plugin]] = {}
+@dataclass
+class PluginEntry:
+    """A plugin the registry knows: its schema and description now, its class when first needed."""
+
+    kind: str
+    name: str
+    config: type
+    description: str
+    target: str = ""  # "module:Class"; empty for a class registered directly
+    check: Callable[[Any, str], None] | None = None  # node-only checks, callable without torch
+    cls: type[Plugin] | None = None
+
+    def load(self) -> type[Plugin]:
+        if self.cls is None:
+            module, _, attr = self.target.partition(":")
+            cls = getattr(importlib.import_module(module), attr)  # its @register_plugin fills self.cls too
+            self.cls = cls
+        return self.cls
+
+
+_PLUGINS: dict[tuple[str, str], PluginEntry] = {}
 
 
 @dataclass
@@ -43,16 +68,51 @@ _TRAINERS: dict[str, TrainerEntry] = {}
 _LOADED = False
 
 
+def _store_schema(kind: str, name: str, config: type) -> None:
+    ConfigStore.instance().store(group=kind, name=name, node=config(name=name), package=f"{kind}.{name}")
+
+
+def declare_plugin(kind: str, name: str, config: type, target: str, description: str = "",
+                   check: Callable[[Any, str], None] | None = None) -> None:
+    """Make ``<kind>=<name>`` known without importing its class (``target``, "module:Class").
+
+    The schema is stored for composition now; ``check(node, "<kind>.<name>")`` runs the settings'
+    own checks in validation; the class is imported by :func:`get_plugin`."""
+    if kind not in KINDS:
+        raise ValueError(f"Plugin {target} has kind '{kind}'; valid kinds: {', '.join(KINDS)}")
+    entry = _PLUGINS.get((kind, name))
+    if entry is not None:  # its module was imported first and registered the class: keep both
+        entry.target, entry.check = target, check
+        entry.description = entry.description or description
+        return
+    _PLUGINS[(kind, name)] = PluginEntry(kind, name, config, description or getattr(config, "description", ""),
+                                         target, check)
+    _store_schema(kind, name, config)
+
+
 def register_plugin(cls: type[Plugin]) -> type[Plugin]:
-    """Class decorator: register ``cls`` under (cls.kind, cls.name) and store its schema."""
+    """Class decorator: register ``cls`` under (cls.kind, cls.name) and store its schema.
+
+    For a declared built-in this attaches the class to its entry; its description may live on its
+    ``Config`` (``description`` ClassVar) instead of the class."""
     if cls.kind not in KINDS:
         raise ValueError(f"Plugin {cls.__name__} has kind '{cls.kind}'; valid kinds: {', '.join(KINDS)}")
     key = (cls.kind, cls.name)
-    if key in _PLUGINS and _PLUGINS[key] is not cls:
-        raise ValueError(f"Plugin {cls.kind}/{cls.name} is registered twice ({_PLUGINS[key].__name__}, {cls.__name__})")
-    _PLUGINS[key] = cls
-    ConfigStore.instance().store(group=cls.kind, name=cls.name, node=cls.Config(name=cls.name),
-                                 package=f"{cls.kind}.{cls.name}")
+    if not cls.__dict__.get("description"):
+        cls.description = getattr(cls.Config, "description", "") or cls.description
+    entry = _PLUGINS.get(key)
+    if entry is not None and entry.cls is not None and entry.cls is not cls:
+        raise ValueError(f"Plugin {cls.kind}/{cls.name} is registered twice ({entry.cls.__name__}, {cls.__name__})")
+    if entry is not None and entry.target and entry.target != f"{cls.__module__}:{cls.__qualname__}":
+        raise ValueError(f"Plugin {cls.kind}/{cls.name} is declared as {entry.target}, not {cls.__module__}:{cls.__qualname__}")
+    if entry is None:
+        _PLUGINS[key] = PluginEntry(cls.kind, cls.name, cls.Config, cls.description,
+                                    f"{cls.__module__}:{cls.__qualname__}", cls=cls)
+        _store_schema(cls.kind, cls.name, cls.Config)
+    else:
+        if entry.config is not cls.Config:
+            raise ValueError(f"Plugin {cls.kind}/{cls.name}: its Config is not the declared schema {entry.config.__name__}")
+        entry.cls = cls
     return cls
 
 
@@ -102,6 +162,12 @@ def plugin_names(kind: str) -> list[str]:
 
 
 def get_plugin(kind: str, name: str) -> type[Plugin]:
+    """The plugin's class (its module is imported now, the first time)."""
+    return plugin_entry(kind, name).load()
+
+
+def plugin_entry(kind: str, name: str) -> PluginEntry:
+    """The plugin's schema, description and checks, without importing its class."""
     if kind not in KINDS:
         raise UserError(f"Unknown plugin kind '{kind}'. Valid kinds: {valid_list(kind, KINDS)}.")
     try:
@@ -129,6 +195,12 @@ def trainers() -> dict[str, TrainerEntry]:
 
 
 def all_plugins() -> dict[tuple[str, str], type[Plugin]]:
+    """Every plugin's class (imports every plugin module: for code that builds plugins)."""
+    return {key: entry.load() for key, entry in plugin_entries().items()}
+
+
+def plugin_entries() -> dict[tuple[str, str], PluginEntry]:
+    """Every plugin's entry, kinds in KINDS order; nothing is imported."""
     return dict(sorted(_PLUGINS.items(), key=lambda kv: (KINDS.index(kv[0][0]), kv[0][1])))
 
 
@@ -154,12 +226,12 @@ def format_plugin_list() -> str:
     lines = ["Plugins (select with <kind>=<name> or <kind>=[<name>,<name>], add one to a preset's with",
              "+<kind>=<name>, set parameters with <kind>.<name>.<param>=<value>):", ""]
     current = None
-    for (kind, name), cls in all_plugins().items():
+    for (kind, name), entry in plugin_entries().items():
         if kind != current:
             lines.append(f"{kind}:")
             current = kind
-        lines.append(f"  {name:<12} {cls.description}")
-        for fname, ftype, default in describe_config(cls.Config):
+        lines.append(f"  {name:<12} {entry.description}")
+        for fname, ftype, default in describe_config(entry.config):
             lines.append(f"      {kind}.{name}.{fname}: {ftype} = {default!r}")
     lines += ["", "Trainers (select with trainer=<name>, or trainer._target_=module.Class):"]
     for name, entry in sorted(_TRAINERS.items()):

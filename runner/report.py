@@ -37,6 +37,18 @@ class MetricsWriter:
         self._f.close()
 
 
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl; a torn last line (a run killed mid-write) is skipped."""
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
 def drop_metrics_after(path: Path, step: int) -> int:
     """Keep the rows of ``path`` up to ``step`` (a resume from that step); how many were dropped.
 
@@ -81,8 +93,11 @@ def json_text(value: Any, indent: int | None = None) -> str:
 def write_text_atomic(path: Path, text: str) -> None:
     """Write ``path`` so that a reader sees the old content or the new, never a torn or empty file:
     a temporary file in the same folder, fsynced, then renamed over it."""
+    from runner.files import fix_fd_mode
+
     fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)
     try:
+        fix_fd_mode(fd)  # mkstemp makes it 0600; a run's outputs are 0644 like any file (runner/files.py)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
@@ -127,3 +142,13 @@ def summary(result: Any, out: Path) -> str:
     if state_bytes is not None:
         lines.append(f"optimizer state: {state_bytes} bytes ({state_bytes / 2**20:.2f} MiB)")
     return "\n".join(lines)
+
+
+def print_summary(result: Any, out: Path) -> str:
+    """The summary on stdout and in the job's log file (Hydra's ``__main__.log``); returned too."""
+    from runner.progress import log_to_files
+
+    text = summary(result, out)
+    print(text)
+    log_to_files("summary:\n" + text)
+    return text

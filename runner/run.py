@@ -70,8 +70,11 @@ def build_trainer(cfg: DictConfig, run: ResolvedRun | None = None) -> Trainer:
 
 def make_context(cfg: Any, run: ResolvedRun, schedule: PluginSchedule, output_dir: Path | None,
                  overrides: list[str] | None = None) -> RunContext:
+    from runner.data.flip import visit_flip
+
     return RunContext(run=run, schedule=schedule, cfg=cfg, output_dir=output_dir,
-                      overrides=None if overrides is None else list(overrides))
+                      overrides=None if overrides is None else list(overrides),
+                      flip=visit_flip(cfg.get("data") if hasattr(cfg, "get") else None))
 
 
 def output_dir(cfg: DictConfig) -> Path:

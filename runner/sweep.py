@@ -17,10 +17,14 @@ with status 1 at the end if any job did not end ``ok`` (the table says which). A
 still exits with the error's own status (2 for bad input, 3 for out of memory at micro-batch
 1) and keeps the traceback of a bug.
 
-Peak memory: on CUDA the run's peak allocated bytes (``memory_peak_gb``); on CPU the largest
-host RSS sampled at step ends (``host_rss_gb``). The ``peak_memory_source`` column says which.
-In a sweep run in one process, RSS includes what earlier jobs left behind (Python rarely gives
-memory back to the OS), so compare CPU figures across jobs with care.
+Columns that summarise: ``final_loss`` is the mean loss of the last 10% of the job's steps (at
+least one; ``final_loss_steps`` says how many), since a single step's loss is one batch's noise.
+``peak_memory_gb`` is device memory: on CUDA the run's peak allocated bytes (``memory_peak_gb``);
+on CPU the memory profile's tracked peak when the job was profiled, else the preflight plan's
+device peak, never the process RSS (which counts the interpreter and every library, and in a
+sweep run in one process what earlier jobs left behind). ``peak_memory_source`` says which figure
+it is; ``planned_peak_gb`` (the plan, on any device) and ``host_rss_peak_gb`` sit beside it.
+``sweep.png`` plots every job's loss and its planned and measured peak (runner/plots.py).
 """
 from __future__ import annotations
 
@@ -42,15 +46,15 @@ from omegaconf import DictConfig
 
 from runner import registry
 from runner.errors import Interrupted, UserError, storage_error
-from runner.validate import conf_dir, hydra_args, precheck
+from runner.validate import check_run, conf_dir, hydra_args, precheck
 
 log = logging.getLogger("runner")
 
 JOB_SUMMARY = "job_summary.json"
 SWEEP_CSV = "sweep_summary.csv"
 STATUSES = ("ok", "oom", "failed", "interrupted", "nonfinite", "io_error")
-COLUMNS = ("job", "status", "overrides", "steps_done", "final_loss", "s_per_step", "peak_memory_gb",
-           "peak_memory_source", "micro_batch_size", "exit_code", "error", "dir")
+COLUMNS = ("job", "status", "overrides", "steps_done", "final_loss", "final_loss_steps", "s_per_step", "peak_memory_gb",
+           "peak_memory_source", "planned_peak_gb", "host_rss_peak_gb", "micro_batch_size", "exit_code", "error", "dir")
 
 _last_sweep: list[dict[str, Any]] | None = None
 
@@ -87,6 +91,7 @@ def run_job(task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
             write_job_summary(cfg, status, error, exit_code, num, overrides, time.perf_counter() - started)
         except Exception as e:
             log.warning("could not write %s: %s", JOB_SUMMARY, f"{type(e).__name__}: {e}".splitlines()[0])
+        plot_job(cfg)  # loss.png, however the job ended; a warning at worst
 
     try:
         value = task(cfg)
@@ -156,25 +161,75 @@ def _forget(error: BaseException) -> None:
         pass
 
 
+FINAL_LOSS_SHARE = 0.1  # final_loss: the mean loss of the last 10% of steps
+
+
+def final_loss(losses: list[Any]) -> tuple[float | None, int]:
+    """The mean of the finite losses among the last 10% of steps (at least one step), and how many
+    steps that is. One step's loss is one batch's: noise, not where the run ended."""
+    k = max(1, int(len(losses) * FINAL_LOSS_SHARE))
+    tail = [v for v in losses[-k:] if isinstance(v, (int, float)) and math.isfinite(v)]
+    return (sum(tail) / len(tail) if tail else None), k
+
+
+def peak_memory(out: Path, rows: list[dict[str, Any]]) -> tuple[float | None, str | None]:
+    """The job's peak device memory in GiB and where it comes from.
+
+    CUDA: the allocator's peak allocated bytes (``memory_peak_gb``). A CPU run has no device
+    allocator, and its process RSS counts the interpreter and every library, so it is not the
+    figure to compare with a GPU job or a plan: the tracked peak of the memory profile when the run
+    was profiled, else the preflight plan's device peak, else nothing (``host_rss_peak_gb`` keeps
+    the RSS in its own column)."""
+    from runner.plots import GIB, planned_peak_bytes, tracked_peaks
+
+    cuda_peaks = [r["memory_peak_gb"] for r in rows if r.get("memory_peak_gb") is not None]
+    if cuda_peaks:
+        return max(cuda_peaks), "cuda max allocated"
+    tracked = tracked_peaks(out)
+    if tracked:
+        return max(tracked.values()) / GIB, f"tracked live tensors (memory profile, steps {min(tracked)}-{max(tracked)})"
+    planned = planned_peak_bytes(out)
+    if planned is not None:
+        return planned / GIB, "planned device peak (preflight plan; CPU run, not measured)"
+    return None, None
+
+
 def summarize_metrics(out: Path) -> dict[str, Any]:
-    """Steps done, final loss, s/step (first step excluded: warm-up), peak memory, last micro-batch."""
-    from runner.loop import read_metrics
+    """Steps done, final loss (mean of the last 10% of steps), s/step (first step excluded: warm-up),
+    peak memory (see :func:`peak_memory`), planned peak, host RSS peak, last micro-batch."""
+    from runner.plots import GIB, planned_peak_bytes
+    from runner.report import read_metrics
 
     path = out / "metrics.jsonl"
     rows = read_metrics(path) if path.is_file() else []
+    planned = planned_peak_bytes(out)
+    planned_gb = None if planned is None else planned / GIB
     if not rows:
-        return {"steps_done": 0, "final_loss": None, "s_per_step": None, "peak_memory_gb": None,
-                "peak_memory_source": None, "micro_batch_size": None}
+        return {"steps_done": 0, "final_loss": None, "final_loss_steps": 0, "s_per_step": None, "peak_memory_gb": None,
+                "peak_memory_source": None, "planned_peak_gb": planned_gb, "host_rss_peak_gb": None,
+                "micro_batch_size": None}
     times = [r["s_per_step"] for r in rows]
     tail = times[1:] or times
-    cuda_peaks = [r["memory_peak_gb"] for r in rows if r.get("memory_peak_gb") is not None]
-    if cuda_peaks:
-        peak, source = max(cuda_peaks), "cuda max allocated"
-    else:
-        rss = [r["host_rss_gb"] for r in rows if r.get("host_rss_gb") is not None]
-        peak, source = (max(rss), "host rss (sampled at step end)") if rss else (None, None)
-    return {"steps_done": rows[-1]["step"], "final_loss": rows[-1]["loss"], "s_per_step": sum(tail) / len(tail),
-            "peak_memory_gb": peak, "peak_memory_source": source, "micro_batch_size": rows[-1].get("micro_batch_size")}
+    loss, k = final_loss([r.get("loss") for r in rows])
+    peak, source = peak_memory(out, rows)
+    rss = [r["host_rss_gb"] for r in rows if r.get("host_rss_gb") is not None]
+    return {"steps_done": rows[-1]["step"], "final_loss": loss, "final_loss_steps": k, "s_per_step": sum(tail) / len(tail),
+            "peak_memory_gb": peak, "peak_memory_source": source, "planned_peak_gb": planned_gb,
+            "host_rss_peak_gb": max(rss) if rss else None, "micro_batch_size": rows[-1].get("micro_batch_size")}
+
+
+def plot_job(cfg: DictConfig) -> None:
+    """``loss.png`` in the job's directory when it trained (runner/plots.py); never raises."""
+    from runner.plots import LOSS_PNG, safely, write_loss_plot
+    from runner.run import output_dir
+
+    if str(cfg.get("mode", "train")) != "train":
+        return
+    try:
+        out = output_dir(cfg)
+    except UserError:
+        return
+    safely(LOSS_PNG, lambda: write_loss_plot(out, cfg))
 
 
 def write_job_summary(cfg: DictConfig, status: str, error: str | None, exit_code: int, num: int | None,
@@ -236,14 +291,16 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     """The sweep as a text table; overrides shared by every job are listed once above it."""
     lists = [r.get("overrides") or [] for r in rows]
     common = [o for o in lists[0] if all(o in other for other in lists[1:])] if len(lists) > 1 else []
-    header = ("job", "status", "overrides", "steps", "final loss", "s/step", "peak GiB", "micro", "error")
+    header = ("job", "status", "overrides", "steps", "loss (last 10%)", "s/step", "peak GiB", "planned GiB", "micro",
+              "error")
     body = []
     for r, overrides in zip(rows, lists):
         error = (r.get("error") or "").replace("\n", " ")
         own = " ".join(o for o in overrides if o not in common) or "-"
         body.append((_fmt(r.get("job")), r.get("status", "?"), own,
                      _fmt(r.get("steps_done")), _fmt(r.get("final_loss"), ".4f"), _fmt(r.get("s_per_step"), ".3f"),
-                     _fmt(r.get("peak_memory_gb"), ".2f"), _fmt(r.get("micro_batch_size")),
+                     _fmt(r.get("peak_memory_gb"), ".2f"), _fmt(r.get("planned_peak_gb"), ".2f"),
+                     _fmt(r.get("micro_batch_size")),
                      error[:70] + ("..." if len(error) > 70 else "")))
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(header)]
     lines = [f"common overrides: {' '.join(common)}"] if common else []
@@ -284,6 +341,9 @@ class SweepSummary(Callback):
             return
         rows = collect(sweep_dir)
         write_csv(rows, sweep_dir / SWEEP_CSV)
+        from runner.plots import SWEEP_PNG, safely, write_sweep_plot
+
+        safely(SWEEP_PNG, lambda: write_sweep_plot(rows, sweep_dir / SWEEP_PNG))  # a warning at worst
         bad = [r for r in rows if r.get("status") != "ok"]
         print(f"\nsweep: {len(rows)} jobs, {len(rows) - len(bad)} ok, {len(bad)} not ok  "
               f"({sweep_dir / SWEEP_CSV})\n{format_table(rows)}")
@@ -295,15 +355,44 @@ def exit_status() -> int:
     return int(bool(_last_sweep) and any(r.get("status") != "ok" for r in _last_sweep))
 
 
+def _fast_help(args: Any) -> None:
+    """``--help``: Hydra's text from runner/help.py (a second instead of Hydra's several); returns when
+    the help template needs Hydra itself."""
+    from runner.help import format_help
+
+    try:
+        text = format_help(args.overrides, resolve=bool(args.resolve))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    if text is not None:
+        print(text)
+        sys.exit(0)
+
+
 def launch(task: Callable[[DictConfig], Any]) -> None:
     """Run ``task`` as the runner's Hydra application: one run or a ``-m`` sweep over the same
     config tree, after a friendly pre-check of the overrides; exits with the sweep's status.
     ``python -m runner`` and hosted scripts (runner.hosted.hosted) both start here."""
+    if "--version" in sys.argv[1:]:  # before Hydra's parser, whose --version prints Hydra's own
+        from runner.version import version_line
+
+        print(version_line())
+        sys.exit(0)
     registry.load_all()
     args, _ = hydra_args()
+    if args.help and not (args.hydra_help or args.info or args.cfg):
+        _fast_help(args)
     if not (args.help or args.hydra_help or args.info or args.shell_completion):
-        try:
-            precheck(args.overrides, multirun=args.multirun)
+        try:  # every job's config checked first (no torch), then against this machine (torch)
+            configs = precheck(args.overrides, multirun=args.multirun, run_checks=False)
+            if args.cfg:  # --cfg job prints the composed config; nothing runs
+                configs = []
+            elif configs and all(str(c.mode) == "plugins" for c in configs):
+                print(registry.format_plugin_list())  # a listing: no run, so no output directory
+                sys.exit(0)
+            for cfg in configs:
+                check_run(cfg)
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(e.exit_code)

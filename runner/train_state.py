@@ -45,6 +45,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from runner.errors import UserError, as_os_error, storage_error
+from runner.files import fix_tree_modes
 from runner.nonfinite import check_finite_weights
 from runner.trainer import ModelSet
 
@@ -149,6 +150,7 @@ def save_checkpoint(
             (tmp / "config.yaml").write_text(config_text)
             (tmp / "trained.json").write_text(json.dumps(describe_trained_state(weights, optimizer, optimizer_name)))
             extra = ["config.yaml", "trained.json"]
+        fix_tree_modes(tmp)  # safetensors writes 0600 through a temporary file; 0644/0755 as open() would
         for name in (*FILES, *extra):
             _fsync_file(tmp / name)
         _fsync_dir(tmp)

@@ -5,14 +5,29 @@ structured schemas, but its message has no suggestion and comes from deep inside
 entry point composes once itself (cheap: ~0.1 s), turns any composition error into a
 :class:`UserError` that names the key and the closest valid one, and only then hands over to
 ``hydra.main`` for the real run, ``--help``, ``--cfg`` and ``-m``.
+
+Validation has two stages, so that a config error answers at once:
+
+* :func:`check_config`: everything the config decides by itself (every schema, value, range and
+  choice, each plugin's own settings, whether ``data.path`` and ``train.resume`` exist). This
+  module and everything it imports load without torch, diffusers, transformers, accelerate or
+  bitsandbytes (tests/runner/test_cli_fast.py checks it): ``--help`` and these errors take the
+  time of Python and Hydra, well under 2 s (bench/cli_latency.py).
+* :func:`check_run`: what depends on this machine and the resolved run (``train.device=auto``
+  resolving to CPU or CUDA, CUDA-only options, a plugin's checks against the precision) and the
+  data folder's contents. It imports torch (to ask for CUDA), still before anything is built or
+  planned.
+
+:func:`validate` runs both.
 """
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -23,18 +38,17 @@ from hydra.errors import ConfigCompositionException, MissingConfigException, Ove
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
-import torch
-
 from runner import registry
-from runner.config import DTYPES, LR_SCHEDULERS, MODES, PRECISIONS, SIZES, TRAIN_DTYPES
+from runner.config import DTYPES, LR_SCHEDULERS, MODES, NONFINITE_POLICIES, PRECISIONS, SIZES, TRAIN_DTYPES
 from runner.errors import UserError, did_you_mean, valid_list
 from runner.export.config import validate_export
-from runner.nonfinite import POLICIES as NONFINITE_POLICIES
-from runner.optim import validate_optimizer
+from runner.optim_config import check_optimizer_config
 from runner.plugin import KINDS
-from runner.resolved import ResolvedRun, planned_target, resolve
 from runner.sampling.config import check_sample_config
 from runner.tracking import validate_log_config
+
+if TYPE_CHECKING:
+    from runner.resolved import ResolvedRun
 
 MAX_SWEEP_CHECKS = 64
 
@@ -48,15 +62,16 @@ def conf_dir() -> Path:
     raise RuntimeError(f"conf/config.yaml not found next to {pkg}; the installation is incomplete")
 
 
-def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
-    """Compose the run config like ``python -m runner`` would, raising UserError on bad input."""
+def compose_config(overrides: Sequence[str] = (), return_hydra_config: bool = False) -> DictConfig:
+    """Compose the run config like ``python -m runner`` would, raising UserError on bad input
+    (with Hydra's own node under ``hydra`` when ``return_hydra_config``: for ``--help``)."""
     registry.load_all()
     _check_kind_overrides(overrides)
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
             try:
-                return compose(config_name="config", overrides=list(overrides))
+                return compose(config_name="config", overrides=list(overrides), return_hydra_config=return_hydra_config)
             except (ConfigCompositionException, MissingConfigException, OverrideParseException, OmegaConfBaseException,
                     yaml.YAMLError) as e:
                 raise _friendly(e, overrides) from None
@@ -100,14 +115,23 @@ def hydra_args() -> tuple[Any, list[str]]:
     return get_args_parser().parse_known_args(sys.argv[1:])
 
 
-def precheck(overrides: Sequence[str], multirun: bool) -> None:
-    """Compose (each sweep combination when ``multirun``) and validate; raise UserError."""
+def precheck(overrides: Sequence[str], multirun: bool, run_checks: bool = True) -> list[DictConfig]:
+    """Compose (each sweep combination when ``multirun``) and validate; raise UserError.
+
+    Every combination passes :func:`check_config` (no torch) before the first :func:`check_run`
+    (torch), so a config error in any job of a sweep answers at once. ``run_checks=False`` stops
+    after the first stage (``mode=plugins``). Returns the composed configs."""
     try:
         combos = expand_sweeps(overrides) if multirun else [list(overrides)]
     except OverrideParseException as e:
         raise _unparsable(e, overrides) from None
-    for combo in combos:
-        validate(compose_config(combo))
+    configs = [compose_config(combo) for combo in combos]
+    for cfg in configs:
+        check_config(cfg)
+    if run_checks:
+        for cfg in configs:
+            check_run(cfg)
+    return configs
 
 
 def _group_keys(overrides: Sequence[str], path: str, bad_key: str = "") -> list[str]:
@@ -182,8 +206,8 @@ def _friendly(err: Exception, overrides: Sequence[str]) -> UserError:
                 f"add it to a preset's choice with +{kind}={option}, or list several: {kind}=[{option},...]."
             )
         if kind in KINDS and option and "." not in option:
-            owners = [n for (k, n), cls in registry.all_plugins().items()
-                      if k == kind and option in {f for f, _, _ in registry.describe_config(cls.Config)}]
+            owners = [n for (k, n), entry in registry.plugin_entries().items()
+                      if k == kind and option in {f for f, _, _ in registry.describe_config(entry.config)}]
             if owners:  # an old single-plugin spelling: checkpoint.every_n -> checkpoint.blocks.every_n
                 return UserError(
                     f"Unknown config key '{full_key}': a plugin's settings live under its name. Did you mean "
@@ -237,6 +261,12 @@ def _positive(cfg: DictConfig, key: str, allow_zero: bool = False) -> None:
 
 def validate(cfg: DictConfig) -> None:
     """Semantic checks that schemas cannot express; each names the key and the valid values."""
+    check_config(cfg)
+    check_run(cfg)
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Everything the config decides by itself, without torch (see the module docstring)."""
     _one_of(cfg, "mode", MODES)
     _one_of(cfg, "model.size", SIZES)
     _one_of(cfg, "model.dtype", DTYPES)
@@ -274,19 +304,47 @@ def validate(cfg: DictConfig) -> None:
             "checkpoints/step-* directories."
         )
     check_sample_config(cfg)
+    if cfg.mode == "train":
+        _check_data_path(cfg)
+    validate_export(cfg)
+    validate_log_config(cfg.log)
+    check_optimizer_config(cfg.optimizer)
+    check_plugin_settings(cfg)
+
+
+def check_run(cfg: DictConfig) -> None:
+    """What depends on this machine and the resolved run, and the data folder's contents (imports
+    torch; still before anything is built or planned)."""
+    from runner.optim import validate_optimizer
+
     if cfg.mode == "train":  # a data.path folder is scanned and checked now, not after the model build
         from runner.data import check_dataset
 
         check_dataset(cfg.data)
-    validate_export(cfg)
-    validate_log_config(cfg.log)
     run = resolve_for_mode(cfg)
     validate_optimizer(cfg, run)
     validate_plugins(cfg, run)
 
 
-def validate_plugins(cfg: DictConfig, run: ResolvedRun) -> None:
-    """Each selected plugin's own checks, given its node and the resolved run.
+def _check_data_path(cfg: DictConfig) -> None:
+    """``data.path`` names an existing folder (its images and captions are checked by :func:`check_run`)."""
+    path = cfg.data.get("path")
+    if path is None:
+        return
+    shown = str(path)
+    root = Path(os.path.expanduser(shown)).absolute()
+    hint = ("Set data.path to a folder of images with a same-named .txt caption beside each (cat.png + cat.txt), "
+            "or leave it unset (null) for the built-in demo set.")
+    if not shown.strip():
+        raise UserError(f"data.path is empty ({shown!r}). {hint}")
+    if not root.exists():
+        raise UserError(f"data.path={shown!r} does not exist (looked for {str(root)!r}). {hint}")
+    if not root.is_dir():
+        raise UserError(f"data.path={shown!r} is a file, not a folder ({str(root)!r}). {hint}")
+
+
+def check_plugin_settings(cfg: DictConfig) -> None:
+    """Each selected plugin's own settings, from its schema module (no torch, no plugin class).
 
     A node without ``name`` is a setting for a plugin that is not selected: a preset sets
     ``quantization.nf4.modules`` while the command line chose ``quantization=fp8``.
@@ -301,6 +359,16 @@ def validate_plugins(cfg: DictConfig, run: ResolvedRun) -> None:
                 f"({kind}={_spelling(chosen)}). Add it with +{kind}={name}, "
                 f"or copy the preset into conf/preset/ without those lines."
             )
+        entry = registry.plugin_entry(kind, name)
+        if entry.check is not None:
+            entry.check(node, f"{kind}.{name}")
+
+
+def validate_plugins(cfg: DictConfig, run: ResolvedRun) -> None:
+    """Each selected plugin's own ``validate()``, given its node and the resolved run (after the
+    settings' own checks, for a caller that skipped :func:`check_config`)."""
+    check_plugin_settings(cfg)
+    for kind, name, node in registry.selected(cfg):
         registry.get_plugin(kind, name)(node, run).validate()
 
 
@@ -312,6 +380,10 @@ def _spelling(names: list[str]) -> str:
 def resolve_for_mode(cfg: DictConfig) -> ResolvedRun:
     """The run as ``mode`` will see it: planned for its target on ``meta`` (mode=plan), else the
     running device."""
+    import torch
+
+    from runner.resolved import planned_target, resolve
+
     if cfg.mode == "plan":
         return resolve(cfg, target=planned_target(cfg), device=torch.device("meta")).simulated()
     if cfg.mode == "plugins":

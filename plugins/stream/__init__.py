@@ -41,18 +41,18 @@ resident.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from runner.blocks import find_repeated_blocks
 from runner.errors import UserError
-from runner.plugin import Plugin, PluginConfig
+from runner.plugin import Plugin
 from runner.plugins.stream.handle import MARK, StreamHandle, apply_stream_offload
 from runner.plugins.stream.host import GiB, HostRegion, _nbytes, fmt_bytes, host_copy
 from runner.plugins.stream.plan import BlockPlan, StreamPlan, guess_execution_order, minimum_device_bytes, plan_stream
 from runner.plugins.stream.state import StreamStats
+from runner.plugins.schemas import StreamConfig, check_stream
 from runner.registry import register_plugin
 
 if TYPE_CHECKING:
@@ -67,30 +67,10 @@ __all__ = [
 log = logging.getLogger("runner")
 
 
-# ---- config ----------------------------------------------------------------------------------
-@dataclass
-class StreamConfig(PluginConfig):
-    """``offload=stream``: repeated blocks' weights streamed from pinned host memory to the device."""
-
-    name: str = "stream"
-    device_budget_gb: Optional[float] = None  # GiB of the streamed modules' weights on the device; null: device_fraction
-    device_fraction: float = 0.5  # used when device_budget_gb is null: this share of the modules' weight bytes
-    prefetch: int = 1  # blocks copied ahead of the one computing (window = prefetch + 1 blocks)
-    modules: list[str] = field(default_factory=list)  # modules to stream; empty = the trained ones
-    pin_memory: bool = True  # page-lock host copies (CUDA only) so copies run asynchronously
-
-
 # ---- the plugin --------------------------------------------------------------------------------
 def check_config(c: Any, key: str = "offload.stream") -> None:
-    if c.device_budget_gb is not None and not c.device_budget_gb > 0:
-        raise UserError(f"{key}.device_budget_gb={c.device_budget_gb!r} is not valid: give a number of GiB > 0, "
-                        f"or null to use {key}.device_fraction.")
-    if c.device_budget_gb is None and not 0 < c.device_fraction <= 1:
-        raise UserError(f"{key}.device_fraction={c.device_fraction!r} is not valid: give a share of the weight "
-                        f"bytes in (0, 1] (0.5 keeps half of them on the device), or set {key}.device_budget_gb.")
-    if not isinstance(c.prefetch, int) or isinstance(c.prefetch, bool) or c.prefetch < 0:
-        raise UserError(f"{key}.prefetch={c.prefetch!r} is not valid: give a whole number of blocks >= 0 "
-                        "(1 copies the next block while one computes).")
+    """This plugin's settings (runner/plugins/schemas.py)."""
+    check_stream(c, key)
 
 
 @register_plugin
@@ -98,8 +78,6 @@ class StreamOffload(Plugin):
     kind = "offload"
     name = "stream"
     Config = StreamConfig
-    description = ("repeated blocks' weights in pinned host memory, streamed to the device ahead of use "
-                   "within a byte budget (offload.stream.device_budget_gb); compose with park, activations, optimizer")
     # offload=[park,stream]: park's encode pre-pass runs while the denoiser is still on the host.
     after = ("offload/park",)
 

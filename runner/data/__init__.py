@@ -9,7 +9,8 @@ augmentations are *deterministic per index* rather than drawn from a global RNG.
 
 The package: :mod:`runner.data.folder` (a folder of images with .txt captions),
 :mod:`runner.data.demo` (the built-in coloured shapes), :mod:`runner.data.images` (decoding,
-resize/crop, flips, per-index randomness) and :mod:`runner.data.checks` (``data.*`` values).
+resize/crop, per-index randomness), :mod:`runner.data.checks` (``data.*`` values) and
+:mod:`runner.data.flip` (``data.random_flip``: decided per visit by the runner, not per index).
 
 Errors a user can cause (missing folder, no images, missing or non-UTF-8 captions, unreadable
 images, bad ``data.*`` values) raise :class:`runner.errors.UserError` naming the key and file.
@@ -41,7 +42,6 @@ def build_dataset(data_cfg: Any) -> Dataset:
     resolution = _check_resolution(_get(data_cfg, "resolution", 64))
     missing_caption = _check_missing_caption(_get(data_cfg, "missing_caption", "error"))
     center_crop = bool(_get(data_cfg, "center_crop", True))
-    random_flip = bool(_get(data_cfg, "random_flip", False))
     path = _get(data_cfg, "path", None)
 
     if path is None:
@@ -52,13 +52,12 @@ def build_dataset(data_cfg: Any) -> Dataset:
                 "built-in demo set (used because data.path is unset) and must be a whole number "
                 "of at least 1, e.g. data.demo_size=16."
             )
-        return DemoDataset(demo_size, resolution, random_flip=random_flip)
+        return DemoDataset(demo_size, resolution)
 
     handed_over = _CHECKED.pop(_folder_key(data_cfg), None)
     if handed_over is not None:
         return handed_over
-    return FolderDataset(path, resolution, center_crop=center_crop, random_flip=random_flip,
-                         missing_caption=missing_caption)
+    return FolderDataset(path, resolution, center_crop=center_crop, missing_caption=missing_caption)
 
 
 def check_dataset(data_cfg: Any) -> None:
@@ -76,8 +75,7 @@ _CHECKED: dict[tuple, FolderDataset] = {}
 
 
 def _folder_key(data_cfg: Any) -> tuple:
-    return tuple(str(_get(data_cfg, k, None)) for k in ("path", "resolution", "center_crop", "random_flip",
-                                                         "missing_caption"))
+    return tuple(str(_get(data_cfg, k, None)) for k in ("path", "resolution", "center_crop", "missing_caption"))
 
 
 def collate(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from PIL import Image, ImageDraw
 from torch.utils.data import Dataset
 
 from runner.data.checks import _check_resolution
-from runner.data.images import _SALT_DEMO, _mix, _to_tensor, flips
+from runner.data.images import _SALT_DEMO, _mix, _to_tensor
 
 
 # Saturated, well-separated colours. A (shape, background) pair is used only if the two are far
@@ -122,13 +122,12 @@ class DemoDataset(Dataset):
     captioned e.g. "a red circle on a blue background": simple enough that a tiny diffusion
     model's loss visibly drops within a few dozen steps, and caption-dependent, so conditioning
     matters. Images are drawn at the target resolution on first access and cached as tensors
-    (16 images at 64 px are ~800 KB); the flip, when enabled, is applied after the cache.
+    (16 images at 64 px are ~800 KB). ``data.random_flip`` is the runner's, per visit (runner/data/flip.py).
     """
 
-    def __init__(self, size: int, resolution: int, *, random_flip: bool = False) -> None:
+    def __init__(self, size: int, resolution: int) -> None:
         self.size = int(size)
         self.resolution = _check_resolution(resolution)
-        self.random_flip = random_flip
         self._cache: dict[int, torch.Tensor] = {}
 
     def __len__(self) -> int:
@@ -143,13 +142,9 @@ class DemoDataset(Dataset):
         if t is None:
             t = _to_tensor(demo_image(index, self.resolution))
             self._cache[index] = t
-        if self.random_flip and flips(index):
-            t = torch.flip(t, dims=[2])
-        else:
-            t = t.clone()  # callers may modify the batch in place; keep the cache pristine
+        t = t.clone()  # callers may modify the batch in place; keep the cache pristine
         return {"pixel_values": t, "caption": demo_caption(index), "index": index}
 
     def describe(self) -> str:
         r = self.resolution
-        flip = ", per-index random flip" if self.random_flip else ""
-        return f"{self.size} images at {r}x{r} from the built-in demo set (coloured shapes{flip})"
+        return f"{self.size} images at {r}x{r} from the built-in demo set (coloured shapes)"

@@ -15,7 +15,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from PIL import Image
 from torch.utils.data import Dataset
 
 from runner.data.checks import _check_missing_caption, _check_resolution
@@ -26,7 +25,6 @@ from runner.data.images import (
     _resize_crop,
     _to_tensor,
     _verify_header,
-    flips,
 )
 from runner.errors import UserError
 
@@ -72,14 +70,12 @@ class FolderDataset(Dataset):
         resolution: int,
         *,
         center_crop: bool = True,
-        random_flip: bool = False,
         missing_caption: str = "error",
         verify_limit: int = VERIFY_LIMIT,
     ) -> None:
         self.resolution = _check_resolution(resolution)
         missing_caption = _check_missing_caption(missing_caption)
         self.center_crop = center_crop
-        self.random_flip = random_flip
         self.root = _check_root(path)
         shown = str(path)
 
@@ -146,8 +142,6 @@ class FolderDataset(Dataset):
             raise IndexError(f"index {index} out of range for {len(self.paths)} images")
         img = _load_rgb(self.paths[index], self._shown)
         img = _resize_crop(img, self.resolution, self.center_crop, index)
-        if self.random_flip and flips(index):
-            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         return {"pixel_values": _to_tensor(img), "caption": self.captions[index], "index": index}
 
     def describe(self) -> str:
@@ -163,8 +157,6 @@ class FolderDataset(Dataset):
         if self.missing_captions:
             extra.append(f"{self.missing_captions} with empty captions")
         extra.append("center crop" if self.center_crop else "per-index random crop")
-        if self.random_flip:
-            extra.append("per-index random flip")
         if not self.verified:
             extra.append("headers not pre-checked")
         return f"{len(self)} images used, at {r}x{r}, from folder {str(self.root)!r} ({'; '.join(extra)})"

@@ -3,10 +3,11 @@
 Image pipeline, per sample: decode -> apply the EXIF orientation (phone photos are otherwise
 sideways) -> convert to RGB (alpha is composited over white, not dropped, because the colour
 under fully transparent pixels is arbitrary, often black) -> resize the short side to R with
-LANCZOS -> crop R x R -> optional horizontal flip -> scale to [-1, 1].
+LANCZOS -> crop R x R -> scale to [-1, 1].
 
-Crop offsets and flips are a hash of the sample index (:func:`_mix`), never a global RNG, so the
-same index gives the same pixels in any process and epoch (see :mod:`runner.data`).
+Crop offsets are a hash of the sample index (:func:`_mix`), never a global RNG, so the same index
+gives the same pixels in any process and epoch (see :mod:`runner.data`). ``data.random_flip`` is
+not decided here: it changes on every visit of a sample (runner/data/flip.py).
 """
 from __future__ import annotations
 
@@ -49,19 +50,10 @@ def _mix(index: int, salt: int) -> int:
     return z ^ (z >> 31)
 
 
-_SALT_FLIP = 1
+_SALT_FLIP = 1  # unused since the flip is per visit (runner/data/flip.py); kept so the other salts stay put
 _SALT_CROP_X = 2
 _SALT_CROP_Y = 3
 _SALT_DEMO = 4
-
-
-def flips(index: int) -> bool:
-    """Whether ``random_flip`` mirrors sample ``index``: a fixed coin per index (about half).
-
-    Fixed per index (not per epoch) so that a resumed or re-split run sees identical pixels;
-    the price is that each image is seen in only one orientation within a run.
-    """
-    return bool(_mix(index, _SALT_FLIP) & 1)
 
 
 def _to_tensor(img: Image.Image) -> torch.Tensor:

@@ -31,6 +31,7 @@ from omegaconf import OmegaConf, open_dict
 from runner.errors import as_os_error, storage_error
 from runner.export.config import export_config
 from runner.export.lora import write_diffusers_lora, write_kohya_lora
+from runner.files import fix_tree_modes
 from runner.trainer import ModelSet
 
 log = logging.getLogger("runner")
@@ -129,6 +130,7 @@ def _staging(ckpt: Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         yield tmp
+        fix_tree_modes(tmp)  # safetensors and save_pretrained write 0600 temporaries; 0644/0755 as open() would
         for root, _, names in os.walk(tmp):
             for n in names:
                 with open(os.path.join(root, n), "rb") as f:

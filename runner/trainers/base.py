@@ -242,7 +242,7 @@ class DiffusersTrainer:
 
     # -- encoding (see "Cacheable encoding" in runner/trainer.py) ------------------------------
     # Bump when encode_part computes something different, so that old cache entries miss.
-    cache_format: int = 1
+    cache_format: int = 2  # 2: the flip is per visit, both orientations keyed apart (format 1 entries: never read)
 
     def encode_parts(self) -> dict[str, EncodePart]:
         """Both built-in families: VAE latents from pixels, two text encoders' outputs from captions."""
@@ -324,8 +324,7 @@ class DiffusersTrainer:
             sig["data"] = {
                 "resolution": int(data.resolution),
                 "center_crop": bool(data.get("center_crop", True)),
-                "random_flip": bool(data.get("random_flip", False)),
-            }
+            }  # not random_flip: the orientation is per entry (runner/cache.py, runner/data/flip.py)
         if "caption" in spec.inputs:
             sig["tokenizers"] = {
                 m.replace("text_encoder", "tokenizer"): self.tokenizer_source(m.replace("text_encoder", "tokenizer"))

@@ -15,16 +15,15 @@ alone. ``trainer.timestep_sampling=uniform`` uses the uniform draw directly.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from runner.errors import UserError, valid_list
-from runner.registry import register_trainer
 from runner.trainer import Batch, ModelSet, batch_device, per_sample_rand, per_sample_randn
 from runner.trainers import model_configs
+from runner.trainers.configs import FluxTrainerConfig
 from runner.trainers.base import DiffusersTrainer, LatentMoments, sample_latents, vae_scale_factor
 from runner.trainers.loading import compute_dtype
 from runner.trainers.tokenizers import clip_tokenizer, t5_tokenizer, tokenize
@@ -32,13 +31,6 @@ from runner.trainers.tokenizers import clip_tokenizer, t5_tokenizer, tokenize
 TIMESTEP_SAMPLING = ("logit_normal", "uniform")
 VAE_SALT = 1
 TIMESTEP_SALT = 2
-
-
-@dataclass
-class FluxTrainerConfig:
-    _target_: str = "runner.trainers.flux.FluxTrainer"
-    guidance: float = 1.0  # value fed to the guidance embedding (guidance-distilled models only)
-    timestep_sampling: str = "logit_normal"  # logit_normal | uniform
 
 
 @functools.lru_cache(maxsize=1)
@@ -214,7 +206,3 @@ class FluxTrainer(DiffusersTrainer):
             "sample_seed": self.example_seeds(b, device),
         }
 
-
-register_trainer(
-    "flux", "runner.trainers.flux.FluxTrainer", FluxTrainerConfig, "Flux transformer, rectified-flow matching loss"
-)

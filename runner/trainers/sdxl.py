@@ -10,16 +10,15 @@ the loss of a batch is the mean of the losses of any split of it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from runner.errors import UserError, valid_list
-from runner.registry import register_trainer
 from runner.trainer import Batch, ModelSet, batch_device, per_sample_rand, per_sample_randn
 from runner.trainers import model_configs
+from runner.trainers.configs import SDXLTrainerConfig
 from runner.trainers.base import DiffusersTrainer, LatentMoments, sample_latents, vae_scale_factor
 from runner.trainers.loading import compute_dtype
 from runner.trainers.tokenizers import clip_tokenizer, tokenize
@@ -29,12 +28,6 @@ NUM_TRAIN_TIMESTEPS = 1000
 # Salts for the per-sample draws (see base.salted / per_sample_rand).
 VAE_SALT = 1
 TIMESTEP_SALT = 2
-
-
-@dataclass
-class SDXLTrainerConfig:
-    _target_: str = "runner.trainers.sdxl.SDXLTrainer"
-    prediction_type: str = "epsilon"  # epsilon | v_prediction
 
 
 class SDXLTrainer(DiffusersTrainer):
@@ -204,5 +197,3 @@ class SDXLTrainer(DiffusersTrainer):
             "sample_seed": self.example_seeds(b, device),
         }
 
-
-register_trainer("sdxl", "runner.trainers.sdxl.SDXLTrainer", SDXLTrainerConfig, "SDXL U-Net, DDPM loss")

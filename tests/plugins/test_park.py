@@ -117,6 +117,29 @@ def test_sdxl_cached_runs_equal_uncached_and_second_run_never_calls_encoders(tmp
     assert "encode" not in ctx2.trainer.__dict__ and "dataset" not in ctx2.trainer.__dict__
 
 
+def test_random_flip_cached_runs_equal_uncached_with_both_orientations_cached(tmp_path, caplog):
+    """data.random_flip flips per visit: the cache holds each image in both orientations (kohya's
+    flip_aug), each visit reads the one its seed chose, and the losses equal the uncached run's."""
+    cache = tmp_path / "cache"
+    flip = ["data.random_flip=true", "train.steps=4"]
+    park = ["offload=park", f"offload.park.cache_dir={cache}"]
+    plain, _ = run_losses(tmp_path / "plain", "train.steps=4")
+    base, _ = run_losses(tmp_path / "base", *flip)
+    assert base != plain  # the flips are applied (some visits of the 4 images are mirrored)
+    with caplog.at_level(logging.INFO, logger="runner"):
+        first, ctx = run_losses(tmp_path / "first", *flip, *park)
+    assert "encoding 12 entries (latents: 8, text: 4)" in caplog.text  # 4 images x 2 orientations; text once
+    second, ctx2 = run_losses(tmp_path / "second", *flip, *park)
+    assert base == first == second, (base, first, second)
+    assert set(ctx2.models.modules) == {"unet"}  # every orientation cached: the encoders are dropped
+    # A run without flips reads only the unflipped entries, which the flip run wrote too.
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="runner"):
+        unflipped, _ = run_losses(tmp_path / "unflipped", "train.steps=4", *park)
+    assert "latents 4/4 entries cached, text 4/4 entries cached" in caplog.text
+    assert unflipped == plain
+
+
 def step_bytes(ctx: RunContext, positions: tuple[int, int] = (0, 2)) -> dict:
     """One encode + loss + backward on the run's first batch under the tracker (weights tracked)."""
     trainer, models = ctx.trainer, ctx.models
@@ -303,16 +326,13 @@ def test_keys_follow_content_and_settings(tmp_path):
     assert set(tiled.keys["text"]).isdisjoint(again.keys["text"])
 
 
-def test_demo_fingerprints_are_pixel_hashes_with_flip(tmp_path):
+def test_demo_fingerprints_are_pixel_hashes_with_the_orientation(tmp_path):
     from runner.data import DemoDataset
 
-    plain, flipped = SampleFingerprints(DemoDataset(8, 32)), SampleFingerprints(DemoDataset(8, 32, random_flip=True))
-    from runner.data.images import flips
-
-    i = next(k for k in range(8) if flips(k))
-    j = next(k for k in range(8) if not flips(k))
-    assert plain.image(i) != flipped.image(i) and plain.image(j) == flipped.image(j)
-    assert plain.caption(i) == flipped.caption(i)
+    fps = SampleFingerprints(DemoDataset(8, 32))
+    assert fps.image(3) != fps.image(3, flip=True) and fps.image(3) != fps.image(4)
+    assert fps.image(3)["pixels_sha256"] == fps.image(3, flip=True)["pixels_sha256"]  # one image, two views
+    assert fps.caption(3) == SampleFingerprints(DemoDataset(8, 32)).caption(3)
 
 
 # ---- validation ---------------------------------------------------------------------------------

@@ -111,6 +111,8 @@ CASES = [
     ("unknown missing_caption policy", ["data.missing_caption=maybe"], ["data.missing_caption"]),
     ("demo size zero", ["data.demo_size=0"], ["data.demo_size"]),
     ("data path missing", ["data.path=/no/such/folder"], ["/no/such/folder"]),
+    ("random_flip not a bool", ["data.random_flip=sometimes"], ["data.random_flip"]),
+    ("progress lines every zero steps", ["log.every=0"], ["log.every=0"]),
     ("data path is a file", ["data.path={a_file}"], ["is a file"]),
     ("data folder empty", ["data.path={empty}"], ["contains no images"]),
     ("data folder of captions only", ["data.path={only_txt}"], ["contains no images"]),

@@ -58,6 +58,15 @@ def test_multirun_gives_each_job_its_own_directory(tmp_path):
     jobs = sorted(p for p in tmp_path.iterdir() if p.is_dir() and (p / "metrics.jsonl").exists())
     assert len(jobs) == 2, list(tmp_path.iterdir())
     assert all(len((j / "metrics.jsonl").read_text().splitlines()) == 2 for j in jobs)
+    # Without a terminal: plain progress lines, no tqdm redraws; each job's __main__.log (Hydra's job
+    # log) has them and the final summary; loss.png per job, sweep.png for the sweep.
+    assert "\r" not in r.stdout + r.stderr
+    assert r.stdout.count("step 1/2  loss ") == 2 and r.stdout.count("step 2/2  loss ") == 2
+    for j in jobs:
+        log = (j / "__main__.log").read_text()
+        assert "step 1/2  loss " in log and "step 2/2  loss " in log and "summary:\nsteps: 2" in log
+        assert (j / "loss.png").is_file()
+    assert (tmp_path / "sweep.png").is_file() and (tmp_path / "sweep_summary.csv").is_file()
 
 
 def test_unreadable_image_and_corrupt_checkpoint_exit_nonzero_without_traceback(tmp_path):
@@ -109,3 +118,80 @@ def test_a_plugins_folder_in_the_working_directory_changes_nothing(tmp_path):
             f"offload.park.cache_dir={tmp_path / 'cache'}", f"output_dir={tmp_path / 'out'}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "wrong plugins package" not in r.stdout + r.stderr
+
+
+# ---- the fast path: no heavy import, no output directory before validation passes ---------------------
+HEAVY = ("torch", "diffusers", "transformers", "accelerate", "bitsandbytes")
+PROBE = ("import atexit, sys\n"
+         "atexit.register(lambda: print('HEAVY:' + ','.join(m for m in {heavy!r} if m in sys.modules), file=sys.stderr))\n"
+         "sys.argv = ['runner', *{args!r}]\n"
+         "from runner.__main__ import main\n"
+         "main()\n")
+
+
+def probe(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """``python -m runner *args`` in ``tmp_path``, and which heavy modules were loaded when it exited."""
+    code = PROBE.format(heavy=HEAVY, args=list(args))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    line = [ln for ln in r.stderr.splitlines() if ln.startswith("HEAVY:")][-1]
+    return r, [m for m in line[len("HEAVY:"):].split(",") if m]
+
+
+@pytest.mark.parametrize("args, code, needle", [
+    (["--help"], 0, "offload"),
+    (["--version"], 0, "diffusion-memory-runner"),
+    (["mode=plugins"], 0, "offload.park.cache_latents"),
+    (["+preset=constrained", "--cfg", "job"], 0, "budget_gb: 12"),
+    (["train.stepz=3"], 2, "Did you mean 'steps'"),
+    (["train.steps=0"], 2, "train.steps=0"),
+    (["offload=park", "offload.park.encode_batch_size=0"], 2, "offload.park.encode_batch_size=0"),
+    (["checkpoint=blocks", "checkpoint.blocks.mode=every_n", "checkpoint.blocks.every_n=0"], 2, "every_n=0"),
+    (["quantization=nf4", "quantization.nf4.compute_dtype=float64"], 2, "quantization.nf4.compute_dtype"),
+    (["optimizer=adamw", "optimizer.betas=[0.9]"], 2, "optimizer.betas"),
+    (["data.path=/no/such/folder"], 2, "/no/such/folder"),
+    (["-m", "train.steps=1,0"], 2, "train.steps=0"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_help_version_listing_and_config_errors_import_nothing_heavy_and_create_no_folder(tmp_path, args, code, needle):
+    r, heavy = probe(tmp_path, *args)
+    assert r.returncode == code, r.stderr[-2000:]
+    assert needle in (r.stdout if code == 0 else r.stderr)
+    assert "Traceback" not in r.stderr
+    assert heavy == [], f"{' '.join(args)} imported {heavy} before answering"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], "no output (or Hydra) directory may be created"
+
+
+def test_a_device_dependent_error_still_comes_before_any_folder(tmp_path):
+    """optimizer=paged_adamw8bit needs CUDA: knowing that needs torch, but nothing is created."""
+    r, heavy = probe(tmp_path, "optimizer=paged_adamw8bit", "train.device=cpu")
+    assert r.returncode == 2 and "needs CUDA" in r.stderr, r.stderr[-2000:]
+    assert "torch" in heavy  # the second stage of validation asked torch
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_version_is_the_package_metadata_version():
+    from importlib.metadata import version
+
+    expected = f"runner (diffusion-memory-runner) {version('diffusion-memory-runner')}"
+    r = cli("--version")
+    assert r.returncode == 0 and r.stdout.strip() == expected
+    script = Path(sys.executable).parent / "runner"  # the console script pip installs
+    if script.exists():
+        r = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout.strip() == expected
+
+
+@pytest.mark.parametrize("overrides", [[], ["+preset=constrained", "offload.park.cache_text=false"]], ids=["defaults", "preset"])
+def test_fast_help_prints_exactly_what_hydras_help_prints(overrides, capsys, monkeypatch):
+    """runner/help.py lists the groups itself (Hydra's own listing is most of --help's time)."""
+    import hydra
+
+    from runner import registry
+    from runner.help import format_help
+    from runner.validate import conf_dir
+
+    registry.load_all()
+    monkeypatch.setattr(sys, "argv", ["runner", "--help", *overrides])
+    with pytest.raises(SystemExit):
+        hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(lambda cfg: None)()
+    assert format_help(overrides) + "\n" == capsys.readouterr().out

@@ -236,6 +236,19 @@ def test_split_in_first_step_equals_configured_micro_batch(tmp_path, references,
     assert max_diff(params(tmp_path), params(references[BATCH].out)) <= PARAM_ATOL
 
 
+def test_split_with_random_flip_equals_configured_micro_batch(tmp_path, references):
+    """data.random_flip is decided per visit from each sample's seed, before the step is split:
+    a retried step flips the same samples, so it is bit-identical to a run configured that way."""
+    flip = ["data.random_flip=true", "tiling=test_oom_injector"]
+    _, ref = train_run(tmp_path / "m2", "train.grad_accum=2", *flip, "tiling.test_oom_injector.steps=[]")
+    rows, inj = train_run(tmp_path / "split", "train.grad_accum=1", *flip, "tiling.test_oom_injector.max_batch=2")
+    assert [r["oom_retries"] for r in rows] == [1, 0, 0] and inj.counted == ALL_SAMPLES
+    for step in range(1, STEPS + 1):
+        assert_equal(inj.grads[step], ref.grads[step])
+    assert_equal(params(tmp_path / "split"), params(tmp_path / "m2"))
+    assert max_diff(params(tmp_path / "m2"), params(references[2].out)) > 0  # the flips changed the training
+
+
 def test_split_mid_run_keeps_the_smaller_micro_batch_and_resume_honours_it(tmp_path, references, caplog):
     caplog.set_level("WARNING", logger="runner")
     out = tmp_path / "run"

@@ -48,6 +48,14 @@ def test_preset_run_writes_outputs_and_loss_goes_down(tmp_path):
     assert (ckpt / "export" / "diffusers" / "model_index.json").is_file()
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == ckpt.name
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+    # Every file and folder as open()/mkdir would make it (0644/0755 under umask 022), the
+    # safetensors files written through temporary files included (runner/files.py).
+    from runner.files import current_umask
+
+    umask = current_umask()
+    wrong = [(str(p.relative_to(tmp_path)), oct(p.stat().st_mode & 0o777)) for p in tmp_path.rglob("*")
+             if p.stat().st_mode & 0o777 != (0o777 if p.is_dir() else 0o666) & ~umask]
+    assert not wrong, wrong
 
 
 def test_interrupt_then_resume_gives_the_same_losses(tmp_path):

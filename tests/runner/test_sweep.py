@@ -40,8 +40,13 @@ def test_multirun_marks_the_oom_job_and_goes_on(tmp_path):
     assert [x["overrides"].split()[-1] for x in rows] == [f"+trainer.options.oom_above={n}" for n in (9, 1, 0)]
     for x in rows[:2]:
         assert float(x["final_loss"]) > 0 and float(x["s_per_step"]) > 0 and float(x["peak_memory_gb"]) > 0
-        assert x["peak_memory_source"] == "host rss (sampled at step end)"
+        # CPU: the preflight plan's device peak, not the process RSS (kept in its own column)
+        assert x["peak_memory_source"] == "planned device peak (preflight plan; CPU run, not measured)"
+        assert x["peak_memory_gb"] == x["planned_peak_gb"] and float(x["host_rss_peak_gb"]) > float(x["peak_memory_gb"])
+        assert x["final_loss_steps"] == "1"  # the mean of the last 10% of 2 steps: the last one
         assert (Path(x["dir"]) / "checkpoints" / "step-00000002").is_dir()
+        assert (Path(x["dir"]) / "loss.png").is_file()  # every job that trained
+    assert (tmp_path / "sweep.png").is_file()
     assert "micro-batch 1" in rows[2]["error"] and "no checkpoint" in rows[2]["error"]
 
     table = r.stdout[r.stdout.index("sweep: 3 jobs"):]

@@ -1,0 +1,244 @@
+"""The sampler itself (the package docstring, runner/sampling/__init__.py, says what it does and how it
+stays inside the budget): prompts encoded once, images at the start, every ``sample.every`` steps and at
+the end."""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch import nn
+
+from runner.errors import UserError
+from runner.sampling.config import SampleConfig, check_sample_config, read_prompts
+from runner.sampling.families import FluxSampling, SDXLSampling, family_sampling
+
+if TYPE_CHECKING:
+    from runner.context import RunContext
+
+__all__ = ["NoSampler", "SampleConfig", "Sampler", "build_sampler", "check_sample_config", "read_prompts",
+           "vae_on_device"]
+
+log = logging.getLogger("runner")
+
+SAMPLES_DIR = "samples"
+
+
+class NoSampler:
+    """``sample.every=0``: the loop's calls do nothing."""
+
+    def maybe_sample(self, step: int) -> None:
+        pass
+
+
+def image_name(index: int, prompt: str) -> str:
+    """``00-a-photo-of-a-cat.png``: the prompt's index, then a file-safe slug of its start."""
+    slug = re.sub(r"[^a-z0-9]+", "-", prompt.lower()).strip("-")[:40].rstrip("-")
+    return f"{index:02d}-{slug or 'prompt'}.png"
+
+
+@contextmanager
+def on_device_per_call(modules: list[nn.Module], device: torch.device, host: torch.device) -> Iterator[None]:
+    """Each module moves to ``device`` for each of its calls and back to ``host`` after it.
+
+    Only one module is then on the device at a time. Plain forward hooks suffice here (text
+    encoders are called through ``__call__``). Moving back is a device-to-host copy, a one-off
+    cost at start; nothing to do when the device is the host.
+    """
+    if device.type == host.type:
+        yield
+        return
+    handles = []
+    for m in modules:
+        handles.append(m.register_forward_pre_hook(lambda mod, args: mod.to(device)))
+        handles.append(m.register_forward_hook(lambda mod, args, out: mod.to(host)))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for m in modules:  # a call that raised skipped its forward hook
+            m.to(host)
+
+
+@contextmanager
+def vae_on_device(vae: nn.Module, ctx: RunContext, track: Callable[[nn.Module], Any] | None = None) -> Iterator[None]:
+    """The VAE on the run's device for one decode.
+
+    A no-op when it is there already, or parked (the park plugin moves a parked VAE in per call
+    itself); otherwise (on the host: kept by the sampler after ``offload=park`` dropped it) it is
+    moved in and back out after the decode. ``track``: the planner's hook to label the copy.
+    """
+    on_device = next(vae.parameters()).device.type == ctx.device.type
+    if on_device or any(ctx.models.modules.get(n) is vae for n in ctx.facts.parked):
+        yield
+        return
+    vae.to(ctx.device)
+    if track is not None:
+        track(vae)
+    try:
+        yield
+    finally:
+        vae.to(ctx.host)
+
+
+class Sampler:
+    """Images from fixed prompts at chosen steps; see the module docstring for the memory policy."""
+
+    def __init__(self, ctx: RunContext, config: Any, prompts: list[str]) -> None:
+        self.ctx = ctx
+        self.config = config
+        self.every = int(config.every)
+        self.total_steps = int(ctx.cfg.train.steps)
+        self.prompts = prompts
+        self.steps = int(config.steps)
+        self.seed = int(config.seed)
+        self.resolution = int(config.resolution) if config.resolution is not None else int(ctx.cfg.data.resolution)
+        self.negative_prompt = None if config.negative_prompt is None else str(config.negative_prompt)
+        trainer = ctx.trainer
+        self.user_sample = getattr(trainer, "sample", None) if callable(getattr(trainer, "sample", None)) else None
+        self.family: SDXLSampling | FluxSampling | None = None if self.user_sample else family_sampling(trainer)
+        if self.user_sample is None and self.family is None:
+            raise UserError(
+                f"sample.every={self.every} asks for samples, but trainer {type(trainer).__name__} has no sample(models, "
+                "prompts, *, steps, guidance, seed, resolution, negative_prompt) method, and only the built-in SDXL and "
+                "Flux trainers sample without one. Add the method (runner/sampling/__init__.py) or set sample.every=0."
+            )
+        # Unset: the family's usual scale; a user's sample() gets None and chooses its own.
+        default_guidance = self.family.default_guidance if self.family else None
+        self.guidance = float(config.guidance) if config.guidance is not None else default_guidance
+        self.cond: list[dict[str, torch.Tensor]] = []
+        self.negative: dict[str, torch.Tensor] | None = None
+        self.kept: dict[str, nn.Module] = {}
+        self.done: set[int] = set()
+        self.root = Path(ctx.output_dir) / SAMPLES_DIR
+        if self.family is not None:
+            self._check_family()
+            self._encode_prompts()
+            self.kept = {"vae": ctx.models["vae"]}  # kept on the host even if offload=park drops it
+
+    # ---- setup -------------------------------------------------------------------------------
+    def _check_family(self) -> None:
+        fam, name = self.family, type(self.ctx.trainer).__name__
+        if self.resolution % fam.factor:
+            raise UserError(
+                f"sample.resolution={self.resolution} is not usable for {name}: it must be a multiple of {fam.factor} "
+                f"(e.g. {max(fam.factor, self.resolution // fam.factor * fam.factor)}); unset, it is data.resolution."
+            )
+        if self.negative_prompt is not None and not fam.negative_prompt:
+            raise UserError(
+                f"sample.negative_prompt is set, but {name} samples a guidance-distilled model (Flux), which has no "
+                "classifier-free guidance to use it; unset sample.negative_prompt (sample.guidance sets the "
+                "distilled guidance)."
+            )
+
+    @torch.no_grad()
+    def _encode_prompts(self) -> None:
+        """Every prompt's embeddings, on the host, before any plugin can drop the text encoders."""
+        ctx, trainer, models = self.ctx, self.ctx.trainer, self.ctx.models
+        encoders = [models[m] for m in trainer.encode_parts()["text"].modules if m in models]
+        t0 = time.perf_counter()
+        with on_device_per_call(encoders, ctx.device, ctx.host), ctx.accelerator.autocast():
+            self.cond = [self.family.encode(trainer, models, p, ctx.device) for p in self.prompts]
+            if self.negative_prompt is not None:
+                self.negative = self.family.encode(trainer, models, self.negative_prompt, ctx.device)
+        log.info("sample: %d prompt(s) encoded once and kept on the host (%.1f s); images every %d steps, at the "
+                 "start and at the end, in %s", len(self.prompts), time.perf_counter() - t0, self.every, self.root)
+
+    # ---- the loop's side ---------------------------------------------------------------------
+    def maybe_sample(self, step: int) -> None:
+        """Sample at the first call (the run's start, or the resumed step), every N steps and at the end."""
+        due = not self.done or step % self.every == 0 or step == self.total_steps
+        if not due or step in self.done:
+            return
+        if not self.done and "vae" in self.kept and "vae" not in self.ctx.models:
+            log.info("sample: a plugin (offload=park) dropped the VAE from training; the sampler keeps it on the "
+                     "host for its decodes")
+        self.done.add(step)
+        try:
+            self.sample(step)
+        except torch.OutOfMemoryError as e:
+            log.warning("sample: out of device memory while sampling at step %d (%s); no samples for this step, "
+                        "training goes on. Lower sample.resolution, or use tiling=vae for the decode.",
+                        step, str(e).splitlines()[0])
+
+    def sample(self, step: int) -> list[Path]:
+        """Write ``samples/step-<step>/`` now; training state (grad mode, train flags, RNG) untouched."""
+        out = self.root / f"step-{step}"
+        out.mkdir(parents=True, exist_ok=True)
+        self._write_settings()
+        modules = self.modules()
+        flags = [(m, m.training) for module in modules.values() for m in module.modules()]
+        devices = [self.ctx.device] if self.ctx.device.type == "cuda" else []
+        t0 = time.perf_counter()
+        paths = []
+        try:
+            with torch.random.fork_rng(devices=devices), torch.no_grad(), self.ctx.accelerator.autocast():
+                for module in modules.values():
+                    module.eval()
+                images = self._images(modules)
+        finally:
+            for m, training in flags:
+                m.training = training
+        for i, (prompt, image) in enumerate(zip(self.prompts, images)):
+            path = out / image_name(i, prompt)
+            image.save(path)
+            paths.append(path)
+        log.info("sample: step %d, %d image(s) in %s (%.1f s)", step, len(paths), out, time.perf_counter() - t0)
+        return paths
+
+    def _images(self, modules: dict[str, nn.Module]) -> list[Any]:
+        if self.user_sample is not None:
+            images = list(self.user_sample(self.ctx.models, list(self.prompts), steps=self.steps, guidance=self.guidance,
+                                           seed=self.seed, resolution=self.resolution,
+                                           negative_prompt=self.negative_prompt))
+            if len(images) != len(self.prompts) or not all(callable(getattr(im, "save", None)) for im in images):
+                raise UserError(
+                    f"{type(self.ctx.trainer).__name__}.sample returned {len(images)} item(s) for {len(self.prompts)} "
+                    "prompt(s); it must return one PIL image per prompt, in order."
+                )
+            return images
+        images = []
+        for i, cond in enumerate(self.cond):
+            generator = torch.Generator("cpu").manual_seed(self.seed + i)  # the same noise on any device
+            images.append(self.family.generate(
+                self.ctx.trainer, modules, cond, self.negative, steps=self.steps, guidance=self.guidance,
+                resolution=self.resolution, generator=generator, device=self.ctx.device,
+                vae_on_device=lambda: vae_on_device(modules["vae"], self.ctx)))
+        return images
+
+    def modules(self) -> dict[str, nn.Module]:
+        """The run's modules as the plugins left them, plus the VAE kept for sampling if it was dropped."""
+        out = dict(self.ctx.models.items())
+        for name, module in self.kept.items():
+            out.setdefault(name, module)
+        return out
+
+    def _write_settings(self) -> None:
+        path = self.root / "prompts.json"
+        if path.exists():
+            return
+        settings = {"prompts": self.prompts, "negative_prompt": self.negative_prompt, "steps": self.steps,
+                    "guidance": self.guidance, "resolution": self.resolution,
+                    "seeds": [self.seed + i for i in range(len(self.prompts))],
+                    "files": [image_name(i, p) for i, p in enumerate(self.prompts)]}
+        path.write_text(json.dumps(settings, indent=2) + "\n")
+
+
+def build_sampler(ctx: RunContext) -> Sampler | NoSampler:
+    """The run's sampler, from ``cfg.sample``; call before ``ctx.apply_setup_phases()`` (see above).
+
+    Needs ``ctx.cfg``, ``ctx.trainer``, ``ctx.models`` (prepared, not yet touched by a plugin),
+    ``ctx.accelerator`` and ``ctx.output_dir``.
+    """
+    c = ctx.cfg.get("sample") if ctx.cfg is not None else None
+    if c is None or int(c.every) == 0:
+        return NoSampler()
+    check_sample_config(ctx.cfg)
+    return Sampler(ctx, c, read_prompts(c))

@@ -1,0 +1,53 @@
+"""runner.files: what the runner writes has the modes open() and mkdir() would give it (0644/0755 under
+umask 022), including the files written through temporary files (mkstemp, safetensors: 0600)."""
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from runner.cache_entry import write_entry
+from runner.files import current_umask, fix_tree_modes
+from runner.report import write_text_atomic
+
+
+@pytest.fixture(params=[0o022, 0o077, 0o002], ids=["umask022", "umask077", "umask002"])
+def umask(request):
+    old = os.umask(request.param)
+    yield request.param
+    os.umask(old)
+
+
+def mode(p: Path) -> int:
+    return stat.S_IMODE(p.stat().st_mode)
+
+
+def test_current_umask_reads_without_changing_it(umask):
+    assert current_umask() == umask
+    assert current_umask() == umask
+
+
+def test_atomic_writes_and_staged_folders_get_open_and_mkdir_modes(tmp_path, umask):
+    fmode, dmode = 0o666 & ~umask, 0o777 & ~umask
+    write_text_atomic(tmp_path / "job_summary.json", "{}\n")
+    assert mode(tmp_path / "job_summary.json") == fmode
+    plain = tmp_path / "plain.txt"
+    plain.write_text("x")  # the reference: what open() does
+    assert mode(plain) == fmode
+
+    entry = tmp_path / "cache" / "ab" / "abc.safetensors"
+    write_entry(entry, {"x": torch.zeros(2)}, "latents", "abc")
+    assert mode(entry) == fmode
+
+    staged = tmp_path / "staged"
+    (staged / "sub").mkdir(parents=True)
+    save_file({"w": torch.ones(1)}, str(staged / "sub" / "trainable.safetensors"))
+    os.chmod(staged, 0o700)
+    assert mode(staged / "sub" / "trainable.safetensors") == 0o600 or umask == 0o077  # what safetensors does
+    fix_tree_modes(staged)
+    assert mode(staged) == dmode and mode(staged / "sub") == dmode
+    assert mode(staged / "sub" / "trainable.safetensors") == fmode
