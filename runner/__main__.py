@@ -25,6 +25,7 @@ from runner.run import build_plugins, build_trainer, make_context, output_dir
 from runner.sampling import build_sampler
 from runner.tracking import accelerator_kwargs
 from runner.trainer_setup import prepare_models
+from runner.validation import build_validation
 from runner.validate import validate
 
 log = logging.getLogger("runner")
@@ -59,6 +60,7 @@ def run(cfg: DictConfig) -> float | None:
     ctx.accelerator = make_accelerator(run, **accelerator_kwargs(cfg.log, out))  # log.tracker: runner/tracking.py
     try:
         ctx.sampler = build_sampler(ctx)                        # sample prompts encoded before park can drop encoders
+        ctx.validation = build_validation(ctx)                  # held-out split (data.val_*), before park caches
         ctx.apply_setup_phases()                                # apply plugins
         result = train(ctx)                                     # loop
     finally:

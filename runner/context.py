@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 
+from runner.ema import NoEMA
 from runner.errors import UserError
 from runner.hooks import ModuleHooks
 from runner.plugin import PluginSchedule
@@ -31,6 +32,7 @@ from runner.resolved import ResolvedRun
 from runner.sampling import NoSampler
 from runner.tracking import NoTracking, Tracking
 from runner.trainer import ModelSet
+from runner.validation import NoValidation
 
 log = logging.getLogger("runner")
 
@@ -91,6 +93,8 @@ class RunContext:
     sampler: Any = field(default_factory=NoSampler)  # sample.every: runner.sampling.build_sampler; no-op by default
     # The run's experiment tracker (runner/tracking.py): ``ctx.tracking.log_images(step, {name: image})``.
     tracking: Tracking = field(default_factory=NoTracking)
+    ema: Any = field(default_factory=NoEMA)  # ema.enabled: runner.ema.build_ema (in the loop, after resume); no-op by default
+    validation: Any = field(default_factory=NoValidation)  # val.*: runner.validation.build_validation; no-op by default
     _torn_down: bool = False
 
     # The resolved run's devices, under the names plugins have always used.

@@ -27,6 +27,7 @@ import torch
 
 from runner import registry
 from runner.config import DTYPES, LR_SCHEDULERS, MODES, PRECISIONS, SIZES, TRAIN_DTYPES
+from runner.ema import check_ema_config
 from runner.errors import UserError, did_you_mean, valid_list
 from runner.export.config import validate_export
 from runner.nonfinite import POLICIES as NONFINITE_POLICIES
@@ -35,6 +36,7 @@ from runner.plugin import KINDS
 from runner.resolved import ResolvedRun, planned_target, resolve
 from runner.sampling.config import check_sample_config
 from runner.tracking import validate_log_config
+from runner.validation import check_val_config
 
 MAX_SWEEP_CHECKS = 64
 
@@ -274,6 +276,8 @@ def validate(cfg: DictConfig) -> None:
             "checkpoints/step-* directories."
         )
     check_sample_config(cfg)
+    check_ema_config(cfg)
+    check_val_config(cfg)  # mode=train: a data.val_path folder is scanned now, like data.path below
     if cfg.mode == "train":  # a data.path folder is scanned and checked now, not after the model build
         from runner.data import check_dataset
 

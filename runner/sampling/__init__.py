@@ -34,7 +34,9 @@ Sampling changes nothing in training: ``no_grad``; every module's train/eval fla
 global RNG states (CPU and CUDA) forked and restored; each image's noise comes from its own
 generator. Losses with and without sampling are bit-identical (tests/runner/test_sampling.py).
 An out-of-memory error while sampling is logged and the samples of that step are skipped: a
-sample must never cost the training run.
+sample must never cost the training run. ``sample.use_ema=true`` samples with the EMA of the
+trained weights (runner/ema.py): they are copied into the trained parameters for the pass and
+the trained values copied back exactly after it (backed up in host RAM meanwhile).
 
 A user's trainer may implement ``sample(models, prompts, *, steps, guidance, seed, resolution,
 negative_prompt)`` returning one PIL image per prompt; it is called with the models as the
@@ -48,7 +50,7 @@ import logging
 import re
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -140,6 +142,7 @@ class Sampler:
         self.steps = int(config.steps)
         self.seed = int(config.seed)
         self.resolution = int(config.resolution) if config.resolution is not None else int(ctx.cfg.data.resolution)
+        self.use_ema = bool(config.get("use_ema", False))
         self.negative_prompt = None if config.negative_prompt is None else str(config.negative_prompt)
         trainer = ctx.trainer
         self.user_sample = getattr(trainer, "sample", None) if callable(getattr(trainer, "sample", None)) else None
@@ -219,7 +222,8 @@ class Sampler:
         t0 = time.perf_counter()
         paths = []
         try:
-            with torch.random.fork_rng(devices=devices), torch.no_grad(), self.ctx.accelerator.autocast():
+            with torch.random.fork_rng(devices=devices), torch.no_grad(), self.ctx.accelerator.autocast(), \
+                    (self.ctx.ema.applied() if self.use_ema else nullcontext()):  # sample.use_ema: EMA weights, then back
                 for module in modules.values():
                     module.eval()
                 images = self._images(modules)
@@ -265,7 +269,7 @@ class Sampler:
         if path.exists():
             return
         settings = {"prompts": self.prompts, "negative_prompt": self.negative_prompt, "steps": self.steps,
-                    "guidance": self.guidance, "resolution": self.resolution,
+                    "guidance": self.guidance, "resolution": self.resolution, "weights": "ema" if self.use_ema else "trained",
                     "seeds": [self.seed + i for i in range(len(self.prompts))],
                     "files": [image_name(i, p) for i, p in enumerate(self.prompts)]}
         path.write_text(json.dumps(settings, indent=2) + "\n")
