@@ -105,7 +105,18 @@ def check_val_config(cfg: Any) -> None:
     if path is not None and cfg.get("mode") == "train":
         from runner.data import build_dataset
 
-        build_dataset(_with_path(cfg.data, str(path)))  # the folder's checks, before any model is built
+        with _as_val_path():
+            build_dataset(_with_path(cfg.data, str(path)))  # the folder's checks, before any model is built
+
+
+@contextmanager
+def _as_val_path() -> Iterator[None]:
+    """The data folder's own messages, naming the key the folder came from (data.val_path)."""
+    try:
+        yield
+    except UserError as e:
+        text = str(e).replace("data.path", "data.val_path").replace("to use the built-in demo set", "to hold out nothing")
+        raise UserError(text) from None
 
 
 def _with_path(data_cfg: Any, path: str) -> Any:
@@ -386,7 +397,8 @@ def build_validation(ctx: RunContext) -> Validation | NoValidation:
         twin = copy.copy(ctx.trainer)
         twin.cfg = copy.deepcopy(cfg)
         twin.cfg.data.path = str(path)
-        dataset = twin.dataset()  # the trainer's own reading of data.path, on the held-out folder
+        with _as_val_path():
+            dataset = twin.dataset()  # the trainer's own reading of data.path, on the held-out folder
         val = Validation(ctx, config, val_dataset=dataset, keys=[sample_key(dataset, i) for i in range(len(dataset))])
         where = f"{len(dataset)} samples of data.val_path={str(path)!r}"
         if _cacheable(ctx.trainer):
