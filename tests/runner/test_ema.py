@@ -265,3 +265,54 @@ def test_build_ema_follows_the_config(tmp_path):
     ema = build_ema(ctx)
     assert ema.on_host and ema.nbytes() == {"cpu": sum(p.numel() * 4 for p in ctx.models.trainable_parameters())}
     assert json.loads(json.dumps(ema.metadata()))["updates"] == "0"
+
+
+@pytest.mark.parametrize("on_host", [False, True], ids=["beside-weights", "cpu"])
+def test_streamed_and_offloaded_weights_are_averaged_and_swapped_exactly(on_host):
+    """offload=stream keeps streamed blocks' weights in host copies with device twins per use, and
+    offload=optimizer steps host masters and copies them back (``always_copy``: distinct tensors on
+    CPU too). The average must read the weights the optimizer updated, and ``applied()`` must make
+    the next forward use the average (a stale device copy would show) and then the weights again."""
+    from tiny_training import tiny_trainer
+
+    from runner.plugins.optimizer_wrappers import HostStepOptimizer
+    from runner.plugins.stream import apply_stream_offload
+
+    tr = tiny_trainer("sdxl", "full")
+    torch.manual_seed(0)
+    models = tr.build_models("cpu")
+    unet = models["unet"]
+    unet.train()
+    budget = int(0.5 * sum(p.numel() * p.element_size() for p in unet.parameters()))
+    handle = apply_stream_offload(unet, models.blocks["unet"], budget, 1, "cpu", "cpu", always_copy=True, name="unet")
+    assert handle.plan.streamed
+    named = list(models.named_trainable_parameters())
+    opt = HostStepOptimizer(torch.optim.AdamW([p for _, p in named], lr=1e-3, foreach=False), always_copy=True)
+    ema = EMA(named, decay=0.5, warmup=False, on_host=on_host)
+    ref = {n: p.detach().double().clone() for n, p in named}
+    batch = tr.example_batch(2, "cpu")
+    for step in (1, 2):
+        tr.loss(models, batch).backward()
+        opt.step()
+        opt.zero_grad()
+        ema.update(step, applied=True)
+        ref = {n: 0.5 * ref[n] + 0.5 * p.detach().double() for n, p in named}
+    for (n, _), s in zip(named, ema.shadow):
+        torch.testing.assert_close(s.double(), ref[n], rtol=1e-6, atol=1e-7, msg=n)
+    torch.manual_seed(0)
+    plain = tr.build_models("cpu")  # the same architecture, not streamed, holding the average
+    with torch.no_grad():
+        for (n, _), s in zip(named, ema.shadow):
+            plain["unet"].get_parameter(n.removeprefix("unet.")).copy_(s)
+    unet.eval()
+    plain["unet"].eval()
+    with torch.no_grad():
+        before = tr.loss(models, batch)
+        with ema.applied():
+            during = tr.loss(models, batch)
+        after = tr.loss(models, batch)
+        expected = tr.loss(plain, batch)
+    assert torch.equal(before, after) and not torch.equal(before, during)
+    torch.testing.assert_close(during, expected, rtol=1e-5, atol=1e-6)
+    handle.remove()
+    opt.remove()
