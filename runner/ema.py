@@ -44,14 +44,17 @@ Resume may turn EMA on (it starts from the resumed weights), off (the checkpoint
 or change its device, dtype, decay and schedule: none of them changes the trained weights or the
 optimizer state (runner/resume.py).
 
-Why our own and not a library's: diffusers' ``EMAModel`` keeps its shadow on the parameters'
-device and dtype (its ``step`` subtracts device parameters from the shadow, so a host shadow
-fails, and its foreach path allocates a temporary as large as all parameters), and its state is
-a pickled dict; ``torch.optim.swa_utils.AveragedModel`` deep-copies the whole module (a LoRA's
-frozen base included), moves every parameter at once for its foreach update, and keeps the
-copy in the module's dtype. Neither stores float32 on the host for bf16 device weights nor
-bounds its temporaries. The update here is ``torch._foreach_lerp_`` over chunks grouped by
-device and dtype (runner/compat.py), one kernel per chunk.
+Why our own and not a library's (measured on the CPU by bench/ema_update.py, docs/benchmarks.md):
+diffusers' ``EMAModel`` keeps its shadow on the parameters' device and in their dtype (its
+``step`` subtracts the parameters from the shadow, so a host shadow of device weights fails), its
+foreach path allocates a temporary as large as all averaged parameters, it was the slowest on
+the CPU, and its state is a pickled dict; ``torch.optim.swa_utils.AveragedModel`` deep-copies the
+whole module (a LoRA's frozen base included), keeps the copy in the module's dtype, and with a
+host copy first moves every parameter to the host at once (a host temporary the size of the
+model). Its in-place foreach lerp is what this module does too, per chunk grouped by device and
+dtype (``torch._foreach_lerp_`` through runner/compat.py: one fused kernel per chunk on a GPU),
+so temporaries stay within :data:`CHUNK_BYTES` while the copy can be float32 on the host for
+bf16 device weights, and the checkpoint is safetensors.
 """
 from __future__ import annotations
 
@@ -110,6 +113,9 @@ def check_ema_config(cfg: Any) -> None:
     if int(c.start) < 0:
         raise UserError(f"ema.start={c.start!r} is not valid: give the optimizer step after which the average "
                         "starts, 0 or more (0: from the first step).")
+    if int(c.start) >= int(cfg.train.steps):
+        raise UserError(f"ema.start={c.start} is not before the last step (train.steps={cfg.train.steps}): the average "
+                        "would never start. Give an earlier step, or 0 to average from the first step.")
     if str(c.dtype) == "bfloat16" and str(cfg.model.get("train_dtype", "float32")) != "bfloat16":
         raise UserError(
             f"ema.dtype=bfloat16 with model.train_dtype={cfg.model.get('train_dtype')}: an average in a lower "
@@ -310,10 +316,8 @@ def ema_info(path: Path) -> dict[str, Any]:
 
     with safe_open(str(path), framework="pt", device="cpu") as f:
         meta = dict(f.metadata() or {})
-    out: dict[str, Any] = {}
-    for k, v in meta.items():
-        out[k] = json.loads(v) if k in ("format", "updates", "every", "start", "decay") else (v == "True") if k == "warmup" else v
-    return out
+    numbers = ("format", "updates", "every", "start", "decay")
+    return {k: json.loads(v) if k in numbers else (v == "True") if k == "warmup" else v for k, v in meta.items()}
 
 
 def build_ema(ctx: Any, checkpoint: Path | None = None) -> EMA | NoEMA:

@@ -115,8 +115,8 @@ def _as_val_path() -> Iterator[None]:
     try:
         yield
     except UserError as e:
-        text = str(e).replace("data.path", "data.val_path").replace("to use the built-in demo set", "to hold out nothing")
-        raise UserError(text) from None
+        text = str(e).replace("data.path", "data.val_path")
+        raise UserError(text.replace("to use the built-in demo set", "to hold out nothing")) from None
 
 
 def _with_path(data_cfg: Any, path: str) -> Any:

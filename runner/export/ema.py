@@ -61,7 +61,7 @@ def ema_weights_in(models: ModelSet, ckpt: Path) -> Iterator[None]:
 
 
 def _link_tree(src: Path, dst: Path, skip: str) -> None:
-    """Every file under ``src`` but the ``skip`` subfolder, hard-linked (else copied) to the same place under ``dst``."""
+    """Every file under ``src`` but the ``skip`` subfolder, hard-linked (else copied) to its place under ``dst``."""
     for root, _, names in os.walk(src):
         rel = Path(root).relative_to(src)
         if rel.parts and rel.parts[0] == skip:

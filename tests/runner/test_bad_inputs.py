@@ -140,6 +140,7 @@ CASES = [
     ("ema device typo", ["ema.enabled=true", "ema.device=cpuu"], ["ema.device='cpuu'", "cpu, device"]),
     ("ema every zero", ["ema.enabled=true", "ema.every=0"], ["ema.every=0"]),
     ("ema start negative", ["ema.enabled=true", "ema.start=-2"], ["ema.start=-2"]),
+    ("ema start after the last step", ["ema.enabled=true", "ema.start=5"], ["ema.start=5", "train.steps=1"]),
     ("ema bf16 of fp32 weights", ["ema.enabled=true", "ema.dtype=bfloat16"], ["ema.dtype=bfloat16", "model.train_dtype"]),
     ("ema dtype typo", ["ema.enabled=true", "ema.dtype=fp32"], ["ema.dtype='fp32'", "float32"]),
     ("samples with ema off", ["sample.every=1", "sample.prompts=[a]", "sample.use_ema=true"], ["ema.enabled=true"]),

@@ -160,7 +160,8 @@ def test_resume_may_turn_the_average_on_or_off_and_move_it(tmp_path, caplog):
         train(tmp_path / "off", "train.steps=4", f"train.resume={ckpt(tmp_path / 'on', 3)}", "ema.enabled=false")
     assert "this run does not continue it (ema.enabled=false)" in caplog.text
     assert not (ckpt(tmp_path / "off", 4) / FILE).exists() and (ckpt(tmp_path / "on", 3) / FILE).exists()
-    on = ["ema.enabled=true", "ema.decay=0.5", f"train.resume={ckpt(tmp_path / 'on', 3)}"]  # in-process: no saved command line
+    # in-process, the saved command line is not known: repeat the EMA settings
+    on = ["ema.enabled=true", "ema.decay=0.5", f"train.resume={ckpt(tmp_path / 'on', 3)}"]
     train(tmp_path / "moved", "train.steps=4", *on, "ema.device=cpu")
     train(tmp_path / "kept", "train.steps=4", *on)
     a, _ = saved_ema(ckpt(tmp_path / "moved", 4))
