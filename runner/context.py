@@ -93,7 +93,7 @@ class RunContext:
     sampler: Any = field(default_factory=NoSampler)  # sample.every: runner.sampling.build_sampler; no-op by default
     # The run's experiment tracker (runner/tracking.py): ``ctx.tracking.log_images(step, {name: image})``.
     tracking: Tracking = field(default_factory=NoTracking)
-    ema: Any = field(default_factory=NoEMA)  # ema.enabled: runner.ema.build_ema (in the loop, after resume); no-op by default
+    ema: Any = field(default_factory=NoEMA)  # ema.enabled: runner.ema.build_ema (the loop, after a resume); else a no-op
     validation: Any = field(default_factory=NoValidation)  # val.*: runner.validation.build_validation; no-op by default
     _torn_down: bool = False
 

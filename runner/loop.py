@@ -205,8 +205,8 @@ def train(ctx: RunContext) -> TrainResult:
     def save() -> Path:
         state.micro_batch_size = recovery.micro_batch_size
         return save_checkpoint(ckpt_root, state, models, ctx.optimizer, scheduler, cfg.train.keep_saved,
-                               config_text=saved_config_text(cfg, ctx.overrides), optimizer_name=cfg.optimizer.get("name"),
-                               more_files=ctx.ema.write_checkpoint)
+                               config_text=saved_config_text(cfg, ctx.overrides),
+                               optimizer_name=cfg.optimizer.get("name"), more_files=ctx.ema.write_checkpoint)
 
     with StopRequest() as stop, bar, closing(metrics), closing(profiler), closing(tracking):
         ctx.sampler.maybe_sample(state.step)  # samples at the start (step 0, or the resumed step)
@@ -242,7 +242,7 @@ def train(ctx: RunContext) -> TrainResult:
             row = {"step": state.step, "loss": step_loss, "lr": scheduler.get_last_lr()[0], "s_per_step": dt,
                    "samples_seen": state.samples_seen, "micro_batch_size": recovery.micro_batch_size,
                    "oom_retries": recovery.retries_this_step, "nonfinite_skips": guard.total, **mem}
-            row.update(ctx.validation.maybe_evaluate(state.step))  # val_loss every val.every steps (runner/validation.py)
+            row.update(ctx.validation.maybe_evaluate(state.step))  # val_loss every val.every steps
             metrics.write(row)
             tracking.log_metrics(state.step, row)
             result.losses.append(step_loss)

@@ -43,7 +43,7 @@ class Plan:
     suggestions: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
     sampling: dict[str, Any] | None = None  # sample.every: the sampling pass's peak beside the step's (runner/sampling/plan.py)
-    ema: dict[str, Any] | None = None  # ema.enabled: the EMA copy's bytes on the device and the host (runner/plan/ema.py)
+    ema: dict[str, Any] | None = None  # ema.enabled: the EMA copy's bytes on the device and the host (plan/ema.py)
     validation: dict[str, Any] | None = None  # data.val_*: whether the validation pass was planned, and its peak
 
     @property

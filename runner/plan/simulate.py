@@ -16,7 +16,8 @@ How a step is simulated
    unnecessary), ``loss``, backward, gradient clipping, ``optimizer.step()``; with
    ``train.grad_accum > 1`` two micro-batches (every later micro-batch repeats the second
    one's memory). A :class:`~runner.memory.tracker.LiveBytesTracker` counts live storage bytes
-   per device, phase, category and top-level module.
+   per device, phase, category and top-level module. With ``ema.enabled`` the EMA copy is built
+   right after the optimizer and updated once after its step (runner/plan/ema.py).
 4. Steady state: optimizer state is created by the first step and then lives through every
    later forward and backward, so the state's bytes are added to the forward and backward peaks
    (exact: the state does not change size while they run). The plan's peak is the largest of
@@ -38,8 +39,8 @@ from torch import nn
 from runner import registry
 from runner.context import RunContext
 from runner.memory.tracker import CATEGORIES, NO_MODULE, LiveBytesTracker
-from runner.optim import build_optimizer
 from runner.memory.tracker_views import OPTIONAL_CATEGORIES
+from runner.optim import build_optimizer
 from runner.plan.batch import cached_parts, encode_batch, encode_part_shapes, example_batch, fake_batch, move_batch
 from runner.plan.ema import plan_ema
 from runner.plan.fake import fake_module, simulation_mode

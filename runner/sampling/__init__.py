@@ -223,7 +223,7 @@ class Sampler:
         paths = []
         try:
             with torch.random.fork_rng(devices=devices), torch.no_grad(), self.ctx.accelerator.autocast(), \
-                    (self.ctx.ema.applied() if self.use_ema else nullcontext()):  # sample.use_ema: EMA weights, then back
+                    (self.ctx.ema.applied() if self.use_ema else nullcontext()):  # sample.use_ema: swapped in and back
                 for module in modules.values():
                     module.eval()
                 images = self._images(modules)
@@ -269,7 +269,8 @@ class Sampler:
         if path.exists():
             return
         settings = {"prompts": self.prompts, "negative_prompt": self.negative_prompt, "steps": self.steps,
-                    "guidance": self.guidance, "resolution": self.resolution, "weights": "ema" if self.use_ema else "trained",
+                    "guidance": self.guidance, "resolution": self.resolution,
+                    "weights": "ema" if self.use_ema else "trained",
                     "seeds": [self.seed + i for i in range(len(self.prompts))],
                     "files": [image_name(i, p) for i, p in enumerate(self.prompts)]}
         path.write_text(json.dumps(settings, indent=2) + "\n")

@@ -181,3 +181,16 @@ def test_val_path_with_cached_encoders_equals_the_uncached_pass(tmp_path):
     assert [r["loss"] for r in parked] == [r["loss"] for r in plain]
     for a, b in zip(plain, parked):
         assert math.isclose(a[COLUMN], b[COLUMN], rel_tol=1e-6)
+
+
+def test_the_val_loss_reaches_the_tracker(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    rows = train(tmp_path, *PIXEL, "data.val_fraction=0.25", "val.every=2", "train.steps=3", "log.tracker=tensorboard",
+                 "log.project=p")
+    files = sorted((tmp_path / "tracker" / "p").glob("events.out.tfevents.*"))
+    acc = EventAccumulator(str(files[0].parent), size_guidance={"scalars": 0})
+    acc.Reload()
+    events = acc.Scalars(COLUMN)
+    assert [e.step for e in events] == [2, 3] == [r["step"] for r in rows if COLUMN in r]
+    assert all(math.isclose(e.value, r[COLUMN], rel_tol=1e-6) for e, r in zip(events, [rows[1], rows[2]]))
