@@ -43,6 +43,7 @@ def run(cfg: DictConfig) -> float | None:
     from runner.sampling import build_sampler
     from runner.tracking import accelerator_kwargs
     from runner.trainer_setup import prepare_models
+    from runner.validation import build_validation
 
     out = output_dir(cfg)
     write_run_info(out, cfg)
@@ -66,6 +67,7 @@ def run(cfg: DictConfig) -> float | None:
     ctx.accelerator = make_accelerator(run, **accelerator_kwargs(cfg.log, out))  # log.tracker: runner/tracking.py
     try:
         ctx.sampler = build_sampler(ctx)                        # sample prompts encoded before park can drop encoders
+        ctx.validation = build_validation(ctx)                  # held-out split (data.val_*), before park caches
         ctx.apply_setup_phases()                                # apply plugins
         result = train(ctx)                                     # loop
     finally:

@@ -46,6 +46,8 @@ The target device's semantics in the planner (runner/plan/semantics.py)
     it wraps).
     ``torch._foreach_norm``, ``torch._foreach_mul_``: gradient clipping with the foreach kernels
     a GPU run uses (fallback: one op per gradient, same values and bytes, slower).
+    ``torch._foreach_lerp_``: the EMA update of runner/ema.py, one kernel per chunk (fallback:
+    ``Tensor.lerp_`` per tensor, same values, slower).
 
 Autograd hooks of the offload plugins (no fallback: an error when called)
     ``torch._C._current_graph_task_id``: whether backward is running, and which one.
@@ -75,8 +77,8 @@ __all__ = [
     "DISPATCH_HANDLE_DIRECTLY", "DISPATCH_META_HANDLERS", "FAKE_CACHE_FAST_PATHS", "FAKE_TENSOR_PARAM_KWARGS",
     "FALLBACKS", "TESTED_TORCH", "DisableTorchDispatch", "DisableTorchFunction", "DispatchCacheKey", "FakeTensor",
     "FakeTensorConverter", "FakeTensorMode", "MissingTorchInternal", "TorchDispatchMode", "active_fake_mode",
-    "current_graph_task_id", "engine_run_backward", "foreach_mul_", "foreach_norm", "get_default_device",
-    "get_proxy_mode", "has_compatible_shallow_copy_type", "is_fake", "outer_saved_tensors_hooks",
+    "current_graph_task_id", "engine_run_backward", "foreach_lerp_", "foreach_mul_", "foreach_norm",
+    "get_default_device", "get_proxy_mode", "has_compatible_shallow_copy_type", "is_fake", "outer_saved_tensors_hooks",
     "queue_engine_callback", "sdp_priority_order", "tree_flatten", "tree_iter", "unset_fake_temporarily",
 ]
 
@@ -210,6 +212,16 @@ else:  # pragma: no cover
             t.mul_(scalar)
 
     FALLBACKS["torch._foreach_norm / torch._foreach_mul_"] = "one op per tensor"
+
+if hasattr(torch, "_foreach_lerp_"):
+    foreach_lerp_: Callable[..., Any] = torch._foreach_lerp_
+else:  # pragma: no cover
+
+    def foreach_lerp_(tensors: list[torch.Tensor], ends: list[torch.Tensor], weight: float) -> None:
+        for t, e in zip(tensors, ends):
+            t.lerp_(e, weight)
+
+    FALLBACKS["torch._foreach_lerp_"] = "Tensor.lerp_ per tensor"
 
 
 # ---- autograd hooks of the offload plugins -----------------------------------------------------------

@@ -12,9 +12,11 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from runner.ema_config import EMAConfig
 from runner.export.config import ExportConfig
 from runner.sampling.config import SampleConfig
 from runner.tracking import LogConfig
+from runner.validation_config import ValConfig
 
 
 @dataclass
@@ -37,6 +39,9 @@ class DataConfig:
     random_flip: bool = False
     missing_caption: str = "error"  # error | empty (use an empty caption)
     demo_size: int = 16  # number of images in the built-in demo set
+    # Held-out data for the validation loss (val.*, runner/validation.py); never trained on.
+    val_fraction: float = 0.0  # share of the data set held out, the same images for the same data and val.seed
+    val_path: Optional[str] = None  # or a separate folder in data.path's layout
 
 
 @dataclass
@@ -107,6 +112,8 @@ class RunConfig:
     sample: SampleConfig = field(default_factory=SampleConfig)  # samples during training (runner/sampling/)
     export: ExportConfig = field(default_factory=ExportConfig)  # LoRA / diffusers files beside the final checkpoint (runner/export/)
     log: LogConfig = field(default_factory=LogConfig)  # trackers (tensorboard, wandb, ...): runner/tracking.py
+    ema: EMAConfig = field(default_factory=EMAConfig)  # moving average of the trained weights (runner/ema.py)
+    val: ValConfig = field(default_factory=ValConfig)  # held-out validation loss (runner/validation.py)
     budget_gb: Optional[float] = None  # device memory budget; used by allocator cap and the planner
     mode: str = "train"  # train | plan (predict memory, exit 3 if over budget_gb) | export (a saved checkpoint: train.resume=...) | plugins
     preset: Optional[str] = None  # set by the preset file, for the log

@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 
 from runner.data.flip import NO_FLIP, VisitFlip
+from runner.ema import NoEMA
 from runner.errors import UserError
 from runner.hooks import ModuleHooks
 from runner.plugin import PluginSchedule
@@ -32,6 +33,7 @@ from runner.resolved import ResolvedRun
 from runner.sampling import NoSampler
 from runner.tracking import NoTracking, Tracking
 from runner.trainer import ModelSet
+from runner.validation import NoValidation
 
 log = logging.getLogger("runner")
 
@@ -94,6 +96,8 @@ class RunContext:
     tracking: Tracking = field(default_factory=NoTracking)
     # data.random_flip, per visit (runner/data/flip.py): the loop applies it, the encoder cache keys both orientations.
     flip: VisitFlip = NO_FLIP
+    ema: Any = field(default_factory=NoEMA)  # ema.enabled: runner.ema.build_ema (the loop, after a resume); else a no-op
+    validation: Any = field(default_factory=NoValidation)  # val.*: runner.validation.build_validation; no-op by default
     _torn_down: bool = False
 
     # The resolved run's devices, under the names plugins have always used.

@@ -25,13 +25,17 @@ What ``prepare`` gives the loop, exactly as managed mode does (the shared code i
   factory; an optimizer instance together with an explicitly configured ``optimizer=`` is an
   error, because one of them would be silently ignored;
 * the output directory, metrics.jsonl, ``profile.enabled`` and the final summary
-  (:meth:`HostedRun.finish`, called by :func:`hosted`).
+  (:meth:`HostedRun.finish`, called by :func:`hosted`);
+* ``ema.enabled``: the average of the trained weights (runner/ema.py), updated by :meth:`HostedRun.log`
+  after each step whose loss is finite, used with ``with run.ema.applied(): ...`` and written to
+  ``ema.safetensors`` in the output directory by :meth:`HostedRun.finish`.
 """
 from __future__ import annotations
 
 import copy
 import functools
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack, contextmanager
@@ -45,6 +49,7 @@ from torch import nn
 
 from runner import registry, sweep
 from runner.context import RunContext
+from runner.ema import build_ema
 from runner.errors import UserError
 from runner.hostmem import keep_freed_host_memory
 from runner.loop import TrainResult, make_accelerator
@@ -150,6 +155,11 @@ class HostedRun:
     def device(self) -> torch.device:
         return self.run.device
 
+    @property
+    def ema(self) -> Any:
+        """The EMA of the trained weights (``ema.enabled``; a no-op object otherwise), after :meth:`prepare`."""
+        return self.ctx.ema
+
     def prepare(self, models: dict[str, nn.Module] | nn.Module, optimizer: Any = None, dataloader: Any = None, *,
                 trained: set[str] | None = None, loss_fn: Callable[..., torch.Tensor] | None = None,
                 example_batch: dict[str, Any] | None = None) -> tuple[Any, Any, Any]:
@@ -181,6 +191,7 @@ class HostedRun:
             optimizer = optimizer(params)
         ctx.optimizer = optimizer
         ctx.run_phase("wrap_optimizer")
+        ctx.ema = build_ema(ctx)  # ema.enabled: averaged by log() after each step
         for name, m in ctx.models.items():
             m.train(name in ctx.models.trained)
         out_models = ctx.models["model"] if single else ctx.models.modules
@@ -215,6 +226,7 @@ class HostedRun:
         dt, self._t0 = now - self._t0, now
         self._profiler.end_step()
         value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+        self.ctx.ema.update(step, applied=math.isfinite(value))  # a non-finite step is not averaged in
         row = {"step": step, "loss": value, "s_per_step": dt, **self._memory.sample(step), **extra}
         self._metrics.write(row)
         self.result.losses.append(value)
@@ -227,6 +239,8 @@ class HostedRun:
             return ""
         self._finished = True
         try:
+            if self.ctx.ema.enabled and self.result.steps_done:
+                self.ctx.ema.write_checkpoint(self.output_dir)  # ema.safetensors: the average, by parameter name
             self.ctx.teardown()
         finally:
             self._metrics.close()

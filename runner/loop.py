@@ -31,6 +31,7 @@ from diffusers.optimization import get_scheduler
 
 from runner.context import RunContext
 from runner.data import collate, describe_dataset
+from runner.ema import build_ema
 from runner.errors import Interrupted, UserError
 from runner.memory.profile import build_profiler
 from runner.memory.stats import MemoryMonitor
@@ -156,7 +157,7 @@ def train(ctx: RunContext) -> TrainResult:
     out = ctx.output_dir
     accelerator = ctx.accelerator
     batch_size, micro = run.batch_size, run.micro_batch
-    dataset = trainer.dataset()
+    dataset = ctx.validation.training_view(trainer.dataset())  # data.val_fraction: held-out samples never trained
     log.info("data: %s%s", describe_dataset(dataset), ctx.flip.describe())  # what is used, skipped or upscaled, and why
     order = SampleOrder(len(dataset), run.seed)
 
@@ -174,6 +175,7 @@ def train(ctx: RunContext) -> TrainResult:
         log.info("resumed from %s at step %d (%d samples seen)", ckpt, state.step, state.samples_seen)
         drop_metrics_after(out / "metrics.jsonl", state.step)  # one curve: no step twice
     optimizer, scheduler = accelerator.prepare(ctx.optimizer, scheduler)
+    ctx.ema = build_ema(ctx, find_checkpoint(cfg.train.resume) if cfg.train.resume else None)  # ema.enabled only
     params = list(models.trainable_parameters())
     for name, m in models.items():
         m.train(name in models.trained)
@@ -202,7 +204,8 @@ def train(ctx: RunContext) -> TrainResult:
     def save() -> Path:
         state.micro_batch_size = recovery.micro_batch_size
         return save_checkpoint(ckpt_root, state, models, ctx.optimizer, scheduler, cfg.train.keep_saved,
-                               config_text=saved_config_text(cfg, ctx.overrides), optimizer_name=cfg.optimizer.get("name"))
+                               config_text=saved_config_text(cfg, ctx.overrides),
+                               optimizer_name=cfg.optimizer.get("name"), more_files=ctx.ema.write_checkpoint)
 
     with StopRequest() as stop, closing(progress), closing(metrics), closing(profiler), closing(tracking):
         ctx.sampler.maybe_sample(state.step)  # samples at the start (step 0, or the resumed step)
@@ -230,6 +233,7 @@ def train(ctx: RunContext) -> TrainResult:
             optimizer.zero_grad(set_to_none=True)
             state.step += 1
             state.samples_seen += batch_size
+            ctx.ema.update(state.step, applied=guard.applied and not accelerator.optimizer_step_was_skipped)
             ctx.run_phase("on_step_end", state.step)
             dt = time.perf_counter() - t0
             profiler.end_step()  # after dt: writing the profile's files is not step time
@@ -238,6 +242,7 @@ def train(ctx: RunContext) -> TrainResult:
             row = {"step": state.step, "loss": step_loss, "lr": scheduler.get_last_lr()[0], "s_per_step": dt,
                    "samples_seen": state.samples_seen, "micro_batch_size": recovery.micro_batch_size,
                    "oom_retries": recovery.retries_this_step, "nonfinite_skips": guard.total, **mem}
+            row.update(ctx.validation.maybe_evaluate(state.step))  # val_loss every val.every steps
             metrics.write(row)
             tracking.log_metrics(state.step, row)
             result.losses.append(step_loss)

@@ -85,6 +85,7 @@ class NonFiniteGuard:
         self.causes = likely_causes(lr, precision)
         self.consecutive = 0
         self.total = 0  # steps whose update was skipped (or, under fp16, whose loss was non-finite)
+        self.applied = True  # whether the last step's update was let through (runner/ema.py averages only those)
 
     @property
     def needs_grad_norm(self) -> bool:
@@ -94,6 +95,7 @@ class NonFiniteGuard:
         """True: apply this step's update. False: skip it. Raises :class:`NonFiniteStop`."""
         bad_loss = not math.isfinite(loss)
         bad_grad = self.needs_grad_norm and norm is not None and not math.isfinite(float(norm))
+        self.applied = True
         if not (bad_loss or bad_grad):
             self.consecutive = 0
             return True
@@ -111,6 +113,7 @@ class NonFiniteGuard:
             return True
         log.warning("step %d: %s; update skipped (%d in a row; the run stops at %d, train.nonfinite_patience)",
                     step, what, self.consecutive, self.patience)
+        self.applied = False
         return False
 
 

@@ -56,6 +56,7 @@ class ResolvedRun:
     max_grad_norm: float  # 0 disables clipping
     seed: int
     simulate: bool = False  # True inside the planner: tensors are fake, device is meta
+    ema_dtype: Optional[torch.dtype] = None  # ema.enabled: the dtype of the EMA copy (runner/ema.py); None: no EMA
 
     @property
     def micro_batch(self) -> int:
@@ -89,8 +90,9 @@ class ResolvedRun:
         budget = "no budget" if self.budget_bytes is None else f"budget {self.budget_bytes / GiB:g} GiB"
         autocast = f"{self.precision} autocast" if self.precision != "no" else "no autocast"
         name = lambda d: str(d).replace("torch.", "")  # noqa: E731
+        ema = f", EMA in {name(self.ema_dtype)}" if self.ema_dtype is not None else ""
         return (f"run: on {self.device} for {self.target}, {autocast}, frozen weights {name(self.frozen_dtype)}, "
-                f"trained ({self.train_mode}) {name(self.train_dtype)}, batch {self.batch_size} as "
+                f"trained ({self.train_mode}) {name(self.train_dtype)}{ema}, batch {self.batch_size} as "
                 f"{self.grad_accum} x {self.micro_batch}, {budget}")
 
 
@@ -133,6 +135,8 @@ def resolve(cfg: Any, *, target: Optional[str] = None, device: Optional[torch.de
                      precision, frozen_dtype_name, train_dtype_name)
         precision, train_dtype_name, frozen_dtype_name = "no", "float32", "float32"
     budget = cfg.get("budget_gb")
+    from runner.ema import resolve_ema_dtype  # float32 unless ema.dtype=bfloat16 with bf16 trained weights
+
     return ResolvedRun(
         device=torch.device(device),
         host=torch.device("cpu"),
@@ -146,4 +150,5 @@ def resolve(cfg: Any, *, target: Optional[str] = None, device: Optional[torch.de
         grad_accum=int(cfg.train.grad_accum),
         max_grad_norm=float(cfg.train.max_grad_norm),
         seed=int(cfg.train.seed),
+        ema_dtype=resolve_ema_dtype(cfg.get("ema"), DTYPES[train_dtype_name]),
     )

@@ -18,6 +18,14 @@ message that lists each difference. Everything else may change, and the log list
 steps, the LR schedule and optimizer hyperparameters, saving, logging, data, and the memory
 plugins (resuming with another memory layout after an out-of-memory stop is the point).
 
+The EMA of the weights (``ema.*``, runner/ema.py) may change too, because it is derived from the
+trained weights and never feeds back into them or the optimizer: turning it on starts the average
+from the resumed weights; turning it off leaves the checkpoint's ``ema.safetensors`` where it is;
+``ema.device`` and ``ema.dtype`` only say where and in which precision the saved average is kept
+(loaded there, bit for bit when the dtype is unchanged); ``ema.decay``/``every``/``start``/``warmup``
+apply from the resumed step, like a changed learning rate. The held-out validation settings
+(``data.val_*``, ``val.*``) may change as well; the curve is then not comparable with the earlier part.
+
 Outside Hydra (a test or a script calling ``run(compose_config([...]))``), the command line is not
 known: the config is used as given, and still compared with the saved one; ``mode=export`` then
 takes the checkpoint's command line with only its own keys (mode, train.resume, output_dir).

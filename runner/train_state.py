@@ -37,7 +37,7 @@ import shutil
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -122,8 +122,12 @@ def save_checkpoint(
     keep: int = 2,
     config_text: str | None = None,
     optimizer_name: str | None = None,
+    more_files: Callable[[Path], list[str]] | None = None,
 ) -> Path:
     """Write ``root/step-N`` atomically, point ``root/latest`` at it, prune to ``keep``.
+
+    ``more_files(folder)`` writes more files into the checkpoint before it is completed and returns
+    their names (``ema.safetensors``: runner/ema.py); they are fsynced and renamed with the rest.
 
     Weights holding NaN or inf are refused (:class:`runner.nonfinite.NonFiniteStop`): a checkpoint
     is what the user goes back to. A failed write (full disk, read-only folder) removes its
@@ -150,6 +154,8 @@ def save_checkpoint(
             (tmp / "config.yaml").write_text(config_text)
             (tmp / "trained.json").write_text(json.dumps(describe_trained_state(weights, optimizer, optimizer_name)))
             extra = ["config.yaml", "trained.json"]
+        if more_files is not None:
+            extra += more_files(tmp)
         fix_tree_modes(tmp)  # safetensors writes 0600 through a temporary file; 0644/0755 as open() would
         for name in (*FILES, *extra):
             _fsync_file(tmp / name)

@@ -40,12 +40,14 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from runner import registry
 from runner.config import DTYPES, LR_SCHEDULERS, MODES, NONFINITE_POLICIES, PRECISIONS, SIZES, TRAIN_DTYPES
+from runner.ema_config import check_ema_config
 from runner.errors import UserError, did_you_mean, valid_list
 from runner.export.config import validate_export
 from runner.optim_config import check_optimizer_config
 from runner.plugin import KINDS
 from runner.sampling.config import check_sample_config
 from runner.tracking import validate_log_config
+from runner.validation_config import check_val_config, check_val_path
 
 if TYPE_CHECKING:
     from runner.resolved import ResolvedRun
@@ -304,6 +306,8 @@ def check_config(cfg: DictConfig) -> None:
             "checkpoints/step-* directories."
         )
     check_sample_config(cfg)
+    check_ema_config(cfg)
+    check_val_config(cfg)
     if cfg.mode == "train":
         _check_data_path(cfg)
     validate_export(cfg)
@@ -317,6 +321,7 @@ def check_run(cfg: DictConfig) -> None:
     torch; still before anything is built or planned)."""
     from runner.optim import validate_optimizer
 
+    check_val_path(cfg)  # mode=train: a data.val_path folder is scanned now, like data.path below
     if cfg.mode == "train":  # a data.path folder is scanned and checked now, not after the model build
         from runner.data import check_dataset
 

@@ -27,3 +27,16 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
+def no_hydra_job_left_over():
+    """A test that runs ``hydra.main`` in-process leaves Hydra's job config set (Hydra never clears
+    it in a process that then exits). runner/resume.py and runner/sweep.py read it to learn the
+    running job's command line, so a later in-process run would inherit another test's overrides."""
+    yield
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    HydraConfig.instance().cfg = None
+    GlobalHydra.instance().clear()

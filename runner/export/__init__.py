@@ -8,6 +8,8 @@ ComfyUI and A1111 cannot use it. An export writes, beside it, in ``checkpoints/s
   format (``pipe.load_lora_weights``), and/or ``lora_kohya.safetensors`` in the kohya layout
   (``lora_unet_*``/``lora_transformer_*`` keys with ``.alpha``) that ComfyUI, Forge and A1111 load;
 * ``model.train=full``: ``diffusers/``, a pipeline folder (``DiffusionPipeline.from_pretrained``);
+* with an EMA of the weights (``ema.enabled``): the same files of the average, ``*_ema.safetensors``
+  or ``diffusers_ema/`` (runner/export/ema.py);
 * ``export.json``: what was exported, from which step, base model and preset.
 
 Beside the checkpoint, not in a separate folder, so that an export is pruned with its checkpoint

@@ -30,6 +30,7 @@ from omegaconf import OmegaConf, open_dict
 
 from runner.errors import as_os_error, storage_error
 from runner.export.config import export_config
+from runner.export.ema import write_ema_exports
 from runner.export.lora import write_diffusers_lora, write_kohya_lora
 from runner.files import fix_tree_modes
 from runner.trainer import ModelSet
@@ -93,6 +94,7 @@ def export_models(trainer: Any, models: ModelSet, ckpt: Path, cfg: Any, step: in
         else:
             trainer.pipeline(models).save_pretrained(str(tmp / FULL_DIR), safe_serialization=True)
             files.append(FULL_DIR)
+        files += write_ema_exports(trainer, models, ckpt, tmp, info, cfg, _denoiser(trainer, models), FULL_DIR)  # ema.*
         info["files"] = files
         (tmp / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
     dest = ckpt / EXPORT_DIR

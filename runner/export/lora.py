@@ -32,6 +32,9 @@ from torch import nn
 
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"
 KOHYA_FILE = "lora_kohya.safetensors"
+# The same two files of the EMA weights (ema.enabled; runner/export/ema.py).
+DIFFUSERS_EMA_FILE = "pytorch_lora_weights_ema.safetensors"
+KOHYA_EMA_FILE = "lora_kohya_ema.safetensors"
 
 # Denoiser name in the trainer's ModelSet -> kohya key prefix (see the module docstring).
 KOHYA_PREFIX = {"unet": "lora_unet", "transformer": "lora_transformer"}
@@ -66,6 +69,7 @@ def lora_metadata(config: Any, info: dict[str, Any]) -> dict[str, str]:
         "preset": str(info.get("preset") or ""),
         "step": str(info.get("step", "")),
         "trainer": str(info.get("trainer", "")),
+        "weights": str(info.get("weights", "trained")),  # "ema": the average of the trained weights (runner/ema.py)
         "ss_network_module": "networks.lora",
         "ss_network_dim": str(config.r),
         "ss_network_alpha": str(config.lora_alpha),
@@ -86,7 +90,7 @@ def _add_metadata(path: Path, extra: dict[str, str]) -> None:
 
 
 def write_diffusers_lora(pipeline_class: type, denoiser: str, module: nn.Module, folder: Path,
-                         info: dict[str, Any]) -> Path:
+                         info: dict[str, Any], file_name: str = DIFFUSERS_FILE) -> Path:
     """``folder/pytorch_lora_weights.safetensors`` via ``pipeline_class.save_lora_weights``
     (a classmethod: no pipeline, so no frozen module, is needed); ``info`` as in :func:`lora_metadata`."""
     config = adapter_config(module)
@@ -94,10 +98,10 @@ def write_diffusers_lora(pipeline_class: type, denoiser: str, module: nn.Module,
         str(folder),
         **{f"{denoiser}_lora_layers": lora_state_dict(module),
            f"{denoiser}_lora_adapter_metadata": config.to_dict()},
-        weight_name=DIFFUSERS_FILE,
+        weight_name=file_name,
         safe_serialization=True,
     )
-    path = folder / DIFFUSERS_FILE
+    path = folder / file_name
     _add_metadata(path, lora_metadata(config, info))
     return path
 
@@ -123,13 +127,14 @@ def kohya_state_dict(peft_state: dict[str, torch.Tensor], prefix: str, alpha: fl
     return out
 
 
-def write_kohya_lora(denoiser: str, module: nn.Module, folder: Path, info: dict[str, Any]) -> Path:
+def write_kohya_lora(denoiser: str, module: nn.Module, folder: Path, info: dict[str, Any],
+                     file_name: str = KOHYA_FILE) -> Path:
     """``folder/lora_kohya.safetensors``: the kohya layout for ComfyUI (models/loras), Forge and
     A1111 (models/Lora)."""
     if denoiser not in KOHYA_PREFIX:
         raise ValueError(f"no kohya key prefix is known for a denoiser named {denoiser!r}")
     config = adapter_config(module)
     state = kohya_state_dict(lora_state_dict(module), KOHYA_PREFIX[denoiser], float(config.lora_alpha))
-    path = folder / KOHYA_FILE
+    path = folder / file_name
     save_file(state, str(path), metadata={"format": "pt", **lora_metadata(config, info)})
     return path

@@ -57,6 +57,7 @@ import torch
 from runner.errors import UserError
 from runner.memory.stats import host_rss
 from runner.memory.tracker import CATEGORIES, LiveBytesTracker
+from runner.memory.tracker_views import OPTIONAL_CATEGORIES
 
 if TYPE_CHECKING:
     from runner.context import RunContext
@@ -226,7 +227,7 @@ class MemoryProfiler:
         cats = {c: 0 for c in CATEGORIES}
         for d in by_device:
             for c, n in tr.category_bytes(d).items():
-                cats[c] += n
+                cats[c] = cats.get(c, 0) + n  # an optional category (ema) only when present
         entry: dict[str, Any] = {
             "step": self._step,
             "point": point,
@@ -268,6 +269,9 @@ class MemoryProfiler:
             self.tracker.attach_module_hooks(module, depth=int(self.cfg.module_depth), prefix=name)
             for pname, p in [*module.named_parameters(), *module.named_buffers()]:
                 self._name(p, f"{name}.{pname}")
+        ema = self.ctx.ema.tensors()  # ema.enabled: the EMA copy, in its own category
+        if ema:
+            self.tracker.track(ema, "ema")
         if self.cuda and self.cfg.snapshot:
             # Python stacks only: C++ unwinding on every allocation ("all") costs far more.
             torch.cuda.memory._record_memory_history(max_entries=int(self.cfg.snapshot_max_entries), stacks="python")
@@ -385,8 +389,8 @@ def plot_timeline(points: list[dict[str, Any]], path: Path, device: str) -> None
     fig = Figure(figsize=(max(8.0, 0.25 * len(points)), 4.8))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    cats = [c for c in CATEGORIES if any(p["live_by_category"][c] for p in points)]
-    ax.stackplot(x, *[[p["live_by_category"][c] / MIB for p in points] for c in cats],
+    cats = [c for c in (*CATEGORIES, *OPTIONAL_CATEGORIES) if any(p["live_by_category"].get(c) for p in points)]
+    ax.stackplot(x, *[[p["live_by_category"].get(c, 0) / MIB for p in points] for c in cats],
                  labels=[f"live {c}" for c in cats], alpha=0.8)
     ax.step(x, [p["peak_live_bytes_since_previous"] / MIB for p in points], where="pre", color="red",
             linewidth=1, label="peak live since the previous point")

@@ -11,6 +11,10 @@ from typing import Any
 CATEGORIES: tuple[str, ...] = ("weights", "gradients", "optimizer_state", "activations", "temporaries", "other")
 """Categories reported; "other" = pre-existing storages first seen as op inputs, or born outside a phase."""
 
+OPTIONAL_CATEGORIES: tuple[str, ...] = ("ema",)
+"""Categories of features that are off by default, reported only where they hold bytes (so a plan or
+profile without them has the same keys as before): "ema" = the EMA copy of the trained weights."""
+
 NO_PHASE = "(none)"
 NO_MODULE = "(none)"
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.memory.tracker import CATEGORIES
+from runner.memory.tracker_views import OPTIONAL_CATEGORIES
 from runner.plan.target import DEVICE, HOST, GiB
 
 
@@ -42,6 +43,8 @@ class Plan:
     suggestions: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
     sampling: dict[str, Any] | None = None  # sample.every: the sampling pass's peak beside the step's (runner/sampling/plan.py)
+    ema: dict[str, Any] | None = None  # ema.enabled: the EMA copy's bytes on the device and the host (plan/ema.py)
+    validation: dict[str, Any] | None = None  # data.val_*: whether the validation pass was planned, and its peak
 
     @property
     def required_bytes(self) -> int:
@@ -98,8 +101,8 @@ def format_plan(plan: Plan) -> str:
         verdict = f"budget_gb {plan.budget_bytes / GiB:g} -> " + ("FITS" if plan.fits else f"DOES NOT FIT (over by {over})")
     lines += [f"device memory: {need}", f"  {verdict}", ""]
     mods = sorted(plan.by_module.items(), key=lambda kv: -sum(kv[1].values()))
-    cats = [c for c in CATEGORIES if any(per.get(c) for _, per in mods)]
-    short = {"optimizer_state": "optimizer", "temporaries": "temporary", "activations": "activation"}
+    cats = [c for c in (*CATEGORIES, *OPTIONAL_CATEGORIES) if any(per.get(c) for _, per in mods)]
+    short = {"optimizer_state": "optimizer", "temporaries": "temporary", "activations": "activation", "ema": "EMA"}
     lines.append(f"  {'at the peak, ' + unit[1]:<22}" + "".join(f"{short.get(c, c):>12}" for c in cats) + f"{'total':>12}")
     for name, per in mods:
         lines.append(f"  {name:<22}" + "".join(f"{per.get(c, 0) / unit[0]:>12.3f}" for c in cats)
@@ -112,6 +115,15 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"  sampling pass (sample.every, {sp['resolution']} px, denoiser batch {sp['denoiser_batch']}"
                      f"{', tiled VAE decode' if sp['vae_tiled'] else ''}): peak {format_size(sp['peak_bytes'], unit)}; "
                      f"training step: {format_size(sp['training_step_peak_bytes'], unit)}")
+    if plan.ema:
+        e = plan.ema
+        lines.append(f"  EMA of the trained weights (ema.device={e['device']}, {e['dtype']}): "
+                     f"{format_size(e['device_bytes'])} on the device, {format_size(e['host_bytes'])} on the host "
+                     "(kept between steps, included above)")
+    if plan.validation:
+        v = plan.validation
+        lines.append(f"  validation pass (val.batch_size {v['batch_size']}): " + (
+            f"peak {format_size(v['peak_bytes'], unit)}" if v["planned"] else f"not simulated: {v['why']}"))
     state = ", ".join(f"{'device' if d == DEVICE.type else 'host' if d == HOST.type else d} {format_size(n)}"
                       for d, n in plan.optimizer_state_bytes.items() if n)
     if state:

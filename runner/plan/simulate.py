@@ -16,7 +16,8 @@ How a step is simulated
    unnecessary), ``loss``, backward, gradient clipping, ``optimizer.step()``; with
    ``train.grad_accum > 1`` two micro-batches (every later micro-batch repeats the second
    one's memory). A :class:`~runner.memory.tracker.LiveBytesTracker` counts live storage bytes
-   per device, phase, category and top-level module.
+   per device, phase, category and top-level module. With ``ema.enabled`` the EMA copy is built
+   right after the optimizer and updated once after its step (runner/plan/ema.py).
 4. Steady state: optimizer state is created by the first step and then lives through every
    later forward and backward, so the state's bytes are added to the forward and backward peaks
    (exact: the state does not change size while they run). The plan's peak is the largest of
@@ -38,13 +39,16 @@ from torch import nn
 from runner import registry
 from runner.context import RunContext
 from runner.memory.tracker import CATEGORIES, NO_MODULE, LiveBytesTracker
+from runner.memory.tracker_views import OPTIONAL_CATEGORIES
 from runner.optim import build_optimizer
 from runner.plan.batch import cached_parts, encode_batch, encode_part_shapes, example_batch, fake_batch, move_batch
+from runner.plan.ema import plan_ema
 from runner.plan.fake import fake_module, simulation_mode
 from runner.plan.result import PhasePeak, Plan
 from runner.plan.semantics import DeviceSemantics, SimulatedAccelerator
 from runner.plan.suggest import suggest
 from runner.plan.target import CUDA_WORKSPACE_MARGIN_BYTES, DEVICE, HOST
+from runner.plan.validation import plan_validation
 from runner.resolved import ResolvedRun, planned_target, resolve
 from runner.run import build_plugins, build_trainer
 from runner.sampling.plan import plan_sampling
@@ -134,6 +138,7 @@ def plan_step(
             schedule if schedule is not None else build_plugins(cfg, run),
         )
         sampling = plan_sampling(sim)  # sample.every: keeps the VAE as the sampler does; a no-op when off
+        validation = plan_validation(sim)  # data.val_*: only when it can raise the peak (runner/plan/validation.py)
         with sim.mode:
             try:
                 with sim.tracker, sim.semantics:
@@ -142,11 +147,14 @@ def plan_step(
                         sim.timed("forward+backward", sim.forward_backward, i)
                     sim.timed("optimizer", sim.optimizer_step)
                     sampling.simulate()  # one sampling pass, between steps (runner/sampling/plan.py)
+                    validation.simulate()  # one validation pass, between steps
             finally:
                 sim.tracker.detach_module_hooks()
                 sim.ctx.teardown()
     plan = _assemble(sim, time.perf_counter() - started)
     sampling.report(plan)
+    validation.report(plan)
+    sim.ema.report(plan)
     return plan
 
 
@@ -210,6 +218,7 @@ class _Simulation:
         self.cached: set[str] = set()
         self.state_by_dev: dict[str, dict[str, dict[str, int]]] = {}
         self.host_steady = 0
+        self.ema = plan_ema(self)  # ema.enabled: the copy, counted where it lives (runner/plan/ema.py); else a no-op
 
     def timed(self, name: str, fn: Any, *args: Any) -> None:
         t0 = time.perf_counter()
@@ -237,6 +246,7 @@ class _Simulation:
         self.params = list(ctx.models.trainable_parameters())
         ctx.optimizer = build_optimizer(self.cfg.optimizer, self.params, simulate=True)
         ctx.run_phase("wrap_optimizer")
+        self.ema.create()  # where the loop builds it: after the optimizer, on the weights as placed
         trainer = self.trainer
         self.raw = (ctx.facts.encode_on_device
                     and callable(getattr(trainer, "example_raw_batch", None)) and callable(getattr(trainer, "encode", None)))
@@ -281,6 +291,7 @@ class _Simulation:
         self.recorder.take("optimizer")
         self.state_by_dev = {dev: tracker.module_bytes(dev) for dev in tracker.current}
         ctx.optimizer.zero_grad(set_to_none=True)
+        self.ema.update()  # one update of the average, after the step, as the loop does
         ctx.run_phase("on_step_end", 1)
         self.host_steady = tracker.current_bytes(HOST.type)
 
@@ -326,6 +337,10 @@ def _assemble(sim: _Simulation, seconds: float) -> Plan:
     empty = PhasePeak("setup", "setup", 0, {})
     dev_peak, host_peak = best.get(DEVICE.type, empty), best.get(HOST.type, empty)
     by_category = {c: sum(per.get(c, 0) for per in dev_peak.by_module.values()) for c in CATEGORIES}
+    for c in OPTIONAL_CATEGORIES:  # listed only when present, so plans without them stay as they were
+        n = sum(per.get(c, 0) for per in dev_peak.by_module.values())
+        if n:
+            by_category[c] = n
     where = dev_peak.name if dev_peak.where in (dev_peak.name.split(" ")[0], "(reset)") else f"{dev_peak.name}, in {dev_peak.where}"
     c = cfg
     chosen: dict[str, list[str]] = {}

@@ -103,6 +103,10 @@ def suggest(plan: Plan, cfg: Any) -> list[dict[str, Any]]:
         add("+offload=park" if cfg.get("offload") else "offload=park", frozen_w + enc, "frozen modules' weights on the device at the peak"
             + (" and the encode step's activations (the peak is in encode)" if enc else "")
             + "; with cached latents and embeddings they never reach the device")
+    ema = cats.get("ema", 0)  # ema.device=device: the copy is on the device, and need not be
+    if ema:
+        add("ema.device=cpu", ema, "the EMA copy of the trained weights at the peak moves to host RAM; each update "
+            "then copies the weights to the host (ema.every spaces the updates)")
     micro = int(plan.run["micro_batch_size"])
     if micro > 1:
         acts = cats.get("activations", 0) + cats.get("temporaries", 0)

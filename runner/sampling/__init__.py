@@ -34,7 +34,9 @@ Sampling changes nothing in training: ``no_grad``; every module's train/eval fla
 global RNG states (CPU and CUDA) forked and restored; each image's noise comes from its own
 generator. Losses with and without sampling are bit-identical (tests/runner/test_sampling.py).
 An out-of-memory error while sampling is logged and the samples of that step are skipped: a
-sample must never cost the training run.
+sample must never cost the training run. ``sample.use_ema=true`` samples with the EMA of the
+trained weights (runner/ema.py): they are copied into the trained parameters for the pass and
+the trained values copied back exactly after it (backed up in host RAM meanwhile).
 
 A user's trainer may implement ``sample(models, prompts, *, steps, guidance, seed, resolution,
 negative_prompt)`` returning one PIL image per prompt; it is called with the models as the

@@ -27,6 +27,7 @@ class SampleConfig:
     guidance: Optional[float] = None  # SDXL: classifier-free guidance (default 5.0); Flux: distilled guidance (3.5)
     seed: int = 0  # image i is drawn from seed + i, the same at every step, so images compare across steps
     resolution: Optional[int] = None  # px, square; default: data.resolution
+    use_ema: bool = False  # sample with the EMA weights (needs ema.enabled; swapped in for the pass and back exactly)
 
 
 def read_prompts(c: Any) -> list[str]:
@@ -57,6 +58,10 @@ def check_sample_config(cfg: Any) -> None:
                         "samples (e.g. 100), or 0 for no samples.")
     if int(c.every) == 0:
         return
+    ema = cfg.get("ema")
+    if c.get("use_ema", False) and (ema is None or not ema.enabled):
+        raise UserError("sample.use_ema=true samples with the EMA of the trained weights, but ema.enabled=false: set "
+                        "ema.enabled=true (runner/ema.py), or sample.use_ema=false to sample the trained weights.")
     if c.prompts and c.prompts_file is not None:
         raise UserError("sample.prompts and sample.prompts_file are both set: give the prompts one way, "
                         "a list (sample.prompts=['a cat','a dog']) or a file with one prompt a line.")

@@ -8,7 +8,7 @@ import logging
 import re
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -100,6 +100,7 @@ class Sampler:
         self.steps = int(config.steps)
         self.seed = int(config.seed)
         self.resolution = int(config.resolution) if config.resolution is not None else int(ctx.cfg.data.resolution)
+        self.use_ema = bool(config.get("use_ema", False))
         self.negative_prompt = None if config.negative_prompt is None else str(config.negative_prompt)
         trainer = ctx.trainer
         self.user_sample = getattr(trainer, "sample", None) if callable(getattr(trainer, "sample", None)) else None
@@ -179,7 +180,8 @@ class Sampler:
         t0 = time.perf_counter()
         paths = []
         try:
-            with torch.random.fork_rng(devices=devices), torch.no_grad(), self.ctx.accelerator.autocast():
+            with torch.random.fork_rng(devices=devices), torch.no_grad(), self.ctx.accelerator.autocast(), \
+                    (self.ctx.ema.applied() if self.use_ema else nullcontext()):  # sample.use_ema: swapped in and back
                 for module in modules.values():
                     module.eval()
                 images = self._images(modules)
@@ -226,6 +228,7 @@ class Sampler:
             return
         settings = {"prompts": self.prompts, "negative_prompt": self.negative_prompt, "steps": self.steps,
                     "guidance": self.guidance, "resolution": self.resolution,
+                    "weights": "ema" if self.use_ema else "trained",
                     "seeds": [self.seed + i for i in range(len(self.prompts))],
                     "files": [image_name(i, p) for i, p in enumerate(self.prompts)]}
         path.write_text(json.dumps(settings, indent=2) + "\n")

@@ -1,0 +1,102 @@
+"""The EMA of the trained weights, exported beside them (``ema.enabled``; runner/ema.py).
+
+A checkpoint holding ``ema.safetensors`` gets, in ``checkpoints/step-N/export/``, the same files
+for the average as for the trained weights:
+
+* ``model.train=lora``: ``pytorch_lora_weights_ema.safetensors`` (diffusers) and/or
+  ``lora_kohya_ema.safetensors`` (ComfyUI, Forge, A1111), as ``export.lora_format`` asks;
+* ``model.train=full``: ``diffusers_ema/``, a complete pipeline folder whose denoiser subfolder
+  holds the EMA weights; every other file (VAE, text encoders, tokenizers, scheduler,
+  ``model_index.json``) is a hard link to the file in ``diffusers/``, so it costs no disk (a copy
+  where the file system has no hard links). ``DiffusionPipeline.from_pretrained(".../diffusers_ema")``
+  loads it as it is; the denoiser alone is ``UNet2DConditionModel.from_pretrained(".../diffusers_ema",
+  subfolder="unet")``.
+
+How: the EMA tensors are copied into the trained parameters (cast to their dtype, so the export
+has the trained weights' dtype, like the other files), the same writers run, and every parameter
+then gets the checkpoint's trained value back from ``trainable.safetensors`` (what the models held:
+the export is of that checkpoint). Both files are read a tensor at a time, so no second copy of
+the weights is held in RAM.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runner.ema import FILE, ema_info
+from runner.export.config import export_config
+from runner.export.lora import DIFFUSERS_EMA_FILE, KOHYA_EMA_FILE, write_diffusers_lora, write_kohya_lora
+from runner.trainer import ModelSet
+
+FULL_EMA_DIR = "diffusers_ema"
+
+
+def _copy_file_into(params: dict[str, torch.nn.Parameter], path: Path) -> None:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt", device="cpu") as f, torch.no_grad():
+        names = set(f.keys())
+        if names != set(params):
+            raise ValueError(f"{path} holds {len(names)} tensors for {len(params)} trained parameters "
+                             f"(e.g. missing {sorted(set(params) - names)[:2]})")
+        for name, p in params.items():
+            p.copy_(f.get_tensor(name))
+
+
+@contextmanager
+def ema_weights_in(models: ModelSet, ckpt: Path) -> Iterator[None]:
+    """Inside the block the trained parameters hold ``ckpt``'s EMA weights; after it, its trained weights."""
+    params = dict(models.named_trainable_parameters())
+    _copy_file_into(params, ckpt / FILE)
+    try:
+        yield
+    finally:
+        _copy_file_into(params, ckpt / "trainable.safetensors")
+
+
+def _link_tree(src: Path, dst: Path, skip: str) -> None:
+    """Every file under ``src`` but the ``skip`` subfolder, hard-linked (else copied) to its place under ``dst``."""
+    for root, _, names in os.walk(src):
+        rel = Path(root).relative_to(src)
+        if rel.parts and rel.parts[0] == skip:
+            continue
+        (dst / rel).mkdir(parents=True, exist_ok=True)
+        for n in names:
+            try:
+                os.link(Path(root) / n, dst / rel / n)
+            except OSError:
+                shutil.copy2(Path(root) / n, dst / rel / n)
+
+
+def write_ema_exports(trainer: Any, models: ModelSet, ckpt: Path, folder: Path, info: dict[str, Any], cfg: Any,
+                      denoiser: str, full_dir: str) -> list[str]:
+    """Write the EMA files of ``ckpt`` into ``folder`` (the export being staged, whose ``full_dir``
+    is written already for a full fine-tune); the names written, and ``info["ema"]``. Nothing
+    when the checkpoint has no EMA."""
+    if not (ckpt / FILE).is_file():
+        return []
+    lora = str(cfg.model.train) == "lora"
+    ec = export_config(cfg)
+    files: list[str] = []
+    with ema_weights_in(models, ckpt):
+        if lora:
+            ema_info_for = {**info, "weights": "ema"}
+            if ec.wants("diffusers"):
+                files.append(write_diffusers_lora(trainer.pipeline_class(), denoiser, models[denoiser], folder,
+                                                  ema_info_for, file_name=DIFFUSERS_EMA_FILE).name)
+            if ec.wants("kohya"):
+                files.append(write_kohya_lora(denoiser, models[denoiser], folder, ema_info_for,
+                                              file_name=KOHYA_EMA_FILE).name)
+        else:
+            models[denoiser].save_pretrained(str(folder / FULL_EMA_DIR / denoiser), safe_serialization=True)
+    if not lora:
+        _link_tree(folder / full_dir, folder / FULL_EMA_DIR, skip=denoiser)
+        files.append(FULL_EMA_DIR)
+    info["ema"] = {**ema_info(ckpt / FILE), "files": files}
+    return files
