@@ -274,9 +274,11 @@ def validate(cfg: DictConfig) -> None:
             "checkpoints/step-* directories."
         )
     check_sample_config(cfg)
-    if cfg.mode == "train":  # a data.path folder is scanned and checked now, not after the model build
-        from runner.data import check_dataset
+    from runner.data import check_cache_compatible, check_dataset, check_options
 
+    check_options(cfg.data)  # every data.* value, no file read
+    check_cache_compatible(cfg)  # data.shuffle_tags with offload.park.cache_text is refused, naming both
+    if cfg.mode == "train":  # a data.path folder (or data.sets) is scanned and checked now, not after the model build
         check_dataset(cfg.data)
     validate_export(cfg)
     validate_log_config(cfg.log)

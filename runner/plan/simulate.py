@@ -37,6 +37,7 @@ from torch import nn
 
 from runner import registry
 from runner.context import RunContext
+from runner.data import planned_size
 from runner.memory.tracker import CATEGORIES, NO_MODULE, LiveBytesTracker
 from runner.optim import build_optimizer
 from runner.plan.batch import cached_parts, encode_batch, encode_part_shapes, example_batch, fake_batch, move_batch
@@ -332,10 +333,13 @@ def _assemble(sim: _Simulation, seconds: float) -> Plan:
     for kind, name, _ in registry.selected(cfg):
         chosen.setdefault(kind, []).append(name)
     plugins = ", ".join(f"{k}={v[0]}" if len(v) == 1 else f"{k}=[{','.join(v)}]" for k, v in chosen.items())
+    (height, width), size_note = planned_size(c.data)  # buckets / per-set resolutions: the largest size
     run = {
         "trainer": type(trainer).__name__,
         "size": str(c.model.size),
         "resolution": int(c.data.resolution),
+        "planned_size": [height, width],  # (height, width) of the planned batch
+        "planned_size_note": size_note,  # why, when it is not data.resolution square
         "batch_size": sim.run.batch_size,
         "micro_batch_size": micro,
         "micro_batches": sim.run.grad_accum,

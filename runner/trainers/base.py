@@ -369,6 +369,26 @@ class DiffusersTrainer:
     def resolution(self) -> int:
         return int(self.cfg.data.resolution)
 
+    def planned_size(self) -> tuple[int, int]:
+        """(height, width) of the example batches: ``data.resolution`` square, or the largest size
+        a sample can have with aspect-ratio buckets or per-set resolutions (runner/data)."""
+        from runner.data import planned_size
+
+        return planned_size(self.cfg.data)[0]
+
+    def check_sizes(self, multiple: int, why: str) -> None:
+        """Every output size the data can produce must be a multiple of ``multiple`` pixels."""
+        from runner.data import check_options
+
+        o = check_options(self.cfg.data)
+        for n, s in enumerate(o.sets):
+            if s["resolution"] and s["resolution"] % multiple:
+                raise UserError(f"data.sets[{n}].resolution={s['resolution']} is not usable for {type(self).__name__}: "
+                                f"it must be a multiple of {multiple} ({why}).")
+        if o.buckets and o.bucket_step % multiple:
+            raise UserError(f"data.bucket_step={o.bucket_step} is not usable for {type(self).__name__}: bucket sides "
+                            f"must be multiples of {multiple} ({why}), e.g. data.bucket_step=64.")
+
     @staticmethod
     def example_tensor(
         shape: tuple[int, ...], device: str | torch.device, dtype: torch.dtype, seed: int = 0
@@ -386,13 +406,13 @@ class DiffusersTrainer:
         return torch.arange(batch_size, dtype=torch.int64, device=dev)
 
     def example_raw_batch(self, batch_size: int, device: str | torch.device = "meta") -> Batch:
-        """A raw batch as the data loader gives it at ``data.resolution``, for the planner's encode step.
+        """A raw batch as the data loader gives it at :meth:`planned_size`, for the planner's encode step.
 
         Captions are padded to the tokenizers' fixed lengths, so their text does not change any shape.
         """
-        res = self.resolution()
+        h, w = self.planned_size()
         return {
-            "pixel_values": self.example_tensor((batch_size, 3, res, res), device, torch.float32, 3),
+            "pixel_values": self.example_tensor((batch_size, 3, h, w), device, torch.float32, 3),
             "caption": ["an example caption"] * batch_size,
             "index": self.example_seeds(batch_size, device),
             "sample_seed": self.example_seeds(batch_size, device),
