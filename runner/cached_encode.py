@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Any
 
@@ -12,6 +13,7 @@ import torch
 from runner.cache import EncoderCache
 from runner.trainer import ModelSet, batch_device
 
+log = logging.getLogger("runner")
 
 class CachedEncode:
     """Stands in for ``trainer.encode``: cached parts from disk, the others computed, then
@@ -28,17 +30,24 @@ class CachedEncode:
         self.keys = keys
         self.captions = captions or {}
         self.reads = 0
+        self.warned = False
 
     def _keys(self, part: str, batch: dict[str, Any], index: list[int]) -> list[str]:
+        by_index = [self.keys[part][i] for i in index]
         by_text = self.captions.get(part)
-        if by_text is not None and "caption" in batch:
-            try:
-                return [by_text[c] for c in batch["caption"]]
-            except KeyError as e:
-                raise RuntimeError(f"offload=park: the caption {e.args[0]!r} of this batch was not planned into the "
-                                   "encoder cache (a dataset whose visits make captions it did not list in "
-                                   "extra_captions())") from None
-        return [self.keys[part][i] for i in index]
+        if by_text is None or "caption" not in batch:
+            return by_index
+        keys = []
+        for caption, own in zip(batch["caption"], by_index):
+            key = by_text.get(caption)
+            if key is None:  # not a caption the run planned (a hand-made batch): the sample's own entry
+                if not self.warned:
+                    log.warning("offload=park: caption %r of sample batch is not in the encoder cache's plan; using "
+                                "each sample's own caption entry", caption)
+                    self.warned = True
+                key = own
+            keys.append(key)
+        return keys
 
     @torch.no_grad()
     def __call__(self, models: ModelSet, batch: dict[str, Any]) -> dict[str, Any]:

@@ -173,6 +173,12 @@ def _friendly(err: Exception, overrides: Sequence[str]) -> UserError:
                 f"Unknown {what} '{option}' (from '{group}={option}'). Valid names: {valid_list(option, options)}."
             )
         return UserError(f"Configuration error: {e}")
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and "'DataSetConfig'" in str(cause):
+        from runner.data.checks import SET_KEYS  # a key inside one entry of data.sets=[{...}]
+
+        key = str(getattr(cause, "full_key", "") or "")
+        return UserError(f"Unknown key '{key}' in an entry of data.sets.{did_you_mean(key, SET_KEYS)} "
+                         f"Valid keys of a set: {', '.join(SET_KEYS)}.")
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
         full_key = str(getattr(cause, "full_key", "") or "")
         kind, _, option = full_key.partition(".")

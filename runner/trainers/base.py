@@ -98,8 +98,14 @@ class DiffusersTrainer:
     * ``model.path`` unset: built from the ``model.size`` config dicts with random init.
     * a diffusers folder: every module from its subfolder (``from_pretrained``, offline). The
       denoiser's subfolder is required; a missing frozen module is built at random with a warning.
-    * a single .safetensors file: the denoiser from it (architecture of ``model.size``); the frozen
-      modules random, with a warning.
+    * a hub id (``owner/name[@revision]``): the diffusers folder of its snapshot in the local hub
+      cache (runner/trainers/hub.py).
+    * a single .safetensors file in an original layout (A1111/ComfyUI SDXL, BFL Flux;
+      runner/trainers/single_file.py): every module the file holds, converted with the
+      architecture of ``model.size``, the others random with a warning; the tokenizers of the
+      family's reference repository (``reference_repo``) from the hub cache.
+    * a single .safetensors file in diffusers' key layout: the denoiser from it (architecture of
+      ``model.size``); the frozen modules random, with a warning.
 
     Dtypes: frozen modules (and a LoRA's frozen base) are stored in ``model.dtype``; the trained
     weights (a fully fine-tuned denoiser, or the LoRA adapters) in ``model.train_dtype``: float32
@@ -109,6 +115,8 @@ class DiffusersTrainer:
 
     denoiser: str = ""
     denoiser_prefixes: tuple[str, ...] = ("unet.", "transformer.")
+    family: str = ""  # matched against an original single file's layout (runner/trainers/single_file.py)
+    reference_repo: str = ""  # hub repo whose tokenizers an original single file's text encoders need
 
     def __init__(self, cfg: Any, run: Any = None) -> None:
         """``run``: the :class:`~runner.resolved.ResolvedRun`, whose dtypes win over the config's
@@ -133,6 +141,34 @@ class DiffusersTrainer:
                 f"(subfolders found: {', '.join(present) or 'none'}). Accepted: {SAFETENSORS_ACCEPTED}."
             )
         self._tokenizers: dict[str, Any] | None = None
+        self.layout, self.header = None, None  # an original single file's layout and its header
+        if self.source is not None and self.source[0] == "file":
+            self._open_single_file(self.source[1])
+
+    def _open_single_file(self, file: str) -> None:
+        """Read the header, recognise the layout, refuse another family's file, and check that the
+        tokenizers its text encoders need are at hand, all before any weight is read."""
+        from runner.trainers.single_file import detect_layout, read_header
+
+        self.header = read_header(file)
+        self.layout = detect_layout(list(self.header))
+        if self.layout is None:
+            return
+        if self.layout.family != self.family:
+            raise UserError(
+                f"model.path '{file}' is in {self.layout.name}, which is not a {self.family} checkpoint; choose the "
+                f"trainer of its family (trainer=...) or a {self.family} file. Accepted: {SAFETENSORS_ACCEPTED}."
+            )
+        found = [n for n in self.module_classes() if self.file_provides(n)]
+        log.info("model.path: %s in %s (%s)", ", ".join(found), self.layout.name, file)
+        for name in found:
+            if name.startswith("text_encoder"):
+                self.tokenizer(name.replace("text_encoder", "tokenizer"))
+
+    def file_provides(self, name: str) -> bool:
+        """Whether the original single file of ``model.path`` holds module ``name``."""
+        layout = self.layout
+        return layout is not None and name in layout.components and bool(layout.components[name].keys(self.header))
 
     # -- to implement ----------------------------------------------------------------------
     def module_classes(self) -> dict[str, type]:
@@ -199,6 +235,14 @@ class DiffusersTrainer:
                 "model.path %s has no %s/ subfolder: %s is randomly initialised (model.size=%s)",
                 src[1], name, name, self.size,
             )
+        elif src is not None and src[0] == "file" and self.layout is not None:
+            if self.file_provides(name):
+                from runner.trainers.single_file import load_component
+
+                return load_component(src[1], self.header, self.layout, name, cls, self.size_configs()[name], dtype,
+                                      device, f"model.size={self.size}")
+            log.warning("model.path %s holds no %s: %s is randomly initialised (model.size=%s)", src[1], name, name,
+                        self.size)
         elif src is not None and src[0] == "file":
             if name == self.denoiser:
                 if torch.device(device).type == "meta":
@@ -288,6 +332,9 @@ class DiffusersTrainer:
         if self._folder_has(name):
             folder = os.path.join(self.source[1], name)
             return {"folder": folder, "files": file_stats(folder)}
+        if self.file_provides(name):
+            st = os.stat(self.source[1])
+            return {"file": self.source[1], "size": st.st_size, "mtime_ns": st.st_mtime_ns, "module": name}
         seed = self.cfg.get("train", {}).get("seed") if hasattr(self.cfg, "get") else None
         return {
             "random_init": True,
@@ -360,10 +407,31 @@ class DiffusersTrainer:
                     f"model.path '{self.source[1]}' has a {encoder}/ subfolder but no {name}/ subfolder; "
                     f"the tokenizer must come with its text encoder. Accepted: {SAFETENSORS_ACCEPTED}."
                 )
+            elif self.file_provides(encoder):
+                tok = self.reference_tokenizer(name)
             else:
                 tok = self.default_tokenizer(name)
             self._tokenizers[name] = tok
         return self._tokenizers[name]
+
+    def reference_tokenizer(self, name: str) -> Any:
+        """The tokenizer of a text encoder read from an original single file, which holds none:
+        ``reference_repo``'s ``name/`` from the local hub cache. Without it, a full-size encoder is
+        refused (byte-level ids would be meaningless to it); a tiny one keeps the generated one."""
+        from runner.trainers.hub import cached_subfolder, fetch_command
+
+        folder = cached_subfolder(self.reference_repo, name) if self.reference_repo else None
+        if folder is not None:
+            return load_folder_tokenizer(os.path.dirname(folder), name)
+        if self.size == "tiny":
+            return self.default_tokenizer(name)
+        tokenizers = tuple(f"{n}/*" for n in ("tokenizer", "tokenizer_2")
+                           if self.file_provides(n.replace("tokenizer", "text_encoder")))
+        raise UserError(
+            f"model.path '{self.source[1]}' holds the text encoders but not their tokenizers, and {self.reference_repo}'s "
+            f"{name}/ is not in the local Hugging Face cache. Fetch the tokenizers (a few MB) with "
+            f"`{fetch_command(self.reference_repo, include=tokenizers)}`, or give a diffusers folder instead."
+        )
 
     # -- helpers for example batches -----------------------------------------------------
     def resolution(self) -> int:

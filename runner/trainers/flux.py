@@ -75,6 +75,8 @@ class FluxTrainer(DiffusersTrainer):
 
     Config = FluxTrainerConfig
     denoiser = "transformer"
+    family = "flux"
+    reference_repo = "black-forest-labs/FLUX.1-dev"
 
     def __init__(self, cfg: Any, run: Any = None) -> None:
         super().__init__(cfg, run)

@@ -42,6 +42,8 @@ class SDXLTrainer(DiffusersTrainer):
 
     Config = SDXLTrainerConfig
     denoiser = "unet"
+    family = "sdxl"
+    reference_repo = "stabilityai/stable-diffusion-xl-base-1.0"
 
     def __init__(self, cfg: Any, run: Any = None) -> None:
         super().__init__(cfg, run)
