@@ -84,7 +84,7 @@ from runner.errors import UserError
 from runner.hooks import mark, marked, unmark
 from runner.plugin import Plugin, PluginConfig
 from runner.registry import register_plugin
-from runner.trainer import ModelSet, batch_device
+from runner.trainer import ModelSet
 
 if TYPE_CHECKING:
     from runner.context import RunContext

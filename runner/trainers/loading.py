@@ -196,7 +196,8 @@ def load_single_file(
 
     Parameters are built on ``meta`` (accelerate's ``init_empty_weights`` keeps buffers real,
     since non-persistent buffers are not in the file) and each tensor is read lazily with
-    ``safe_open`` and converted to ``dtype`` as it is read, then adopted with
+    ``safe_open`` and converted to ``dtype`` as it is read (the file reopened every 256 MiB, so the
+    mapped pages a conversion read leave RSS), then adopted with
     ``load_state_dict(assign=True)``: the peak is about the final model size, never a float32
     copy next to a bf16 one. diffusers' ``from_single_file`` is not used because it needs the
     original layout plus a hub config to convert from.
@@ -204,14 +205,15 @@ def load_single_file(
     from accelerate import init_empty_weights
     from safetensors import safe_open
 
+    from runner.trainers.single_file import read_tensors
+
     with init_empty_weights(include_buffers=False):
         model = _instantiate(cls, config)
-    state: dict[str, torch.Tensor] = {}
     with safe_open(file, framework="pt", device="cpu") as f:
         mapping = check_state_dict_keys(file, f.keys(), model, prefixes, source)
-        for file_key, model_key in mapping.items():
-            t = f.get_tensor(file_key)
-            state[model_key] = t.to(dtype) if t.is_floating_point() else t
+    # Read in chunks, the file reopened between them (runner/trainers/single_file.py: read_tensors).
+    read = read_tensors(file, list(mapping), dtype)
+    state = {model_key: read.pop(file_key) for file_key, model_key in mapping.items()}
     model.load_state_dict(state, strict=True, assign=True)
     return model
 
