@@ -142,3 +142,34 @@ def test_out_of_memory_split_of_a_bucketed_step_equals_the_smaller_micro_batch(i
     assert SHAPES[0][0] == 2 and SHAPES[1][1:] == SHAPES[2][1:] == SHAPES[0][1:]
     state = json.loads((tmp_path / "split" / "checkpoints" / "step-00000003" / "state.json").read_text())
     assert state["micro_batch_size"] == 1
+
+
+def test_a_users_trainer_that_uses_runner_data_gets_buckets_and_sets(images, tmp_path, caplog):
+    """tests/assets/custom_trainer.py builds its dataset with runner.data.build_dataset: the options apply."""
+    import sys
+
+    assets = str(Path(__file__).resolve().parents[2] / "assets")
+    sys.path.insert(0, assets)
+    seen: list[tuple[int, ...]] = []
+    try:
+        import custom_trainer
+
+        loss = custom_trainer.PixelDiffusionTrainer.loss
+
+        def recording(self, models, batch):
+            seen.append(tuple(batch["pixel_values"].shape))
+            return loss(self, models, batch)
+
+        custom_trainer.PixelDiffusionTrainer.loss = recording
+        caplog.set_level("INFO", logger="runner")
+        sets = f"data.sets=[{{path:{images},repeats:2}},{{path:{images},resolution:32}}]"
+        run(compose_config([f"output_dir={tmp_path}", "trainer=custom", "train.device=cpu", "train.progress=false",
+                            "trainer._target_=custom_trainer.PixelDiffusionTrainer", "data.resolution=16",
+                            "data.buckets=true", "data.bucket_step=8", sets, "data.caption_dropout=0.5",
+                            "train.steps=6", "train.batch_size=2", "export.enabled=false", "train.preflight=false"]))
+    finally:
+        custom_trainer.PixelDiffusionTrainer.loss = loss
+        sys.path.remove(assets)
+    assert len(read_metrics(tmp_path / "metrics.jsonl")) == 6
+    assert len(seen) == 6 and len(set(seen)) > 1  # several sizes, one per batch
+    assert "2 sets, 12 images" in caplog.text and "batch order:" in caplog.text
