@@ -146,24 +146,10 @@ class DiffusersTrainer:
             self._open_single_file(self.source[1])
 
     def _open_single_file(self, file: str) -> None:
-        """Read the header, recognise the layout, refuse another family's file, and check that the
-        tokenizers its text encoders need are at hand, all before any weight is read."""
-        from runner.trainers.single_file import detect_layout, read_header
+        """Header, layout, family and tokenizers checked before any weight is read (single_file.py)."""
+        from runner.trainers.single_file import open_single_file
 
-        self.header = read_header(file)
-        self.layout = detect_layout(list(self.header))
-        if self.layout is None:
-            return
-        if self.layout.family != self.family:
-            raise UserError(
-                f"model.path '{file}' is in {self.layout.name}, which is not a {self.family} checkpoint; choose the "
-                f"trainer of its family (trainer=...) or a {self.family} file. Accepted: {SAFETENSORS_ACCEPTED}."
-            )
-        found = [n for n in self.module_classes() if self.file_provides(n)]
-        log.info("model.path: %s in %s (%s)", ", ".join(found), self.layout.name, file)
-        for name in found:
-            if name.startswith("text_encoder"):
-                self.tokenizer(name.replace("text_encoder", "tokenizer"))
+        self.layout, self.header = open_single_file(self, file)
 
     def file_provides(self, name: str) -> bool:
         """Whether the original single file of ``model.path`` holds module ``name``."""
@@ -415,23 +401,10 @@ class DiffusersTrainer:
         return self._tokenizers[name]
 
     def reference_tokenizer(self, name: str) -> Any:
-        """The tokenizer of a text encoder read from an original single file, which holds none:
-        ``reference_repo``'s ``name/`` from the local hub cache. Without it, a full-size encoder is
-        refused (byte-level ids would be meaningless to it); a tiny one keeps the generated one."""
-        from runner.trainers.hub import cached_subfolder, fetch_command
+        """The tokenizer of a text encoder read from an original single file (single_file.py)."""
+        from runner.trainers.single_file import reference_tokenizer
 
-        folder = cached_subfolder(self.reference_repo, name) if self.reference_repo else None
-        if folder is not None:
-            return load_folder_tokenizer(os.path.dirname(folder), name)
-        if self.size == "tiny":
-            return self.default_tokenizer(name)
-        tokenizers = tuple(f"{n}/*" for n in ("tokenizer", "tokenizer_2")
-                           if self.file_provides(n.replace("tokenizer", "text_encoder")))
-        raise UserError(
-            f"model.path '{self.source[1]}' holds the text encoders but not their tokenizers, and {self.reference_repo}'s "
-            f"{name}/ is not in the local Hugging Face cache. Fetch the tokenizers (a few MB) with "
-            f"`{fetch_command(self.reference_repo, include=tokenizers)}`, or give a diffusers folder instead."
-        )
+        return reference_tokenizer(self, name)
 
     # -- helpers for example batches -----------------------------------------------------
     def resolution(self) -> int:

@@ -350,3 +350,51 @@ def load_component(file: str, header: dict[str, tuple[tuple[int, ...], torch.dty
     if callable(getattr(model, "tie_weights", None)):  # assign=True replaced tied parameters one by one
         model.tie_weights()
     return cast_module(model, dtype)
+
+
+# ---- what a trainer needs from an original file besides its modules -------------------------------
+def open_single_file(trainer: Any, file: str) -> tuple[Layout | None, dict[str, tuple[tuple[int, ...], torch.dtype]]]:
+    """Read the header, recognise the layout, refuse another family's file, and check that the
+    tokenizers its text encoders need are at hand, all before any weight is read. Returns the
+    layout (None: diffusers' key layout) and the header."""
+    from runner.trainers.loading import SAFETENSORS_ACCEPTED
+
+    header = read_header(file)
+    layout = detect_layout(list(header))
+    trainer.layout, trainer.header = layout, header
+    if layout is None:
+        return None, header
+    if layout.family != trainer.family:
+        raise UserError(
+            f"model.path '{file}' is in {layout.name}, which is not a {trainer.family} checkpoint; choose the "
+            f"trainer of its family (trainer=...) or a {trainer.family} file. Accepted: {SAFETENSORS_ACCEPTED}."
+        )
+    found = [n for n in trainer.module_classes() if trainer.file_provides(n)]
+    log.info("model.path: %s in %s (%s)", ", ".join(found), layout.name, file)
+    for name in found:
+        if name.startswith("text_encoder"):
+            trainer.tokenizer(name.replace("text_encoder", "tokenizer"))
+    return layout, header
+
+
+def reference_tokenizer(trainer: Any, name: str) -> Any:
+    """An original single file holds no tokenizers: ``trainer.reference_repo``'s ``name/`` from the
+    local hub cache. Without it a full-size encoder is refused (byte-level ids would be meaningless
+    to it); a tiny one keeps the generated tokenizer, which is what it was built with."""
+    import os
+
+    from runner.trainers.hub import cached_subfolder, fetch_command
+    from runner.trainers.tokenizers import load_folder_tokenizer
+
+    folder = cached_subfolder(trainer.reference_repo, name) if trainer.reference_repo else None
+    if folder is not None:
+        return load_folder_tokenizer(os.path.dirname(folder), name)
+    if trainer.size == "tiny":
+        return trainer.default_tokenizer(name)
+    tokenizers = tuple(f"{n}/*" for n in ("tokenizer", "tokenizer_2")
+                       if trainer.file_provides(n.replace("tokenizer", "text_encoder")))
+    raise UserError(
+        f"model.path '{trainer.source[1]}' holds the text encoders but not their tokenizers, and "
+        f"{trainer.reference_repo}'s {name}/ is not in the local Hugging Face cache. Fetch the tokenizers (a few MB) "
+        f"with `{fetch_command(trainer.reference_repo, include=tokenizers)}`, or give a diffusers folder instead."
+    )
