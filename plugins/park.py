@@ -68,6 +68,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
+from runner.cached_encode import CachedEncode, IndexSamples
 from runner.cache import (
     CachePlan,
     EncoderCache,
@@ -83,7 +84,7 @@ from runner.hooks import mark, marked, unmark
 from runner.plugin import Plugin
 from runner.plugins.schemas import ParkConfig, check_park
 from runner.registry import register_plugin
-from runner.trainer import ModelSet, batch_device
+from runner.trainer import ModelSet
 
 if TYPE_CHECKING:
     from runner.context import RunContext
@@ -225,58 +226,7 @@ def unpark_module(module: nn.Module) -> None:
         parked.remove()
 
 
-# ---- caching: the twin function -----------------------------------------------------------------
-class CachedEncode:
-    """Stands in for ``trainer.encode``: cached parts from disk, the others computed, then
-    the trainer's own ``finish_encode`` (per-sample randomness)."""
-
-    def __init__(self, trainer: Any, cache: EncoderCache, keys: dict[str, list[str]], samples: int = 0) -> None:
-        self.trainer_ref = weakref.ref(trainer)  # stored on the trainer: no reference cycle
-        self.cache = cache
-        self.keys = keys  # part -> key per view (runner/cache.py CachePlan: index, + samples when mirrored)
-        self.samples = samples
-        self.reads = 0
-
-    @torch.no_grad()
-    def __call__(self, models: ModelSet, batch: dict[str, Any]) -> dict[str, Any]:
-        trainer = self.trainer_ref()
-        if "index" not in batch:
-            raise RuntimeError("offload=park: the batch has no 'index' key, so cached entries cannot be found; "
-                               "the trainer's dataset must return each sample's index")
-        index = batch["index"].tolist()
-        flip = batch["flip"].tolist() if "flip" in batch else [False] * len(index)  # data.random_flip, this visit
-        views = [i + self.samples if f else i for i, f in zip(index, flip)]
-        device = batch_device(batch)
-        parts = {}
-        for part in trainer.encode_parts():
-            if part in self.keys:
-                parts[part] = self.cache.load_batch(part, [self.keys[part][v] for v in views], device)
-                self.reads += 1
-            else:
-                parts[part] = trainer.encode_part(models, part, batch)
-        return trainer.finish_encode(parts, batch)
-
-
-class IndexSamples(torch.utils.data.Dataset):
-    """The dataset when every encode part is cached: a sample is just its index."""
-
-    def __init__(self, dataset: Any) -> None:
-        self.n = len(dataset)
-        describe = getattr(dataset, "describe", None)
-        self._describe = describe() if callable(describe) else f"{self.n} samples"
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        if not 0 <= index < self.n:
-            raise IndexError(f"index {index} out of range for {self.n} samples")
-        return {"index": index}
-
-    def describe(self) -> str:
-        return f"{self._describe}; every sample's encoder outputs cached (offload=park)"
-
-
+# ---- caching: the twin function (what reads the cache during training: runner/cached_encode.py) ----
 @dataclass
 class ParkResult:
     """What :func:`park_and_cache` did, for teardown, the planner and the report."""
@@ -383,7 +333,7 @@ def park_and_cache(
     _drop_modules(models, droppable, result)
     park_frozen()
 
-    encode = CachedEncode(trainer, cache, {p: plan.keys[p] for p in parts}, plan.samples)
+    encode = CachedEncode(trainer, cache, {p: plan.keys[p] for p in parts}, plan.captions, plan.samples)
     result.encode = encode
     had_encode = trainer.__dict__.get("encode")
     trainer.encode = encode

@@ -53,13 +53,13 @@ from typing import Any
 import torch
 
 from runner.cache_entry import FORMAT, verify_entry, write_entry  # noqa: F401  (FORMAT: re-exported)
+from runner.data.images import IMAGE_PIPELINE_VERSION, sha256_file  # noqa: F401  (re-exported)
 from runner.errors import UserError, as_os_error, storage_error
 from runner.trainer import EncodePart, ModelSet
 
 log = logging.getLogger("runner")
 
 __all__ = ["FORMAT", "EncoderCache", "CachePlan", "plan_cache", "fill_cache", "require_fillable", "check_writable"]
-IMAGE_PIPELINE_VERSION = 1  # bump when runner.data.images' decode/resize/crop changes its pixels
 
 
 def default_cache_dir() -> Path:
@@ -103,14 +103,6 @@ def is_image_part(spec: EncodePart) -> bool:
 
 
 # ---- per-sample fingerprints ------------------------------------------------------------------
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _sha256_tensor(t: torch.Tensor) -> str:
     t = t.detach().to("cpu").contiguous()
     h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
@@ -121,19 +113,20 @@ def _sha256_tensor(t: torch.Tensor) -> str:
 class SampleFingerprints:
     """What each sample's inputs are, by content, without decoding images where avoidable.
 
-    * a :class:`runner.data.FolderDataset`: the image file's sha256 (reading bytes is much
-      cheaper than decoding), the orientation (``flip``) and, without center crop, the index
-      (its crop offset is a hash of the index); captions from the dataset's list;
-    * the built-in demo set and any other map-style dataset: the sha256 of ``ds[i]``'s pixels,
-      the orientation, and its caption (the demo set draws small images quickly).
+    * a dataset of runner.data that knows its samples (a folder, several sets): its own
+      ``fingerprint(i)`` (the image file's sha256, the crop that index gets, the output size
+      where it varies; :meth:`runner.data.FolderDataset.fingerprint`) and ``caption(i)``;
+    * the built-in demo set and any other map-style dataset: the sha256 of ``ds[i]``'s pixels
+      and its caption (the demo set draws small images quickly).
+
+    Either way the orientation of the view (``flip``: ``data.random_flip`` decides it per visit,
+    runner/data/flip.py) is part of an image's fingerprint.
     """
 
     def __init__(self, dataset: Any) -> None:
-        from runner.data import DemoDataset, FolderDataset
-
         self.dataset = dataset
-        self.folder = dataset if isinstance(dataset, FolderDataset) else None
-        self.demo = dataset if isinstance(dataset, DemoDataset) else None
+        self._fingerprint = getattr(dataset, "fingerprint", None)
+        self._caption = getattr(dataset, "caption", None)
         self._sample_cache: dict[int, dict[str, Any]] = {}
 
     def _sample(self, index: int) -> dict[str, Any]:
@@ -144,25 +137,14 @@ class SampleFingerprints:
         return s
 
     def caption(self, index: int) -> str:
-        if self.folder is not None:
-            return self.folder.captions[index]
-        if self.demo is not None:
-            from runner.data.demo import demo_caption
-
-            return demo_caption(index)
+        if callable(self._caption):
+            return self._caption(index)
         return str(self._sample(index)["caption"])
 
     def image(self, index: int, flip: bool = False) -> dict[str, Any]:
-        if self.folder is not None:
-            ds = self.folder
-            fp: dict[str, Any] = {
-                "file_sha256": _sha256_file(ds.paths[index]),
-                "pipeline": IMAGE_PIPELINE_VERSION,
-                "flip": bool(flip),
-            }
-            if not ds.center_crop:
-                fp["crop_index"] = index
-            return fp
+        fp = self._fingerprint(index) if callable(self._fingerprint) else None
+        if fp is not None:
+            return {**fp, "flip": bool(flip)}
         return {"pixels_sha256": _sha256_tensor(self._sample(index)["pixel_values"]), "flip": bool(flip)}
 
     def of(self, index: int, inputs: Sequence[str], flip: bool = False) -> dict[str, Any]:
@@ -278,6 +260,10 @@ class CachePlan:
     missing: dict[str, list[int]] = field(default_factory=dict)  # part -> one view per missing key (bad included)
     bad: dict[Path, str] = field(default_factory=dict)  # entries on disk that failed verification -> why
     samples: int = 0  # n: views >= n are the mirrored ones
+    # Parts that read only the caption are keyed by its text, so a visit whose caption differs from the
+    # file's (caption dropout: "") finds its entry too: part -> caption text -> key.
+    captions: dict[str, dict[str, str]] = field(default_factory=dict)
+    missing_captions: dict[str, list[str]] = field(default_factory=dict)  # part -> extra caption texts to encode
 
     def view(self, index: int, flip: bool) -> int:
         return index + self.samples if flip else index
@@ -286,11 +272,11 @@ class CachePlan:
         return (view - self.samples, True) if self.samples and view >= self.samples else (view, False)
 
     def missing_count(self) -> int:
-        return sum(len(v) for v in self.missing.values())
+        return sum(len(v) for v in self.missing.values()) + sum(len(v) for v in self.missing_captions.values())
 
     def entry_count(self) -> int:
         """Distinct entries the run reads."""
-        return sum(len(set(v)) for v in self.keys.values())
+        return sum(len(set(v) | set(self.captions.get(p, {}).values())) for p, v in self.keys.items())
 
     def describe_bad(self) -> str:
         """'N entries failed verification (first: PATH: why)', or '' when none did."""
@@ -298,6 +284,11 @@ class CachePlan:
             return ""
         path, why = next(iter(self.bad.items()))
         return f"{len(self.bad)} {'entry' if len(self.bad) == 1 else 'entries'} failed verification (first: {path}: {why})"
+
+
+def caption_only(spec: EncodePart) -> bool:
+    """A part computed from the caption alone: keyed by the caption's text (see :class:`CachePlan`)."""
+    return tuple(spec.inputs) == ("caption",)
 
 
 def plan_cache(
@@ -313,25 +304,54 @@ def plan_cache(
 
     Every entry the run will read is verified here (:mod:`runner.cache_entry`), so an entry that
     is absent, empty, truncated, of an older format or fails its checksum is planned as missing
-    and re-encoded by :func:`fill_cache`; ``plan.bad`` lists the ones that were on disk.
+    and re-encoded by :func:`fill_cache`; ``plan.bad`` lists the ones that were on disk. Caption
+    texts that visits may train on besides the files' own (``dataset.extra_captions()``: the
+    empty caption of caption dropout) get entries too.
     """
     specs = trainer.encode_parts()
     fps = SampleFingerprints(dataset)
     n = len(dataset)
     plan = CachePlan(keys={p: [] for p in parts}, missing={p: [] for p in parts}, samples=n)
     signatures = {p: {**trainer.cache_signature(p), "runner": dict(extra_signature or {})} for p in parts}
+    extra_fn = getattr(dataset, "extra_captions", None)
+    extra = extra_fn() if callable(extra_fn) else set()
     first_index: dict[tuple[str, str], int] = {}  # (part, key) -> first view with it
+    extra_entries: dict[tuple[str, str], str] = {}  # (part, key) -> caption text no file has
     views = [(i, flip) for flip in ((False, True) if random_flip else (False,)) for i in range(n)]
     for p in parts:
+        by_caption = caption_only(specs[p])
+        if by_caption:
+            plan.captions[p] = {}
+            plan.missing_captions[p] = []
+            if extra is None:
+                raise UserError(
+                    f"The encoder cache cannot hold the '{p}' part of {type(trainer).__name__}: it is computed from the "
+                    "caption, and the captions vary per visit without limit (data.shuffle_tags=true). Set "
+                    "offload.park.cache_text=false or data.shuffle_tags=false."
+                )
         for v, (i, flip) in enumerate(views):
             key = entry_key(signatures[p], fps.of(i, specs[p].inputs, flip))
             plan.keys[p].append(key)
             first_index.setdefault((p, key), v)
-    unusable = cache.verify_many(first_index)
+            if by_caption:
+                plan.captions[p][fps.caption(i)] = key
+        if by_caption:
+            for text in sorted(extra or ()):
+                if text not in plan.captions[p]:
+                    key = entry_key(signatures[p], {"caption": text})
+                    plan.captions[p][text] = key
+                    extra_entries[(p, key)] = text
+    unusable = cache.verify_many([*first_index, *extra_entries])
     for (p, key), i in first_index.items():  # dict order: by part, then by first index
         why = unusable.get((p, key))
         if why is not None:
             plan.missing[p].append(i)
+            if why != "missing":
+                plan.bad[cache.path(p, key)] = why
+    for (p, key), text in extra_entries.items():
+        why = unusable.get((p, key))
+        if why is not None:
+            plan.missing_captions[p].append(text)
             if why != "missing":
                 plan.bad[cache.path(p, key)] = why
     return plan
@@ -385,20 +405,37 @@ def fill_cache(
     if total == 0:
         return 0
     done, t0, last = 0, time.perf_counter(), time.perf_counter()
+    counts = {p: len(v) + len(plan.missing_captions.get(p, ())) for p, v in plan.missing.items()}
     log.info("encoder cache: encoding %d entries (%s) in batches of %d into %s", total,
-             ", ".join(f"{p}: {len(v)}" for p, v in plan.missing.items() if v), batch_size, cache.root)
+             ", ".join(f"{p}: {n}" for p, n in counts.items() if n), batch_size, cache.root)
+    group_of = getattr(dataset, "group_of", None)
     for part, views in plan.missing.items():
-        for lo in range(0, len(views), batch_size):
-            chunk = views[lo:lo + batch_size]
-            padded = [plan.index_and_flip(v) for v in chunk + [chunk[-1]] * (batch_size - len(chunk))]
-            raw = fps.raw_inputs([i for i, _ in padded], specs[part].inputs, [f for _, f in padded])
+        if part in plan.captions:  # by caption text: the files' captions, then the extra ones (dropout's "")
+            texts = [fps.caption(plan.index_and_flip(v)[0]) for v in views] + list(plan.missing_captions.get(part, ()))
+            chunks = [(None, texts[lo:lo + batch_size]) for lo in range(0, len(texts), batch_size)]
+        else:  # by view, each batch of one output size (aspect-ratio buckets: tensors must stack)
+            groups: dict[Any, list[int]] = {}
+            for v in views:
+                i = plan.index_and_flip(v)[0]
+                groups.setdefault(group_of(i) if callable(group_of) else None, []).append(v)
+            chunks = [(members[lo:lo + batch_size], None) for members in groups.values()
+                      for lo in range(0, len(members), batch_size)]
+        for chunk, texts in chunks:
+            items = chunk if chunk is not None else texts
+            padded = items + [items[-1]] * (batch_size - len(items))
+            if chunk is not None:
+                rows = [plan.index_and_flip(v) for v in padded]
+                raw = fps.raw_inputs([i for i, _ in rows], specs[part].inputs, [f for _, f in rows])
+            else:
+                raw = {"caption": padded}
             batch = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in raw.items()}
             batch["sample_seed"] = torch.zeros(len(padded), dtype=torch.int64, device=device)
             with (autocast() if autocast is not None else nullcontext()), torch.no_grad():
                 out = trainer.encode_part(models, part, batch)
-            for row, view in enumerate(chunk):
-                cache.save(part, plan.keys[part][view], {k: v[row] for k, v in out.items()})
-            done += len(chunk)
+            for row, item in enumerate(items):
+                key = plan.keys[part][item] if chunk is not None else plan.captions[part][item]
+                cache.save(part, key, {k: v[row] for k, v in out.items()})
+            done += len(items)
             now = time.perf_counter()
             if now - last >= log_every_s or done == total:
                 last = now

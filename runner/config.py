@@ -32,13 +32,33 @@ class ModelConfig:
 
 
 @dataclass
+class DataSetConfig:
+    """One entry of ``data.sets`` (runner/data/sets.py says how repeats and weights combine)."""
+
+    path: Optional[str] = None  # folder of images + same-named captions (required)
+    repeats: int = 1  # times each image appears per epoch (kohya's num_repeats)
+    weight: Optional[float] = None  # chance a step's batch comes from this set (SimpleTuner's probability); all or none
+    caption_ext: Optional[str] = None  # default: data.caption_ext
+    resolution: Optional[int] = None  # default: data.resolution (buckets are built around it per set)
+
+
+@dataclass
 class DataConfig:
-    path: Optional[str] = None  # folder of images + same-named .txt captions; None = built-in demo set
+    path: Optional[str] = None  # folder of images + same-named captions; None = built-in demo set (or data.sets)
     resolution: int = 64
     center_crop: bool = True
     random_flip: bool = False
     missing_caption: str = "error"  # error | empty (use an empty caption)
     demo_size: int = 16  # number of images in the built-in demo set
+    caption_ext: str = ".txt"  # extension of the caption file beside each image (kohya: --caption_extension)
+    caption_dropout: float = 0.0  # probability that a visit trains with the empty caption (per visit, seeded)
+    shuffle_tags: bool = False  # shuffle the comma-separated tags of a caption per visit (kohya: --shuffle_caption)
+    keep_tokens: int = 0  # with shuffle_tags: leading tags kept in place (kohya: --keep_tokens)
+    buckets: bool = False  # aspect-ratio buckets around data.resolution's area; each batch from one bucket
+    bucket_step: int = 64  # bucket sides are multiples of this (px; kohya: --bucket_reso_steps)
+    bucket_min_side: Optional[int] = None  # smallest bucket side (px); None = data.resolution / 2
+    bucket_max_side: Optional[int] = None  # largest bucket side (px); None = data.resolution * 2
+    sets: list[DataSetConfig] = field(default_factory=list)  # several folders: [{path, repeats, weight, caption_ext, resolution}]
     # Held-out data for the validation loss (val.*, runner/validation.py); never trained on.
     val_fraction: float = 0.0  # share of the data set held out, the same images for the same data and val.seed
     val_path: Optional[str] = None  # or a separate folder in data.path's layout

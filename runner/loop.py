@@ -1,8 +1,9 @@
 """The managed training loop, on accelerate.
 
-The runner, not the trainer, decides which samples make up each step. ``SampleOrder`` maps a
-global sample position to a dataset index (a fresh seeded permutation per epoch) and every
-sample gets a seed from its position, so:
+The runner, not the trainer, decides which samples make up each step. ``BatchOrder``
+(runner/data/order.py) gives step k's dataset indices (a seeded order per epoch; one bucket per
+batch with aspect-ratio buckets; sets drawn by weight) and every sample a seed from its global
+position, so:
 
 * resume is exact: step k always sees the same samples with the same noise;
 * a step can be cut into any number of micro-batches (gradient accumulation, and the OOM
@@ -25,12 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from accelerate import Accelerator
 from diffusers.optimization import get_scheduler
 
 from runner.context import RunContext
-from runner.data import collate, describe_dataset
+from runner.data import BatchOrder, collate, describe_dataset, visit_samples
+from runner.data.order import SampleOrder  # noqa: F401  (the one-stream order, importable from here as before)
 from runner.ema import build_ema
 from runner.errors import Interrupted, UserError
 from runner.memory.profile import build_profiler
@@ -47,29 +48,6 @@ from runner.train_state import TrainState, find_checkpoint, load_checkpoint, rem
 from runner.trainer import batch_len, encode, move_batch, slice_batch
 
 log = logging.getLogger("runner")
-
-
-class SampleOrder:
-    """Global sample position -> dataset index, one seeded permutation per epoch."""
-
-    def __init__(self, num_samples: int, seed: int) -> None:
-        if num_samples <= 0:
-            raise UserError("The dataset is empty: data.path must hold at least one image with a caption.")
-        self.n = num_samples
-        self.seed = seed
-        self._perms: dict[int, list[int]] = {}
-
-    def _perm(self, epoch: int) -> list[int]:
-        if epoch not in self._perms:
-            g = torch.Generator().manual_seed(self.seed * 7919 + epoch)
-            self._perms = {epoch: torch.randperm(self.n, generator=g).tolist()}
-        return self._perms[epoch]
-
-    def indices(self, start: int, count: int) -> list[int]:
-        return [self._perm(p // self.n)[p % self.n] for p in range(start, start + count)]
-
-    def sample_seeds(self, start: int, count: int) -> torch.Tensor:
-        return torch.tensor([self.seed * 1_000_003 + p for p in range(start, start + count)], dtype=torch.int64)
 
 
 class StopRequest:
@@ -159,7 +137,7 @@ def train(ctx: RunContext) -> TrainResult:
     batch_size, micro = run.batch_size, run.micro_batch
     dataset = ctx.validation.training_view(trainer.dataset())  # data.val_fraction: held-out samples never trained
     log.info("data: %s%s", describe_dataset(dataset), ctx.flip.describe())  # what is used, skipped or upscaled, and why
-    order = SampleOrder(len(dataset), run.seed)
+    order = BatchOrder(dataset, batch_size, run.seed)  # step -> (indices, seeds): runner/data/order.py
 
     ctx.optimizer = build_optimizer(cfg.optimizer, list(models.trainable_parameters()), notes=ctx.notes)
     ctx.run_phase("wrap_optimizer")
@@ -174,6 +152,9 @@ def train(ctx: RunContext) -> TrainResult:
         micro = state.micro_batch_size or micro
         log.info("resumed from %s at step %d (%d samples seen)", ckpt, state.step, state.samples_seen)
         drop_metrics_after(out / "metrics.jsonl", state.step)  # one curve: no step twice
+        order.resume(state.step, state.samples_seen)
+    if order.describe():
+        log.info("%s", order.describe())
     optimizer, scheduler = accelerator.prepare(ctx.optimizer, scheduler)
     ctx.ema = build_ema(ctx, find_checkpoint(cfg.train.resume) if cfg.train.resume else None)  # ema.enabled only
     params = list(models.trainable_parameters())
@@ -213,9 +194,9 @@ def train(ctx: RunContext) -> TrainResult:
             t0 = time.perf_counter()
             profiler.begin_step(state.step + 1)
             ctx.run_phase("on_step_start", state.step)
-            start = state.samples_seen
-            raw = collate([dataset[i] for i in order.indices(start, batch_size)])
-            raw["sample_seed"] = order.sample_seeds(start, batch_size)
+            batch = order.batch(state.step)
+            raw = collate(visit_samples(dataset, batch.indices, batch.seeds))
+            raw["sample_seed"] = batch.seeds
             raw = ctx.flip.apply(raw)  # data.random_flip: a coin per visit, from sample_seed (runner/data/flip.py)
             try:
                 step_loss = recovery.run(state.step + 1, lambda m: forward_backward(ctx, raw, m, profiler))

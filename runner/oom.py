@@ -4,8 +4,8 @@ Why the *whole* step: by the time a later micro-batch runs out of memory, earlie
 of the same step have already added their gradients into ``param.grad``. Resuming mid-step
 would need to know exactly which contributions landed (an OOM in backward can leave a gradient
 half-accumulated), so the step starts over instead: every partial gradient is dropped, the RNG
-is put back to where the step began, and the same samples (the runner's ``SampleOrder`` chose
-them before the first attempt) are cut into smaller micro-batches. Because each micro-batch's
+is put back to where the step began, and the same samples (the runner's ``BatchOrder`` chose
+them before the first attempt, all of one size: runner/data/order.py) are cut into smaller micro-batches. Because each micro-batch's
 loss is weighted by ``len(micro-batch) / batch_size``, the step's gradient is the same sum in a
 different order: a retried step equals a step run with the smaller micro-batch from the start
 (bit for bit on CPU, see tests/runner/test_oom.py), and matches the un-split step up to float

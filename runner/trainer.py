@@ -14,6 +14,9 @@ Contract, in the order the runner calls it:
 3. ``dataset()`` returns a map-style dataset of per-sample dicts. The runner decides the
    sample order (seeded, resumable) and slices batches itself, so that micro-batches can be
    split after an out-of-memory error without skipping or repeating a sample.
+   ``runner.data.build_dataset(cfg.data)`` gives a trainer every ``data.*`` option (captions,
+   buckets, several sets): its datasets also offer ``visit(i, seed)``, ``group_of(i)`` and
+   ``set_layout()``, which the runner uses when present (runner/data/__init__.py).
 4. ``encode(models, batch)`` (optional) turns raw samples into conditioning with the frozen
    models (VAE, text encoders) under ``no_grad``. Keeping it apart from ``loss`` is what lets the
    caching/parking plugins replace or relocate that work.

@@ -199,6 +199,12 @@ def _friendly(err: Exception, overrides: Sequence[str]) -> UserError:
                 f"Unknown {what} '{option}' (from '{group}={option}'). Valid names: {valid_list(option, options)}."
             )
         return UserError(f"Configuration error: {e}")
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and "'DataSetConfig'" in str(cause):
+        from runner.data.checks import SET_KEYS  # a key inside one entry of data.sets=[{...}]
+
+        key = str(getattr(cause, "full_key", "") or "")
+        return UserError(f"Unknown key '{key}' in an entry of data.sets.{did_you_mean(key, SET_KEYS)} "
+                         f"Valid keys of a set: {', '.join(SET_KEYS)}.")
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
         full_key = str(getattr(cause, "full_key", "") or "")
         kind, _, option = full_key.partition(".")
@@ -319,12 +325,13 @@ def check_config(cfg: DictConfig) -> None:
 def check_run(cfg: DictConfig) -> None:
     """What depends on this machine and the resolved run, and the data folder's contents (imports
     torch; still before anything is built or planned)."""
+    from runner.data import check_cache_compatible, check_dataset, check_options
     from runner.optim import validate_optimizer
 
+    check_options(cfg.data)  # every data.* value, no file read
+    check_cache_compatible(cfg)  # data.shuffle_tags with offload.park.cache_text is refused, naming both
     check_val_path(cfg)  # mode=train: a data.val_path folder is scanned now, like data.path below
-    if cfg.mode == "train":  # a data.path folder is scanned and checked now, not after the model build
-        from runner.data import check_dataset
-
+    if cfg.mode == "train":  # a data.path folder (or data.sets) is scanned and checked now, not after the model build
         check_dataset(cfg.data)
     run = resolve_for_mode(cfg)
     validate_optimizer(cfg, run)

@@ -122,6 +122,32 @@ class TrainingSubset(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict[str, Any]:
         return self.dataset[self.indices[i]]
 
+    # What runner/data/order.py and the loop read of a data set (buckets, several sets, per-visit
+    # captions), by position in this view; absent where the base data set lacks it.
+    def __getattr__(self, name: str) -> Any:
+        base = self.__dict__["dataset"]
+        if name in ("visit", "light_visit") and callable(getattr(base, name, None)):
+            fn = getattr(base, name)
+            return lambda i, seed: fn(self.indices[i], seed)
+        if name == "group_of" and callable(getattr(base, name, None)):
+            return lambda i: base.group_of(self.indices[i])
+        if name == "set_layout" and callable(getattr(base, name, None)):
+            return self._set_layout
+        raise AttributeError(name)
+
+    def _set_layout(self) -> list[Any]:
+        """The base's sets over this view: the indices are ascending, so each set's kept samples
+        stay one contiguous range; a set left with no sample is dropped."""
+        from bisect import bisect_left
+        from dataclasses import replace
+
+        out = []
+        for s in self.dataset.set_layout():
+            start, stop = bisect_left(self.indices, s.start), bisect_left(self.indices, s.stop)
+            if stop > start:
+                out.append(replace(s, start=start, stop=stop))
+        return out
+
     def describe(self) -> str:
         from runner.data import describe_dataset
 

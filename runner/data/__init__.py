@@ -1,16 +1,29 @@
-"""Training data: a folder of captioned images, or a built-in procedural demo set.
+"""Training data: a folder of captioned images, several of them, or a built-in procedural demo set.
 
 ``build_dataset(cfg.data)`` returns a map-style :class:`torch.utils.data.Dataset` whose samples
-are ``{"pixel_values": float32 [3, R, R] in [-1, 1], "caption": str, "index": int}``. The runner
-owns sample order and batching (it calls ``ds[i]`` and :func:`collate`), so everything here is a
-pure function of the index: the same index always yields the same tensor, in any process, in any
-epoch. That is what makes runs resumable and micro-batch splits invisible, and it is why the
-augmentations are *deterministic per index* rather than drawn from a global RNG.
+are ``{"pixel_values": float32 [3, H, W] in [-1, 1], "caption": str, "index": int}`` (and, with
+aspect-ratio buckets, ``original_size`` and ``crop_top_left`` for SDXL's ``time_ids``). The runner
+owns sample order and batching (:mod:`runner.data.order`; it calls ``ds.visit(i, seed)`` or
+``ds[i]`` and :func:`collate`), so everything here is a pure function of the index and, for what
+varies per visit (captions), of the visit's seed: the same visit always yields the same tensor
+and text, in any process, in any epoch. That is what makes runs resumable and micro-batch splits
+invisible, and it is why the augmentations are *deterministic per index or per visit* rather
+than drawn from a global RNG.
 
-The package: :mod:`runner.data.folder` (a folder of images with .txt captions),
-:mod:`runner.data.demo` (the built-in coloured shapes), :mod:`runner.data.images` (decoding,
-resize/crop, per-index randomness), :mod:`runner.data.checks` (``data.*`` values) and
-:mod:`runner.data.flip` (``data.random_flip``: decided per visit by the runner, not per index).
+What a dataset may offer the runner besides ``ds[i]`` (all optional; a user's own dataset needs
+none of them): ``visit(i, seed)`` (the sample as that visit trains on it), ``light_visit(i, seed)``
+(the same without pixels, when every latent is cached), ``group_of(i)`` (its output size: a
+batch's samples share it), ``set_layout()`` (runner/data/sets.py), ``caption(i)`` and
+``fingerprint(i)`` (what the encoder cache keys by), ``extra_captions()`` (caption texts visits
+may add, for the cache), ``describe()`` (the log line).
+
+The package: :mod:`runner.data.folder` (a folder of images with captions), :mod:`runner.data.demo`
+(the built-in coloured shapes), :mod:`runner.data.images` (decoding, resize/crop,
+per-index randomness), :mod:`runner.data.captions` (caption dropout, tag shuffling),
+:mod:`runner.data.buckets` (aspect-ratio buckets), :mod:`runner.data.sets` (several sets,
+repeats, weights), :mod:`runner.data.order` (each step's batch), :mod:`runner.data.checks`
+(``data.*`` values) and :mod:`runner.data.flip` (``data.random_flip``: decided per visit by the
+runner, on the collated batch, not here).
 
 Errors a user can cause (missing folder, no images, missing or non-UTF-8 captions, unreadable
 images, bad ``data.*`` values) raise :class:`runner.errors.UserError` naming the key and file.
@@ -19,45 +32,122 @@ from __future__ import annotations
 
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset
 
-from runner.data.checks import _check_missing_caption, _check_resolution, _get
+from runner.data.buckets import BucketSpec, Size
+from runner.data.captions import CaptionRules, caption_rules, check_cache_compatible
+from runner.data.checks import (
+    _check_bucket_settings,
+    _check_caption_ext,
+    _check_missing_caption,
+    _check_resolution,
+    _check_sets,
+    _get,
+)
 from runner.data.demo import DemoDataset
 from runner.data.folder import FolderDataset
+from runner.data.order import BatchOrder, StepBatch
+from runner.data.sets import TrainingData
 from runner.errors import UserError
 
-__all__ = ["DemoDataset", "FolderDataset", "build_dataset", "check_dataset", "collate", "describe_dataset"]
+__all__ = ["BatchOrder", "DemoDataset", "FolderDataset", "StepBatch", "TrainingData", "build_dataset",
+           "check_cache_compatible", "check_dataset", "check_options", "collate", "describe_dataset", "planned_size", "visit_samples"]
+
+
+@dataclass(frozen=True)
+class DataOptions:
+    """Every ``data.*`` value, checked (:func:`check_options`), before any file is read."""
+
+    resolution: int
+    missing_caption: str
+    center_crop: bool
+    caption_ext: str
+    rules: CaptionRules
+    buckets: bool
+    bucket_step: int
+    bucket_min_side: int | None
+    bucket_max_side: int | None
+    sets: tuple[dict[str, Any], ...]
+    path: str | None
+    demo_size: Any
+
+    def bucket_spec(self, resolution: int) -> BucketSpec | None:
+        if not self.buckets:
+            return None
+        return BucketSpec(resolution, self.bucket_step, self.bucket_min_side, self.bucket_max_side)
+
+
+def check_options(data_cfg: Any) -> DataOptions:
+    """Check every ``data.*`` value (types, ranges, names) without reading a file; a UserError
+    naming the key otherwise. Called in validation, so a typo fails in milliseconds."""
+    resolution = _check_resolution(_get(data_cfg, "resolution", 64))
+    buckets, step, low, high = _check_bucket_settings(data_cfg)
+    sets = tuple(_check_sets(data_cfg))
+    options = DataOptions(
+        resolution=resolution,
+        missing_caption=_check_missing_caption(_get(data_cfg, "missing_caption", "error")),
+        center_crop=bool(_get(data_cfg, "center_crop", True)),
+        caption_ext=_check_caption_ext(_get(data_cfg, "caption_ext", ".txt")),
+        rules=caption_rules(data_cfg),
+        buckets=buckets, bucket_step=step, bucket_min_side=low, bucket_max_side=high,
+        sets=sets,
+        path=_get(data_cfg, "path", None),
+        demo_size=_get(data_cfg, "demo_size", 16),
+    )
+    if buckets:
+        for res, key in [(resolution, "data.resolution")] + [
+                (s["resolution"], f"data.sets[{n}].resolution") for n, s in enumerate(sets) if s["resolution"]]:
+            if (low is not None and low > res) or (high is not None and high < res):
+                raise UserError(
+                    f"{key}={res} is outside data.bucket_min_side={low} .. data.bucket_max_side={high}: the buckets "
+                    "are built around the resolution's area, so it must lie between the side limits. Widen them or "
+                    "leave them unset (half and twice the resolution)."
+                )
+    return options
 
 
 def build_dataset(data_cfg: Any) -> Dataset:
     """Build the training dataset described by ``cfg.data`` (a DataConfig or a DictConfig).
 
-    ``data_cfg.path`` None -> :class:`DemoDataset` (no files, no download); otherwise
-    :class:`FolderDataset`. All ``data.*`` values are validated here, before any file is read,
-    so a typo fails in milliseconds.
+    ``data.path`` and ``data.sets`` unset -> :class:`DemoDataset` (no files, no download);
+    ``data.path`` -> :class:`FolderDataset`; ``data.sets`` -> :class:`TrainingData` over one
+    folder per set. With caption dropout or tag shuffling the result is a :class:`TrainingData`
+    (it applies them per visit). All ``data.*`` values are validated here, before any file is
+    read, so a typo fails in milliseconds.
     """
-    resolution = _check_resolution(_get(data_cfg, "resolution", 64))
-    missing_caption = _check_missing_caption(_get(data_cfg, "missing_caption", "error"))
-    center_crop = bool(_get(data_cfg, "center_crop", True))
-    path = _get(data_cfg, "path", None)
-
-    if path is None:
-        demo_size = _get(data_cfg, "demo_size", 16)
+    o = check_options(data_cfg)
+    if not o.sets and o.path is None:
+        demo_size = o.demo_size
         if isinstance(demo_size, bool) or not isinstance(demo_size, int) or demo_size < 1:
             raise UserError(
                 f"data.demo_size={demo_size!r} is not valid: it is the number of images in the "
                 "built-in demo set (used because data.path is unset) and must be a whole number "
                 "of at least 1, e.g. data.demo_size=16."
             )
-        return DemoDataset(demo_size, resolution)
+        base: Dataset = DemoDataset(demo_size, o.resolution)  # always square
+        return TrainingData([(base, 1, None, "demo")], o.rules) if o.rules.active else base
 
     handed_over = _CHECKED.pop(_folder_key(data_cfg), None)
     if handed_over is not None:
         return handed_over
-    return FolderDataset(path, resolution, center_crop=center_crop, missing_caption=missing_caption)
+    if not o.sets:
+        folder = FolderDataset(o.path, o.resolution, center_crop=o.center_crop,
+                               missing_caption=o.missing_caption, caption_ext=o.caption_ext,
+                               buckets=o.bucket_spec(o.resolution))
+        return TrainingData([(folder, 1, None, "data.path")], o.rules) if o.rules.active else folder
+    parts = []
+    for n, s in enumerate(o.sets):
+        res = s["resolution"] or o.resolution
+        folder = FolderDataset(s["path"], res, center_crop=o.center_crop,
+                               missing_caption=o.missing_caption, caption_ext=s["caption_ext"] or o.caption_ext,
+                               buckets=o.bucket_spec(res), key=f"data.sets[{n}].path",
+                               size_in_fingerprint=res != o.resolution)
+        parts.append((folder, s["repeats"], s["weight"], f"data.sets[{n}]"))
+    return TrainingData(parts, o.rules)
 
 
 def check_dataset(data_cfg: Any) -> None:
@@ -65,17 +155,51 @@ def check_dataset(data_cfg: Any) -> None:
     the plan and the model build, and hand it to the next :func:`build_dataset` of the same settings
     (the trainer's, seconds later) so the scan and header checks run once. Handed over once only:
     later builds read the folder again, so edits between runs of one process are seen."""
-    if _get(data_cfg, "path", None) is None:
+    if _get(data_cfg, "path", None) is None and not _get(data_cfg, "sets", None):
         return
     _CHECKED.clear()
     _CHECKED[_folder_key(data_cfg)] = build_dataset(data_cfg)
 
 
-_CHECKED: dict[tuple, FolderDataset] = {}
+_CHECKED: dict[tuple, Dataset] = {}
+_KEYED = ("path", "resolution", "center_crop", "missing_caption", "caption_ext", "caption_dropout",
+          "shuffle_tags", "keep_tokens", "buckets", "bucket_step", "bucket_min_side", "bucket_max_side", "sets")
 
 
 def _folder_key(data_cfg: Any) -> tuple:
-    return tuple(str(_get(data_cfg, k, None)) for k in ("path", "resolution", "center_crop", "missing_caption"))
+    return tuple(str(_get(data_cfg, k, None)) for k in _KEYED)
+
+
+def planned_size(data_cfg: Any) -> tuple[Size, str]:
+    """The (height, width) the planner plans, and why, for ``cfg.data``.
+
+    Square ``data.resolution`` unless buckets or per-set resolutions make sizes vary: then the
+    largest size any sample can have (the bucket with the most pixels of any set), an upper
+    bound that needs no file read. The demo set is always square.
+    """
+    o = check_options(data_cfg)
+    resolutions = sorted({s["resolution"] or o.resolution for s in o.sets}) if o.sets else [o.resolution]
+    if not o.buckets or (not o.sets and o.path is None):
+        res = resolutions[-1]
+        why = "" if len(resolutions) == 1 else f"the largest data.sets resolution ({', '.join(map(str, resolutions))})"
+        return (res, res), why
+    best: tuple[Size, int] | None = None
+    for res in resolutions:
+        spec = o.bucket_spec(res)
+        size = spec.largest()
+        if best is None or size[0] * size[1] > best[0][0] * best[0][1]:
+            best = (size, len(spec.sizes))
+    (h, w), count = best
+    return (h, w), f"the largest of {count} aspect-ratio buckets (data.buckets)"
+
+
+def visit_samples(dataset: Any, indices: Sequence[int], seeds: torch.Tensor) -> list[dict[str, Any]]:
+    """The samples of one batch as their visits train on them: ``ds.visit(i, seed)`` where the
+    dataset has it (per-visit captions), else ``ds[i]``."""
+    visit = getattr(dataset, "visit", None)
+    if callable(visit):
+        return [visit(i, s) for i, s in zip(indices, seeds.tolist())]
+    return [dataset[i] for i in indices]
 
 
 def collate(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -43,3 +43,116 @@ def _check_missing_caption(value: Any) -> str:
         f"{valid_list(str(value), MISSING_CAPTION_MODES)} (error: stop when an image has no .txt "
         "caption; empty: use an empty caption for it)."
     )
+
+
+SET_KEYS: tuple[str, ...] = ("path", "repeats", "weight", "caption_ext", "resolution")
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_caption_ext(value: Any, key: str = "data.caption_ext") -> str:
+    """``.txt``, ``.caption`` ...: a dot, then letters, digits, ``_`` or ``-`` (no folder part)."""
+    text = str(value) if value is not None else ""
+    body = text[1:]
+    if text.startswith(".") and body and all(c.isalnum() or c in "_-" for c in body):
+        return text
+    near = "." + text.lstrip(".*") if text.lstrip(".*") and all(c.isalnum() or c in "_-" for c in text.lstrip(".*")) else ""
+    hint = f" Did you mean {key}={near}?" if near and near != text else ""
+    raise UserError(
+        f"{key}={value!r} is not valid: it is the extension of the caption file beside each image, a dot and a "
+        f"name, e.g. {key}=.txt (the default) or {key}=.caption (kohya's --caption_extension).{hint}"
+    )
+
+
+def _check_optional_resolution(value: Any, key: str) -> int | None:
+    if value is None:
+        return None
+    try:
+        return _check_resolution(value)
+    except UserError as e:
+        raise UserError(str(e).replace("data.resolution", key)) from None
+
+
+def _check_bucket_settings(data_cfg: Any) -> tuple[bool, int, int | None, int | None]:
+    buckets = _get(data_cfg, "buckets", False)
+    if not isinstance(buckets, bool):
+        raise UserError(f"data.buckets={buckets!r} is not valid: give true (aspect-ratio buckets) or false (square crops).")
+    step = _get(data_cfg, "bucket_step", 64)
+    if not _whole(step) or step <= 0 or step % 8:
+        raise UserError(
+            f"data.bucket_step={step!r} is not valid: bucket sides are multiples of it, a whole number of pixels that "
+            "is a multiple of 8 (the VAE factor; 16 for Flux), e.g. data.bucket_step=64 (kohya's --bucket_reso_steps)."
+        )
+    sides = {}
+    for name in ("bucket_min_side", "bucket_max_side"):
+        value = _get(data_cfg, name, None)
+        if value is not None and (not _whole(value) or value < step):
+            raise UserError(
+                f"data.{name}={value!r} is not valid: give a whole number of pixels of at least data.bucket_step="
+                f"{step}, or leave it unset (null) for {'half' if name == 'bucket_min_side' else 'twice'} "
+                "data.resolution."
+            )
+        sides[name] = value
+    low, high = sides["bucket_min_side"], sides["bucket_max_side"]
+    if low is not None and high is not None and low > high:
+        raise UserError(f"data.bucket_min_side={low} is larger than data.bucket_max_side={high}; swap them.")
+    return buckets, step, low, high
+
+
+def _check_sets(data_cfg: Any) -> list[dict[str, Any]]:
+    """``data.sets`` as plain dicts, every value checked; ``[]`` when unset."""
+    raw = _get(data_cfg, "sets", None)
+    if raw is None:
+        return []
+    try:
+        from omegaconf import OmegaConf
+
+        items = OmegaConf.to_container(raw, resolve=True) if OmegaConf.is_config(raw) else list(raw)
+    except Exception:  # noqa: BLE001 - not a list at all
+        items = None
+    if not isinstance(items, list):
+        raise UserError(f"data.sets={raw!r} is not valid: give a list of sets, e.g. "
+                        "data.sets='[{path: /data/a, repeats: 2}, {path: /data/b}]'.")
+    if items and _get(data_cfg, "path", None) is not None:
+        raise UserError("data.path and data.sets are both set: data.path is the shorthand for one set. Put that "
+                        "folder into data.sets as one more {path: ...} entry, or leave data.sets empty.")
+    out = []
+    for n, item in enumerate(items):
+        key = f"data.sets[{n}]"
+        if not isinstance(item, dict):
+            raise UserError(f"{key}={item!r} is not valid: each set is a mapping such as {{path: /data/a, repeats: 2}}.")
+        unknown = sorted(set(item) - set(SET_KEYS))
+        if unknown:
+            from runner.errors import did_you_mean
+
+            raise UserError(f"Unknown key '{key}.{unknown[0]}'.{did_you_mean(str(unknown[0]), SET_KEYS)} "
+                            f"Valid keys of a set: {', '.join(SET_KEYS)}.")
+        path = item.get("path")
+        if path is None or not str(path).strip():
+            raise UserError(f"{key}.path is missing: every set needs the folder of its images, e.g. "
+                            f"data.sets='[{{path: /data/a}}]'.")
+        repeats = item.get("repeats", 1)
+        repeats = 1 if repeats is None else repeats
+        if not _whole(repeats) or repeats < 1:
+            raise UserError(f"{key}.repeats={repeats!r} is not valid: how many times each image of the set appears "
+                            "per epoch, a whole number >= 1 (kohya's num_repeats), e.g. repeats: 10.")
+        weight = item.get("weight")
+        if weight is not None and (isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0):
+            raise UserError(f"{key}.weight={weight!r} is not valid: the relative chance that a step's batch comes from "
+                            "this set, a number > 0 (SimpleTuner's probability), or unset on every set.")
+        ext = item.get("caption_ext")
+        out.append({
+            "path": str(path),
+            "repeats": int(repeats),
+            "weight": None if weight is None else float(weight),
+            "caption_ext": None if ext is None else _check_caption_ext(ext, f"{key}.caption_ext"),
+            "resolution": _check_optional_resolution(item.get("resolution"), f"{key}.resolution"),
+        })
+    weighted = [s["weight"] is not None for s in out]
+    if any(weighted) and not all(weighted):
+        unset = ", ".join(f"data.sets[{n}]" for n, w in enumerate(weighted) if not w)
+        raise UserError(f"data.sets: weight is set on some sets but not on {unset}. Give every set a weight (the "
+                        "chance a step's batch comes from it) or none (sets then mix in proportion to images x repeats).")
+    return out

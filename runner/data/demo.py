@@ -145,6 +145,10 @@ class DemoDataset(Dataset):
         t = t.clone()  # callers may modify the batch in place; keep the cache pristine
         return {"pixel_values": t, "caption": demo_caption(index), "index": index}
 
+    def caption(self, index: int) -> str:
+        """The caption of image ``index`` without drawing it (the encoder cache keys text by it)."""
+        return demo_caption(index)
+
     def describe(self) -> str:
         r = self.resolution
         return f"{self.size} images at {r}x{r} from the built-in demo set (coloured shapes)"

@@ -1,7 +1,7 @@
 """A folder of captioned images (kohya / dreambooth layout): :class:`FolderDataset`.
 
 Folder layout: every image (``.png .jpg .jpeg .webp .bmp``, any letter case) has a same-named
-``.txt`` caption beside it (``cat.png`` + ``cat.txt``). The folder is searched recursively, so
+caption beside it (``cat.png`` + ``cat.txt``; another extension with ``data.caption_ext=.caption``). The folder is searched recursively, so
 kohya's ``10_concept/`` subfolders work; the repeat prefix is *not* interpreted (each file is one
 sample). Hidden files and folders (names starting with ``.``, e.g. macOS ``._cat.png`` resource
 forks or ``.ipynb_checkpoints/``) are skipped because they are copies or junk, never training
@@ -17,14 +17,22 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
+import torch
+
+from runner.data.buckets import BucketSpec, Size, cover_geometry, describe_buckets
 from runner.data.checks import _check_missing_caption, _check_resolution
 from runner.data.images import (
     _ACCEPTED,
     IMAGE_EXTENSIONS,
+    IMAGE_PIPELINE_VERSION,
     _load_rgb,
     _resize_crop,
     _to_tensor,
     _verify_header,
+    crop_offset,
+    oriented_size,
+    resize_crop_to,
+    sha256_file,
 )
 from runner.errors import UserError
 
@@ -72,46 +80,58 @@ class FolderDataset(Dataset):
         center_crop: bool = True,
         missing_caption: str = "error",
         verify_limit: int = VERIFY_LIMIT,
+        caption_ext: str = CAPTION_EXTENSION,
+        buckets: BucketSpec | None = None,
+        key: str = "data.path",
+        size_in_fingerprint: bool = False,
     ) -> None:
+        """``buckets``: aspect-ratio buckets (runner/data/buckets.py) instead of the square crop;
+        ``key``: the setting named in error messages (``data.sets[1].path`` for a set);
+        ``size_in_fingerprint``: put the output size into the cache fingerprint even without buckets
+        (a set whose resolution differs from ``data.resolution``, which the cache signature holds)."""
         self.resolution = _check_resolution(resolution)
         missing_caption = _check_missing_caption(missing_caption)
         self.center_crop = center_crop
-        self.root = _check_root(path)
+        self.caption_ext = caption_ext
+        self.key = key
+        self.size_in_fingerprint = size_in_fingerprint or buckets is not None
+        self.root = _check_root(path, key)
         shown = str(path)
 
-        images, self.skipped = _find_images(self.root)
+        images, self.skipped = _find_images(self.root, caption_ext)
         if not images:
             raise UserError(
-                f"data.path={shown!r} contains no images: searched {str(self.root)!r} and its "
+                f"{key}={shown!r} contains no images: searched {str(self.root)!r} and its "
                 f"subfolders for files ending in {_ACCEPTED} (any letter case; hidden files "
-                f"are skipped). {_PATH_HINT}"
+                f"are skipped). {_path_hint(key, caption_ext)}"
             )
 
         captions: list[str] = []
         missing: list[Path] = []
         for img in images:
-            cap = _caption_path(img)
+            cap = _caption_path(img, caption_ext)
             if cap is None:
                 missing.append(img)
                 captions.append("")
             else:
-                captions.append(_read_caption(cap, shown))
+                captions.append(_read_caption(cap, shown, key))
         if missing:
             if missing_caption == "error":
                 examples = ", ".join(
-                    f"{str(p)!r} needs {str(p.with_suffix(CAPTION_EXTENSION))!r}" for p in missing[:3]
+                    f"{str(p)!r} needs {str(p.with_suffix(caption_ext))!r}" for p in missing[:3]
                 )
                 more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+                other = _other_caption_ext(missing[0], caption_ext)
                 raise UserError(
-                    f"data.path={shown!r}: {len(missing)} of {len(images)} images have no caption "
-                    f"file: {examples}{more}. Each image needs a same-named .txt file beside it "
-                    "holding its caption (UTF-8); or set data.missing_caption=empty to train "
+                    f"{key}={shown!r}: {len(missing)} of {len(images)} images have no caption "
+                    f"file: {examples}{more}. Each image needs a same-named {caption_ext} file beside it "
+                    f"holding its caption (UTF-8){other}; or set data.missing_caption=empty to train "
                     "those images with an empty caption instead."
                 )
             log.warning(
-                "data.path=%r: %d of %d images have no .txt caption; using an empty caption for "
+                "%s=%r: %d of %d images have no %s caption; using an empty caption for "
                 "them (data.missing_caption=empty). First: %s",
-                shown, len(missing), len(images), missing[0],
+                key, shown, len(missing), len(images), caption_ext, missing[0],
             )
         self.missing_captions = len(missing)
 
@@ -119,35 +139,93 @@ class FolderDataset(Dataset):
         self.upscaled: list[tuple[Path, tuple[int, int]]] = []  # short side < resolution / UPSCALE_WARN
         if self.verified:
             for img in images:
-                w, h = _verify_header(img, shown)
+                w, h = _verify_header(img, shown, key)
                 if min(w, h) * UPSCALE_WARN < self.resolution:
                     self.upscaled.append((img, (w, h)))
         if self.upscaled:
             p, (w, h) = self.upscaled[0]
-            log.warning("data.path=%r: %d images are upscaled more than %dx to %d px and will look blurry (first: "
-                        "%s, %dx%d); remove them or lower data.resolution", shown, len(self.upscaled), UPSCALE_WARN,
+            log.warning("%s=%r: %d images are upscaled more than %dx to %d px and will look blurry (first: "
+                        "%s, %dx%d); remove them or lower data.resolution", key, shown, len(self.upscaled), UPSCALE_WARN,
                         self.resolution, p, w, h)
 
         self.paths: list[Path] = images
         self.captions: list[str] = captions
         self._shown = shown
+        # Buckets: every image's shown size (header only) and its bucket, fixed for the run.
+        self.buckets = buckets
+        self.original_sizes: list[tuple[int, int]] = []  # (width, height) after EXIF rotation
+        self.sizes: list[Size] = []  # output (height, width) per image
+        if buckets is not None:
+            self.original_sizes = [oriented_size(p, shown, key) for p in images]
+            self.sizes = [buckets.assign(w, h) for w, h in self.original_sizes]
 
     def __len__(self) -> int:
         return len(self.paths)
 
-    def __getitem__(self, index: int) -> dict[str, Any]:
+    def _check_index(self, index: int) -> int:
         if index < 0:
             index += len(self.paths)
         if not 0 <= index < len(self.paths):
             raise IndexError(f"index {index} out of range for {len(self.paths)} images")
-        img = _load_rgb(self.paths[index], self._shown)
-        img = _resize_crop(img, self.resolution, self.center_crop, index)
-        return {"pixel_values": _to_tensor(img), "caption": self.captions[index], "index": index}
+        return index
+
+    def _geometry(self, index: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """Bucket path: (resized width and height, crop offset left and top) of image ``index``."""
+        w, h = self.original_sizes[index]
+        size = self.sizes[index]
+        resized = cover_geometry(w, h, size)
+        return resized, crop_offset(resized[0] - size[1], resized[1] - size[0], self.center_crop, index)
+
+    def light(self, index: int) -> dict[str, Any]:
+        """Sample ``index`` without its pixels: what a run whose latents are all cached needs."""
+        index = self._check_index(index)
+        out: dict[str, Any] = {"caption": self.captions[index], "index": index}
+        if self.buckets is not None:
+            (w, h), (left, top) = self.original_sizes[index], self._geometry(index)[1]
+            out["original_size"] = torch.tensor([h, w], dtype=torch.int64)
+            out["crop_top_left"] = torch.tensor([top, left], dtype=torch.int64)
+        return out
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        index = self._check_index(index)
+        img = _load_rgb(self.paths[index], self._shown, self.key)
+        if self.buckets is None:
+            img = _resize_crop(img, self.resolution, self.center_crop, index)
+        else:
+            resized, offset = self._geometry(index)
+            img = resize_crop_to(img, self.sizes[index], resized, offset)
+        return {"pixel_values": _to_tensor(img), **self.light(index)}
+
+    def group_of(self, index: int) -> Size:
+        """The output (height, width) of sample ``index``: samples of one batch share it."""
+        return self.sizes[index] if self.buckets is not None else (self.resolution, self.resolution)
+
+    def caption(self, index: int) -> str:
+        return self.captions[index]
+
+    def fingerprint(self, index: int) -> dict[str, Any]:
+        """What the pixels of sample ``index`` depend on, for the encoder cache's keys: the file's
+        sha256 (reading bytes is much cheaper than decoding), the crop's index when it is
+        not centered, and the output size when it is not the signature's ``data.resolution``."""
+        fp: dict[str, Any] = {
+            "file_sha256": sha256_file(self.paths[index]),
+            "pipeline": IMAGE_PIPELINE_VERSION,
+        }
+        if not self.center_crop:
+            fp["crop_index"] = index
+        if self.size_in_fingerprint:
+            fp["size"] = list(self.group_of(index))
+        return fp
 
     def describe(self) -> str:
         """One line at start: how many images are used, and what was skipped or upscaled and why."""
         r = self.resolution
         extra = []
+        if self.buckets is not None:
+            counts: dict[Size, int] = {}
+            for size in self.sizes:
+                counts[size] = counts.get(size, 0) + 1
+            extra.append(describe_buckets(counts))
         skipped = [f"{n} {why}" for why, n in self.skipped.items() if n]
         if skipped:
             extra.append("skipped: " + ", ".join(skipped))
@@ -159,22 +237,38 @@ class FolderDataset(Dataset):
         extra.append("center crop" if self.center_crop else "per-index random crop")
         if not self.verified:
             extra.append("headers not pre-checked")
-        return f"{len(self)} images used, at {r}x{r}, from folder {str(self.root)!r} ({'; '.join(extra)})"
+        if self.caption_ext != CAPTION_EXTENSION:
+            extra.append(f"captions from {self.caption_ext} files")
+        size = f"at {r}x{r}" if self.buckets is None else f"bucketed around {r}x{r}"
+        return f"{len(self)} images used, {size}, from folder {str(self.root)!r} ({'; '.join(extra)})"
 
 
-def _check_root(path: Any) -> Path:
+def _path_hint(key: str = "data.path", caption_ext: str = CAPTION_EXTENSION) -> str:
+    return _PATH_HINT.replace("data.path", key).replace(".txt caption", f"{caption_ext} caption")
+
+
+def _check_root(path: Any, key: str = "data.path") -> Path:
     shown = str(path)
+    hint = _path_hint(key)
     if not shown.strip():
-        raise UserError(f"data.path is empty ({shown!r}). {_PATH_HINT}")
+        raise UserError(f"{key} is empty ({shown!r}). {hint}")
     root = Path(os.path.expanduser(shown)).absolute()
     if not root.exists():
-        raise UserError(f"data.path={shown!r} does not exist (looked for {str(root)!r}). {_PATH_HINT}")
+        raise UserError(f"{key}={shown!r} does not exist (looked for {str(root)!r}). {hint}")
     if not root.is_dir():
-        raise UserError(f"data.path={shown!r} is a file, not a folder ({str(root)!r}). {_PATH_HINT}")
+        raise UserError(f"{key}={shown!r} is a file, not a folder ({str(root)!r}). {hint}")
     return root
 
 
-def _find_images(root: Path) -> tuple[list[Path], dict[str, int]]:
+def _other_caption_ext(image: Path, caption_ext: str) -> str:
+    """' (cat.txt is there: set data.caption_ext=.txt)' when a caption with another usual extension exists."""
+    for ext in (CAPTION_EXTENSION, ".caption", ".tags", ".md"):
+        if ext != caption_ext and image.with_suffix(ext).is_file():
+            return f" ({image.with_suffix(ext).name} is there: set data.caption_ext={ext} to read those)"
+    return ""
+
+
+def _find_images(root: Path, caption_ext: str = CAPTION_EXTENSION) -> tuple[list[Path], dict[str, int]]:
     """All non-hidden image files under ``root``, sorted by relative POSIX path, and how many
     files were passed over, by reason (for the data summary line).
 
@@ -199,7 +293,7 @@ def _find_images(root: Path) -> tuple[list[Path], dict[str, int]]:
             if ext in IMAGE_EXTENSIONS:
                 p = Path(dirpath) / name
                 found.append((p.relative_to(root).as_posix(), p))
-            elif ext != CAPTION_EXTENSION:
+            elif ext not in (CAPTION_EXTENSION, caption_ext.lower()):
                 other_types[ext or "no extension"] = other_types.get(ext or "no extension", 0) + 1
     found.sort(key=lambda t: t[0])
     skipped = {"hidden files or folders": hidden}
@@ -209,28 +303,28 @@ def _find_images(root: Path) -> tuple[list[Path], dict[str, int]]:
     return [p for _, p in found], skipped
 
 
-def _caption_path(image: Path) -> Path | None:
-    """``cat.png`` -> ``cat.txt`` (or ``cat.TXT``) beside it, or None."""
-    for ext in (CAPTION_EXTENSION, CAPTION_EXTENSION.upper()):
+def _caption_path(image: Path, caption_ext: str = CAPTION_EXTENSION) -> Path | None:
+    """``cat.png`` -> ``cat.txt`` (or ``cat.TXT``; ``caption_ext`` instead of .txt) beside it, or None."""
+    for ext in (caption_ext, caption_ext.upper()):
         cand = image.with_suffix(ext)
         if cand.is_file():
             return cand
     return None
 
 
-def _read_caption(path: Path, shown: str) -> str:
+def _read_caption(path: Path, shown: str, key: str = "data.path") -> str:
     try:
         raw = path.read_bytes()
     except OSError as e:
         raise UserError(
-            f"data.path={shown!r}: cannot read caption file {str(path)!r} ({e.strerror or e}). "
+            f"{key}={shown!r}: cannot read caption file {str(path)!r} ({e.strerror or e}). "
             "Make it a readable UTF-8 text file."
         ) from None
     try:
         text = raw.decode("utf-8-sig")  # tolerate a BOM, which Windows editors add
     except UnicodeDecodeError as e:
         raise UserError(
-            f"data.path={shown!r}: caption file {str(path)!r} is not valid UTF-8 (byte "
+            f"{key}={shown!r}: caption file {str(path)!r} is not valid UTF-8 (byte "
             f"0x{raw[e.start]:02x} at offset {e.start}). Re-save it as UTF-8 text."
         ) from None
     return text.strip()

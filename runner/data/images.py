@@ -11,6 +11,7 @@ not decided here: it changes on every visit of a sample (runner/data/flip.py).
 """
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ from runner.errors import UserError
 
 
 IMAGE_EXTENSIONS: tuple[str, ...] = (".bmp", ".jpeg", ".jpg", ".png", ".webp")
+IMAGE_PIPELINE_VERSION = 1  # bump when decode/resize/crop changes the pixels: encoder-cache keys carry it
 
 # Resampling filter for the short-side resize. LANCZOS gives the sharpest downscale; with
 # ``reducing_gap`` PIL first shrinks by an integer factor, which makes big photos much faster
@@ -67,15 +69,24 @@ def _to_tensor(img: Image.Image) -> torch.Tensor:
 # decoding, resize and crop
 
 
-def _bad_image(path: Path, shown: str, err: BaseException) -> UserError:
+def sha256_file(path: Path) -> str:
+    """The file's sha256 (an image's identity in encoder-cache keys: cheaper than decoding it)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _bad_image(path: Path, shown: str, err: BaseException, key: str = "data.path") -> UserError:
     reason = (str(err) or type(err).__name__).replace(f" {str(path)!r}", "")  # PIL repeats it
     return UserError(
-        f"data.path={shown!r}: cannot read image {str(path)!r} ({reason}). Remove the file or "
+        f"{key}={shown!r}: cannot read image {str(path)!r} ({reason}). Remove the file or "
         f"re-save it as a valid image ({_ACCEPTED})."
     )
 
 
-def _verify_header(path: Path, shown: str) -> tuple[int, int]:
+def _verify_header(path: Path, shown: str, key: str = "data.path") -> tuple[int, int]:
     """Check the file without decoding pixels; its (width, height) as stored (before EXIF rotation,
     which does not change the short side)."""
     try:
@@ -84,17 +95,38 @@ def _verify_header(path: Path, shown: str) -> tuple[int, int]:
             im.verify()
             return size
     except Exception as e:  # PIL raises many types (OSError, SyntaxError, struct.error ...)
-        raise _bad_image(path, shown, e) from None
+        raise _bad_image(path, shown, e, key) from None
 
 
-def _load_rgb(path: Path, shown: str) -> Image.Image:
+# EXIF orientations that turn the image a quarter: width and height swap (ImageOps.exif_transpose).
+_QUARTER_TURNS = (5, 6, 7, 8)
+
+
+def oriented_size(path: Path, shown: str, key: str = "data.path") -> tuple[int, int]:
+    """(width, height) as the image is shown, after EXIF rotation, reading only the header.
+
+    Aspect-ratio buckets need it for every image before training, so pixels are not decoded.
+    """
+    try:
+        with Image.open(path) as im:
+            w, h = im.size
+            try:
+                turned = im.getexif().get(0x0112, 1) in _QUARTER_TURNS
+            except Exception:  # a malformed EXIF block: _load_rgb ignores it too
+                turned = False
+    except Exception as e:  # see _verify_header
+        raise _bad_image(path, shown, e, key) from None
+    return (h, w) if turned else (w, h)
+
+
+def _load_rgb(path: Path, shown: str, key: str = "data.path") -> Image.Image:
     """Decode fully (so truncation is caught here) and return an RGB image."""
     try:
         with Image.open(path) as im:
             im.load()
             img = im.copy()  # closing the file invalidates `im` itself
     except Exception as e:  # see _verify_header
-        raise _bad_image(path, shown, e) from None
+        raise _bad_image(path, shown, e, key) from None
     try:
         img = ImageOps.exif_transpose(img)
     except Exception:  # a malformed EXIF block should not make a good image unusable
@@ -142,3 +174,23 @@ def _resize_crop(img: Image.Image, r: int, center: bool, index: int) -> Image.Im
     if (left, top, nw, nh) == (0, 0, r, r):
         return img
     return img.crop((left, top, left + r, top + r))
+
+
+def crop_offset(free_x: int, free_y: int, center: bool, index: int) -> tuple[int, int]:
+    """(left, top) of a crop with ``free_x`` / ``free_y`` pixels to spare: centered, or a
+    per-index hash (the same offsets ``_resize_crop`` draws)."""
+    if center:
+        return free_x // 2, free_y // 2
+    return _mix(index, _SALT_CROP_X) % (free_x + 1), _mix(index, _SALT_CROP_Y) % (free_y + 1)
+
+
+def resize_crop_to(img: Image.Image, size: tuple[int, int], resized: tuple[int, int], offset: tuple[int, int]) -> Image.Image:
+    """Resize to ``resized`` (width, height) and crop ``size`` (height, width) at ``offset`` (left, top):
+    the bucket path (runner.data.buckets computes the geometry from the header alone)."""
+    th, tw = size
+    if img.size != resized:
+        img = img.resize(resized, _RESAMPLE, reducing_gap=_REDUCING_GAP)
+    left, top = offset
+    if (left, top, *resized) == (0, 0, tw, th):
+        return img
+    return img.crop((left, top, left + tw, top + th))

@@ -80,12 +80,21 @@ def format_size(n: int | float, unit: tuple[float, str] | None = None) -> str:
     return f"{n / div:.2f} {name}"
 
 
+def _size_text(run: dict[str, Any]) -> str:
+    """``1024 px``, or ``1152x896 px (the largest of 37 aspect-ratio buckets (data.buckets))``."""
+    note = run.get("planned_size_note")
+    if not note:
+        return f"{run['resolution']} px"
+    h, w = run["planned_size"]
+    return f"{w}x{h} px ({note})"
+
+
 def format_plan(plan: Plan) -> str:
     """The plan as a readable table (what ``mode=plan`` prints)."""
     s = plan.run
     unit = _unit(plan.peak_bytes)
     lines = [
-        f"Plan: {s['trainer']} ({s['size']}), {s['resolution']} px, batch {s['batch_size']} "
+        f"Plan: {s['trainer']} ({s['size']}), {_size_text(s)}, batch {s['batch_size']} "
         f"({s['micro_batches']} x micro-batch {s['micro_batch_size']}), {s['precision_text']} on a "
         f"{plan.target.upper()} device",
         f"  plugins: {s['plugins']}; optimizer: {s['optimizer']}; trained: {s['trained']}",

@@ -38,6 +38,7 @@ from torch import nn
 
 from runner import registry
 from runner.context import RunContext
+from runner.data import planned_size
 from runner.memory.tracker import CATEGORIES, NO_MODULE, LiveBytesTracker
 from runner.memory.tracker_views import OPTIONAL_CATEGORIES
 from runner.optim import build_optimizer
@@ -347,10 +348,13 @@ def _assemble(sim: _Simulation, seconds: float) -> Plan:
     for kind, name, _ in registry.selected(cfg):
         chosen.setdefault(kind, []).append(name)
     plugins = ", ".join(f"{k}={v[0]}" if len(v) == 1 else f"{k}=[{','.join(v)}]" for k, v in chosen.items())
+    (height, width), size_note = planned_size(c.data)  # buckets / per-set resolutions: the largest size
     run = {
         "trainer": type(trainer).__name__,
         "size": str(c.model.size),
         "resolution": int(c.data.resolution),
+        "planned_size": [height, width],  # (height, width) of the planned batch
+        "planned_size_note": size_note,  # why, when it is not data.resolution square
         "batch_size": sim.run.batch_size,
         "micro_batch_size": micro,
         "micro_batches": sim.run.grad_accum,

@@ -68,6 +68,8 @@ class SamplingPlan:
         twin = copy.copy(self.sim.trainer)
         cfg = copy.deepcopy(twin.cfg)
         OmegaConf.update(cfg, "data.resolution", self.resolution, force_add=True)
+        OmegaConf.update(cfg, "data.buckets", False, force_add=True)  # samples are square: no bucket, no set size
+        OmegaConf.update(cfg, "data.sets", [], force_add=True)
         twin.cfg = cfg
         return twin
 

@@ -98,8 +98,14 @@ class DiffusersTrainer:
     * ``model.path`` unset: built from the ``model.size`` config dicts with random init.
     * a diffusers folder: every module from its subfolder (``from_pretrained``, offline). The
       denoiser's subfolder is required; a missing frozen module is built at random with a warning.
-    * a single .safetensors file: the denoiser from it (architecture of ``model.size``); the frozen
-      modules random, with a warning.
+    * a hub id (``owner/name[@revision]``): the diffusers folder of its snapshot in the local hub
+      cache (runner/trainers/hub.py).
+    * a single .safetensors file in an original layout (A1111/ComfyUI SDXL, BFL Flux;
+      runner/trainers/single_file.py): every module the file holds, converted with the
+      architecture of ``model.size``, the others random with a warning; the tokenizers of the
+      family's reference repository (``reference_repo``) from the hub cache.
+    * a single .safetensors file in diffusers' key layout: the denoiser from it (architecture of
+      ``model.size``); the frozen modules random, with a warning.
 
     Dtypes: frozen modules (and a LoRA's frozen base) are stored in ``model.dtype``; the trained
     weights (a fully fine-tuned denoiser, or the LoRA adapters) in ``model.train_dtype``: float32
@@ -109,6 +115,8 @@ class DiffusersTrainer:
 
     denoiser: str = ""
     denoiser_prefixes: tuple[str, ...] = ("unet.", "transformer.")
+    family: str = ""  # matched against an original single file's layout (runner/trainers/single_file.py)
+    reference_repo: str = ""  # hub repo whose tokenizers an original single file's text encoders need
 
     def __init__(self, cfg: Any, run: Any = None) -> None:
         """``run``: the :class:`~runner.resolved.ResolvedRun`, whose dtypes win over the config's
@@ -133,6 +141,20 @@ class DiffusersTrainer:
                 f"(subfolders found: {', '.join(present) or 'none'}). Accepted: {SAFETENSORS_ACCEPTED}."
             )
         self._tokenizers: dict[str, Any] | None = None
+        self.layout, self.header = None, None  # an original single file's layout and its header
+        if self.source is not None and self.source[0] == "file":
+            self._open_single_file(self.source[1])
+
+    def _open_single_file(self, file: str) -> None:
+        """Header, layout, family and tokenizers checked before any weight is read (single_file.py)."""
+        from runner.trainers.single_file import open_single_file
+
+        self.layout, self.header = open_single_file(self, file)
+
+    def file_provides(self, name: str) -> bool:
+        """Whether the original single file of ``model.path`` holds module ``name``."""
+        layout = self.layout
+        return layout is not None and name in layout.components and bool(layout.components[name].keys(self.header))
 
     # -- to implement ----------------------------------------------------------------------
     def module_classes(self) -> dict[str, type]:
@@ -199,6 +221,14 @@ class DiffusersTrainer:
                 "model.path %s has no %s/ subfolder: %s is randomly initialised (model.size=%s)",
                 src[1], name, name, self.size,
             )
+        elif src is not None and src[0] == "file" and self.layout is not None:
+            if self.file_provides(name):
+                from runner.trainers.single_file import load_component
+
+                return load_component(src[1], self.header, self.layout, name, cls, self.size_configs()[name], dtype,
+                                      device, f"model.size={self.size}")
+            log.warning("model.path %s holds no %s: %s is randomly initialised (model.size=%s)", src[1], name, name,
+                        self.size)
         elif src is not None and src[0] == "file":
             if name == self.denoiser:
                 if torch.device(device).type == "meta":
@@ -288,6 +318,9 @@ class DiffusersTrainer:
         if self._folder_has(name):
             folder = os.path.join(self.source[1], name)
             return {"folder": folder, "files": file_stats(folder)}
+        if self.file_provides(name):
+            st = os.stat(self.source[1])
+            return {"file": self.source[1], "size": st.st_size, "mtime_ns": st.st_mtime_ns, "module": name}
         seed = self.cfg.get("train", {}).get("seed") if hasattr(self.cfg, "get") else None
         return {
             "random_init": True,
@@ -359,14 +392,42 @@ class DiffusersTrainer:
                     f"model.path '{self.source[1]}' has a {encoder}/ subfolder but no {name}/ subfolder; "
                     f"the tokenizer must come with its text encoder. Accepted: {SAFETENSORS_ACCEPTED}."
                 )
+            elif self.file_provides(encoder):
+                tok = self.reference_tokenizer(name)
             else:
                 tok = self.default_tokenizer(name)
             self._tokenizers[name] = tok
         return self._tokenizers[name]
 
+    def reference_tokenizer(self, name: str) -> Any:
+        """The tokenizer of a text encoder read from an original single file (single_file.py)."""
+        from runner.trainers.single_file import reference_tokenizer
+
+        return reference_tokenizer(self, name)
+
     # -- helpers for example batches -----------------------------------------------------
     def resolution(self) -> int:
         return int(self.cfg.data.resolution)
+
+    def planned_size(self) -> tuple[int, int]:
+        """(height, width) of the example batches: ``data.resolution`` square, or the largest size
+        a sample can have with aspect-ratio buckets or per-set resolutions (runner/data)."""
+        from runner.data import planned_size
+
+        return planned_size(self.cfg.data)[0]
+
+    def check_sizes(self, multiple: int, why: str) -> None:
+        """Every output size the data can produce must be a multiple of ``multiple`` pixels."""
+        from runner.data import check_options
+
+        o = check_options(self.cfg.data)
+        for n, s in enumerate(o.sets):
+            if s["resolution"] and s["resolution"] % multiple:
+                raise UserError(f"data.sets[{n}].resolution={s['resolution']} is not usable for {type(self).__name__}: "
+                                f"it must be a multiple of {multiple} ({why}).")
+        if o.buckets and o.bucket_step % multiple:
+            raise UserError(f"data.bucket_step={o.bucket_step} is not usable for {type(self).__name__}: bucket sides "
+                            f"must be multiples of {multiple} ({why}), e.g. data.bucket_step=64.")
 
     @staticmethod
     def example_tensor(
@@ -385,13 +446,13 @@ class DiffusersTrainer:
         return torch.arange(batch_size, dtype=torch.int64, device=dev)
 
     def example_raw_batch(self, batch_size: int, device: str | torch.device = "meta") -> Batch:
-        """A raw batch as the data loader gives it at ``data.resolution``, for the planner's encode step.
+        """A raw batch as the data loader gives it at :meth:`planned_size`, for the planner's encode step.
 
         Captions are padded to the tokenizers' fixed lengths, so their text does not change any shape.
         """
-        res = self.resolution()
+        h, w = self.planned_size()
         return {
-            "pixel_values": self.example_tensor((batch_size, 3, res, res), device, torch.float32, 3),
+            "pixel_values": self.example_tensor((batch_size, 3, h, w), device, torch.float32, 3),
             "caption": ["an example caption"] * batch_size,
             "index": self.example_seeds(batch_size, device),
             "sample_seed": self.example_seeds(batch_size, device),

@@ -67,6 +67,8 @@ class FluxTrainer(DiffusersTrainer):
 
     Config = FluxTrainerConfig
     denoiser = "transformer"
+    family = "flux"
+    reference_repo = "black-forest-labs/FLUX.1-dev"
 
     def __init__(self, cfg: Any, run: Any = None) -> None:
         super().__init__(cfg, run)
@@ -83,6 +85,7 @@ class FluxTrainer(DiffusersTrainer):
                 f"data.resolution={res} is not usable for Flux: it must be a positive multiple of 16 "
                 f"(VAE factor 8 times the 2x2 latent packing)."
             )
+        self.check_sizes(16, "VAE factor 8 times the 2x2 latent packing")
 
     def module_classes(self) -> dict[str, type]:
         from diffusers import AutoencoderKL, FluxTransformer2DModel
@@ -193,14 +196,16 @@ class FluxTrainer(DiffusersTrainer):
         return F.mse_loss(pred.float(), target, reduction="mean")
 
     def example_batch(self, batch_size: int, device: str | torch.device = "meta") -> Batch:
-        """An encoded batch with the shapes ``encode`` gives at ``data.resolution``."""
+        """An encoded batch with the shapes ``encode`` gives at :meth:`planned_size`."""
         vae_cfg = self.component_config("vae")
         clip_cfg = self.component_config("text_encoder")
         t5_cfg = self.component_config("text_encoder_2")
-        side = self.resolution() // vae_scale_factor(vae_cfg)
+        h, w = self.planned_size()
+        factor = vae_scale_factor(vae_cfg)
         b, dt = batch_size, self.storage_dtype
         return {
-            "latents": self.example_tensor((b, int(vae_cfg["latent_channels"]), side, side), device, torch.float32, 0),
+            "latents": self.example_tensor((b, int(vae_cfg["latent_channels"]), h // factor, w // factor), device,
+                                           torch.float32, 0),
             "prompt_embeds": self.example_tensor((b, self.t5_max_length(), int(t5_cfg["d_model"])), device, dt, 1),
             "pooled_prompt_embeds": self.example_tensor((b, int(clip_cfg["hidden_size"])), device, dt, 2),
             "sample_seed": self.example_seeds(b, device),

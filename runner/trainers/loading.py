@@ -26,8 +26,9 @@ DTYPES: dict[str, torch.dtype] = {
 }
 SAFETENSORS_ACCEPTED = (
     "a diffusers folder (with model_index.json or subfolders such as unet/ or transformer/, vae/, "
-    "text_encoder/, tokenizer/) or a single .safetensors file holding the denoiser's state dict in "
-    "diffusers key layout (keys optionally prefixed 'unet.' or 'transformer.')"
+    "text_encoder/, tokenizer/), a Hugging Face hub id in the local hub cache (owner/name[@revision]), "
+    "or a single .safetensors file: an original checkpoint (A1111/ComfyUI SDXL, Black Forest Labs' Flux) or "
+    "the denoiser's state dict in diffusers key layout (keys optionally prefixed 'unet.' or 'transformer.')"
 )
 
 
@@ -117,8 +118,10 @@ def freeze(module: nn.Module) -> nn.Module:
 def resolve_model_path(path: str | None) -> tuple[str, str] | None:
     """Check ``model.path`` and say what it is: ``("folder", abs)`` or ``("file", abs)``.
 
-    A file is opened with ``safe_open`` here, which reads only its header, so a wrong file is
-    reported when the run starts rather than after the other models were loaded.
+    A hub id (``owner/name[@revision]``) that is not a local path is resolved to its snapshot
+    folder in the local hub cache (runner/trainers/hub.py). A file is opened with ``safe_open``
+    here, which reads only its header, so a wrong file is reported when the run starts rather
+    than after the other models were loaded.
     """
     if path is None or str(path) == "":
         return None
@@ -126,6 +129,11 @@ def resolve_model_path(path: str | None) -> tuple[str, str] | None:
     if os.path.isdir(full):
         return ("folder", full)
     if not os.path.exists(full):
+        from runner.trainers.hub import parse_hub_id, resolve_hub_id
+
+        hub = parse_hub_id(str(path))
+        if hub is not None:
+            return ("folder", resolve_hub_id(str(path), *hub))
         raise UserError(f"model.path '{path}' does not exist. Accepted: {SAFETENSORS_ACCEPTED}.")
     from safetensors import safe_open
 
@@ -168,7 +176,7 @@ def check_state_dict_keys(
             parts.append(f"{len(unexpected)} unexpected keys (e.g. {', '.join(unexpected[:3])})")
         hint = ""
         if any(k.startswith(("model.diffusion_model.", "double_blocks.", "diffusion_model.")) for k in mapping):
-            hint = " The file looks like an original (non-diffusers) checkpoint; convert it to diffusers layout first."
+            hint = " The file looks like an original (non-diffusers) checkpoint of another model family."
         raise UserError(
             f"model.path '{file}' does not match the {type(model).__name__} architecture of "
             f"{source}: {'; '.join(parts)}.{hint} Accepted: {SAFETENSORS_ACCEPTED}."
@@ -188,7 +196,8 @@ def load_single_file(
 
     Parameters are built on ``meta`` (accelerate's ``init_empty_weights`` keeps buffers real,
     since non-persistent buffers are not in the file) and each tensor is read lazily with
-    ``safe_open`` and converted to ``dtype`` as it is read, then adopted with
+    ``safe_open`` and converted to ``dtype`` as it is read (the file reopened every 256 MiB, so the
+    mapped pages a conversion read leave RSS), then adopted with
     ``load_state_dict(assign=True)``: the peak is about the final model size, never a float32
     copy next to a bf16 one. diffusers' ``from_single_file`` is not used because it needs the
     original layout plus a hub config to convert from.
@@ -196,14 +205,15 @@ def load_single_file(
     from accelerate import init_empty_weights
     from safetensors import safe_open
 
+    from runner.trainers.single_file import read_tensors
+
     with init_empty_weights(include_buffers=False):
         model = _instantiate(cls, config)
-    state: dict[str, torch.Tensor] = {}
     with safe_open(file, framework="pt", device="cpu") as f:
         mapping = check_state_dict_keys(file, f.keys(), model, prefixes, source)
-        for file_key, model_key in mapping.items():
-            t = f.get_tensor(file_key)
-            state[model_key] = t.to(dtype) if t.is_floating_point() else t
+    # Read in chunks, the file reopened between them (runner/trainers/single_file.py: read_tensors).
+    read = read_tensors(file, list(mapping), dtype)
+    state = {model_key: read.pop(file_key) for file_key, model_key in mapping.items()}
     model.load_state_dict(state, strict=True, assign=True)
     return model
 

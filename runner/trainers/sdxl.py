@@ -35,6 +35,8 @@ class SDXLTrainer(DiffusersTrainer):
 
     Config = SDXLTrainerConfig
     denoiser = "unet"
+    family = "sdxl"
+    reference_repo = "stabilityai/stable-diffusion-xl-base-1.0"
 
     def __init__(self, cfg: Any, run: Any = None) -> None:
         super().__init__(cfg, run)
@@ -49,6 +51,7 @@ class SDXLTrainer(DiffusersTrainer):
             raise UserError(
                 f"data.resolution={res} is not usable for SDXL: it must be a positive multiple of 8 (the VAE factor)."
             )
+        self.check_sizes(8, "the VAE factor")
         self._schedulers: dict[str, Any] = {}
 
     def module_classes(self) -> dict[str, type]:
@@ -179,18 +182,19 @@ class SDXLTrainer(DiffusersTrainer):
         return F.mse_loss(pred.float(), target.float(), reduction="mean")
 
     def example_batch(self, batch_size: int, device: str | torch.device = "meta") -> Batch:
-        """An encoded batch with the shapes ``encode`` gives at ``data.resolution``."""
+        """An encoded batch with the shapes ``encode`` gives at :meth:`planned_size`."""
         unet_cfg = self.component_config("unet")
         vae_cfg = self.component_config("vae")
         te1, te2 = self.component_config("text_encoder"), self.component_config("text_encoder_2")
-        side = self.resolution() // vae_scale_factor(vae_cfg)
+        h, w = self.planned_size()
+        factor = vae_scale_factor(vae_cfg)
         length = min(model_configs.CLIP_MAX_LENGTH, int(te1["max_position_embeddings"]))
         cross_dim = int(te1["hidden_size"]) + int(te2["hidden_size"])
         b, dt = batch_size, self.storage_dtype
-        res = float(self.resolution())
-        time_ids = torch.tensor([[res, res, 0.0, 0.0, res, res]] * b)
+        time_ids = torch.tensor([[float(h), float(w), 0.0, 0.0, float(h), float(w)]] * b)
         return {
-            "latents": self.example_tensor((b, int(unet_cfg["in_channels"]), side, side), device, torch.float32, 0),
+            "latents": self.example_tensor((b, int(unet_cfg["in_channels"]), h // factor, w // factor), device,
+                                           torch.float32, 0),
             "prompt_embeds": self.example_tensor((b, length, cross_dim), device, dt, 1),
             "pooled_prompt_embeds": self.example_tensor((b, int(te2["projection_dim"])), device, dt, 2),
             "time_ids": time_ids.to(device),

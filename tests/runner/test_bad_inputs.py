@@ -45,6 +45,13 @@ def files(tmp_path_factory) -> dict[str, Path]:
     image(folder("latin1") / "cat.png", caption="caf\xe9".encode("latin-1"))
     image(folder("no_caption") / "uncaptioned.png", caption=None)
     folder("model_dir_without_index")
+    from safetensors.torch import save_file
+    import torch
+
+    f["flux_file"] = d / "flux1.safetensors"  # Black Forest Labs' layout, given to the SDXL trainer
+    save_file({"double_blocks.0.img_attn.qkv.weight": torch.zeros(6, 2)}, str(f["flux_file"]))
+    f["partial_sdxl"] = d / "sdxl_partial.safetensors"  # A1111 layout with most of the U-Net missing
+    save_file({"model.diffusion_model.label_emb.0.0.weight": torch.zeros(2, 2)}, str(f["partial_sdxl"]))
     f["corrupt_weights"] = d / "model.safetensors"
     f["corrupt_weights"].write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{broken json")
     folder("no_checkpoint")
@@ -120,6 +127,22 @@ CASES = [
     ("zero-byte image", ["data.path={zero_byte}"], ["empty.png"]),
     ("caption not UTF-8", ["data.path={latin1}"], ["cat.txt", "UTF-8"]),
     ("image without caption", ["data.path={no_caption}"], ["uncaptioned.png", "missing_caption=empty"]),
+    ("caption dropout above 1", ["data.caption_dropout=1.5"], ["data.caption_dropout=1.5", "from 0 to 1"]),
+    ("keep tokens negative", ["data.keep_tokens=-1"], ["data.keep_tokens=-1"]),
+    ("caption extension without its dot", ["data.caption_ext=caption"], ["data.caption_ext='caption'",
+                                                                          "data.caption_ext=.caption"]),
+    ("shuffled tags with cached text", ["offload=park", "data.shuffle_tags=true"],
+     ["data.shuffle_tags=true", "offload.park.cache_text=false"]),
+    ("bucket step not a multiple of 8", ["data.buckets=true", "data.bucket_step=60"], ["data.bucket_step=60"]),
+    ("bucket sides swapped", ["data.buckets=true", "data.bucket_min_side=128", "data.bucket_max_side=64"], ["swap them"]),
+    ("typo in a data set", ["data.sets=[{{path:/tmp,repaets:2}}]"], ["Did you mean 'repeats'"]),
+    ("data set without a path", ["data.sets=[{{repeats:2}}]"], ["data.sets[0].path is missing"]),
+    ("weights on some data sets only", ["data.sets=[{{path:/tmp,weight:1}},{{path:/tmp}}]"], ["not on data.sets[1]"]),
+    ("data path and data sets", ["data.path=/tmp", "data.sets=[{{path:/tmp}}]"], ["data.path and data.sets are both set"]),
+    ("data set folder missing", ["data.sets=[{{path:/no/such/set}}]"], ["data.sets[0].path='/no/such/set' does not exist"]),
+    ("hub id not in the local cache", ["model.path=nobody-here/no-such-model"], ["hf download nobody-here/no-such-model"]),
+    ("single file of another family", ["model.path={flux_file}"], ["not a sdxl checkpoint", "Flux"]),
+    ("original single file missing tensors", ["model.path={partial_sdxl}"], ["sdxl_partial.safetensors", "is the file complete"]),
     ("model path missing", ["model.path=/no/such/model"], ["model.path"]),
     ("model folder without model_index.json", ["model.path={model_dir_without_index}"], ["model.path"]),
     ("corrupt model weights", ["model.path={corrupt_weights}"], ["model.safetensors"]),

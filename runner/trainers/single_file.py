@@ -1,0 +1,400 @@
+"""Single-file checkpoints in the layouts people download: A1111/ComfyUI SDXL, BFL/ComfyUI Flux.
+
+``model.path=/models/sd_xl_base_1.0.safetensors`` holds every SDXL module in Stability's original
+layout (``model.diffusion_model.*`` U-Net, ``first_stage_model.*`` VAE,
+``conditioner.embedders.0.transformer.*`` CLIP-L, ``conditioner.embedders.1.model.*`` OpenCLIP
+bigG); ``flux1-dev.safetensors`` holds Flux's transformer in Black Forest Labs' layout
+(``double_blocks.*``, ``single_blocks.*``, ...; ComfyUI's all-in-one files add ``vae.*`` and
+``text_encoders.clip_l/t5xxl.transformer.*``). A layout is recognised from the header's key names
+(:func:`detect_layout`), and each module found in the file is converted to diffusers' names:
+
+* with diffusers' own single-file conversion functions (``convert_ldm_unet_checkpoint``,
+  ``convert_ldm_vae_checkpoint``, ``convert_ldm_clip_checkpoint``, ``convert_open_clip_checkpoint``,
+  ``convert_sd3_t5_checkpoint_to_diffusers``), given the architecture of ``model.size`` from
+  runner/trainers/model_configs.py: never ``from_single_file``, which fetches configs from the hub;
+* Flux's transformer with :func:`convert_flux_transformer`, our own: diffusers'
+  ``convert_flux_transformer_checkpoint_to_diffusers`` hard-codes FLUX.1's width (3072), so it
+  cannot convert the tiny model the tests build; ours takes the width from the config and is
+  checked against diffusers' on the full-size layout (tests/runner/trainers/test_model_sources.py).
+
+Loading stays lazy and dtype-converting (what keeps a 12 B model's host RAM in check): the
+header is read first and the conversion is run on ``meta`` tensors of the header's shapes, so a
+wrong file or size fails before any weight is read; then each module's tensors are read one by
+one, converted to the run's dtype as they are read, and adopted by a module built on ``meta``
+(``load_state_dict(assign=True)``). The file is reopened every :data:`CHUNK_BYTES` of data,
+because safetensors maps it whole and the pages read stay in the process's RSS until it is
+closed. Peak host RAM: about the modules' bytes in the target dtype plus one chunk
+(bench/load_memory.py measures it on a full-size SDXL file).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from runner.errors import UserError
+
+log = logging.getLogger("runner")
+
+CHUNK_BYTES = 256 << 20  # file bytes read between two reopenings (see the module docstring)
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+# ---- converters -------------------------------------------------------------------------------
+def _strip_text_model(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers >= 5.6 builds ``CLIPTextModel`` without the ``text_model.`` wrapper."""
+    if hasattr(model, "text_model"):
+        return state
+    return {k.removeprefix("text_model."): v for k, v in state.items()}
+
+
+def convert_unet(state: dict, config: dict, model: nn.Module) -> dict:
+    from diffusers.loaders.single_file_utils import convert_ldm_unet_checkpoint
+
+    return convert_ldm_unet_checkpoint(state, config)
+
+
+def convert_vae(state: dict, config: dict, model: nn.Module) -> dict:
+    from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
+
+    return convert_ldm_vae_checkpoint(state, config)
+
+
+def clip_converter(prefix: str) -> Callable[[dict, dict, nn.Module], dict]:
+    def convert(state: dict, config: dict, model: nn.Module) -> dict:
+        from diffusers.loaders.single_file_utils import convert_ldm_clip_checkpoint
+
+        return _strip_text_model(model, convert_ldm_clip_checkpoint(state, remove_prefix=prefix))
+
+    return convert
+
+
+def open_clip_converter(prefix: str) -> Callable[[dict, dict, nn.Module], dict]:
+    def convert(state: dict, config: dict, model: nn.Module) -> dict:
+        from diffusers.loaders.single_file_utils import convert_open_clip_checkpoint
+
+        return convert_open_clip_checkpoint(model, state, prefix=prefix)
+
+    return convert
+
+
+def convert_t5(state: dict, config: dict, model: nn.Module) -> dict:
+    """ComfyUI's t5xxl files store the embedding once, as ``shared.weight``; T5 ties it to the
+    encoder's ``embed_tokens`` (re-tied after loading, see :func:`load_component`)."""
+    from diffusers.loaders.single_file_utils import convert_sd3_t5_checkpoint_to_diffusers
+
+    out = convert_sd3_t5_checkpoint_to_diffusers(state)
+    if "shared.weight" in out and "encoder.embed_tokens.weight" not in out:
+        out["encoder.embed_tokens.weight"] = out["shared.weight"]
+    return out
+
+
+FLUX_ROOTS = ("double_blocks.", "single_blocks.", "img_in.", "txt_in.", "time_in.", "vector_in.", "guidance_in.",
+              "final_layer.")
+
+
+def convert_flux_transformer(state: dict, config: dict, model: nn.Module) -> dict:
+    """BFL's Flux layout -> diffusers' ``FluxTransformer2DModel`` names, any width.
+
+    The mapping is diffusers' (``convert_flux_transformer_checkpoint_to_diffusers``), with the
+    attention width taken from ``config`` instead of FLUX.1's 3072 and the fused q/k/v(/mlp)
+    weights split into copies as each block is converted, the fused tensor dropped right after
+    (the peak grows by one block, not by the model).
+    """
+    src = {k.removeprefix("model.diffusion_model."): v for k, v in state.items()}
+    state.clear()
+    inner = int(config["num_attention_heads"]) * int(config["attention_head_dim"])
+    out: dict[str, torch.Tensor] = {}
+
+    def move(new: str, old: str) -> None:
+        for suffix in ("weight", "bias"):
+            if f"{old}.{suffix}" in src:
+                out[f"{new}.{suffix}"] = src.pop(f"{old}.{suffix}")
+
+    def split(new: list[str], old: str, sizes: list[int] | None = None) -> None:
+        for suffix in ("weight", "bias"):
+            fused = src.pop(f"{old}.{suffix}")
+            parts = torch.split(fused, sizes or [fused.shape[0] // len(new)] * len(new), dim=0)
+            for name, piece in zip(new, parts):
+                out[f"{name}.{suffix}"] = piece.clone()
+            del fused, parts
+
+    def swap_scale_shift(old: str, new: str) -> None:  # BFL: (shift, scale); diffusers: (scale, shift)
+        for suffix in ("weight", "bias"):
+            shift, scale = src.pop(f"{old}.{suffix}").chunk(2, dim=0)
+            out[f"{new}.{suffix}"] = torch.cat([scale, shift], dim=0)
+
+    for new, old in (("time_text_embed.timestep_embedder.linear_1", "time_in.in_layer"),
+                     ("time_text_embed.timestep_embedder.linear_2", "time_in.out_layer"),
+                     ("time_text_embed.text_embedder.linear_1", "vector_in.in_layer"),
+                     ("time_text_embed.text_embedder.linear_2", "vector_in.out_layer"),
+                     ("time_text_embed.guidance_embedder.linear_1", "guidance_in.in_layer"),
+                     ("time_text_embed.guidance_embedder.linear_2", "guidance_in.out_layer"),
+                     ("context_embedder", "txt_in"), ("x_embedder", "img_in"),
+                     ("proj_out", "final_layer.linear")):
+        move(new, old)
+    swap_scale_shift("final_layer.adaLN_modulation.1", "norm_out.linear")
+    doubles = sorted({int(k.split(".")[1]) for k in src if k.startswith("double_blocks.")})
+    singles = sorted({int(k.split(".")[1]) for k in src if k.startswith("single_blocks.")})
+    for i in doubles:
+        b, o = f"transformer_blocks.{i}.", f"double_blocks.{i}."
+        move(b + "norm1.linear", o + "img_mod.lin")
+        move(b + "norm1_context.linear", o + "txt_mod.lin")
+        split([b + "attn.to_q", b + "attn.to_k", b + "attn.to_v"], o + "img_attn.qkv")
+        split([b + "attn.add_q_proj", b + "attn.add_k_proj", b + "attn.add_v_proj"], o + "txt_attn.qkv")
+        for new, old in (("attn.norm_q", "img_attn.norm.query_norm"), ("attn.norm_k", "img_attn.norm.key_norm"),
+                         ("attn.norm_added_q", "txt_attn.norm.query_norm"),
+                         ("attn.norm_added_k", "txt_attn.norm.key_norm")):
+            out[f"{b}{new}.weight"] = src.pop(f"{o}{old}.scale")
+        move(b + "ff.net.0.proj", o + "img_mlp.0")
+        move(b + "ff.net.2", o + "img_mlp.2")
+        move(b + "ff_context.net.0.proj", o + "txt_mlp.0")
+        move(b + "ff_context.net.2", o + "txt_mlp.2")
+        move(b + "attn.to_out.0", o + "img_attn.proj")
+        move(b + "attn.to_add_out", o + "txt_attn.proj")
+    for i in singles:
+        b, o = f"single_transformer_blocks.{i}.", f"single_blocks.{i}."
+        move(b + "norm.linear", o + "modulation.lin")
+        rows = src[o + "linear1.weight"].shape[0]
+        split([b + "attn.to_q", b + "attn.to_k", b + "attn.to_v", b + "proj_mlp"], o + "linear1",
+              [inner, inner, inner, rows - 3 * inner])
+        out[b + "attn.norm_q.weight"] = src.pop(o + "norm.query_norm.scale")
+        out[b + "attn.norm_k.weight"] = src.pop(o + "norm.key_norm.scale")
+        move(b + "proj_out", o + "linear2")
+    out.update(src)  # anything left over is reported as unexpected by the key check
+    return out
+
+
+# ---- layouts ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Component:
+    """One module of a layout: which file keys are its own, and how they become diffusers names."""
+
+    prefixes: tuple[str, ...]
+    convert: Callable[[dict, dict, nn.Module], dict]
+
+    def keys(self, file_keys: Iterable[str]) -> list[str]:
+        return [k for k in file_keys if k.startswith(self.prefixes)]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A single-file layout: its name for messages, the trainer family it is for, its modules."""
+
+    name: str
+    family: str
+    components: dict[str, Component] = field(default_factory=dict)
+    detect: Callable[[list[str]], bool] = lambda keys: False
+
+
+def _is_sdxl(keys: list[str]) -> bool:
+    return any(k.startswith("model.diffusion_model.label_emb.") for k in keys)
+
+
+def _is_ldm_unet(keys: list[str]) -> bool:
+    return any(k.startswith("model.diffusion_model.input_blocks.") for k in keys) and not _is_sdxl(keys)
+
+
+def _is_flux(keys: list[str]) -> bool:
+    return any(k.removeprefix("model.diffusion_model.").startswith("double_blocks.") for k in keys)
+
+
+LAYOUTS: list[Layout] = [
+    Layout("the original SDXL layout (A1111/ComfyUI: model.diffusion_model.*, first_stage_model.*, "
+           "conditioner.embedders.*)", "sdxl", {
+               "unet": Component(("model.diffusion_model.",), convert_unet),
+               "vae": Component(("first_stage_model.",), convert_vae),
+               "text_encoder": Component(("conditioner.embedders.0.transformer.",),
+                                         clip_converter("conditioner.embedders.0.transformer.")),
+               "text_encoder_2": Component(("conditioner.embedders.1.model.",),
+                                           open_clip_converter("conditioner.embedders.1.model.")),
+           }, _is_sdxl),
+    Layout("Black Forest Labs' original Flux layout (double_blocks.*, single_blocks.*)", "flux", {
+        "transformer": Component(FLUX_ROOTS + tuple("model.diffusion_model." + r for r in FLUX_ROOTS),
+                                 convert_flux_transformer),
+        "vae": Component(("vae.",), convert_vae),
+        "text_encoder": Component(("text_encoders.clip_l.transformer.",),
+                                  clip_converter("text_encoders.clip_l.transformer.")),
+        "text_encoder_2": Component(("text_encoders.t5xxl.transformer.",), convert_t5),
+    }, _is_flux),
+    Layout("the original SD 1.x/2.x layout (model.diffusion_model.* without SDXL's label_emb)", "sd", {}, _is_ldm_unet),
+]
+
+
+def register_layout(layout: Layout) -> None:
+    """Add a layout (another family's original single files); checked before the built-in ones."""
+    LAYOUTS.insert(0, layout)
+
+
+def detect_layout(keys: list[str]) -> Layout | None:
+    """The original layout of a file with these keys, or None (diffusers' own key layout)."""
+    for layout in LAYOUTS:
+        if layout.detect(keys):
+            return layout
+    return None
+
+
+# ---- reading ------------------------------------------------------------------------------------
+def read_header(file: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every tensor's (shape, dtype) from the safetensors header, without reading any data."""
+    import json
+    import struct
+
+    with open(file, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return {k: (tuple(v["shape"]), _SAFETENSORS_DTYPES.get(v["dtype"], torch.float32)) for k, v in header.items()}
+
+
+def read_tensors(file: str, keys: list[str], dtype: torch.dtype | None,
+                 chunk_bytes: int = CHUNK_BYTES) -> dict[str, torch.Tensor]:
+    """``keys`` of ``file``, floating tensors converted to ``dtype`` as each is read.
+
+    Tensors already in ``dtype`` stay views of the file's (copy-on-write) mapping, read on use;
+    converted ones are new memory. The file is reopened every ``chunk_bytes``, so the mapped
+    pages read for a conversion leave the process's RSS (see the module docstring).
+    """
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    pending = list(keys)
+    while pending:
+        read = 0
+        with safe_open(file, framework="pt", device="cpu") as f:
+            while pending and read < chunk_bytes:
+                key = pending.pop(0)
+                t = f.get_tensor(key)
+                read += t.numel() * t.element_size()
+                out[key] = t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t
+                del t
+    return out
+
+
+def _shape_report(converted: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]) -> list[str]:
+    missing = sorted(set(expected) - set(converted))
+    unexpected = sorted(set(converted) - set(expected))
+    wrong = sorted(k for k in set(expected) & set(converted) if tuple(expected[k]) != tuple(converted[k]))
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} missing keys (e.g. {', '.join(missing[:3])})")
+    if unexpected:
+        parts.append(f"{len(unexpected)} unexpected keys (e.g. {', '.join(unexpected[:3])})")
+    if wrong:
+        k = wrong[0]
+        parts.append(f"{len(wrong)} tensors of another shape (e.g. {k}: file {list(converted[k])}, "
+                     f"model {list(expected[k])})")
+    return parts
+
+
+def _drop_buffers(state: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    """Converted keys that are non-persistent buffers of the model (CLIP's ``position_ids``) are dropped."""
+    persistent = set(model.state_dict())
+    return {k: v for k, v in state.items() if k in persistent or not k.endswith("position_ids")}
+
+
+def check_component(file: str, header: dict[str, tuple[tuple[int, ...], torch.dtype]], layout: Layout, name: str,
+                    model: nn.Module, config: dict, source: str) -> None:
+    """Convert the header's shapes on ``meta`` and compare with ``model``: a UserError naming the
+    file when the keys or shapes do not match, before any tensor is read."""
+    component = layout.components[name]
+    meta = {k: torch.empty(header[k][0], dtype=header[k][1], device="meta") for k in component.keys(header)}
+    try:
+        converted = _drop_buffers(component.convert(meta, config, model), model)
+    except (KeyError, IndexError, RuntimeError, ValueError) as e:
+        raise UserError(
+            f"model.path '{file}' looks like {layout.name} but its {name} cannot be converted ({type(e).__name__}: "
+            f"{e}); is the file complete?"
+        ) from None
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    problems = _shape_report({k: tuple(v.shape) for k, v in converted.items()}, expected)
+    if problems:
+        hint = (" The file's tensors are larger than the model's: set model.size=full." if "model.size=tiny" in source
+                else "")
+        raise UserError(
+            f"model.path '{file}' ({layout.name}): its {name} does not match the {type(model).__name__} of {source}: "
+            f"{'; '.join(problems)}.{hint}"
+        )
+
+
+def load_component(file: str, header: dict[str, tuple[tuple[int, ...], torch.dtype]], layout: Layout, name: str,
+                   cls: type, config: dict, dtype: torch.dtype, device: str, source: str) -> nn.Module:
+    """Module ``name`` of an original-layout ``file``: built on meta, checked, then (unless
+    ``device`` is meta) read lazily in ``dtype``, converted and adopted."""
+    from accelerate import init_empty_weights
+
+    from runner.trainers.loading import _instantiate, build_module, cast_module
+
+    if torch.device(device).type == "meta":
+        model = build_module(cls, config, "meta", dtype)
+        check_component(file, header, layout, name, model, config, source)
+        return model
+    with init_empty_weights(include_buffers=False):
+        model = _instantiate(cls, config)
+    check_component(file, header, layout, name, model, config, source)
+    keep_fp32 = dtype == torch.float16 and bool(getattr(cls, "_keep_in_fp32_modules", None))
+    state = read_tensors(file, layout.components[name].keys(header), torch.float32 if keep_fp32 else dtype)
+    converted = _drop_buffers(layout.components[name].convert(state, config, model), model)
+    del state
+    model.load_state_dict(converted, strict=True, assign=True)
+    del converted
+    if callable(getattr(model, "tie_weights", None)):  # assign=True replaced tied parameters one by one
+        model.tie_weights()
+    return cast_module(model, dtype)
+
+
+# ---- what a trainer needs from an original file besides its modules -------------------------------
+def open_single_file(trainer: Any, file: str) -> tuple[Layout | None, dict[str, tuple[tuple[int, ...], torch.dtype]]]:
+    """Read the header, recognise the layout, refuse another family's file, and check that the
+    tokenizers its text encoders need are at hand, all before any weight is read. Returns the
+    layout (None: diffusers' key layout) and the header."""
+    from runner.trainers.loading import SAFETENSORS_ACCEPTED
+
+    header = read_header(file)
+    layout = detect_layout(list(header))
+    trainer.layout, trainer.header = layout, header
+    if layout is None:
+        return None, header
+    if layout.family != trainer.family:
+        raise UserError(
+            f"model.path '{file}' is in {layout.name}, which is not a {trainer.family} checkpoint; choose the "
+            f"trainer of its family (trainer=...) or a {trainer.family} file. Accepted: {SAFETENSORS_ACCEPTED}."
+        )
+    found = [n for n in trainer.module_classes() if trainer.file_provides(n)]
+    log.info("model.path: %s in %s (%s)", ", ".join(found), layout.name, file)
+    for name in found:
+        if name.startswith("text_encoder"):
+            trainer.tokenizer(name.replace("text_encoder", "tokenizer"))
+    return layout, header
+
+
+def reference_tokenizer(trainer: Any, name: str) -> Any:
+    """An original single file holds no tokenizers: ``trainer.reference_repo``'s ``name/`` from the
+    local hub cache. Without it a full-size encoder is refused (byte-level ids would be meaningless
+    to it); a tiny one keeps the generated tokenizer, which is what it was built with."""
+    import os
+
+    from runner.trainers.hub import cached_subfolder, fetch_command
+    from runner.trainers.tokenizers import load_folder_tokenizer
+
+    folder = cached_subfolder(trainer.reference_repo, name) if trainer.reference_repo else None
+    if folder is not None:
+        return load_folder_tokenizer(os.path.dirname(folder), name)
+    if trainer.size == "tiny":
+        return trainer.default_tokenizer(name)
+    tokenizers = tuple(f"{n}/*" for n in ("tokenizer", "tokenizer_2")
+                       if trainer.file_provides(n.replace("tokenizer", "text_encoder")))
+    raise UserError(
+        f"model.path '{trainer.source[1]}' holds the text encoders but not their tokenizers, and "
+        f"{trainer.reference_repo}'s {name}/ is not in the local Hugging Face cache. Fetch the tokenizers (a few MB) "
+        f"with `{fetch_command(trainer.reference_repo, include=tokenizers)}`, or give a diffusers folder instead."
+    )
