@@ -1,14 +1,16 @@
 """Sampling for the built-in families: diffusers' own pipelines around the modules being trained.
 
-Each family (SDXL, Flux; a trainer names its own in ``sampling_family()``) does two things:
+Each family (SDXL, Flux, SD1.5/SD2.1, SD3.5; a trainer names its own in ``sampling_family()``)
+does two things:
 
 * ``encode(trainer, models, prompt)``: the prompt's conditioning, computed by the trainer's own
   ``encode_part(models, "text", ...)``, i.e. exactly what training feeds the denoiser;
 * ``generate(trainer, modules, cond, ...)``: the family's diffusers pipeline
-  (``StableDiffusionXLPipeline``, ``FluxPipeline``) built from the denoiser in memory (LoRA
-  adapters active) and the VAE, fed the precomputed embeddings, with no text encoder at all. A
-  family with classifier-free guidance whose pipeline would encode the empty negative prompt
-  itself gets its embeddings precomputed too (``default_negative``).
+  (``StableDiffusionXLPipeline``, ``FluxPipeline``, ``StableDiffusionPipeline``,
+  ``StableDiffusion3Pipeline``) built from the denoiser in memory (LoRA adapters active) and the
+  VAE, fed the precomputed embeddings, with no text encoder at all. A family with classifier-free
+  guidance whose pipeline would encode the empty negative prompt itself (SD1.5, SD3.5) gets its
+  embeddings precomputed too (``default_negative``).
 
 The pipeline runs with ``output_type="latent"`` and the VAE decode is ours (:func:`decode`):
 the pipelines move the latents to the device the VAE's *weights* are on, which for a VAE kept
@@ -172,6 +174,80 @@ class FluxSampling:
                       num_inference_steps=steps, guidance_scale=guidance, height=resolution, width=resolution,
                       generator=generator, output_type="latent", return_dict=False)[0]
         latents = pipe._unpack_latents(packed, resolution, resolution, pipe.vae_scale_factor)
+        image = decode(vae, latents, vae_on_device, shift=float(vae.config.shift_factor or 0.0))
+        return pipe.image_processor.postprocess(image.float(), output_type="pil")[0]
+
+
+class SD15Sampling(SDXLSampling):
+    """``StableDiffusionPipeline`` (SD1.5, SD2.1) with an Euler scheduler on the trainer's noise schedule."""
+
+    default_guidance = 7.5  # the pipeline's default
+
+    @staticmethod
+    def default_negative(guidance: float) -> str | None:
+        """The empty prompt, as the pipeline's unconditional half, when guidance is on (its
+        ``encode_prompt`` would need the tokenizer and text encoder otherwise)."""
+        return "" if guidance > 1 else None
+
+    def generate(self, trainer: Any, modules: Mapping[str, nn.Module], cond: dict[str, torch.Tensor], negative: dict | None, *,
+                 steps: int, guidance: float, resolution: int, generator: torch.Generator,
+                 device: torch.device, vae_on_device: VaeOnDevice) -> Any:
+        vae = modules["vae"]
+        pipe = quiet_import("StableDiffusionPipeline")(
+            vae=vae, text_encoder=None, tokenizer=None, unet=modules["unet"], scheduler=self.scheduler(trainer),
+            safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+        pipe.set_progress_bar_config(disable=True)
+        kw: dict[str, Any] = {}
+        if negative is not None:
+            kw = {"negative_prompt_embeds": negative["prompt_embeds"].to(device)}
+        latents = pipe(prompt_embeds=cond["prompt_embeds"].to(device), num_inference_steps=steps,
+                       guidance_scale=guidance, height=resolution, width=resolution, generator=generator,
+                       output_type="latent", return_dict=False, **kw)[0]
+        image = decode(vae, latents, vae_on_device)
+        return pipe.image_processor.postprocess(image.float(), output_type="pil")[0]
+
+
+class SD3Sampling:
+    """``StableDiffusion3Pipeline`` with SD3.5's flow-matching scheduler (shift 3.0, or the folder's own)."""
+
+    factor = 16  # VAE factor 8 times the transformer's 2x2 patches
+    negative_prompt = True
+
+    def __init__(self, default_guidance: float = 3.5) -> None:
+        self.default_guidance = default_guidance  # the model card's: Large 3.5, Medium 4.5
+
+    @staticmethod
+    def denoiser_batch(guidance: float) -> int:
+        return 2 if guidance > 1 else 1  # classifier-free guidance: unconditional and conditional halves
+
+    @staticmethod
+    def default_negative(guidance: float) -> str | None:
+        return "" if guidance > 1 else None  # see SD15Sampling.default_negative
+
+    def encode(self, trainer: Any, models: ModelSet, prompt: str, device: torch.device) -> dict[str, torch.Tensor]:
+        return _text(trainer, models, prompt, device)
+
+    def scheduler(self, trainer: Any) -> Any:
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        return _folder_scheduler(trainer, FlowMatchEulerDiscreteScheduler) or trainer.inference_scheduler()
+
+    def generate(self, trainer: Any, modules: Mapping[str, nn.Module], cond: dict[str, torch.Tensor], negative: dict | None, *,
+                 steps: int, guidance: float, resolution: int, generator: torch.Generator,
+                 device: torch.device, vae_on_device: VaeOnDevice) -> Any:
+        vae = modules["vae"]
+        pipe = quiet_import("StableDiffusion3Pipeline")(
+            transformer=modules["transformer"], scheduler=self.scheduler(trainer), vae=vae, text_encoder=None,
+            tokenizer=None, text_encoder_2=None, tokenizer_2=None, text_encoder_3=None, tokenizer_3=None)
+        pipe.set_progress_bar_config(disable=True)
+        kw: dict[str, Any] = {}
+        if negative is not None:
+            kw = {"negative_prompt_embeds": negative["prompt_embeds"].to(device),
+                  "negative_pooled_prompt_embeds": negative["pooled_prompt_embeds"].to(device)}
+        latents = pipe(prompt_embeds=cond["prompt_embeds"].to(device),
+                       pooled_prompt_embeds=cond["pooled_prompt_embeds"].to(device),
+                       num_inference_steps=steps, guidance_scale=guidance, height=resolution, width=resolution,
+                       generator=generator, output_type="latent", return_dict=False, **kw)[0]
         image = decode(vae, latents, vae_on_device, shift=float(vae.config.shift_factor or 0.0))
         return pipe.image_processor.postprocess(image.float(), output_type="pil")[0]
 

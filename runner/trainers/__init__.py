@@ -1,2 +1,2 @@
-"""Built-in trainers. Importing this package registers ``trainer=sdxl`` and ``trainer=flux``."""
-from runner.trainers import flux, sdxl  # noqa: F401  (imported for their register_trainer calls)
+"""Built-in trainers. Importing this package registers ``trainer=sdxl``, ``flux``, ``sd15`` and ``sd35``."""
+from runner.trainers import flux, sd15, sd35, sdxl  # noqa: F401  (imported for their register_trainer calls)

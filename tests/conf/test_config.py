@@ -110,6 +110,10 @@ def test_resolved_config_is_plain_yaml():
     (["model.size=full"], 1024),                       # full size plans/trains SDXL's and Flux's 1024 px
     (["+preset=flux_24gb", "model.size=full"], 1024),
     (["model.size=full", "data.resolution=512"], 512),  # an explicit value wins
+    (["trainer=sd15", "model.size=full"], 512),         # a trainer's own native size: SD1.5 at 512 px
+    (["trainer=sd15", "trainer.variant=sd21", "model.size=full"], 768),  # SD2.1 at 768 px
+    (["trainer=sd35", "model.size=full"], 1024),
+    (["trainer=sd15"], 64),
 ])
 def test_data_resolution_follows_model_size_unless_set(overrides, resolution):
     cfg = compose_config(overrides)
