@@ -31,7 +31,8 @@ The options, and the formulas used (the README's "Recipe options" table gives th
   - ``resolution``: Flux's shift from the image's sequence length L (latent tokens after
     patchifying: 4096 at 1024 px for Flux and SD3), ``mu = base + (max - base) (L - 256) / (4096 - 256)``
     (``loss.base_shift`` 0.5, ``loss.max_shift`` 1.15), ``t' = e^mu / (e^mu + 1/t - 1)``, which is
-    the ``fixed`` formula with ``s = e^mu``: 1.65 at 256 tokens (512 px), 3.16 at 4096 (1024 px);
+    the ``fixed`` formula with ``s = e^mu``: 1.65 at 256 tokens (256 px), 1.88 at 1024 (512 px),
+    3.16 at 4096 (1024 px);
   - ``none``: t as sampled.
 
 A trainer's defaults for the two flow options (``None`` here) are its family's: logit-normal for
