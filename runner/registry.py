@@ -62,6 +62,9 @@ class TrainerEntry:
     target: str
     config: type
     description: str
+    # data.resolution's default at model.size=full (px), by trainer.variant ("" = any); None: the runner's 1024
+    native_resolution: dict[str, int] | None = None
+    objective: str | None = None  # runner.loss_config.DDPM | FLOW: loss.* options are checked against it unimported
 
 
 _TRAINERS: dict[str, TrainerEntry] = {}
@@ -123,9 +126,13 @@ def store_empty_options() -> None:
         cs.store(group=kind, name="none", node={}, package=kind)
 
 
-def register_trainer(name: str, target: str, config: type, description: str = "") -> None:
-    """Register a trainer option ``trainer=<name>``; ``config`` must have a ``_target_`` field."""
-    _TRAINERS[name] = TrainerEntry(name, target, config, description)
+def register_trainer(name: str, target: str, config: type, description: str = "",
+                     native_resolution: dict[str, int] | None = None, objective: str | None = None) -> None:
+    """Register a trainer option ``trainer=<name>``; ``config`` must have a ``_target_`` field.
+
+    ``native_resolution``: the resolution the full-size model trains at, by ``trainer.variant``,
+    when it is not the runner's 1024 px (``data.resolution``'s default; runner/config.py)."""
+    _TRAINERS[name] = TrainerEntry(name, target, config, description, native_resolution, objective)
     ConfigStore.instance().store(group="trainer", name=name, node=config(_target_=target))
 
 
@@ -154,7 +161,8 @@ def load_all() -> None:
                 from runner.config import CustomTrainerConfig
 
                 cfg_cls = getattr(obj, "Config", CustomTrainerConfig)
-                register_trainer(ep.name, f"{obj.__module__}.{obj.__qualname__}", cfg_cls, (obj.__doc__ or "").strip())
+                register_trainer(ep.name, f"{obj.__module__}.{obj.__qualname__}", cfg_cls, (obj.__doc__ or "").strip(),
+                                 objective=getattr(obj, "objective", None))
 
 
 def plugin_names(kind: str) -> list[str]:
@@ -188,6 +196,16 @@ def selected(cfg: Any) -> list[tuple[str, str, Any]]:
         for name, sub in (node or {}).items():
             out.append((kind, str(name), sub))
     return out
+
+
+def native_resolution(target: str, variant: str) -> int | None:
+    """The registered full-size resolution of the trainer ``target`` (its ``_target_``) and
+    ``variant``, or None when it registered none."""
+    for entry in _TRAINERS.values():
+        if entry.target == target and entry.native_resolution:
+            table = entry.native_resolution
+            return table.get(variant) or table.get("") or next(iter(table.values()))
+    return None
 
 
 def trainers() -> dict[str, TrainerEntry]:
@@ -238,4 +256,7 @@ def format_plugin_list() -> str:
         lines.append(f"  {name:<12} {entry.description}")
         for fname, ftype, default in describe_config(entry.config):
             lines.append(f"      trainer.{fname}: {ftype} = {default!r}")
+    from runner.loss_config import describe_loss_options
+
+    lines += ["", *describe_loss_options()]
     return "\n".join(lines)

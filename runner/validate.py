@@ -43,6 +43,7 @@ from runner.config import DTYPES, LR_SCHEDULERS, MODES, NONFINITE_POLICIES, PREC
 from runner.ema_config import check_ema_config
 from runner.errors import UserError, did_you_mean, valid_list
 from runner.export.config import validate_export
+from runner.loss_config import validate_loss
 from runner.optim_config import check_optimizer_config
 from runner.plugin import KINDS
 from runner.sampling.config import check_sample_config
@@ -314,6 +315,7 @@ def check_config(cfg: DictConfig) -> None:
     check_sample_config(cfg)
     check_ema_config(cfg)
     check_val_config(cfg)
+    validate_loss(cfg)
     if cfg.mode == "train":
         _check_data_path(cfg)
     validate_export(cfg)

@@ -1,12 +1,16 @@
 """Sampling for the built-in families: diffusers' own pipelines around the modules being trained.
 
-Each family (SDXL, Flux) does two things:
+Each family (SDXL, Flux, SD1.5/SD2.1, SD3.5; a trainer names its own in ``sampling_family()``)
+does two things:
 
 * ``encode(trainer, models, prompt)``: the prompt's conditioning, computed by the trainer's own
   ``encode_part(models, "text", ...)``, i.e. exactly what training feeds the denoiser;
 * ``generate(trainer, modules, cond, ...)``: the family's diffusers pipeline
-  (``StableDiffusionXLPipeline``, ``FluxPipeline``) built from the denoiser in memory (LoRA
-  adapters active) and the VAE, fed the precomputed embeddings, with no text encoder at all.
+  (``StableDiffusionXLPipeline``, ``FluxPipeline``, ``StableDiffusionPipeline``,
+  ``StableDiffusion3Pipeline``) built from the denoiser in memory (LoRA adapters active) and the
+  VAE, fed the precomputed embeddings, with no text encoder at all. A family with classifier-free
+  guidance whose pipeline would encode the empty negative prompt itself (SD1.5, SD3.5) gets its
+  embeddings precomputed too (``default_negative``).
 
 The pipeline runs with ``output_type="latent"`` and the VAE decode is ours (:func:`decode`):
 the pipelines move the latents to the device the VAE's *weights* are on, which for a VAE kept
@@ -34,19 +38,24 @@ FLUX_SCHEDULER = dict(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_
                       base_image_seq_len=256, max_image_seq_len=4096)
 
 
-@functools.lru_cache(maxsize=1)
-def _quiet_pipelines() -> tuple[type, type]:
-    """The two pipeline classes, imported with transformers' logging at error level (they import
-    image processors that warn about a missing torchvision; sampling uses none)."""
+@functools.lru_cache(maxsize=None)
+def quiet_import(name: str) -> type:
+    """A diffusers pipeline class, imported with transformers' logging at error level (the
+    pipelines import image processors that warn about a missing torchvision; sampling uses none)."""
     from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        from diffusers import FluxPipeline, StableDiffusionXLPipeline
+        import diffusers
+
+        return getattr(diffusers, name)
     finally:
         hf_logging.set_verbosity(level)
-    return StableDiffusionXLPipeline, FluxPipeline
+
+
+def _quiet_pipelines() -> tuple[type, type]:
+    return quiet_import("StableDiffusionXLPipeline"), quiet_import("FluxPipeline")
 
 
 def _folder_scheduler(trainer: Any, cls: type) -> Any | None:
@@ -92,6 +101,12 @@ class SDXLSampling:
         together when guidance > 1 (classifier-free guidance)."""
         return 2 if guidance > 1 else 1
 
+    @staticmethod
+    def default_negative(guidance: float) -> str | None:
+        """No negative prompt unless one is set: SDXL's pipeline uses zeros for an empty one
+        (``force_zeros_for_empty_prompt``)."""
+        return None
+
     def encode(self, trainer: Any, models: ModelSet, prompt: str, device: torch.device) -> dict[str, torch.Tensor]:
         return _text(trainer, models, prompt, device)
 
@@ -133,6 +148,10 @@ class FluxSampling:
     def denoiser_batch(guidance: float) -> int:
         return 1  # the guidance scale is an input of the model, not a second pass
 
+    @staticmethod
+    def default_negative(guidance: float) -> str | None:
+        return None  # no classifier-free guidance
+
     def encode(self, trainer: Any, models: ModelSet, prompt: str, device: torch.device) -> dict[str, torch.Tensor]:
         return _text(trainer, models, prompt, device)
 
@@ -159,13 +178,82 @@ class FluxSampling:
         return pipe.image_processor.postprocess(image.float(), output_type="pil")[0]
 
 
-def family_sampling(trainer: Any) -> SDXLSampling | FluxSampling | None:
-    """The built-in sampling for ``trainer`` (an SDXL or Flux trainer or a subclass), else None."""
-    from runner.trainers.flux import FluxTrainer
-    from runner.trainers.sdxl import SDXLTrainer
+class SD15Sampling(SDXLSampling):
+    """``StableDiffusionPipeline`` (SD1.5, SD2.1) with an Euler scheduler on the trainer's noise schedule."""
 
-    if isinstance(trainer, SDXLTrainer):
-        return SDXLSampling()
-    if isinstance(trainer, FluxTrainer):
-        return FluxSampling()
-    return None
+    default_guidance = 7.5  # the pipeline's default
+
+    @staticmethod
+    def default_negative(guidance: float) -> str | None:
+        """The empty prompt, as the pipeline's unconditional half, when guidance is on (its
+        ``encode_prompt`` would need the tokenizer and text encoder otherwise)."""
+        return "" if guidance > 1 else None
+
+    def generate(self, trainer: Any, modules: Mapping[str, nn.Module], cond: dict[str, torch.Tensor], negative: dict | None, *,
+                 steps: int, guidance: float, resolution: int, generator: torch.Generator,
+                 device: torch.device, vae_on_device: VaeOnDevice) -> Any:
+        vae = modules["vae"]
+        pipe = quiet_import("StableDiffusionPipeline")(
+            vae=vae, text_encoder=None, tokenizer=None, unet=modules["unet"], scheduler=self.scheduler(trainer),
+            safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+        pipe.set_progress_bar_config(disable=True)
+        kw: dict[str, Any] = {}
+        if negative is not None:
+            kw = {"negative_prompt_embeds": negative["prompt_embeds"].to(device)}
+        latents = pipe(prompt_embeds=cond["prompt_embeds"].to(device), num_inference_steps=steps,
+                       guidance_scale=guidance, height=resolution, width=resolution, generator=generator,
+                       output_type="latent", return_dict=False, **kw)[0]
+        image = decode(vae, latents, vae_on_device)
+        return pipe.image_processor.postprocess(image.float(), output_type="pil")[0]
+
+
+class SD3Sampling:
+    """``StableDiffusion3Pipeline`` with SD3.5's flow-matching scheduler (shift 3.0, or the folder's own)."""
+
+    factor = 16  # VAE factor 8 times the transformer's 2x2 patches
+    negative_prompt = True
+
+    def __init__(self, default_guidance: float = 3.5) -> None:
+        self.default_guidance = default_guidance  # the model card's: Large 3.5, Medium 4.5
+
+    @staticmethod
+    def denoiser_batch(guidance: float) -> int:
+        return 2 if guidance > 1 else 1  # classifier-free guidance: unconditional and conditional halves
+
+    @staticmethod
+    def default_negative(guidance: float) -> str | None:
+        return "" if guidance > 1 else None  # see SD15Sampling.default_negative
+
+    def encode(self, trainer: Any, models: ModelSet, prompt: str, device: torch.device) -> dict[str, torch.Tensor]:
+        return _text(trainer, models, prompt, device)
+
+    def scheduler(self, trainer: Any) -> Any:
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        return _folder_scheduler(trainer, FlowMatchEulerDiscreteScheduler) or trainer.inference_scheduler()
+
+    def generate(self, trainer: Any, modules: Mapping[str, nn.Module], cond: dict[str, torch.Tensor], negative: dict | None, *,
+                 steps: int, guidance: float, resolution: int, generator: torch.Generator,
+                 device: torch.device, vae_on_device: VaeOnDevice) -> Any:
+        vae = modules["vae"]
+        pipe = quiet_import("StableDiffusion3Pipeline")(
+            transformer=modules["transformer"], scheduler=self.scheduler(trainer), vae=vae, text_encoder=None,
+            tokenizer=None, text_encoder_2=None, tokenizer_2=None, text_encoder_3=None, tokenizer_3=None)
+        pipe.set_progress_bar_config(disable=True)
+        kw: dict[str, Any] = {}
+        if negative is not None:
+            kw = {"negative_prompt_embeds": negative["prompt_embeds"].to(device),
+                  "negative_pooled_prompt_embeds": negative["pooled_prompt_embeds"].to(device)}
+        latents = pipe(prompt_embeds=cond["prompt_embeds"].to(device),
+                       pooled_prompt_embeds=cond["pooled_prompt_embeds"].to(device),
+                       num_inference_steps=steps, guidance_scale=guidance, height=resolution, width=resolution,
+                       generator=generator, output_type="latent", return_dict=False, **kw)[0]
+        image = decode(vae, latents, vae_on_device, shift=float(vae.config.shift_factor or 0.0))
+        return pipe.image_processor.postprocess(image.float(), output_type="pil")[0]
+
+
+def family_sampling(trainer: Any) -> Any:
+    """The built-in sampling for ``trainer``: what its ``sampling_family()`` returns (every
+    built-in family's trainer has one; runner/trainers/base.py), else None."""
+    fn = getattr(trainer, "sampling_family", None)
+    return fn() if callable(fn) else None

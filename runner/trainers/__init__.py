@@ -1,11 +1,26 @@
-"""Built-in trainers. Importing this package registers ``trainer=sdxl`` and ``trainer=flux``.
+"""Built-in trainers. Importing this package registers ``trainer=sdxl``, ``flux``, ``sd15`` and ``sd35``.
 
-Registered by the path of their class, with their schema from runner/trainers/configs.py: the
-trainer modules import torch and diffusers, and are imported only when a run builds the trainer.
+Registered by the path of their class, with their schema from runner/trainers/configs.py and their
+loss objective: the trainer modules import torch and diffusers, and are imported only when a run
+builds the trainer (``loss.*`` options are checked against the registered objective before that).
 """
+from runner.loss_config import DDPM, FLOW
 from runner.registry import register_trainer
-from runner.trainers.configs import FluxTrainerConfig, SDXLTrainerConfig
+from runner.trainers.configs import (
+    SD15_NATIVE_RESOLUTION,
+    FluxTrainerConfig,
+    SD15TrainerConfig,
+    SD35TrainerConfig,
+    SDXLTrainerConfig,
+)
 
-register_trainer("sdxl", "runner.trainers.sdxl.SDXLTrainer", SDXLTrainerConfig, "SDXL U-Net, DDPM loss")
+register_trainer("sdxl", "runner.trainers.sdxl.SDXLTrainer", SDXLTrainerConfig, "SDXL U-Net, DDPM loss",
+                 objective=DDPM)
 register_trainer("flux", "runner.trainers.flux.FluxTrainer", FluxTrainerConfig,
-                 "Flux transformer, rectified-flow matching loss")
+                 "Flux transformer, rectified-flow matching loss", objective=FLOW)
+register_trainer("sd15", "runner.trainers.sd15.SD15Trainer", SD15TrainerConfig,
+                 "SD1.5 / SD2.1 U-Net (trainer.variant=sd15|sd21), DDPM loss (epsilon or v)",
+                 native_resolution=SD15_NATIVE_RESOLUTION, objective=DDPM)
+register_trainer("sd35", "runner.trainers.sd35.SD35Trainer", SD35TrainerConfig,
+                 "SD3.5 Medium / Large transformer (trainer.variant=medium|large), rectified-flow matching loss",
+                 objective=FLOW)

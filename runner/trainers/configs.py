@@ -1,4 +1,4 @@
-"""The built-in trainers' option schemas (``trainer=sdxl``, ``trainer=flux``), importable without torch.
+"""The built-in trainers' option schemas (``trainer=sdxl|flux|sd15|sd35``), importable without torch.
 
 Hydra composes every run against the selected trainer's schema, and ``trainer=sdxl`` is the
 default, so the schema must not import diffusers or torch (``--help`` and config errors answer
@@ -8,6 +8,7 @@ from here; runner/trainers/__init__.py registers each option with its class's pa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass
@@ -20,4 +21,19 @@ class SDXLTrainerConfig:
 class FluxTrainerConfig:
     _target_: str = "runner.trainers.flux.FluxTrainer"
     guidance: float = 1.0  # value fed to the guidance embedding (guidance-distilled models only)
-    timestep_sampling: str = "logit_normal"  # logit_normal | uniform
+
+
+SD15_NATIVE_RESOLUTION = {"sd15": 512, "sd21": 768}  # px at model.size=full, by trainer.variant
+
+
+@dataclass
+class SD15TrainerConfig:
+    _target_: str = "runner.trainers.sd15.SD15Trainer"
+    variant: str = "sd15"  # sd15 (SD1.5, CLIP ViT-L, 512 px) | sd21 (SD2.1, OpenCLIP ViT-H, 768 px)
+    prediction_type: Optional[str] = None  # epsilon | v_prediction; None = the variant's (sd15 epsilon, sd21 v)
+
+
+@dataclass
+class SD35TrainerConfig:
+    _target_: str = "runner.trainers.sd35.SD35Trainer"
+    variant: str = "large"  # large (8.1 B, 38 blocks) | medium (2.2 B, MMDiT-X)

@@ -2,12 +2,15 @@
 
 No model hub can be reached, so every model is built from one of these dicts (random init) unless
 ``model.path`` points at local weights. ``"full"`` reproduces the published architectures (the
-values of the ``config.json`` files of stabilityai/stable-diffusion-xl-base-1.0 and
-black-forest-labs/FLUX.1-dev), so that the planner sees real parameter counts and activation
-shapes when it builds them on ``meta``. ``"tiny"`` keeps each architecture family and every
-structural feature the trainers depend on (SDXL's ``text_time`` added conditioning fed by two
-text encoders, an 8x VAE, Flux's guidance embedding, 2x2 packing and gated-GELU T5) but with
-widths of a few dozen channels, so tests and the demo run on a CPU in seconds.
+values of the ``config.json`` files of stabilityai/stable-diffusion-xl-base-1.0,
+black-forest-labs/FLUX.1-dev, stable-diffusion-v1-5/stable-diffusion-v1-5,
+stabilityai/stable-diffusion-2-1 and stabilityai/stable-diffusion-3.5-{medium,large}), so that
+the planner sees real parameter counts and activation shapes when it builds them on ``meta``.
+``"tiny"`` keeps each architecture family and every structural feature the trainers depend on
+(SDXL's ``text_time`` added conditioning fed by two text encoders, an 8x VAE, Flux's guidance
+embedding, 2x2 packing and gated-GELU T5, SD2.1's linear projections and upcast attention, SD3.5
+Medium's dual-attention blocks and the CLIP embeddings padded to T5's width) but with widths of a
+few dozen channels, so tests and the demo run on a CPU in seconds.
 
 The dicts are plain data: diffusers models take them through ``Model.from_config(d)``,
 transformers models through ``ConfigClass(**d)`` (see :func:`runner.trainers.loading.build_module`).
@@ -71,6 +74,16 @@ _CLIP_TINY = {
     "pad_token_id": TINY_CLIP_EOS,
 }
 _CLIP_TINY_2 = {**_CLIP_TINY, "hidden_act": "gelu", "projection_dim": 32}
+_CLIP_H = {  # laion/CLIP-ViT-H-14 text tower as stabilityai/stable-diffusion-2-1 ships it (last layer dropped)
+    **_CLIP_L,
+    "hidden_size": 1024,
+    "intermediate_size": 4096,
+    "projection_dim": 512,
+    "num_hidden_layers": 23,
+    "num_attention_heads": 16,
+    "hidden_act": "gelu",
+}
+_CLIP_H_TINY = {**_CLIP_TINY, "hidden_act": "gelu", "num_hidden_layers": 3}
 
 # ---- VAEs ------------------------------------------------------------------------------------
 _VAE_SDXL = {
@@ -112,6 +125,11 @@ _VAE_FLUX_TINY = {
     "use_quant_conv": False,
     "use_post_quant_conv": False,
 }
+
+_VAE_SD15 = {**_VAE_SDXL, "scaling_factor": 0.18215, "sample_size": 512}  # SD1.5; SD2.1's is the same at 768
+_VAE_SD15_TINY = {**_VAE_TINY, "scaling_factor": 0.18215}
+_VAE_SD3 = {**_VAE_FLUX, "scaling_factor": 1.5305, "shift_factor": 0.0609}  # 16 channels, like Flux's
+_VAE_SD3_TINY = {**_VAE_FLUX_TINY, "scaling_factor": 1.5305, "shift_factor": 0.0609}
 
 # ---- denoisers ------------------------------------------------------------------------------
 _UNET_SDXL = {
@@ -214,6 +232,25 @@ _SD15_UNET = {  # stable-diffusion-v1-5 unet/config.json (~860 M params)
     "freq_shift": 0,
     "act_fn": "silu",
 }
+_UNET_SD15_TINY = {
+    **_SD15_UNET,
+    "sample_size": 8,
+    "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
+    "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"],
+    "block_out_channels": [32, 64],
+    "attention_head_dim": 4,
+    "cross_attention_dim": 32,  # the tiny CLIP's hidden size
+}
+_SD21_UNET = {  # stabilityai/stable-diffusion-2-1 unet/config.json (768 px, v-prediction; ~866 M params)
+    **_SD15_UNET,
+    "sample_size": 96,
+    "attention_head_dim": [5, 10, 20, 20],
+    "cross_attention_dim": 1024,  # OpenCLIP ViT-H
+    "use_linear_projection": True,
+    "upcast_attention": True,
+}
+_UNET_SD21_TINY = {**_UNET_SD15_TINY, "attention_head_dim": [2, 4], "use_linear_projection": True,
+                   "upcast_attention": True}
 _SD3_MEDIUM = {  # stable-diffusion-3-medium transformer/config.json (~2.0 B params)
     "sample_size": 128,
     "patch_size": 2,
@@ -234,6 +271,25 @@ _SD35_LARGE = {  # stable-diffusion-3.5-large transformer/config.json (~8.1 B pa
     "caption_projection_dim": 2432,
     "qk_norm": "rms_norm",
 }
+_SD35_MEDIUM = {  # stable-diffusion-3.5-medium transformer/config.json (MMDiT-X, ~2.2 B params)
+    **_SD3_MEDIUM,
+    "pos_embed_max_size": 384,
+    "dual_attention_layers": list(range(13)),  # blocks 0-12 add a second, image-only attention
+    "qk_norm": "rms_norm",
+}
+_SD35_LARGE_TINY = {
+    **_SD35_LARGE,
+    "sample_size": 8,
+    "num_layers": 2,
+    "attention_head_dim": 8,
+    "num_attention_heads": 4,
+    "caption_projection_dim": 32,  # = heads * head dim, as in the real models
+    "joint_attention_dim": 96,  # the tiny T5's width; the two tiny CLIPs (32 + 32) are zero-padded to it
+    "pooled_projection_dim": 64,  # the two tiny CLIPs' projections, concatenated
+    "pos_embed_max_size": 16,
+}
+_SD35_MEDIUM_TINY = {**_SD35_LARGE_TINY, "dual_attention_layers": [0]}
+_T5_SD3_TINY = {**_T5_TINY, "d_model": 96}
 
 _SDXL = {
     "full": {"unet": _UNET_SDXL, "vae": _VAE_SDXL, "text_encoder": _CLIP_L, "text_encoder_2": _CLIP_BIGG},
@@ -251,12 +307,35 @@ _FLUX = {
 # T5 prompt length: FLUX.1-dev's pipeline default is 512; the tiny byte-level tokenizer needs
 # one token per byte, 64 keeps short captions whole.
 FLUX_T5_MAX_LENGTH = {"full": 512, "tiny": 64}
+_SD15 = {
+    "sd15": {
+        "full": {"unet": _SD15_UNET, "vae": _VAE_SD15, "text_encoder": _CLIP_L},
+        "tiny": {"unet": _UNET_SD15_TINY, "vae": _VAE_SD15_TINY, "text_encoder": _CLIP_TINY},
+    },
+    "sd21": {
+        "full": {"unet": _SD21_UNET, "vae": {**_VAE_SD15, "sample_size": 768}, "text_encoder": _CLIP_H},
+        "tiny": {"unet": _UNET_SD21_TINY, "vae": _VAE_SD15_TINY, "text_encoder": _CLIP_H_TINY},
+    },
+}
+_SD35_ENCODERS = {
+    "full": {"vae": _VAE_SD3, "text_encoder": _CLIP_L, "text_encoder_2": _CLIP_BIGG, "text_encoder_3": _T5_XXL},
+    "tiny": {"vae": _VAE_SD3_TINY, "text_encoder": _CLIP_TINY, "text_encoder_2": _CLIP_TINY_2,
+             "text_encoder_3": _T5_SD3_TINY},
+}
+_SD35_TRANSFORMER = {
+    "medium": {"full": _SD35_MEDIUM, "tiny": _SD35_MEDIUM_TINY},
+    "large": {"full": _SD35_LARGE, "tiny": _SD35_LARGE_TINY},
+}
+# T5 prompt length: the SD3 pipelines' default max_sequence_length is 256.
+SD3_T5_MAX_LENGTH = {"full": 256, "tiny": 64}
 
 # Denoiser-only tables for the planner: name -> (diffusers class name, config).
 DENOISERS: dict[str, tuple[str, dict[str, Any]]] = {
     "sd15": ("UNet2DConditionModel", _SD15_UNET),
     "sdxl": ("UNet2DConditionModel", _UNET_SDXL),
+    "sd21": ("UNet2DConditionModel", _SD21_UNET),
     "sd3": ("SD3Transformer2DModel", _SD3_MEDIUM),
+    "sd35_medium": ("SD3Transformer2DModel", _SD35_MEDIUM),
     "sd35_large": ("SD3Transformer2DModel", _SD35_LARGE),
     "flux": ("FluxTransformer2DModel", _FLUX_TRANSFORMER),
 }
@@ -279,8 +358,20 @@ def flux_configs(size: str) -> dict[str, dict[str, Any]]:
     return copy.deepcopy(_FLUX[size])
 
 
+def sd15_configs(variant: str, size: str) -> dict[str, dict[str, Any]]:
+    """Config dicts of the SD1.5 or SD2.1 modules (unet, vae, text_encoder); ``variant``: sd15 | sd21."""
+    _check_size(size)
+    return copy.deepcopy(_SD15[variant][size])
+
+
+def sd35_configs(variant: str, size: str) -> dict[str, dict[str, Any]]:
+    """Config dicts of the SD3.5 modules (transformer, vae, three text encoders); ``variant``: medium | large."""
+    _check_size(size)
+    return copy.deepcopy({"transformer": _SD35_TRANSFORMER[variant][size], **_SD35_ENCODERS[size]})
+
+
 def denoiser_config(name: str) -> tuple[str, dict[str, Any]]:
-    """(diffusers class name, config dict) of a full-size denoiser: sd15, sdxl, sd3, sd35_large, flux."""
+    """(diffusers class name, config dict) of a full-size denoiser: sd15, sd21, sdxl, sd3, sd35_medium, sd35_large, flux."""
     if name not in DENOISERS:
         raise UserError(f"Unknown denoiser '{name}'. Valid names: {valid_list(name, DENOISERS)}.")
     cls_name, cfg = DENOISERS[name]

@@ -1,6 +1,8 @@
 """Configs are tested by composing them: every preset, every error a user is likely to make."""
 from __future__ import annotations
 
+import re
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -19,7 +21,9 @@ def test_every_preset_composes_and_validates(preset):
     cfg = compose_config([f"+preset={preset}"])
     validate(cfg)
     assert cfg.preset == preset
-    assert cfg.budget_gb == (12 if preset == "constrained" else 24)
+    # the budget a preset's name states (sd15_8gb: 8 GiB); constrained is the 12 GB one
+    named = re.search(r"_(\d+)gb", preset)
+    assert cfg.budget_gb == (12 if preset == "constrained" else int(named.group(1)))
     for kind in ("allocator", "quantization", "offload", "checkpoint", "tiling"):
         for name, node in cfg[kind].items():  # each selected plugin's node, at <kind>.<name>
             assert node.name == name, (kind, name)
@@ -110,6 +114,10 @@ def test_resolved_config_is_plain_yaml():
     (["model.size=full"], 1024),                       # full size plans/trains SDXL's and Flux's 1024 px
     (["+preset=flux_24gb", "model.size=full"], 1024),
     (["model.size=full", "data.resolution=512"], 512),  # an explicit value wins
+    (["trainer=sd15", "model.size=full"], 512),         # a trainer's own native size: SD1.5 at 512 px
+    (["trainer=sd15", "trainer.variant=sd21", "model.size=full"], 768),  # SD2.1 at 768 px
+    (["trainer=sd35", "model.size=full"], 1024),
+    (["trainer=sd15"], 64),
 ])
 def test_data_resolution_follows_model_size_unless_set(overrides, resolution):
     cfg = compose_config(overrides)

@@ -39,14 +39,14 @@ def real_sampling_bytes(tmp: Path, overrides: list[str]) -> tuple[int, int]:
     return tracker.snapshot()["devices"]["cpu"]["peak_bytes"] - before, vae_bytes
 
 
-@pytest.mark.parametrize("family", ["sdxl", "flux"])
+@pytest.mark.parametrize("family", ["sdxl", "flux", "sd15", "sd35"])
 def test_planned_sampling_pass_matches_real_sampling_within_5_percent(tmp_path, family):
     overrides = [f"trainer={family}", *SAMPLE, "sample.resolution=128"]
     real, _ = real_sampling_bytes(tmp_path, overrides)
     s = plan_step(compose_config(overrides)).sampling
     planned = s["peak_bytes"] - s["between_steps_bytes"]
     assert abs(planned - real) <= 0.05 * real, (planned, real)
-    assert s["resolution"] == 128 and s["denoiser_batch"] == {"sdxl": 2, "flux": 1}[family] and s["vae_decode"]
+    assert s["resolution"] == 128 and s["denoiser_batch"] == {"sdxl": 2, "flux": 1, "sd15": 2, "sd35": 2}[family] and s["vae_decode"]
 
 
 def test_with_park_the_dropped_vae_visits_the_device_for_the_decode(tmp_path):

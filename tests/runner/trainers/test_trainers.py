@@ -1,4 +1,4 @@
-"""Built-in SDXL and Flux trainers on tiny random models (CPU, offline).
+"""Built-in trainers (SDXL, Flux, SD1.5/SD2.1, SD3.5 Medium/Large) on tiny random models (CPU, offline).
 
 Batches are made here rather than through ``dataset()``, so these tests do not depend on the
 data module. Models are built once per module where a test does not change them.
@@ -15,34 +15,46 @@ from omegaconf import OmegaConf
 from runner.blocks import find_repeated_blocks
 from runner.config import DataConfig, ModelConfig
 from runner.errors import UserError
+from runner.losses import LossConfig
 from runner.trainer import ModelSet, encode, slice_batch
 from runner.trainers.flux import FluxTrainer, FluxTrainerConfig
 from runner.trainers.loading import load_single_file
-from runner.trainers.model_configs import build_denoiser, sdxl_configs
+from runner.trainers.model_configs import build_denoiser, sd35_configs, sdxl_configs
+from runner.trainers.sd15 import SD15Trainer, SD15TrainerConfig
+from runner.trainers.sd35 import SD35Trainer, SD35TrainerConfig
 from runner.trainers.sdxl import SDXLTrainer, SDXLTrainerConfig
 from runner.trainers.tokenizers import clip_tokenizer, t5_tokenizer
 
-FAMILIES = {"sdxl": (SDXLTrainer, SDXLTrainerConfig), "flux": (FluxTrainer, FluxTrainerConfig)}
+# name -> (trainer class, its config, trainer options of this variant)
+FAMILIES = {
+    "sdxl": (SDXLTrainer, SDXLTrainerConfig, {}),
+    "flux": (FluxTrainer, FluxTrainerConfig, {}),
+    "sd15": (SD15Trainer, SD15TrainerConfig, {}),
+    "sd21": (SD15Trainer, SD15TrainerConfig, {"variant": "sd21"}),
+    "sd35": (SD35Trainer, SD35TrainerConfig, {}),
+    "sd35_medium": (SD35Trainer, SD35TrainerConfig, {"variant": "medium"}),
+}
 
 
-def make_cfg(family: str, trainer: dict | None = None, **model):
-    _, tcfg = FAMILIES[family]
+def make_cfg(family: str, trainer: dict | None = None, loss: dict | None = None, **model):
+    _, tcfg, variant = FAMILIES[family]
     cfg = OmegaConf.create(
         {
             "model": OmegaConf.structured(ModelConfig),
             "data": OmegaConf.structured(DataConfig),
             "trainer": OmegaConf.structured(tcfg),
+            "loss": OmegaConf.merge(OmegaConf.structured(LossConfig), loss or {}),
         }
     )
     for k, v in model.items():
         cfg.model[k] = v
-    for k, v in (trainer or {}).items():
+    for k, v in {**variant, **(trainer or {})}.items():
         cfg.trainer[k] = v
     return cfg
 
 
-def make_trainer(family: str, trainer: dict | None = None, **model):
-    return FAMILIES[family][0](make_cfg(family, trainer, **model))
+def make_trainer(family: str, trainer: dict | None = None, loss: dict | None = None, **model):
+    return FAMILIES[family][0](make_cfg(family, trainer, loss, **model))
 
 
 def raw_batch(n: int = 2, res: int = 64, seeds=(11, 22)) -> dict:
@@ -55,7 +67,7 @@ def raw_batch(n: int = 2, res: int = 64, seeds=(11, 22)) -> dict:
     }
 
 
-@pytest.fixture(scope="module", params=["sdxl", "flux"])
+@pytest.fixture(scope="module", params=list(FAMILIES))
 def full_setup(request):
     """(family, trainer, models) with the denoiser fully trainable; grads zeroed per use."""
     tr = make_trainer(request.param)
@@ -70,7 +82,7 @@ def _zero_grads(models: ModelSet) -> None:
 def test_full_finetune_loss_and_grads(full_setup):
     family, tr, models = full_setup
     assert models.trained == {tr.denoiser}
-    assert set(models.modules) == {tr.denoiser, "vae", "text_encoder", "text_encoder_2"}
+    assert set(models.modules) == set(tr.module_classes()) and "vae" in models and "text_encoder" in models
     _zero_grads(models)
     enc = encode(tr, models, raw_batch())
     assert not any(t.requires_grad for t in enc.values() if isinstance(t, torch.Tensor))
@@ -84,7 +96,7 @@ def test_full_finetune_loss_and_grads(full_setup):
             else:
                 assert not p.requires_grad and p.grad is None, f"{name}.{pname}"
     assert sum(p.grad is not None and p.grad.abs().sum() > 0 for p in models.trainable_parameters()) > 0
-    assert not models["vae"].training and not models["text_encoder_2"].training
+    assert not any(models[n].training for n in models.modules if n != tr.denoiser)
     _zero_grads(models)
 
 
@@ -94,7 +106,9 @@ def test_loss_is_split_invariant(full_setup):
     with torch.no_grad():
         enc = encode(tr, models, batch)
         halves = [encode(tr, models, slice_batch(batch, i, i + 1)) for i in range(2)]
-        for key in ("latents", "prompt_embeds", "pooled_prompt_embeds"):
+        keys = [k for k, v in enc.items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        assert {"latents", "prompt_embeds"} <= set(keys)
+        for key in keys:
             torch.testing.assert_close(torch.cat([h[key] for h in halves]), enc[key], rtol=0, atol=1e-5)
         whole = tr.loss(models, enc).item()
         split = sum(tr.loss(models, slice_batch(enc, i, i + 1)).item() for i in range(2)) / 2
@@ -114,7 +128,7 @@ def test_example_batch_matches_encode_and_runs(full_setup):
         assert math.isfinite(tr.loss(models, ex).item())
 
 
-@pytest.mark.parametrize("family", ["sdxl", "flux"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_example_batch_on_meta_models(family):
     tr = make_trainer(family)
     models = tr.build_models("meta")
@@ -125,7 +139,7 @@ def test_example_batch_on_meta_models(family):
     assert loss.is_meta and loss.dim() == 0
 
 
-@pytest.mark.parametrize("family", ["sdxl", "flux"])
+@pytest.mark.parametrize("family", ["sdxl", "flux", "sd15", "sd35"])
 def test_lora_trains_only_adapters(family):
     tr = make_trainer(family, train="lora", dtype="bfloat16", lora_rank=2)
     models = tr.build_models("cpu")
@@ -161,8 +175,13 @@ def test_bad_options_are_user_errors():
 
 def test_trainer_options_change_the_loss(full_setup):
     family, tr, models = full_setup
-    option = {"sdxl": {"prediction_type": "v_prediction"}, "flux": {"timestep_sampling": "uniform"}}[family]
-    other = make_trainer(family, trainer=option)
+    option = {"sdxl": {"trainer": {"prediction_type": "v_prediction"}},
+              "flux": {"loss": {"timestep_sampling": "uniform"}},
+              "sd15": {"trainer": {"prediction_type": "v_prediction"}},
+              "sd21": {"trainer": {"prediction_type": "epsilon"}},  # the variant's default is v
+              "sd35": {"loss": {"timestep_shift": "none"}},  # the family's default is SD3's fixed 3.0
+              "sd35_medium": {"loss": {"logit_std": 2.0}}}[family]
+    other = make_trainer(family, **option)
     with torch.no_grad():
         batch = tr.example_batch(2, "cpu")
         a, b = tr.loss(models, batch).item(), other.loss(models, batch).item()
@@ -184,6 +203,38 @@ def test_full_size_configs_on_meta():
     assert len(blocks) == 19 + 38
 
 
+@pytest.mark.parametrize("family, published", [
+    ("sd15", {"unet": 859_520_964, "text_encoder": 123_060_480}),  # SD1.5 U-Net, CLIP ViT-L text tower
+    ("sd21", {"unet": 865_910_724, "text_encoder": 340_387_840}),  # SD2.1 U-Net, OpenCLIP ViT-H (23 layers)
+    ("sd35", {"transformer": 8.1e9, "text_encoder_2": 694_659_840, "text_encoder_3": 4.76e9}),  # Large, bigG, T5
+    ("sd35_medium", {}),
+])
+def test_new_families_build_their_published_sizes_on_meta(family, published):
+    from runner.run import build_trainer
+    from runner.validate import compose_config
+
+    cls, _, variant = FAMILIES[family]
+    trainer_name = cls.__module__.rsplit(".", 1)[-1]
+    tr = build_trainer(compose_config([f"trainer={trainer_name}", "model.size=full",
+                                       *(f"trainer.{k}={v}" for k, v in variant.items())]))
+    models = tr.build_models("meta")
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    for name, n in published.items():
+        assert count(models[name]) == pytest.approx(n, rel=1e-3 if isinstance(n, int) else 1e-2), name
+    if family == "sd35_medium":  # MMDiT-X: SD3 Medium's blocks (2.03 B), 13 of them with a second attention
+        assert count(build_denoiser("sd3")) < count(models["transformer"]) < 2.5e9
+        assert sum(b.attn2 is not None for b in models["transformer"].transformer_blocks) == 13
+    ex = tr.example_batch(1, "meta")
+    side = {"sd15": 512, "sd21": 768}.get(family, 1024) // 8  # data.resolution follows the variant (conf/config.yaml)
+    channels = 16 if family.startswith("sd35") else 4
+    assert tuple(ex["latents"].shape) == (1, channels, side, side)
+    if family.startswith("sd35"):  # 77 CLIP + 256 T5 tokens of T5's width; both CLIPs' pooled outputs
+        assert tuple(ex["prompt_embeds"].shape) == (1, 77 + 256, 4096)
+        assert tuple(ex["pooled_prompt_embeds"].shape) == (1, 768 + 1280)
+    else:
+        assert tuple(ex["prompt_embeds"].shape) == (1, 77, 768 if family == "sd15" else 1024)
+
+
 def test_repeated_blocks_are_outermost(full_setup):
     family, tr, models = full_setup
     blocks = tr.repeated_blocks(models)[tr.denoiser]
@@ -192,9 +243,11 @@ def test_repeated_blocks_are_outermost(full_setup):
     for b in blocks:
         assert not any(id(m) in ids for m in b.modules() if m is not b)
     names = {type(b).__name__ for b in blocks}
+    unet = {"ResnetBlock2D", "Transformer2DModel"}
     expected = {
-        "sdxl": {"ResnetBlock2D", "Transformer2DModel"},
+        "sdxl": unet, "sd15": unet, "sd21": unet,
         "flux": {"FluxTransformerBlock", "FluxSingleTransformerBlock"},
+        "sd35": {"JointTransformerBlock"}, "sd35_medium": {"JointTransformerBlock"},
     }
     assert names == expected[family]
 
@@ -250,7 +303,7 @@ def test_diffusers_folder_roundtrip(tmp_path, full_setup):
     folder = tmp_path / "model"
     for name, module in models.items():
         module.save_pretrained(str(folder / name))
-    for name in ("tokenizer", "tokenizer_2"):
+    for name in (m.replace("text_encoder", "tokenizer") for m in models.modules if m.startswith("text_encoder")):
         tr.tokenizer(name).save_pretrained(str(folder / name))
     loaded_tr = make_trainer(family, path=str(folder))
     loaded = loaded_tr.build_models("cpu")
@@ -288,3 +341,5 @@ def test_trainers_are_registered():
     reg = trainers()
     assert reg["sdxl"].target == "runner.trainers.sdxl.SDXLTrainer"
     assert reg["flux"].target == "runner.trainers.flux.FluxTrainer"
+    assert reg["sd15"].target == "runner.trainers.sd15.SD15Trainer"
+    assert reg["sd35"].target == "runner.trainers.sd35.SD35Trainer"
