@@ -117,6 +117,8 @@ class SampleFingerprints:
     * a :class:`runner.data.FolderDataset`: the image file's sha256 (reading bytes is much
       cheaper than decoding), the flip that index gets and, without center crop, the index
       (its crop offset is a hash of the index); captions from the dataset's list;
+    * a data set with ``fingerprint(i)`` / ``caption(i)`` methods (the video clip folders: file
+      bytes, frame indices and settings, without decoding a frame): what they return;
     * the built-in demo set and any other map-style dataset: the sha256 of ``ds[i]``'s pixels
       and its caption (the demo set draws small images quickly).
     """
@@ -137,6 +139,9 @@ class SampleFingerprints:
         return s
 
     def caption(self, index: int) -> str:
+        own = getattr(self.dataset, "caption", None)  # a data set that knows its captions (the clip sets)
+        if callable(own):
+            return str(own(index))
         if self.folder is not None:
             return self.folder.captions[index]
         if self.demo is not None:
@@ -146,6 +151,9 @@ class SampleFingerprints:
         return str(self._sample(index)["caption"])
 
     def image(self, index: int) -> dict[str, Any]:
+        own = getattr(self.dataset, "fingerprint", None)  # a data set that fingerprints its samples (clip folders)
+        if callable(own):
+            return own(index)
         if self.folder is not None:
             from runner.data.images import flips
 

@@ -274,10 +274,13 @@ def validate(cfg: DictConfig) -> None:
             "checkpoints/step-* directories."
         )
     check_sample_config(cfg)
+    from runner.data.video import check_video_keys, trainer_video_defaults
+
+    check_video_keys(cfg.data)
     if cfg.mode == "train":  # a data.path folder is scanned and checked now, not after the model build
         from runner.data import check_dataset
 
-        check_dataset(cfg.data)
+        check_dataset(cfg.data, video=trainer_video_defaults(cfg))
     validate_export(cfg)
     validate_log_config(cfg.log)
     run = resolve_for_mode(cfg)

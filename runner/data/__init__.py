@@ -28,7 +28,8 @@ from runner.data.demo import DemoDataset
 from runner.data.folder import FolderDataset
 from runner.errors import UserError
 
-__all__ = ["DemoDataset", "FolderDataset", "build_dataset", "check_dataset", "collate", "describe_dataset"]
+__all__ = ["DemoDataset", "FolderDataset", "build_dataset", "build_video_dataset", "check_dataset", "collate",
+           "describe_dataset"]
 
 
 def build_dataset(data_cfg: Any) -> Dataset:
@@ -61,23 +62,58 @@ def build_dataset(data_cfg: Any) -> Dataset:
                          missing_caption=missing_caption)
 
 
-def check_dataset(data_cfg: Any) -> None:
+def check_dataset(data_cfg: Any, video: Any = None) -> None:
     """Build the folder data set during validation, so that a broken image or caption fails before
     the plan and the model build, and hand it to the next :func:`build_dataset` of the same settings
     (the trainer's, seconds later) so the scan and header checks run once. Handed over once only:
-    later builds read the folder again, so edits between runs of one process are seen."""
+    later builds read the folder again, so edits between runs of one process are seen.
+
+    ``video``: a video trainer's ``(default_frames, default_fps)`` (its ``video_defaults``): the
+    folder is read as clips (:func:`build_video_dataset`) instead of images."""
+    from runner.data.video import check_video_keys
+
+    check_video_keys(data_cfg)
     if _get(data_cfg, "path", None) is None:
         return
     _CHECKED.clear()
-    _CHECKED[_folder_key(data_cfg)] = build_dataset(data_cfg)
+    if video is not None:
+        _CHECKED[_folder_key(data_cfg, video)] = build_video_dataset(data_cfg, *video)
+    else:
+        _CHECKED[_folder_key(data_cfg)] = build_dataset(data_cfg)
+
+
+def build_video_dataset(data_cfg: Any, default_frames: int, default_fps: float | None) -> Dataset:
+    """The clips of ``cfg.data`` for a video trainer (runner/data/video.py): ``data.path``'s clips,
+    or the built-in moving shapes. ``default_frames``/``default_fps``: the trainer's values for an
+    unset ``data.frames``/``data.fps``."""
+    from runner.data.demo_video import DemoClips
+    from runner.data.video import ClipFolderDataset, check_video_keys, clip_settings
+
+    check_video_keys(data_cfg)
+    _check_resolution(_get(data_cfg, "resolution", 64))
+    settings = clip_settings(data_cfg, default_frames, default_fps)
+    path = _get(data_cfg, "path", None)
+    if path is None:
+        demo_size = _get(data_cfg, "demo_size", 16)
+        if isinstance(demo_size, bool) or not isinstance(demo_size, int) or demo_size < 1:
+            raise UserError(f"data.demo_size={demo_size!r} is not valid: it is the number of clips in the built-in "
+                            "demo set (used because data.path is unset) and must be a whole number of at least 1.")
+        return DemoClips(demo_size, settings)
+    handed_over = _CHECKED.pop(_folder_key(data_cfg, (default_frames, default_fps)), None)
+    if handed_over is not None:
+        return handed_over
+    return ClipFolderDataset(path, settings, missing_caption=_check_missing_caption(_get(data_cfg, "missing_caption",
+                                                                                              "error")))
 
 
 _CHECKED: dict[tuple, FolderDataset] = {}
 
 
-def _folder_key(data_cfg: Any) -> tuple:
-    return tuple(str(_get(data_cfg, k, None)) for k in ("path", "resolution", "center_crop", "random_flip",
-                                                         "missing_caption"))
+def _folder_key(data_cfg: Any, video: Any = None) -> tuple:
+    keys = ("path", "resolution", "center_crop", "random_flip", "missing_caption")
+    if video is not None:
+        keys += ("frames", "fps", "frame_sampling", "width", "height")
+    return (*(str(_get(data_cfg, k, None)) for k in keys), str(video))
 
 
 def collate(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
