@@ -67,7 +67,7 @@ def demo_frame(index: int, frame: int, frames: int, width: int, height: int) -> 
         vertical = direction in ("right", "left")
         extent = w if vertical else h
         period = extent / 4
-        shift = travel * period * 2
+        shift = travel * period * 0.5  # half a period over the clip: the first and last frames differ
         x = -2 * period + shift
         while x < extent + period:
             if vertical:
