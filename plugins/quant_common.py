@@ -135,11 +135,11 @@ def compile_patterns(patterns: Iterable[str], key: str = "quantization.skip") ->
 
 
 def keep_patterns(module: nn.Module, compute_dtype: torch.dtype) -> list[str]:
-    """Names the model itself keeps in float32 (transformers' and diffusers' rules, as
-    ``runner.trainers.loading.cast_module`` applies them: Wan's time embedder stays unquantized)."""
-    from runner.trainers.loading import keep_in_fp32
+    """Names the model itself keeps in float32 (transformers' and diffusers' rules,
+    ``runner.trainers.loading.keep_unquantized``: Wan's time embedder stays unquantized)."""
+    from runner.trainers.loading import keep_unquantized
 
-    return sorted(keep_in_fp32(module, compute_dtype))
+    return sorted(keep_unquantized(module, compute_dtype))
 
 
 def _adapter_module_ids(root: nn.Module) -> set[int]:

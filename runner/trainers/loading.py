@@ -102,6 +102,17 @@ def keep_in_fp32(module: nn.Module, dtype: torch.dtype) -> set[str]:
     return keep
 
 
+def keep_unquantized(module: nn.Module, compute_dtype: torch.dtype) -> set[str]:
+    """Name parts whose layers a quantization plugin leaves alone: :func:`keep_in_fp32` at the
+    compute dtype, plus a diffusers model's ``_keep_in_fp32_modules`` at any dtype, as diffusers'
+    own quantizers skip them (Wan's time embedder: its forward casts the timestep to its first
+    weight's dtype, which a 4-bit layer would make uint8)."""
+    keep = keep_in_fp32(module, compute_dtype)
+    if not _is_transformers_model(type(module)):
+        keep |= set(getattr(module, "_keep_in_fp32_modules", None) or [])
+    return keep
+
+
 def cast_module(module: nn.Module, dtype: torch.dtype) -> nn.Module:
     """Cast floating-point weights to ``dtype``, keeping the model's declared float32 modules.
 

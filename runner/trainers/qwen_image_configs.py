@@ -138,7 +138,7 @@ _QWEN_IMAGE = {
 }
 # Text tokens kept after the prompt template (trainer.max_sequence_length's default): the
 # pipeline's own default length; the tiny byte-level tokenizer spells captions byte by byte.
-QWEN_MAX_SEQUENCE_LENGTH = {"full": 512, "tiny": 64}
+QWEN_MAX_SEQUENCE_LENGTH = {"full": 512, "tiny": 96}
 
 
 def qwen_image_configs(size: str) -> dict[str, dict[str, Any]]:
