@@ -13,6 +13,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from runner.export.config import ExportConfig
+from runner.losses import LossConfig
 from runner.sampling.config import SampleConfig
 from runner.tracking import LogConfig
 
@@ -103,6 +104,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    loss: LossConfig = field(default_factory=LossConfig)  # loss and noise options of the objective (runner/losses.py)
     # One node per plugin kind, holding one node per selected plugin: offload.park.cache_latents.
     allocator: Any = field(default_factory=dict)
     offload: Any = field(default_factory=dict)
@@ -130,15 +132,22 @@ LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "cons
                  "piecewise_constant")
 
 
-NATIVE_RESOLUTION = {"tiny": 64, "full": 1024}  # px; full = SDXL's and Flux's training resolution
+NATIVE_RESOLUTION = {"tiny": 64, "full": 1024}  # px; full = SDXL's, Flux's and SD3.5's training resolution
 
 
-def native_resolution(size: str) -> int:
+def native_resolution(size: str, target: str = "", variant: str = "") -> int:
     """``data.resolution``'s default (conf/config.yaml): the size a model of ``model.size`` trains at.
 
     A full-size plan at the tiny default of 64 px would understate activations ~250x, so the
-    resolution follows the model size unless the user sets it.
+    resolution follows the model size unless the user sets it. At full size a trainer may register
+    its own (``trainer._target_`` and ``trainer.variant``): SD1.5 trains at 512 px, SD2.1 at 768.
     """
+    if str(size) == "full" and target:
+        from runner import registry
+
+        own = registry.native_resolution(str(target), str(variant or ""))
+        if own:
+            return own
     return NATIVE_RESOLUTION.get(str(size), NATIVE_RESOLUTION["tiny"])
 
 

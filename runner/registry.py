@@ -37,6 +37,8 @@ class TrainerEntry:
     target: str
     config: type
     description: str
+    # data.resolution's default at model.size=full (px), by trainer.variant ("" = any); None: the runner's 1024
+    native_resolution: dict[str, int] | None = None
 
 
 _TRAINERS: dict[str, TrainerEntry] = {}
@@ -63,9 +65,13 @@ def store_empty_options() -> None:
         cs.store(group=kind, name="none", node={}, package=kind)
 
 
-def register_trainer(name: str, target: str, config: type, description: str = "") -> None:
-    """Register a trainer option ``trainer=<name>``; ``config`` must have a ``_target_`` field."""
-    _TRAINERS[name] = TrainerEntry(name, target, config, description)
+def register_trainer(name: str, target: str, config: type, description: str = "",
+                     native_resolution: dict[str, int] | None = None) -> None:
+    """Register a trainer option ``trainer=<name>``; ``config`` must have a ``_target_`` field.
+
+    ``native_resolution``: the resolution the full-size model trains at, by ``trainer.variant``,
+    when it is not the runner's 1024 px (``data.resolution``'s default; runner/config.py)."""
+    _TRAINERS[name] = TrainerEntry(name, target, config, description, native_resolution)
     ConfigStore.instance().store(group="trainer", name=name, node=config(_target_=target))
 
 
@@ -124,6 +130,16 @@ def selected(cfg: Any) -> list[tuple[str, str, Any]]:
     return out
 
 
+def native_resolution(target: str, variant: str) -> int | None:
+    """The registered full-size resolution of the trainer ``target`` (its ``_target_``) and
+    ``variant``, or None when it registered none."""
+    for entry in _TRAINERS.values():
+        if entry.target == target and entry.native_resolution:
+            table = entry.native_resolution
+            return table.get(variant) or table.get("") or next(iter(table.values()))
+    return None
+
+
 def trainers() -> dict[str, TrainerEntry]:
     return dict(_TRAINERS)
 
@@ -166,4 +182,7 @@ def format_plugin_list() -> str:
         lines.append(f"  {name:<12} {entry.description}")
         for fname, ftype, default in describe_config(entry.config):
             lines.append(f"      trainer.{fname}: {ftype} = {default!r}")
+    from runner.losses import describe_loss_options
+
+    lines += ["", *describe_loss_options()]
     return "\n".join(lines)

@@ -29,6 +29,7 @@ from runner import registry
 from runner.config import DTYPES, LR_SCHEDULERS, MODES, PRECISIONS, SIZES, TRAIN_DTYPES
 from runner.errors import UserError, did_you_mean, valid_list
 from runner.export.config import validate_export
+from runner.losses import validate_loss
 from runner.nonfinite import POLICIES as NONFINITE_POLICIES
 from runner.optim import validate_optimizer
 from runner.plugin import KINDS
@@ -274,6 +275,7 @@ def validate(cfg: DictConfig) -> None:
             "checkpoints/step-* directories."
         )
     check_sample_config(cfg)
+    validate_loss(cfg)
     from runner.data.video import check_video_keys, trainer_video_defaults
 
     check_video_keys(cfg.data)

@@ -80,6 +80,7 @@ def export_models(trainer: Any, models: ModelSet, ckpt: Path, cfg: Any, step: in
         "base_model": base_model(cfg),
         "preset": cfg.get("preset"),
         "train": "lora" if lora else "full",
+        "base_model_version": getattr(trainer, "kohya_base_model_version", None),
     }
     with _staging(ckpt) as tmp:
         files: list[str] = []
@@ -87,8 +88,12 @@ def export_models(trainer: Any, models: ModelSet, ckpt: Path, cfg: Any, step: in
             name = _denoiser(trainer, models)
             if ec.wants("diffusers"):
                 files.append(write_diffusers_lora(pipeline_class, name, models[name], tmp, info).name)
-            if ec.wants("kohya"):
+            if ec.wants("kohya") and getattr(trainer, "kohya_lora", True):
                 files.append(write_kohya_lora(name, models[name], tmp, info).name)
+            elif ec.wants("kohya"):
+                log.info("export: no kohya-layout file for %s: diffusers has no converter that reads one back for "
+                         "%s, so it could not be checked to load; the diffusers file is the export",
+                         type(trainer).__qualname__, pipeline_class.__name__)
         else:
             trainer.pipeline(models).save_pretrained(str(tmp / FULL_DIR), safe_serialization=True)
             files.append(FULL_DIR)

@@ -70,7 +70,7 @@ def lora_metadata(config: Any, info: dict[str, Any]) -> dict[str, str]:
         "ss_network_dim": str(config.r),
         "ss_network_alpha": str(config.lora_alpha),
     }
-    version = BASE_MODEL_VERSION.get(str(info.get("pipeline", "")))
+    version = info.get("base_model_version") or BASE_MODEL_VERSION.get(str(info.get("pipeline", "")))
     if version:
         meta["ss_base_model_version"] = version
     return meta

@@ -57,7 +57,7 @@ from torch import nn
 
 from runner.errors import UserError
 from runner.sampling.config import SampleConfig, check_sample_config, read_prompts
-from runner.sampling.families import FluxSampling, SDXLSampling, family_sampling
+from runner.sampling.families import family_sampling
 
 if TYPE_CHECKING:
     from runner.context import RunContext
@@ -143,7 +143,7 @@ class Sampler:
         self.negative_prompt = None if config.negative_prompt is None else str(config.negative_prompt)
         trainer = ctx.trainer
         self.user_sample = getattr(trainer, "sample", None) if callable(getattr(trainer, "sample", None)) else None
-        self.family: SDXLSampling | FluxSampling | None = None if self.user_sample else family_sampling(trainer)
+        self.family: Any = None if self.user_sample else family_sampling(trainer)
         if self.user_sample is None and self.family is None:
             raise UserError(
                 f"sample.every={self.every} asks for samples, but trainer {type(trainer).__name__} has no sample(models, "
@@ -186,8 +186,11 @@ class Sampler:
         t0 = time.perf_counter()
         with on_device_per_call(encoders, ctx.device, ctx.host), ctx.accelerator.autocast():
             self.cond = [self.family.encode(trainer, models, p, ctx.device) for p in self.prompts]
-            if self.negative_prompt is not None:
-                self.negative = self.family.encode(trainer, models, self.negative_prompt, ctx.device)
+            negative = self.negative_prompt
+            if negative is None:  # the unconditional prompt a guided pipeline would encode itself ("")
+                negative = self.family.default_negative(self.guidance)
+            if negative is not None:
+                self.negative = self.family.encode(trainer, models, negative, ctx.device)
         log.info("sample: %d prompt(s) encoded once and kept on the host (%.1f s); images every %d steps, at the "
                  "start and at the end, in %s", len(self.prompts), time.perf_counter() - t0, self.every, self.root)
 

@@ -1,12 +1,14 @@
 """Sampling for the built-in families: diffusers' own pipelines around the modules being trained.
 
-Each family (SDXL, Flux) does two things:
+Each family (SDXL, Flux; a trainer names its own in ``sampling_family()``) does two things:
 
 * ``encode(trainer, models, prompt)``: the prompt's conditioning, computed by the trainer's own
   ``encode_part(models, "text", ...)``, i.e. exactly what training feeds the denoiser;
 * ``generate(trainer, modules, cond, ...)``: the family's diffusers pipeline
   (``StableDiffusionXLPipeline``, ``FluxPipeline``) built from the denoiser in memory (LoRA
-  adapters active) and the VAE, fed the precomputed embeddings, with no text encoder at all.
+  adapters active) and the VAE, fed the precomputed embeddings, with no text encoder at all. A
+  family with classifier-free guidance whose pipeline would encode the empty negative prompt
+  itself gets its embeddings precomputed too (``default_negative``).
 
 The pipeline runs with ``output_type="latent"`` and the VAE decode is ours (:func:`decode`):
 the pipelines move the latents to the device the VAE's *weights* are on, which for a VAE kept
@@ -34,19 +36,24 @@ FLUX_SCHEDULER = dict(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_
                       base_image_seq_len=256, max_image_seq_len=4096)
 
 
-@functools.lru_cache(maxsize=1)
-def _quiet_pipelines() -> tuple[type, type]:
-    """The two pipeline classes, imported with transformers' logging at error level (they import
-    image processors that warn about a missing torchvision; sampling uses none)."""
+@functools.lru_cache(maxsize=None)
+def quiet_import(name: str) -> type:
+    """A diffusers pipeline class, imported with transformers' logging at error level (the
+    pipelines import image processors that warn about a missing torchvision; sampling uses none)."""
     from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        from diffusers import FluxPipeline, StableDiffusionXLPipeline
+        import diffusers
+
+        return getattr(diffusers, name)
     finally:
         hf_logging.set_verbosity(level)
-    return StableDiffusionXLPipeline, FluxPipeline
+
+
+def _quiet_pipelines() -> tuple[type, type]:
+    return quiet_import("StableDiffusionXLPipeline"), quiet_import("FluxPipeline")
 
 
 def _folder_scheduler(trainer: Any, cls: type) -> Any | None:
@@ -92,6 +99,12 @@ class SDXLSampling:
         together when guidance > 1 (classifier-free guidance)."""
         return 2 if guidance > 1 else 1
 
+    @staticmethod
+    def default_negative(guidance: float) -> str | None:
+        """No negative prompt unless one is set: SDXL's pipeline uses zeros for an empty one
+        (``force_zeros_for_empty_prompt``)."""
+        return None
+
     def encode(self, trainer: Any, models: ModelSet, prompt: str, device: torch.device) -> dict[str, torch.Tensor]:
         return _text(trainer, models, prompt, device)
 
@@ -133,6 +146,10 @@ class FluxSampling:
     def denoiser_batch(guidance: float) -> int:
         return 1  # the guidance scale is an input of the model, not a second pass
 
+    @staticmethod
+    def default_negative(guidance: float) -> str | None:
+        return None  # no classifier-free guidance
+
     def encode(self, trainer: Any, models: ModelSet, prompt: str, device: torch.device) -> dict[str, torch.Tensor]:
         return _text(trainer, models, prompt, device)
 
@@ -159,13 +176,8 @@ class FluxSampling:
         return pipe.image_processor.postprocess(image.float(), output_type="pil")[0]
 
 
-def family_sampling(trainer: Any) -> SDXLSampling | FluxSampling | None:
-    """The built-in sampling for ``trainer`` (an SDXL or Flux trainer or a subclass), else None."""
-    from runner.trainers.flux import FluxTrainer
-    from runner.trainers.sdxl import SDXLTrainer
-
-    if isinstance(trainer, SDXLTrainer):
-        return SDXLSampling()
-    if isinstance(trainer, FluxTrainer):
-        return FluxSampling()
-    return None
+def family_sampling(trainer: Any) -> Any:
+    """The built-in sampling for ``trainer``: what its ``sampling_family()`` returns (every
+    built-in family's trainer has one; runner/trainers/base.py), else None."""
+    fn = getattr(trainer, "sampling_family", None)
+    return fn() if callable(fn) else None

@@ -1,9 +1,18 @@
-"""The shared base of the built-in trainers, and the latent helpers SDXL and Flux both use.
+"""The shared skeleton of the built-in trainers, and the latent helpers every family uses.
 
-:class:`DiffusersTrainer` holds the parts of the trainer protocol that SDXL and Flux share
-(which module comes from where, in which dtype, frozen or trained; cacheable encoding), so that
-each family file only says what is specific to it: its module classes, its ``encode`` and its
-``loss``. Building and loading the modules is :mod:`runner.trainers.loading`, the tokenizers are
+Three layers, so that a model family is one small file (docs/adding-a-family.md):
+
+* :class:`DiffusersTrainer` (here): what does not depend on the family or the loss: which module
+  comes from where, in which dtype, frozen or trained; the cacheable encode step (VAE posterior
+  and text conditioning), latents normalised as the family's VAE says; tokenizers; export and
+  sampling hooks; example batches for the planner.
+* one base per loss family: :class:`runner.trainers.ddpm.DDPMTrainer` (epsilon or v-prediction:
+  SDXL, SD1.5/SD2.1) and :class:`runner.trainers.flow.FlowMatchTrainer` (rectified flow: Flux,
+  SD3.5), which own the loss and its options (``loss.*``, runner/losses.py);
+* the family: its module classes and config dicts, the text part of ``encode``, the denoiser
+  call (``predict``), latent packing and its pipeline class.
+
+Building and loading the modules is :mod:`runner.trainers.loading`, the tokenizers are
 :mod:`runner.trainers.tokenizers`, the repeated blocks :mod:`runner.blocks`.
 """
 from __future__ import annotations
@@ -18,6 +27,7 @@ from torch import nn
 
 from runner.blocks import find_repeated_blocks
 from runner.errors import UserError, valid_list
+from runner.losses import check_objective, loss_config
 from runner.trainer import Batch, EncodePart, ModelSet
 from runner.trainers.loading import (
     SAFETENSORS_ACCEPTED,
@@ -36,6 +46,10 @@ from runner.trainers.tokenizers import load_folder_tokenizer
 log = logging.getLogger("runner")
 
 TRAIN_MODES = ("full", "lora")
+# Salts of the per-sample draws (see salted / per_sample_rand), shared by every family so that a
+# sample's VAE draw and timestep never coincide with its noise. runner/losses.py uses 3.
+VAE_SALT = 1
+TIMESTEP_SALT = 2
 
 
 # ---- per-sample randomness ----------------------------------------------------------------------
@@ -90,8 +104,11 @@ def file_stats(folder: str) -> list[tuple[str, int, int]]:
 class DiffusersTrainer:
     """The parts of a trainer that do not depend on the model family.
 
-    Subclasses set ``denoiser`` (the trained module's name and diffusers subfolder), implement
-    :meth:`module_classes` and :meth:`size_configs`, and write ``encode``/``loss``/``example_batch``.
+    A loss-family base (ddpm.py, flow.py) adds ``loss``; a family sets ``denoiser`` (the trained
+    module's name and diffusers subfolder) and implements :meth:`module_classes`,
+    :meth:`size_configs`, :meth:`default_tokenizer`, ``encode_part`` (its text part),
+    :meth:`predict`, :meth:`example_batch`, :meth:`pipeline_class`, :meth:`inference_scheduler`
+    and :meth:`sampling_family`.
 
     Where each module comes from:
 
@@ -109,6 +126,11 @@ class DiffusersTrainer:
 
     denoiser: str = ""
     denoiser_prefixes: tuple[str, ...] = ("unet.", "transformer.")
+    display_name: str = ""  # the family in messages ("SDXL"); the class name when empty
+    objective: str | None = None  # runner.losses.DDPM | FLOW, set by the loss-family base
+    resolution_multiple: int = 8  # data.resolution must be a multiple (VAE factor x latent packing)
+    kohya_lora: bool = True  # whether diffusers reads a kohya-layout LoRA of this family back (runner/export/)
+    kohya_base_model_version: str | None = None  # kohya's ss_base_model_version of this family's LoRAs
 
     def __init__(self, cfg: Any, run: Any = None) -> None:
         """``run``: the :class:`~runner.resolved.ResolvedRun`, whose dtypes win over the config's
@@ -133,6 +155,19 @@ class DiffusersTrainer:
                 f"(subfolders found: {', '.join(present) or 'none'}). Accepted: {SAFETENSORS_ACCEPTED}."
             )
         self._tokenizers: dict[str, Any] | None = None
+        name = self.display_name or type(self).__name__
+        self.loss_options = loss_config(cfg)  # loss.* (runner/losses.py), read by the loss-family base
+        if self.objective is not None:
+            check_objective(self.loss_options, self.objective, f"trainer {name}")
+        export = cfg.get("export") if hasattr(cfg, "get") else None
+        if export is not None and str(export.get("lora_format", "both")) == "kohya" and not self.kohya_lora:
+            raise UserError(f"export.lora_format=kohya: diffusers cannot read a kohya-layout {name} LoRA back, so the "
+                            "runner does not write one. Use export.lora_format=diffusers (or both: the diffusers "
+                            "file alone is written).")
+        res, k = self.resolution(), self.resolution_multiple
+        if res <= 0 or res % k:
+            raise UserError(f"data.resolution={res} is not usable for {name}: it must be a positive multiple of {k} "
+                            f"({self.resolution_reason()}), e.g. {max(k, res // k * k)}.")
 
     # -- to implement ----------------------------------------------------------------------
     def module_classes(self) -> dict[str, type]:
@@ -149,6 +184,31 @@ class DiffusersTrainer:
         """The sampling scheduler a pipeline of this family ships with (not the training one)."""
         raise NotImplementedError
 
+    def resolution_reason(self) -> str:
+        """Why ``data.resolution`` must be a multiple of :attr:`resolution_multiple`, for the message."""
+        return "the VAE factor" if self.resolution_multiple == 8 else "VAE factor 8 times the 2x2 latent packing"
+
+    def predict(self, models: ModelSet, noisy: torch.Tensor, timesteps: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """The denoiser's output for ``noisy`` latents ``(B, C, H, W)`` at ``timesteps`` (the loss
+        family's: DDPM integer steps, flow-matching t in (0, 1)), conditioned on the encoded
+        ``batch``, in the layout of :meth:`pack` (the loss packs its target the same way). Packs and
+        casts its inputs to the denoiser's compute dtype inside the call's arguments, so that no
+        float32 copy stays alive through the forward."""
+        raise NotImplementedError
+
+    def pack(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents ``(B, C, H, W)`` in the layout the denoiser takes (Flux: 2x2 patches as tokens); the
+        identity for denoisers that patchify themselves."""
+        return latents
+
+    def sampling_family(self) -> Any:
+        """The family's sampling helper (runner/sampling/families.py), or None (no built-in samples)."""
+        return None
+
+    def pipeline_kwargs(self) -> dict[str, Any]:
+        """Extra constructor arguments of :meth:`pipeline_class` beyond modules, tokenizers and scheduler."""
+        return {}
+
     def pipeline(self, models: ModelSet) -> Any:
         """A diffusers pipeline around the modules in memory (no copy): ``models`` plus this
         trainer's tokenizers and :meth:`inference_scheduler`. What a full fine-tune is exported
@@ -159,7 +219,7 @@ class DiffusersTrainer:
             if name.startswith("text_encoder"):
                 tok = name.replace("text_encoder", "tokenizer")
                 parts[tok] = self.tokenizer(tok)
-        return self.pipeline_class()(**parts, scheduler=self.inference_scheduler())
+        return self.pipeline_class()(**parts, scheduler=self.inference_scheduler(), **self.pipeline_kwargs())
 
     # -- configs -------------------------------------------------------------------------
     def _folder_has(self, name: str) -> bool:
@@ -271,6 +331,25 @@ class DiffusersTrainer:
         parts = {name: self.encode_part(models, name, batch) for name in self.encode_parts()}
         return self.finish_encode(parts, batch)
 
+    def finish_encode(self, parts: dict[str, dict[str, torch.Tensor]], batch: Batch) -> Batch:
+        """Sample the latents with each sample's seed and normalise them; the text part as encoded,
+        plus :meth:`extra_conditioning`. Image sizes come from the latents, never the pixels, so a
+        batch whose parts were all read from a cache needs no pixels."""
+        seeds = batch["sample_seed"]
+        lat = parts["latents"]
+        latents = self.normalize_latents(sample_latents(LatentMoments(lat["latent_mean"], lat["latent_std"]), seeds, VAE_SALT))
+        return {"latents": latents, **parts["text"], **self.extra_conditioning(latents, batch), "sample_seed": seeds}
+
+    def normalize_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """``(z - shift_factor) * scaling_factor`` of the VAE config (no shift when it has none):
+        the latent space the denoiser was trained in, as the family's pipeline un-does it."""
+        shift = self.vae_setting("shift_factor") or 0.0
+        return (latents - shift) * self.vae_setting("scaling_factor")
+
+    def extra_conditioning(self, latents: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
+        """Conditioning that is neither latents nor text (SDXL's ``time_ids``); none by default."""
+        return {}
+
     def vae_setting(self, key: str) -> Any:
         """A VAE config value (``scaling_factor``, ``shift_factor``) without building the VAE:
         from its config dict, else the class default, i.e. what ``vae.config`` would hold."""
@@ -365,6 +444,11 @@ class DiffusersTrainer:
             self._tokenizers[name] = tok
         return self._tokenizers[name]
 
+    @staticmethod
+    def text_max_length(tokenizer: Any, encoder_config: Any) -> int:
+        """A CLIP prompt's token count: the tokenizer's length, capped at the encoder's positions."""
+        return int(min(tokenizer.model_max_length, encoder_config.max_position_embeddings))
+
     # -- helpers for example batches -----------------------------------------------------
     def resolution(self) -> int:
         return int(self.cfg.data.resolution)
@@ -384,6 +468,12 @@ class DiffusersTrainer:
         """Seeds stay on the CPU for ``meta``: the per-sample draws read them with ``tolist()``."""
         dev = "cpu" if torch.device(device).type == "meta" else device
         return torch.arange(batch_size, dtype=torch.int64, device=dev)
+
+    def example_latents(self, batch_size: int, device: str | torch.device) -> torch.Tensor:
+        """Latents as :meth:`finish_encode` gives them at ``data.resolution`` (float32)."""
+        vae_cfg = self.component_config("vae")
+        side = self.resolution() // vae_scale_factor(vae_cfg)
+        return self.example_tensor((batch_size, int(vae_cfg["latent_channels"]), side, side), device, torch.float32, 0)
 
     def example_raw_batch(self, batch_size: int, device: str | torch.device = "meta") -> Batch:
         """A raw batch as the data loader gives it at ``data.resolution``, for the planner's encode step.

@@ -5,12 +5,12 @@ Conditioning as in diffusers' ``FluxPipeline``: the CLIP text encoder's pooled o
 are ``(z - shift_factor) * scaling_factor`` of the 16-channel VAE, packed 2x2 into 64-wide tokens
 with the pipeline's own ``_pack_latents`` / ``_prepare_latent_image_ids``.
 
-Loss: ``x_t = (1 - t) x0 + t noise``, target ``noise - x0`` (the velocity), MSE over the packed
-tokens. ``t`` per sample is logit-normal by default, ``sigmoid(N(0, 1))``, which concentrates
-training on middle noise levels as SD3/Flux trainers do (diffusers'
-``compute_density_for_timestep_sampling("logit_normal")``); it is obtained from the sample's
-uniform draw through the normal quantile function, so it stays a function of the sample seed
-alone. ``trainer.timestep_sampling=uniform`` uses the uniform draw directly.
+Loss: the flow-matching family's (runner/trainers/flow.py), ``x_t = (1 - t) x0 + t noise``, target
+``noise - x0``, MSE over the packed tokens. ``t`` is logit-normal by default, ``sigmoid(N(0, 1))``,
+which concentrates training on middle noise levels as SD3/Flux trainers do (diffusers'
+``compute_density_for_timestep_sampling("logit_normal")``), with no shift (as diffusers' Flux
+scripts train); ``loss.timestep_sampling``, ``loss.timestep_shift`` (``resolution``: Flux's own
+``mu`` from the image's token count) change it (runner/losses.py).
 """
 from __future__ import annotations
 
@@ -19,26 +19,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from runner.errors import UserError, valid_list
 from runner.registry import register_trainer
-from runner.trainer import Batch, ModelSet, batch_device, per_sample_rand, per_sample_randn
+from runner.trainer import Batch, ModelSet, batch_device
 from runner.trainers import model_configs
-from runner.trainers.base import DiffusersTrainer, LatentMoments, sample_latents, vae_scale_factor
+from runner.trainers.flow import FlowMatchTrainer
 from runner.trainers.loading import compute_dtype
 from runner.trainers.tokenizers import clip_tokenizer, t5_tokenizer, tokenize
-
-TIMESTEP_SAMPLING = ("logit_normal", "uniform")
-VAE_SALT = 1
-TIMESTEP_SALT = 2
 
 
 @dataclass
 class FluxTrainerConfig:
     _target_: str = "runner.trainers.flux.FluxTrainer"
     guidance: float = 1.0  # value fed to the guidance embedding (guidance-distilled models only)
-    timestep_sampling: str = "logit_normal"  # logit_normal | uniform
 
 
 @functools.lru_cache(maxsize=1)
@@ -70,27 +63,17 @@ def _image_ids(h: int, w: int, device: torch.device) -> torch.Tensor:
     return _flux_pipeline()._prepare_latent_image_ids(1, h // 2, w // 2, device, torch.float32)
 
 
-class FluxTrainer(DiffusersTrainer):
+class FluxTrainer(FlowMatchTrainer):
     """Flux transformer, rectified-flow matching loss."""
 
     Config = FluxTrainerConfig
     denoiser = "transformer"
+    display_name = "Flux"
+    kohya_base_model_version = "flux1"
 
     def __init__(self, cfg: Any, run: Any = None) -> None:
         super().__init__(cfg, run)
         self.guidance = float(cfg.trainer.get("guidance", 1.0))
-        self.timestep_sampling = str(cfg.trainer.get("timestep_sampling", "logit_normal"))
-        if self.timestep_sampling not in TIMESTEP_SAMPLING:
-            raise UserError(
-                f"Unknown trainer.timestep_sampling '{self.timestep_sampling}'. "
-                f"Valid values: {valid_list(self.timestep_sampling, TIMESTEP_SAMPLING)}."
-            )
-        res = self.resolution()
-        if res <= 0 or res % 16:
-            raise UserError(
-                f"data.resolution={res} is not usable for Flux: it must be a positive multiple of 16 "
-                f"(VAE factor 8 times the 2x2 latent packing)."
-            )
 
     def module_classes(self) -> dict[str, type]:
         from diffusers import AutoencoderKL, FluxTransformer2DModel
@@ -123,6 +106,11 @@ class FluxTrainer(DiffusersTrainer):
             base_image_seq_len=256, max_image_seq_len=4096,
         )
 
+    def sampling_family(self) -> Any:
+        from runner.sampling.families import FluxSampling
+
+        return FluxSampling()
+
     def t5_max_length(self) -> int:
         """T5 prompt length: the tokenizer's ``model_max_length``, capped at FLUX.1-dev's 512.
 
@@ -143,54 +131,28 @@ class FluxTrainer(DiffusersTrainer):
         clip, t5 = models["text_encoder"], models["text_encoder_2"]
         captions = list(batch["caption"])
         tok1 = self.tokenizer("tokenizer")
-        ids1 = tokenize(tok1, captions, int(min(tok1.model_max_length, clip.config.max_position_embeddings)), device)
+        ids1 = tokenize(tok1, captions, self.text_max_length(tok1, clip.config), device)
         pooled = clip(ids1).pooler_output
         ids2 = tokenize(self.tokenizer("tokenizer_2"), captions, self.t5_max_length(), device)
         prompt_embeds = t5(ids2).last_hidden_state
         return {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}
 
-    def finish_encode(self, parts: dict[str, dict[str, torch.Tensor]], batch: Batch) -> Batch:
-        """Sample the latents with each sample's seed, then shift and scale them."""
-        seeds = batch["sample_seed"]
-        lat = parts["latents"]
-        moments = LatentMoments(lat["latent_mean"], lat["latent_std"])
-        shift = self.vae_setting("shift_factor") or 0.0
-        latents = (sample_latents(moments, seeds, VAE_SALT) - shift) * self.vae_setting("scaling_factor")
-        return {
-            "latents": latents,
-            "prompt_embeds": parts["text"]["prompt_embeds"],
-            "pooled_prompt_embeds": parts["text"]["pooled_prompt_embeds"],
-            "sample_seed": seeds,
-        }
+    def pack(self, latents: torch.Tensor) -> torch.Tensor:
+        """2x2 latent patches as 64-wide tokens (``FluxPipeline._pack_latents``)."""
+        return _pack_latents(latents)
 
-    def timesteps(self, seeds: torch.Tensor) -> torch.Tensor:
-        """t in (0, 1) per sample, computed on the CPU from the sample's uniform draw."""
-        u = per_sample_rand(seeds, TIMESTEP_SALT, "cpu")
-        if self.timestep_sampling == "uniform":
-            return u
-        return torch.sigmoid(torch.special.ndtri(u.clamp(1e-6, 1 - 1e-6)))
-
-    def loss(self, models: ModelSet, batch: Batch) -> torch.Tensor:
-        """Flow-matching MSE between predicted and true velocity (noise - x0), in float32."""
-        x0 = batch["latents"].float()
-        seeds = batch["sample_seed"]
-        device = x0.device
-        b, _, h, w = x0.shape
-        noise = per_sample_randn(seeds, tuple(x0.shape[1:]), device, torch.float32)
-        t = self.timesteps(seeds).to(device)
-        tt = t.view(b, 1, 1, 1)
-        x_t = (1.0 - tt) * x0 + tt * noise
-        target = _pack_latents(noise - x0)
-
+    def predict(self, models: ModelSet, noisy: torch.Tensor, timesteps: torch.Tensor, batch: Batch) -> torch.Tensor:
         transformer = models["transformer"]
         dt = compute_dtype(transformer)
         prompt_embeds = batch["prompt_embeds"]
+        b, _, h, w = noisy.shape
+        device = noisy.device
         guidance = None
         if transformer.config.guidance_embeds:
             guidance = torch.full((b,), self.guidance, device=device, dtype=torch.float32)
-        pred = transformer(
-            hidden_states=_pack_latents(x_t).to(dt),
-            timestep=t.to(dt),  # the model multiplies by 1000 itself
+        return transformer(
+            hidden_states=_pack_latents(noisy).to(dt),
+            timestep=timesteps.to(dt),  # t in (0, 1): the model multiplies by 1000 itself
             guidance=guidance,
             pooled_projections=batch["pooled_prompt_embeds"].to(dt),
             encoder_hidden_states=prompt_embeds.to(dt),
@@ -198,17 +160,14 @@ class FluxTrainer(DiffusersTrainer):
             img_ids=_image_ids(h, w, device),
             return_dict=False,
         )[0]
-        return F.mse_loss(pred.float(), target, reduction="mean")
 
     def example_batch(self, batch_size: int, device: str | torch.device = "meta") -> Batch:
         """An encoded batch with the shapes ``encode`` gives at ``data.resolution``."""
-        vae_cfg = self.component_config("vae")
         clip_cfg = self.component_config("text_encoder")
         t5_cfg = self.component_config("text_encoder_2")
-        side = self.resolution() // vae_scale_factor(vae_cfg)
         b, dt = batch_size, self.storage_dtype
         return {
-            "latents": self.example_tensor((b, int(vae_cfg["latent_channels"]), side, side), device, torch.float32, 0),
+            "latents": self.example_latents(b, device),
             "prompt_embeds": self.example_tensor((b, self.t5_max_length(), int(t5_cfg["d_model"])), device, dt, 1),
             "pooled_prompt_embeds": self.example_tensor((b, int(clip_cfg["hidden_size"])), device, dt, 2),
             "sample_seed": self.example_seeds(b, device),

@@ -4,6 +4,7 @@ The recipe is diffusers' ``train_text_to_image_sdxl.py`` reduced to the trainer 
 VAE latents times ``scaling_factor``; prompt embeddings from the penultimate hidden states of
 both CLIP text encoders, concatenated; the pooled, projected output of the second encoder and
 the six ``time_ids`` (original size, crop top-left, target size) as the added conditioning.
+The loss is the DDPM family's (runner/trainers/ddpm.py).
 
 Every random draw (VAE posterior sample, noise, timestep) comes from the sample's own seed, so
 the loss of a batch is the mean of the losses of any split of it.
@@ -14,21 +15,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from runner.errors import UserError, valid_list
 from runner.registry import register_trainer
-from runner.trainer import Batch, ModelSet, batch_device, per_sample_rand, per_sample_randn
+from runner.trainer import Batch, ModelSet, batch_device
 from runner.trainers import model_configs
-from runner.trainers.base import DiffusersTrainer, LatentMoments, sample_latents, vae_scale_factor
+from runner.trainers.base import vae_scale_factor
+from runner.trainers.ddpm import NUM_TRAIN_TIMESTEPS, SD_NOISE_SCHEDULE, DDPMTrainer
 from runner.trainers.loading import compute_dtype
 from runner.trainers.tokenizers import clip_tokenizer, tokenize
-
-PREDICTION_TYPES = ("epsilon", "v_prediction")
-NUM_TRAIN_TIMESTEPS = 1000
-# Salts for the per-sample draws (see base.salted / per_sample_rand).
-VAE_SALT = 1
-TIMESTEP_SALT = 2
 
 
 @dataclass
@@ -37,26 +31,13 @@ class SDXLTrainerConfig:
     prediction_type: str = "epsilon"  # epsilon | v_prediction
 
 
-class SDXLTrainer(DiffusersTrainer):
+class SDXLTrainer(DDPMTrainer):
     """SDXL U-Net, DDPM loss (epsilon or v-prediction)."""
 
     Config = SDXLTrainerConfig
     denoiser = "unet"
-
-    def __init__(self, cfg: Any, run: Any = None) -> None:
-        super().__init__(cfg, run)
-        self.prediction_type = str(cfg.trainer.get("prediction_type", "epsilon"))
-        if self.prediction_type not in PREDICTION_TYPES:
-            raise UserError(
-                f"Unknown trainer.prediction_type '{self.prediction_type}'. "
-                f"Valid values: {valid_list(self.prediction_type, PREDICTION_TYPES)}."
-            )
-        res = self.resolution()
-        if res <= 0 or res % 8:
-            raise UserError(
-                f"data.resolution={res} is not usable for SDXL: it must be a positive multiple of 8 (the VAE factor)."
-            )
-        self._schedulers: dict[str, Any] = {}
+    display_name = "SDXL"
+    kohya_base_model_version = "sdxl_base_v1-0"
 
     def module_classes(self) -> dict[str, type]:
         from diffusers import AutoencoderKL, UNet2DConditionModel
@@ -86,26 +67,14 @@ class SDXLTrainer(DiffusersTrainer):
         from diffusers import EulerDiscreteScheduler
 
         return EulerDiscreteScheduler(
-            num_train_timesteps=NUM_TRAIN_TIMESTEPS, beta_start=0.00085, beta_end=0.012,
-            beta_schedule="scaled_linear", steps_offset=1, timestep_spacing="leading",
-            prediction_type=self.prediction_type,
+            num_train_timesteps=NUM_TRAIN_TIMESTEPS, steps_offset=1, timestep_spacing="leading",
+            prediction_type=self.prediction_type, **SD_NOISE_SCHEDULE,
         )
 
-    def scheduler(self, device: torch.device) -> Any:
-        """One DDPMScheduler per device: ``add_noise`` moves its tables to the samples' device
-        and keeps them there, so a shared instance would flip between CPU, CUDA and meta."""
-        key = str(device)
-        if key not in self._schedulers:
-            from diffusers import DDPMScheduler
+    def sampling_family(self) -> Any:
+        from runner.sampling.families import SDXLSampling
 
-            self._schedulers[key] = DDPMScheduler(
-                num_train_timesteps=NUM_TRAIN_TIMESTEPS,
-                beta_schedule="scaled_linear",
-                beta_start=0.00085,
-                beta_end=0.012,
-                prediction_type=self.prediction_type,
-            )
-        return self._schedulers[key]
+        return SDXLSampling()
 
     # -- protocol -------------------------------------------------------------------------
     @torch.no_grad()
@@ -117,24 +86,16 @@ class SDXLTrainer(DiffusersTrainer):
         te1, te2 = models["text_encoder"], models["text_encoder_2"]
         captions = list(batch["caption"])
         tok1, tok2 = self.tokenizer("tokenizer"), self.tokenizer("tokenizer_2")
-        ids1 = tokenize(tok1, captions, self._max_length(tok1, te1.config), device)
-        ids2 = tokenize(tok2, captions, self._max_length(tok2, te2.config), device)
+        ids1 = tokenize(tok1, captions, self.text_max_length(tok1, te1.config), device)
+        ids2 = tokenize(tok2, captions, self.text_max_length(tok2, te2.config), device)
         out1 = te1(ids1, output_hidden_states=True)
         out2 = te2(ids2, output_hidden_states=True)
         h1 = out1.hidden_states[-2]
         prompt_embeds = torch.cat([h1, out2.hidden_states[-2].to(h1.dtype)], dim=-1)
         return {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": out2.text_embeds}
 
-    def finish_encode(self, parts: dict[str, dict[str, torch.Tensor]], batch: Batch) -> Batch:
-        """Sample the latents with each sample's seed and add the six SDXL ``time_ids``.
-
-        Image size comes from the latents (times the VAE factor), not the pixels, so a batch
-        whose parts were all read from a cache needs no pixels.
-        """
-        seeds = batch["sample_seed"]
-        lat = parts["latents"]
-        moments = LatentMoments(lat["latent_mean"], lat["latent_std"])
-        latents = sample_latents(moments, seeds, VAE_SALT) * self.vae_setting("scaling_factor")
+    def extra_conditioning(self, latents: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
+        """The six SDXL ``time_ids``: original size, crop top-left, target size (from the latents)."""
         device = latents.device
         factor = vae_scale_factor(self.component_config("vae"))
         b, _, lh, lw = latents.shape
@@ -147,33 +108,12 @@ class SDXLTrainer(DiffusersTrainer):
             crop = torch.zeros(b, 2)
         target = torch.tensor([[h, w]] * b)
         time_ids = torch.cat([original.float().to(device), crop.float().to(device), target.float().to(device)], dim=1)
-        return {
-            "latents": latents,
-            "prompt_embeds": parts["text"]["prompt_embeds"],
-            "pooled_prompt_embeds": parts["text"]["pooled_prompt_embeds"],
-            "time_ids": time_ids,
-            "sample_seed": seeds,
-        }
+        return {"time_ids": time_ids}
 
-    @staticmethod
-    def _max_length(tokenizer: Any, encoder_config: Any) -> int:
-        return int(min(tokenizer.model_max_length, encoder_config.max_position_embeddings))
-
-    def loss(self, models: ModelSet, batch: Batch) -> torch.Tensor:
-        """Mean squared error of the U-Net's epsilon (or v) prediction, in float32."""
-        latents = batch["latents"].float()
-        seeds = batch["sample_seed"]
-        device = latents.device
-        sched = self.scheduler(device)
-        n = sched.config.num_train_timesteps
-        noise = per_sample_randn(seeds, tuple(latents.shape[1:]), device, torch.float32)
-        timesteps = (per_sample_rand(seeds, TIMESTEP_SALT, "cpu") * n).long().clamp_(0, n - 1).to(device)
-        noisy = sched.add_noise(latents, noise, timesteps)
-        target = noise if self.prediction_type == "epsilon" else sched.get_velocity(latents, noise, timesteps)
-
+    def predict(self, models: ModelSet, noisy: torch.Tensor, timesteps: torch.Tensor, batch: Batch) -> torch.Tensor:
         unet = models["unet"]
         dt = compute_dtype(unet)
-        pred = unet(
+        return unet(
             noisy.to(dt),
             timesteps,
             encoder_hidden_states=batch["prompt_embeds"].to(dt),
@@ -183,21 +123,17 @@ class SDXLTrainer(DiffusersTrainer):
             },
             return_dict=False,
         )[0]
-        return F.mse_loss(pred.float(), target.float(), reduction="mean")
 
     def example_batch(self, batch_size: int, device: str | torch.device = "meta") -> Batch:
         """An encoded batch with the shapes ``encode`` gives at ``data.resolution``."""
-        unet_cfg = self.component_config("unet")
-        vae_cfg = self.component_config("vae")
         te1, te2 = self.component_config("text_encoder"), self.component_config("text_encoder_2")
-        side = self.resolution() // vae_scale_factor(vae_cfg)
         length = min(model_configs.CLIP_MAX_LENGTH, int(te1["max_position_embeddings"]))
         cross_dim = int(te1["hidden_size"]) + int(te2["hidden_size"])
         b, dt = batch_size, self.storage_dtype
         res = float(self.resolution())
         time_ids = torch.tensor([[res, res, 0.0, 0.0, res, res]] * b)
         return {
-            "latents": self.example_tensor((b, int(unet_cfg["in_channels"]), side, side), device, torch.float32, 0),
+            "latents": self.example_latents(b, device),
             "prompt_embeds": self.example_tensor((b, length, cross_dim), device, dt, 1),
             "pooled_prompt_embeds": self.example_tensor((b, int(te2["projection_dim"])), device, dt, 2),
             "time_ids": time_ids.to(device),

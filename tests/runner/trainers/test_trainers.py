@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from runner.blocks import find_repeated_blocks
 from runner.config import DataConfig, ModelConfig
 from runner.errors import UserError
+from runner.losses import LossConfig
 from runner.trainer import ModelSet, encode, slice_batch
 from runner.trainers.flux import FluxTrainer, FluxTrainerConfig
 from runner.trainers.loading import load_single_file
@@ -25,13 +26,14 @@ from runner.trainers.tokenizers import clip_tokenizer, t5_tokenizer
 FAMILIES = {"sdxl": (SDXLTrainer, SDXLTrainerConfig), "flux": (FluxTrainer, FluxTrainerConfig)}
 
 
-def make_cfg(family: str, trainer: dict | None = None, **model):
+def make_cfg(family: str, trainer: dict | None = None, loss: dict | None = None, **model):
     _, tcfg = FAMILIES[family]
     cfg = OmegaConf.create(
         {
             "model": OmegaConf.structured(ModelConfig),
             "data": OmegaConf.structured(DataConfig),
             "trainer": OmegaConf.structured(tcfg),
+            "loss": OmegaConf.merge(OmegaConf.structured(LossConfig), loss or {}),
         }
     )
     for k, v in model.items():
@@ -41,8 +43,8 @@ def make_cfg(family: str, trainer: dict | None = None, **model):
     return cfg
 
 
-def make_trainer(family: str, trainer: dict | None = None, **model):
-    return FAMILIES[family][0](make_cfg(family, trainer, **model))
+def make_trainer(family: str, trainer: dict | None = None, loss: dict | None = None, **model):
+    return FAMILIES[family][0](make_cfg(family, trainer, loss, **model))
 
 
 def raw_batch(n: int = 2, res: int = 64, seeds=(11, 22)) -> dict:
@@ -161,8 +163,9 @@ def test_bad_options_are_user_errors():
 
 def test_trainer_options_change_the_loss(full_setup):
     family, tr, models = full_setup
-    option = {"sdxl": {"prediction_type": "v_prediction"}, "flux": {"timestep_sampling": "uniform"}}[family]
-    other = make_trainer(family, trainer=option)
+    option = {"sdxl": {"trainer": {"prediction_type": "v_prediction"}},
+              "flux": {"loss": {"timestep_sampling": "uniform"}}}[family]
+    other = make_trainer(family, **option)
     with torch.no_grad():
         batch = tr.example_batch(2, "cpu")
         a, b = tr.loss(models, batch).item(), other.loss(models, batch).item()
