@@ -41,7 +41,7 @@ _TRANSFORMER = {  # Qwen/Qwen-Image transformer/config.json (20.4 B parameters)
 }
 _TRANSFORMER_TINY = {
     **_TRANSFORMER,
-    "num_layers": 2,
+    "num_layers": 3,  # three blocks: offload=stream keeps two in its window and streams the third
     "attention_head_dim": 16,
     "num_attention_heads": 2,
     "joint_attention_dim": 32,

@@ -53,7 +53,7 @@ _TRANSFORMER_TINY = {
     "text_dim": 32,
     "freq_dim": 16,
     "ffn_dim": 48,
-    "num_layers": 2,
+    "num_layers": 3,  # three blocks: offload=stream keeps two in its window and streams the third
 }
 
 _VAE21 = {  # Wan2.1 vae/config.json (AutoencoderKLWan, 127 M parameters)
