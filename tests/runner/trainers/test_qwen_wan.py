@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,8 @@ from runner.errors import UserError
 from runner.export.checkpoint import EXPORT_DIR
 from runner.export.lora import DIFFUSERS_FILE
 from runner.loop import read_metrics
+from runner.plugin import Plugin, PluginConfig
+from runner.registry import register_plugin
 from runner.resolved import resolve
 from runner.run import build_trainer
 from runner.train_state import load_trainable_weights
@@ -229,3 +232,50 @@ def test_presets_train_their_family_at_tiny_size(tmp_path, preset, extra):
 def test_bad_family_settings_are_user_errors(overrides, match):
     with pytest.raises(UserError, match=match):
         build_trainer(compose_config([*overrides, "train.device=cpu"]))
+
+
+# ---- out of memory ------------------------------------------------------------------------------------
+@dataclass
+class _OneOOMConfig(PluginConfig):
+    name: str = "test_family_oom"
+
+
+@register_plugin
+class _OneOOM(Plugin):
+    """test only: the denoiser's first call with more than one sample raises a real OutOfMemoryError."""
+
+    kind = "tiling"
+    name = "test_family_oom"
+    Config = _OneOOMConfig
+    description = "test only"
+    raised = 0
+
+    def wrap_execution(self, ctx):
+        module = ctx.models["transformer"]
+
+        def maybe_raise(mod, args, kwargs):
+            x = kwargs.get("hidden_states", args[0] if args else None)
+            if x.shape[0] > 1 and not type(self).raised:
+                type(self).raised += 1
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+        handle = module.register_forward_pre_hook(maybe_raise, with_kwargs=True)
+        ctx.hooks.add(module, "test_family_oom", self.key, handle=handle, undo=handle.remove)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_out_of_memory_split_equals_a_run_configured_that_way(tmp_path, family):
+    """An OOM at micro-batch 2 in step 1 halves it and retries the step: the losses and trained weights
+    are those of a run configured with micro-batch 1 from the start, bit for bit."""
+    from safetensors.torch import load_file
+
+    common = ["train.steps=2", "train.batch_size=2", "export.enabled=false", "train.preflight=false"]
+    _OneOOM.raised = 0
+    split = train(tmp_path / "split", family, *common, "tiling=test_family_oom")
+    assert _OneOOM.raised == 1
+    assert [r["micro_batch_size"] for r in split] == [1, 1] and split[0]["oom_retries"] == 1
+    configured = train(tmp_path / "configured", family, *common, "train.grad_accum=2")
+    assert [r["loss"] for r in split] == [r["loss"] for r in configured]
+    ckpt = Path("checkpoints") / "step-00000002" / "trainable.safetensors"
+    a, b = load_file(str(tmp_path / "split" / ckpt)), load_file(str(tmp_path / "configured" / ckpt))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
