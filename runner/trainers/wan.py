@@ -202,6 +202,11 @@ class WanTrainer(FlowMatchTrainer):
         )[0]
 
     # -- shapes for the planner ------------------------------------------------------------------
+    def describe_sample(self) -> str:
+        """What one sample is, for the plan's header: "33 frames of 832x480 px at 16 fps"."""
+        c = self.clips
+        return f"{c.frames} frames of {c.width}x{c.height} px" + (f" at {c.fps:g} fps" if c.fps else "")
+
     def latent_shape(self) -> tuple[int, int, int, int]:
         """(channels, frames, height, width) of one clip's latents."""
         c = self.clips
