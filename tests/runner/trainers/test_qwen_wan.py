@@ -279,3 +279,25 @@ def test_out_of_memory_split_equals_a_run_configured_that_way(tmp_path, family):
     ckpt = Path("checkpoints") / "step-00000002" / "trainable.safetensors"
     a, b = load_file(str(tmp_path / "split" / ckpt)), load_file(str(tmp_path / "configured" / ckpt))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_full_finetune_exports_a_pipeline_folder_diffusers_loads(tmp_path, family):
+    """model.train=full with park dropping the encoders: export/diffusers is the family's pipeline with the
+    trained transformer, the run's frozen modules (rebuilt) and its tokenizer."""
+    from diffusers import DiffusionPipeline
+    from safetensors.torch import load_file
+
+    train(tmp_path, family, "train.steps=1", "offload=park")
+    ckpt = tmp_path / "checkpoints" / "step-00000001"
+    pipe = DiffusionPipeline.from_pretrained(str(ckpt / EXPORT_DIR / "diffusers"))
+    trainer, base = fresh(family)
+    assert type(pipe) is trainer.pipeline_class()
+    trained = load_file(str(ckpt / "trainable.safetensors"))
+    loaded = pipe.transformer.state_dict()
+    for k, v in trained.items():
+        torch.testing.assert_close(loaded[k.removeprefix("transformer.")], v, rtol=0, atol=0)
+    for frozen in ("vae", "text_encoder"):
+        for k, v in base[frozen].state_dict().items():
+            torch.testing.assert_close(getattr(pipe, frozen).state_dict()[k], v, rtol=0, atol=0)
+    assert pipe.tokenizer("a cat").input_ids == trainer.tokenizer("tokenizer")("a cat").input_ids
