@@ -179,7 +179,7 @@ def write_preset_blocks(rows: list[dict], load: float, repeats: int) -> None:
     doc = DOC.read_text()
     if PRESETS_BEGIN not in doc:
         replace_section(f"{PRESETS_BEGIN}\n{PRESETS_SECTION}\n\nEach block is written by the command in it; "
-                        "the figures are the planner's (runner/plan/), for a CUDA device.\n{PRESETS_END}",
+                        f"the figures are the planner's (runner/plan/), for a CUDA device.\n{PRESETS_END}",
                         PRESETS_BEGIN, PRESETS_END, DOC)
         doc = DOC.read_text()
     for r in rows:

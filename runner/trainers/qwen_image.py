@@ -56,7 +56,7 @@ MAX_PIPELINE_SEQUENCE_LENGTH = 1024  # QwenImagePipeline refuses longer
 class QwenImageTrainerConfig:
     _target_: str = "runner.trainers.qwen_image.QwenImageTrainer"
     # Text tokens after the template's dropped prefix; captions are truncated to it and padded to it
-    # (masked). null: the pipeline's 512 at model.size=full, 96 at tiny (byte-level tokenizer).
+    # (masked). null: the pipeline's 512 (96 for the random tiny model's byte-level tokenizer).
     max_sequence_length: Optional[int] = None
 
 
@@ -93,7 +93,8 @@ class QwenImageTrainer(FlowMatchTrainer):
     def __init__(self, cfg: Any, run: Any = None) -> None:
         super().__init__(cfg, run)
         length = cfg.trainer.get("max_sequence_length")
-        default = qwen_image_configs.QWEN_MAX_SEQUENCE_LENGTH[self.size]
+        # A real model folder gets the pipeline's 512 whatever model.size says.
+        default = qwen_image_configs.QWEN_MAX_SEQUENCE_LENGTH["full" if self.source is not None else self.size]
         self.max_sequence_length = int(default if length is None else length)
         if not 1 <= self.max_sequence_length <= MAX_PIPELINE_SEQUENCE_LENGTH:
             raise UserError(f"trainer.max_sequence_length={length!r} is not valid: it must be a whole number from 1 to "

@@ -47,7 +47,7 @@ DEFAULT_FRAMES = {"tiny": 9, "full": 81}  # data.frames unset: 81 is Wan's nativ
 class WanTrainerConfig:
     _target_: str = "runner.trainers.wan.WanTrainer"
     variant: str = "14b"  # 14b | 1.3b (Wan 2.1 T2V) | 2.2-5b (Wan 2.2 TI2V-5B, text-to-video)
-    # UMT5 tokens per caption (zero-padded); null: the pipeline's 512 at model.size=full, 64 at tiny.
+    # UMT5 tokens per caption (zero-padded); null: the pipeline's 512 (64 for the random tiny model).
     max_sequence_length: Optional[int] = None
 
 
@@ -77,7 +77,8 @@ class WanTrainer(FlowMatchTrainer):
         self.variant = wan_configs.check_variant(str(cfg.trainer.get("variant", "14b")))
         super().__init__(cfg, run)
         length = cfg.trainer.get("max_sequence_length")
-        default = wan_configs.WAN_MAX_SEQUENCE_LENGTH[self.size]
+        # A real model folder gets the pipeline's 512 whatever model.size says (as Flux's T5 length).
+        default = wan_configs.WAN_MAX_SEQUENCE_LENGTH["full" if self.source is not None else self.size]
         self.max_sequence_length = int(default if length is None else length)
         if self.max_sequence_length < 1:
             raise UserError(f"trainer.max_sequence_length={length!r} is not valid: a whole number >= 1 (the pipeline "
