@@ -106,11 +106,11 @@ def logical_name(name: str) -> str:
 
 
 def keep_patterns(module: nn.Module, compute_dtype: torch.dtype) -> list[str]:
-    """Names the model itself keeps in float32 (transformers' rule, as in ``common.cast_module``)."""
-    keep = list(getattr(module, "_keep_in_fp32_modules_strict", None) or [])
-    if compute_dtype == torch.float16:
-        keep += list(getattr(module, "_keep_in_fp32_modules", None) or [])
-    return keep
+    """Names the model itself keeps in float32 (transformers' and diffusers' rules,
+    ``runner.trainers.loading.keep_unquantized``: Wan's time embedder stays unquantized)."""
+    from runner.trainers.loading import keep_unquantized
+
+    return sorted(keep_unquantized(module, compute_dtype))
 
 
 def _adapter_module_ids(root: nn.Module) -> set[int]:

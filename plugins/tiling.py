@@ -112,12 +112,24 @@ def check_cuda_backend(backend: str, device: torch.device) -> None:
 
 
 # ---- tiled VAE: twin function ----------------------------------------------------------------
+# Two tiling APIs in diffusers: AutoencoderKL's (square tiles: tile_sample_min_size, its latent
+# twin and an overlap factor) and the causal-3D video VAEs' (AutoencoderKLWan and
+# AutoencoderKLQwenImage: tile height/width and strides in pixels). Both blend the overlap.
+_CLASSIC_TILING = ("enable_tiling", "tile_sample_min_size", "tile_latent_min_size", "tile_overlap_factor", "use_tiling")
+_STRIDED_TILING = ("enable_tiling", "tile_sample_min_height", "tile_sample_min_width", "tile_sample_stride_height",
+                   "tile_sample_stride_width", "use_tiling")
+
+
 def is_tileable_vae(module: nn.Module) -> bool:
-    return all(hasattr(module, a) for a in ("enable_tiling", "tile_sample_min_size", "tile_latent_min_size",
-                                            "tile_overlap_factor", "use_tiling"))
+    return all(hasattr(module, a) for a in _CLASSIC_TILING) or all(hasattr(module, a) for a in _STRIDED_TILING)
 
 
 def vae_downsampling(vae: nn.Module) -> int:
+    """Pixels per latent along a side: the video VAEs say so (``spatial_compression_ratio``: 8,
+    16 for the Wan 2.2 VAE); an AutoencoderKL halves once per block but the last."""
+    ratio = getattr(vae, "spatial_compression_ratio", None)
+    if isinstance(ratio, int) and ratio > 0:
+        return ratio
     return 2 ** (len(vae.config.block_out_channels) - 1)
 
 
@@ -125,7 +137,9 @@ def apply_vae_tiling(vae: nn.Module, tile_size: int = 512, overlap: int = 128, s
     """Tile ``vae``'s encode and decode: ``tile_size`` px tiles overlapping by ``overlap`` px.
 
     Sets diffusers' own tiling attributes and calls ``enable_tiling``; returns a function that
-    restores the previous settings.
+    restores the previous settings. A video VAE tiles space only: in time it already works a few
+    frames at a time (the encoder takes 1 + 4k frames in chunks of 4, the decoder one latent frame
+    at a time, carrying a small causal cache), so its activations do not grow with the clip length.
     """
     factor = vae_downsampling(vae)
     if tile_size % factor or overlap % factor or not 0 <= overlap < tile_size:
@@ -133,12 +147,18 @@ def apply_vae_tiling(vae: nn.Module, tile_size: int = 512, overlap: int = 128, s
             f"tiling.vae_tile_size={tile_size} / tiling.vae_tile_overlap={overlap} do not fit this VAE: both must "
             f"be multiples of its factor {factor} and the overlap smaller than the tile."
         )
-    saved = {a: getattr(vae, a) for a in ("tile_sample_min_size", "tile_latent_min_size", "tile_overlap_factor",
-                                          "use_tiling", "use_slicing")}
-    vae.tile_sample_min_size = int(tile_size)
-    vae.tile_latent_min_size = int(tile_size) // factor
-    vae.tile_overlap_factor = overlap / tile_size
-    vae.enable_tiling()
+    strided = all(hasattr(vae, a) for a in _STRIDED_TILING)
+    names = (_STRIDED_TILING if strided else _CLASSIC_TILING)[1:] + ("use_slicing",)
+    saved = {a: getattr(vae, a) for a in names}
+    if strided:
+        vae.enable_tiling(tile_sample_min_height=int(tile_size), tile_sample_min_width=int(tile_size),
+                          tile_sample_stride_height=int(tile_size) - int(overlap),
+                          tile_sample_stride_width=int(tile_size) - int(overlap))
+    else:
+        vae.tile_sample_min_size = int(tile_size)
+        vae.tile_latent_min_size = int(tile_size) // factor
+        vae.tile_overlap_factor = overlap / tile_size
+        vae.enable_tiling()
     if slicing:
         vae.enable_slicing()
 

@@ -116,6 +116,8 @@ class SampleFingerprints:
     * a dataset of runner.data that knows its samples (a folder, several sets): its own
       ``fingerprint(i)`` (the image file's sha256, the crop that index gets, the output size
       where it varies; :meth:`runner.data.FolderDataset.fingerprint`) and ``caption(i)``;
+    * a data set with ``fingerprint(i)`` / ``caption(i)`` methods (the video clip folders: file
+      bytes, frame indices and settings, without decoding a frame): what they return;
     * the built-in demo set and any other map-style dataset: the sha256 of ``ds[i]``'s pixels
       and its caption (the demo set draws small images quickly).
 

@@ -50,7 +50,7 @@ class DataConfig:
     center_crop: bool = True
     random_flip: bool = False
     missing_caption: str = "error"  # error | empty (use an empty caption)
-    demo_size: int = 16  # number of images in the built-in demo set
+    demo_size: int = 16  # number of images (clips, for a video trainer) in the built-in demo set
     caption_ext: str = ".txt"  # extension of the caption file beside each image (kohya: --caption_extension)
     caption_dropout: float = 0.0  # probability that a visit trains with the empty caption (per visit, seeded)
     shuffle_tags: bool = False  # shuffle the comma-separated tags of a caption per visit (kohya: --shuffle_caption)
@@ -63,6 +63,12 @@ class DataConfig:
     # Held-out data for the validation loss (val.*, runner/validation.py); never trained on.
     val_fraction: float = 0.0  # share of the data set held out, the same images for the same data and val.seed
     val_path: Optional[str] = None  # or a separate folder in data.path's layout
+    # Video trainers (trainer=wan; runner/data/video.py). An image counts as a one-frame clip.
+    frames: Optional[int] = None  # frames per video sample; null = the trainer's default (wan: 9 tiny, 81 full)
+    fps: Optional[float] = None  # frame rate clips are read at; null = the trainer's default (wan 2.1: 16)
+    frame_sampling: str = "start"  # start | middle | random (per-sample offset) | slide (every window a sample)
+    width: Optional[int] = None  # video frame width in px (multiple of 8); null = data.resolution
+    height: Optional[int] = None  # video frame height in px (multiple of 8); null = data.resolution
 
 
 @dataclass

@@ -333,8 +333,11 @@ def check_run(cfg: DictConfig) -> None:
     check_options(cfg.data)  # every data.* value, no file read
     check_cache_compatible(cfg)  # data.shuffle_tags with offload.park.cache_text is refused, naming both
     check_val_path(cfg)  # mode=train: a data.val_path folder is scanned now, like data.path below
+    from runner.data.video import check_video_keys, trainer_video_defaults
+
+    check_video_keys(cfg.data)  # data.frames, fps, frame_sampling, width, height
     if cfg.mode == "train":  # a data.path folder (or data.sets) is scanned and checked now, not after the model build
-        check_dataset(cfg.data)
+        check_dataset(cfg.data, video=trainer_video_defaults(cfg))  # a video trainer's folder is read as clips
     run = resolve_for_mode(cfg)
     validate_optimizer(cfg, run)
     validate_plugins(cfg, run)

@@ -54,7 +54,7 @@ from runner.data.order import BatchOrder, StepBatch
 from runner.data.sets import TrainingData
 from runner.errors import UserError
 
-__all__ = ["BatchOrder", "DemoDataset", "FolderDataset", "StepBatch", "TrainingData", "build_dataset",
+__all__ = ["BatchOrder", "DemoDataset", "FolderDataset", "StepBatch", "TrainingData", "build_dataset", "build_video_dataset",
            "check_cache_compatible", "check_dataset", "check_options", "collate", "describe_dataset", "planned_size", "visit_samples"]
 
 
@@ -150,15 +150,48 @@ def build_dataset(data_cfg: Any) -> Dataset:
     return TrainingData(parts, o.rules)
 
 
-def check_dataset(data_cfg: Any) -> None:
+def check_dataset(data_cfg: Any, video: Any = None) -> None:
     """Build the folder data set during validation, so that a broken image or caption fails before
     the plan and the model build, and hand it to the next :func:`build_dataset` of the same settings
     (the trainer's, seconds later) so the scan and header checks run once. Handed over once only:
-    later builds read the folder again, so edits between runs of one process are seen."""
+    later builds read the folder again, so edits between runs of one process are seen.
+
+    ``video``: a video trainer's ``(default_frames, default_fps)`` (its ``video_defaults``): the
+    folder is read as clips (:func:`build_video_dataset`) instead of images."""
+    from runner.data.video import check_video_keys
+
+    check_video_keys(data_cfg)
     if _get(data_cfg, "path", None) is None and not _get(data_cfg, "sets", None):
         return
     _CHECKED.clear()
-    _CHECKED[_folder_key(data_cfg)] = build_dataset(data_cfg)
+    if video is not None:
+        _CHECKED[_folder_key(data_cfg, video)] = build_video_dataset(data_cfg, *video)
+    else:
+        _CHECKED[_folder_key(data_cfg)] = build_dataset(data_cfg)
+
+
+def build_video_dataset(data_cfg: Any, default_frames: int, default_fps: float | None) -> Dataset:
+    """The clips of ``cfg.data`` for a video trainer (runner/data/video.py): ``data.path``'s clips,
+    or the built-in moving shapes. ``default_frames``/``default_fps``: the trainer's values for an
+    unset ``data.frames``/``data.fps``."""
+    from runner.data.demo_video import DemoClips
+    from runner.data.video import ClipFolderDataset, check_video_keys, clip_settings
+
+    check_video_keys(data_cfg)
+    _check_resolution(_get(data_cfg, "resolution", 64))
+    settings = clip_settings(data_cfg, default_frames, default_fps)
+    path = _get(data_cfg, "path", None)
+    if path is None:
+        demo_size = _get(data_cfg, "demo_size", 16)
+        if isinstance(demo_size, bool) or not isinstance(demo_size, int) or demo_size < 1:
+            raise UserError(f"data.demo_size={demo_size!r} is not valid: it is the number of clips in the built-in "
+                            "demo set (used because data.path is unset) and must be a whole number of at least 1.")
+        return DemoClips(demo_size, settings)
+    handed_over = _CHECKED.pop(_folder_key(data_cfg, (default_frames, default_fps)), None)
+    if handed_over is not None:
+        return handed_over
+    return ClipFolderDataset(path, settings, missing_caption=_check_missing_caption(_get(data_cfg, "missing_caption",
+                                                                                              "error")))
 
 
 _CHECKED: dict[tuple, Dataset] = {}
@@ -166,8 +199,9 @@ _KEYED = ("path", "resolution", "center_crop", "missing_caption", "caption_ext",
           "shuffle_tags", "keep_tokens", "buckets", "bucket_step", "bucket_min_side", "bucket_max_side", "sets")
 
 
-def _folder_key(data_cfg: Any) -> tuple:
-    return tuple(str(_get(data_cfg, k, None)) for k in _KEYED)
+def _folder_key(data_cfg: Any, video: Any = None) -> tuple:
+    keys = _KEYED + (("frames", "fps", "frame_sampling", "width", "height") if video is not None else ())
+    return (*(str(_get(data_cfg, k, None)) for k in keys), str(video))
 
 
 def planned_size(data_cfg: Any) -> tuple[Size, str]:

@@ -94,7 +94,7 @@ def format_plan(plan: Plan) -> str:
     s = plan.run
     unit = _unit(plan.peak_bytes)
     lines = [
-        f"Plan: {s['trainer']} ({s['size']}), {_size_text(s)}, batch {s['batch_size']} "
+        f"Plan: {s['trainer']} ({s['size']}), {s.get('sample') or _size_text(s)}, batch {s['batch_size']} "
         f"({s['micro_batches']} x micro-batch {s['micro_batch_size']}), {s['precision_text']} on a "
         f"{plan.target.upper()} device",
         f"  plugins: {s['plugins']}; optimizer: {s['optimizer']}; trained: {s['trained']}",

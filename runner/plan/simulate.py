@@ -369,6 +369,9 @@ def _assemble(sim: _Simulation, seconds: float) -> Plan:
         "train_dtype": str(sim.run.train_dtype).replace("torch.", ""),
         "modules": sorted(ctx.models.modules) if ctx.models is not None else [],
     }
+    describe = getattr(trainer, "describe_sample", None)  # optional: a trainer whose sample is not a square image
+    if callable(describe):
+        run["sample"] = str(describe())
     plan = Plan(
         target=target,
         peak_bytes=dev_peak.peak_bytes,

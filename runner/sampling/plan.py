@@ -99,11 +99,16 @@ class SamplingPlan:
 
         vae, tracker = self.vae, self.sim.tracker
         c = vae.config
-        side = self.resolution // 2 ** (len(c.block_out_channels) - 1)
+        shape_of = getattr(self.family, "decode_shape", None)  # video VAEs: (1, C, frames, h, w)
+        if callable(shape_of):
+            shape = tuple(shape_of(self.sim.trainer, self.resolution))
+        else:
+            side = self.resolution // 2 ** (len(c.block_out_channels) - 1)
+            shape = (1, int(c.latent_channels), side, side)
         dtype = next(vae.parameters()).dtype
         self.vae_tiled = bool(getattr(vae, "use_tiling", False))
         with tracker.phase("decode", category="activations"):
-            latents = torch.empty((1, int(c.latent_channels), side, side), dtype=dtype, device=DEVICE)
+            latents = torch.empty(shape, dtype=dtype, device=DEVICE)
             track = lambda m: tracker.track(m, "weights", module="vae")  # noqa: E731 - the device copy is weights
             with vae_on_device(vae, self.sim.ctx, track=track):
                 vae.decode(latents, return_dict=False)

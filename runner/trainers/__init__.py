@@ -1,4 +1,5 @@
-"""Built-in trainers. Importing this package registers ``trainer=sdxl``, ``flux``, ``sd15`` and ``sd35``.
+"""Built-in trainers. Importing this package registers ``trainer=sdxl``, ``flux``, ``sd15``, ``sd35``,
+``qwen_image`` and ``wan``.
 
 Registered by the path of their class, with their schema from runner/trainers/configs.py and their
 loss objective: the trainer modules import torch and diffusers, and are imported only when a run
@@ -8,10 +9,13 @@ from runner.loss_config import DDPM, FLOW
 from runner.registry import register_trainer
 from runner.trainers.configs import (
     SD15_NATIVE_RESOLUTION,
+    WAN_NATIVE_RESOLUTION,
     FluxTrainerConfig,
+    QwenImageTrainerConfig,
     SD15TrainerConfig,
     SD35TrainerConfig,
     SDXLTrainerConfig,
+    WanTrainerConfig,
 )
 
 register_trainer("sdxl", "runner.trainers.sdxl.SDXLTrainer", SDXLTrainerConfig, "SDXL U-Net, DDPM loss",
@@ -24,3 +28,8 @@ register_trainer("sd15", "runner.trainers.sd15.SD15Trainer", SD15TrainerConfig,
 register_trainer("sd35", "runner.trainers.sd35.SD35Trainer", SD35TrainerConfig,
                  "SD3.5 Medium / Large transformer (trainer.variant=medium|large), rectified-flow matching loss",
                  objective=FLOW)
+register_trainer("qwen_image", "runner.trainers.qwen_image.QwenImageTrainer", QwenImageTrainerConfig,
+                 "Qwen-Image MMDiT (20 B), Qwen2.5-VL text encoder, rectified-flow matching loss", objective=FLOW)
+register_trainer("wan", "runner.trainers.wan.WanTrainer", WanTrainerConfig,
+                 "Wan 2.1/2.2 text-to-video transformer (trainer.variant=14b|1.3b|2.2-5b), rectified-flow matching loss",
+                 native_resolution=WAN_NATIVE_RESOLUTION, objective=FLOW)

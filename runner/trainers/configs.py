@@ -1,4 +1,4 @@
-"""The built-in trainers' option schemas (``trainer=sdxl|flux|sd15|sd35``), importable without torch.
+"""The built-in trainers' option schemas (``trainer=sdxl|flux|sd15|sd35|qwen_image|wan``), importable without torch.
 
 Hydra composes every run against the selected trainer's schema, and ``trainer=sdxl`` is the
 default, so the schema must not import diffusers or torch (``--help`` and config errors answer
@@ -37,3 +37,22 @@ class SD15TrainerConfig:
 class SD35TrainerConfig:
     _target_: str = "runner.trainers.sd35.SD35Trainer"
     variant: str = "large"  # large (8.1 B, 38 blocks) | medium (2.2 B, MMDiT-X)
+
+
+@dataclass
+class QwenImageTrainerConfig:
+    _target_: str = "runner.trainers.qwen_image.QwenImageTrainer"
+    # Text tokens after the template's dropped prefix; captions are truncated to it and padded to it
+    # (masked). null: the pipeline's 512 (96 for the random tiny model's byte-level tokenizer).
+    max_sequence_length: Optional[int] = None
+
+
+WAN_NATIVE_RESOLUTION = {"14b": 480, "1.3b": 480, "2.2-5b": 704}  # px at model.size=full, by trainer.variant
+
+
+@dataclass
+class WanTrainerConfig:
+    _target_: str = "runner.trainers.wan.WanTrainer"
+    variant: str = "14b"  # 14b | 1.3b (Wan 2.1 T2V) | 2.2-5b (Wan 2.2 TI2V-5B, text-to-video)
+    # UMT5 tokens per caption (zero-padded); null: the pipeline's 512 (64 for the random tiny model).
+    max_sequence_length: Optional[int] = None

@@ -86,24 +86,61 @@ def build_module(
     return cast_module(module, dtype)
 
 
-def cast_module(module: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """Cast floating-point weights to ``dtype``, keeping the model's declared float32 modules.
+def keep_in_fp32(module: nn.Module, dtype: torch.dtype) -> set[str]:
+    """Name parts whose weights ``module`` keeps in float32 when stored in ``dtype``.
 
-    Follows transformers' rule: ``_keep_in_fp32_modules`` (T5's ``wo``, which overflows in
-    float16) stay float32 under float16, ``_keep_in_fp32_modules_strict`` under bf16 too. The
-    plain ``nn.Module.to`` is called because diffusers' ``ModelMixin.to`` warns on every dtype
-    cast, even when the model declares no such modules.
+    transformers' rule: ``_keep_in_fp32_modules`` (T5's ``wo``, which overflows in float16) under
+    float16, ``_keep_in_fp32_modules_strict`` under bf16 too. diffusers' rule (``from_pretrained``
+    with any ``torch_dtype``): ``_keep_in_fp32_modules`` under float16 and bfloat16 alike (Wan's
+    rope tables, time embedder, modulation tables and norms).
     """
     keep: set[str] = set()
-    if dtype == torch.float16:
+    diffusers_model = not _is_transformers_model(type(module))
+    if dtype == torch.float16 or (diffusers_model and dtype == torch.bfloat16):
         keep |= set(getattr(module, "_keep_in_fp32_modules", None) or [])
     if dtype in (torch.float16, torch.bfloat16):
         keep |= set(getattr(module, "_keep_in_fp32_modules_strict", None) or [])
-    nn.Module.to(module, dtype=dtype)
-    if keep:
-        for name, sub in module.named_modules():
-            if any(f".{k}." in f".{name}." for k in keep):
-                nn.Module.to(sub, dtype=torch.float32)
+    return keep
+
+
+def keep_unquantized(module: nn.Module, compute_dtype: torch.dtype) -> set[str]:
+    """Name parts whose layers a quantization plugin leaves alone: :func:`keep_in_fp32` at the
+    compute dtype, plus a diffusers model's ``_keep_in_fp32_modules`` at any dtype, as diffusers'
+    own quantizers skip them (Wan's time embedder: its forward casts the timestep to its first
+    weight's dtype, which a 4-bit layer would make uint8)."""
+    keep = keep_in_fp32(module, compute_dtype)
+    if not _is_transformers_model(type(module)):
+        keep |= set(getattr(module, "_keep_in_fp32_modules", None) or [])
+    return keep
+
+
+def cast_module(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast floating-point weights to ``dtype``, keeping the model's declared float32 modules.
+
+    Which modules stay float32: :func:`keep_in_fp32` (a weight is kept when a part of its dotted
+    name is listed). Those are cast to float32 from their values as built, never through ``dtype``
+    (a float64 rope table must not lose its bits on the way). The plain ``nn.Module.to`` is called
+    because diffusers' ``ModelMixin.to`` warns on every dtype cast, even when the model declares
+    no such modules.
+    """
+    keep = keep_in_fp32(module, dtype)
+    if not keep and not any(t.is_complex() for t in (*module.parameters(), *module.buffers())):
+        nn.Module.to(module, dtype=dtype)
+        return module
+    # Tensor by tensor: float32-kept weights go straight to float32, and complex tensors (RoPE
+    # tables some models keep as buffers) are never cast to a real dtype.
+    for name, sub in module.named_modules():
+        for table in (sub._parameters, sub._buffers):
+            for key, t in list(table.items()):
+                if t is None or not t.is_floating_point():
+                    continue
+                target = torch.float32 if keep & set(f"{name}.{key}".split(".")) else dtype
+                if t.dtype == target:
+                    continue
+                if isinstance(t, nn.Parameter):
+                    t.data = t.data.to(target)
+                else:
+                    table[key] = t.to(target)
     return module
 
 

@@ -88,3 +88,25 @@ def tokenize(tokenizer: Any, texts: list[str], max_length: int, device: torch.de
         list(texts), padding="max_length", max_length=max_length, truncation=True, return_tensors="pt"
     ).input_ids
     return ids.to(device)
+
+
+@functools.lru_cache(maxsize=4)
+def qwen2_tokenizer(model_max_length: int = 1024) -> Any:
+    """A real ``Qwen2Tokenizer`` over a minimal byte-level vocabulary, built offline (Qwen-Image).
+
+    Vocabulary: the 256 byte symbols of GPT-2's byte-to-unicode table (Qwen2's own byte level),
+    then ``<|endoftext|>`` = 256, ``<|im_start|>`` = 257 and ``<|im_end|>`` = 258, the chat
+    template's specials; no merges, so every byte is a token. Pre-tokenization, specials and
+    padding are the library's, so the prompt template and the count of its tokens that the
+    pipeline drops behave as with the real tokenizer (only the counts differ).
+    """
+    from transformers import Qwen2Tokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from runner.trainers.qwen_image_configs import TINY_QWEN_SPECIALS
+
+    vocab = {s: i for i, s in enumerate(bytes_to_unicode().values())}
+    vocab.update(TINY_QWEN_SPECIALS)
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], model_max_length=model_max_length)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    return tok

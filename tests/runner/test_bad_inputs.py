@@ -65,6 +65,13 @@ def files(tmp_path_factory) -> dict[str, Path]:
     (presets / "empty.yaml").write_text("")
     (presets / "bad_value.yaml").write_text("# @package _global_\ntrain:\n  steps: many\n")
     (presets / "unknown_key.yaml").write_text("# @package _global_\ntrain:\n  stepz: 3\n")
+    for name, frames, caption in (("clip_no_caption", 5, None), ("short_clip", 3, b"a short clip")):
+        clip = folder(name) / "clip1"
+        clip.mkdir()
+        for i in range(frames):
+            image(clip / f"{i:04d}.png", caption=None)
+        if caption is not None:
+            (f[name] / "clip1.txt").write_bytes(caption)
     return f
 
 
@@ -177,6 +184,19 @@ CASES = [
     ("sd35 resolution not a multiple of 16", ["trainer=sd35", "data.resolution=72"], ["data.resolution=72", "16"]),
     ("kohya export of an sd35 lora", ["trainer=sd35", "model.train=lora", "export.lora_format=kohya"],
      ["export.lora_format=kohya", "diffusers"]),
+    ("video frames zero", ["data.frames=0"], ["data.frames=0"]),
+    ("video fps negative", ["data.fps=-2"], ["data.fps=-2"]),
+    ("unknown frame sampling", ["data.frame_sampling=strat"], ["data.frame_sampling", "start"]),
+    ("video width not a multiple of 8", ["data.width=100"], ["data.width=100"]),
+    ("wan frames not 4k+1", ["trainer=wan", "data.frames=8"], ["data.frames=8", "4k+1"]),
+    ("wan height not a multiple of 16", ["trainer=wan", "data.height=40"], ["data.height=40", "multiple of 16"]),
+    ("unknown wan variant", ["trainer=wan", "trainer.variant=14B"], ["trainer.variant", "14b"]),
+    ("typo wan key", ["trainer=wan", "trainer.varient=14b"], ["variant"]),
+    ("wan clip folder without captions", ["trainer=wan", "data.path={clip_no_caption}"], ["clip1.txt"]),
+    ("wan clip folder too short", ["trainer=wan", "data.frames=9", "data.path={short_clip}"],
+     ["no clip is long enough", "data.frames=9"]),
+    ("qwen text length too long", ["trainer=qwen_image", "trainer.max_sequence_length=4096"],
+     ["trainer.max_sequence_length=4096"]),
     ("unparsable override", ["train.steps=[1,"], ["train.steps"]),
     ("ema key typo", ["ema.decya=0.9"], ["Did you mean 'decay'"]),
     ("ema decay one", ["ema.enabled=true", "ema.decay=1"], ["ema.decay=1"]),

@@ -1,0 +1,155 @@
+"""Architecture config dicts of the Wan text-to-video family (``trainer=wan``), per variant and size.
+
+A sibling of :mod:`runner.trainers.model_configs` (same rules: plain data, accessors return deep
+copies). ``trainer.variant`` picks the published model ``model.size=full`` builds; ``tiny`` keeps
+that variant's structure (its VAE's channels and compression, 3-D patching, cross-attention to
+UMT5 states, fp32-kept modules) at a few dozen channels:
+
+* ``14b``: Wan-AI/Wan2.1-T2V-14B-Diffusers (40 blocks of width 5120; 14.3 B parameters);
+* ``1.3b``: Wan-AI/Wan2.1-T2V-1.3B-Diffusers (30 blocks of width 1536; 1.4 B);
+* ``2.2-5b``: Wan-AI/Wan2.2-TI2V-5B-Diffusers (30 blocks of width 3072 over the 48-channel,
+  16x-compressing Wan 2.2 VAE; 5.0 B), trained here in its text-to-video mode.
+
+Wan 2.1 variants share the 16-channel Wan 2.1 VAE (8x spatial, 4x temporal compression); every
+variant uses UMT5-XXL (``google/umt5-xxl``'s encoder, 5.7 B) with 512 text tokens. Values from
+the published ``config.json`` files (diffusers' ``scripts/convert_wan_to_diffusers.py`` writes
+the same ones).
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from runner.errors import UserError, valid_list
+from runner.trainers.model_configs import TINY_T5_VOCAB, _check_size
+from runner.trainers.qwen_image_configs import WAN21_LATENTS_MEAN, WAN21_LATENTS_STD
+
+VARIANTS = ("14b", "1.3b", "2.2-5b")
+
+_WAN21_14B = {  # Wan2.1-T2V-14B transformer/config.json
+    "patch_size": [1, 2, 2],
+    "num_attention_heads": 40,
+    "attention_head_dim": 128,
+    "in_channels": 16,
+    "out_channels": 16,
+    "text_dim": 4096,
+    "freq_dim": 256,
+    "ffn_dim": 13824,
+    "num_layers": 40,
+    "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads",
+    "eps": 1e-6,
+    "image_dim": None,
+    "added_kv_proj_dim": None,
+    "rope_max_seq_len": 1024,
+}
+_WAN21_1_3B = {**_WAN21_14B, "num_attention_heads": 12, "ffn_dim": 8960, "num_layers": 30}
+_WAN22_5B = {**_WAN21_14B, "num_attention_heads": 24, "ffn_dim": 14336, "num_layers": 30,
+             "in_channels": 48, "out_channels": 48}
+_TRANSFORMER_TINY = {
+    **_WAN21_14B,
+    "num_attention_heads": 2,
+    "attention_head_dim": 12,  # rope splits it 4 / 4 / 4 (t, h, w)
+    "text_dim": 32,
+    "freq_dim": 16,
+    "ffn_dim": 48,
+    "num_layers": 3,  # three blocks: offload=stream keeps two in its window and streams the third
+}
+
+_VAE21 = {  # Wan2.1 vae/config.json (AutoencoderKLWan, 127 M parameters)
+    "base_dim": 96,
+    "z_dim": 16,
+    "dim_mult": [1, 2, 4, 4],
+    "num_res_blocks": 2,
+    "attn_scales": [],
+    "temperal_downsample": [False, True, True],
+    "dropout": 0.0,
+    "latents_mean": WAN21_LATENTS_MEAN,
+    "latents_std": WAN21_LATENTS_STD,
+    "scale_factor_temporal": 4,
+    "scale_factor_spatial": 8,
+}
+_VAE22 = {  # Wan2.2-TI2V-5B vae/config.json (the residual, 48-channel Wan 2.2 VAE, 16x16 per latent)
+    "base_dim": 160,
+    "decoder_base_dim": 256,
+    "z_dim": 48,
+    "dim_mult": [1, 2, 4, 4],
+    "num_res_blocks": 2,
+    "attn_scales": [],
+    "temperal_downsample": [False, True, True],
+    "dropout": 0.0,
+    "is_residual": True,
+    "in_channels": 12,
+    "out_channels": 12,
+    "patch_size": 2,
+    "scale_factor_temporal": 4,
+    "scale_factor_spatial": 16,
+    "latents_mean": [-0.2289, -0.0052, -0.1323, -0.2339, -0.2799, 0.0174, 0.1838, 0.1557, -0.1382, 0.0542, 0.2813,
+                     0.0891, 0.1570, -0.0098, 0.0375, -0.1825, -0.2246, -0.1207, -0.0698, 0.5109, 0.2665, -0.2108,
+                     -0.2158, 0.2502, -0.2055, -0.0322, 0.1109, 0.1567, -0.0729, 0.0899, -0.2799, -0.1230, -0.0313,
+                     -0.1649, 0.0117, 0.0723, -0.2839, -0.2083, -0.0520, 0.3748, 0.0152, 0.1957, 0.1433, -0.2944,
+                     0.3573, -0.0548, -0.1681, -0.0667],
+    "latents_std": [0.4765, 1.0364, 0.4514, 1.1677, 0.5313, 0.4990, 0.4818, 0.5013, 0.8158, 1.0344, 0.5894, 1.0901,
+                    0.6885, 0.6165, 0.8454, 0.4978, 0.5759, 0.3523, 0.7135, 0.6804, 0.5833, 1.4146, 0.8986, 0.5659,
+                    0.7069, 0.5338, 0.4889, 0.4917, 0.4069, 0.4999, 0.6866, 0.4093, 0.5709, 0.6065, 0.6415, 0.4944,
+                    0.5726, 1.2042, 0.5458, 1.6887, 0.3971, 1.0600, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744],
+}
+_VAE21_TINY = {**_VAE21, "base_dim": 8, "num_res_blocks": 1}
+_VAE22_TINY = {**_VAE22, "base_dim": 8, "decoder_base_dim": 8, "num_res_blocks": 1}
+
+_UMT5_XXL = {  # google/umt5-xxl encoder (Wan text_encoder/config.json)
+    "vocab_size": 256384,
+    "d_model": 4096,
+    "d_ff": 10240,
+    "d_kv": 64,
+    "num_heads": 64,
+    "num_layers": 24,
+    "feed_forward_proj": "gated-gelu",
+    "relative_attention_num_buckets": 32,
+    "relative_attention_max_distance": 128,
+    "layer_norm_epsilon": 1e-6,
+    "dropout_rate": 0.1,
+    "tie_word_embeddings": False,
+    "pad_token_id": 0,
+    "eos_token_id": 1,
+    "decoder_start_token_id": 0,
+}
+_UMT5_TINY = {**_UMT5_XXL, "vocab_size": TINY_T5_VOCAB, "d_model": 32, "d_ff": 64, "d_kv": 8, "num_heads": 4,
+              "num_layers": 2}
+
+_FULL = {
+    "14b": {"transformer": _WAN21_14B, "vae": _VAE21, "text_encoder": _UMT5_XXL},
+    "1.3b": {"transformer": _WAN21_1_3B, "vae": _VAE21, "text_encoder": _UMT5_XXL},
+    "2.2-5b": {"transformer": _WAN22_5B, "vae": _VAE22, "text_encoder": _UMT5_XXL},
+}
+_TINY = {
+    "14b": {"transformer": _TRANSFORMER_TINY, "vae": _VAE21_TINY, "text_encoder": _UMT5_TINY},
+    "1.3b": {"transformer": _TRANSFORMER_TINY, "vae": _VAE21_TINY, "text_encoder": _UMT5_TINY},
+    "2.2-5b": {"transformer": {**_TRANSFORMER_TINY, "in_channels": 48, "out_channels": 48}, "vae": _VAE22_TINY,
+               "text_encoder": _UMT5_TINY},
+}
+# UMT5 prompt length: the pipeline pads every prompt with zeros to 512 tokens and the model was
+# trained that way; the tiny byte-level tokenizer keeps short captions whole in 64.
+WAN_MAX_SEQUENCE_LENGTH = {"full": 512, "tiny": 64}
+# The published pipelines' sampling settings per variant: the scheduler's flow shift (3.0 is the
+# 480p value of Wan 2.1; 2.2-5B ships 5.0), the frame rate of the training clips, and whether the
+# pipeline passes one timestep per latent token (Wan 2.2 TI2V's expand_timesteps).
+WAN_PIPELINE = {
+    "14b": {"flow_shift": 3.0, "fps": 16, "expand_timesteps": False},
+    "1.3b": {"flow_shift": 3.0, "fps": 16, "expand_timesteps": False},
+    "2.2-5b": {"flow_shift": 5.0, "fps": 24, "expand_timesteps": True},
+}
+
+
+def check_variant(variant: str) -> str:
+    if variant not in VARIANTS:
+        raise UserError(f"Unknown trainer.variant '{variant}' for trainer=wan. Valid variants: "
+                        f"{valid_list(variant, VARIANTS)}.")
+    return variant
+
+
+def wan_configs(size: str, variant: str = "14b") -> dict[str, dict[str, Any]]:
+    """Config dicts of the Wan modules (transformer, vae, text_encoder) of one size and variant."""
+    _check_size(size)
+    check_variant(variant)
+    return copy.deepcopy((_FULL if size == "full" else _TINY)[variant])
