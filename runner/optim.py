@@ -69,6 +69,7 @@ class AdamWConfig:
     weight_decay: float = 1e-2
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
+    fused_backward: bool = False  # step each parameter inside backward and free its gradient at once (runner/fused.py)
 
 
 @dataclass
@@ -98,6 +99,7 @@ class AdafactorConfig:
     decay_rate: float = -0.8
     beta1: Optional[float] = None  # None: no first moment (the memory saving)
     scale_parameter: bool = False  # True multiplies lr by each tensor's RMS
+    fused_backward: bool = False  # step each parameter inside backward and free its gradient at once (runner/fused.py)
 
 
 # ---- state layout -------------------------------------------------------------------------------
@@ -358,6 +360,16 @@ class SimulatedOptimizer(torch.optim.Optimizer):
         self.paged_device = torch.device(paged_device) if paged_device is not None else None
         self._shared: dict[tuple[str, str], torch.Tensor] = {}
         super().__init__(params, {"lr": float(cfg.lr)})
+
+    @torch.no_grad()
+    def allocate_state(self) -> None:
+        """Every parameter's state now, as after a first step (fused backward's steady state)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    for spec in state_layout(self.cfg, p):
+                        state[spec.key] = self._allocate(spec, p)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:

@@ -29,6 +29,7 @@ from runner import registry
 from runner.config import DTYPES, LR_SCHEDULERS, MODES, PRECISIONS, SIZES, TRAIN_DTYPES
 from runner.errors import UserError, did_you_mean, valid_list
 from runner.export.config import validate_export
+from runner.fused import check_fused_backward
 from runner.nonfinite import POLICIES as NONFINITE_POLICIES
 from runner.optim import validate_optimizer
 from runner.plugin import KINDS
@@ -282,6 +283,7 @@ def validate(cfg: DictConfig) -> None:
     validate_log_config(cfg.log)
     run = resolve_for_mode(cfg)
     validate_optimizer(cfg, run)
+    check_fused_backward(cfg, run, [(k, n) for k, n, _ in registry.selected(cfg)])
     validate_plugins(cfg, run)
 
 

@@ -37,6 +37,7 @@ from torch import nn
 
 from runner import registry
 from runner.context import RunContext
+from runner.fused import FusedBackward, fuse_into_backward
 from runner.memory.tracker import CATEGORIES, NO_MODULE, LiveBytesTracker
 from runner.optim import build_optimizer
 from runner.plan.batch import cached_parts, encode_batch, encode_part_shapes, example_batch, fake_batch, move_batch
@@ -210,6 +211,7 @@ class _Simulation:
         self.cached: set[str] = set()
         self.state_by_dev: dict[str, dict[str, dict[str, int]]] = {}
         self.host_steady = 0
+        self.fused = False  # optimizer.fused_backward: the optimizer steps inside backward (runner/fused.py)
 
     def timed(self, name: str, fn: Any, *args: Any) -> None:
         t0 = time.perf_counter()
@@ -237,6 +239,13 @@ class _Simulation:
         self.params = list(ctx.models.trainable_parameters())
         ctx.optimizer = build_optimizer(self.cfg.optimizer, self.params, simulate=True)
         ctx.run_phase("wrap_optimizer")
+        ctx.optimizer = fuse_into_backward(ctx.optimizer, self.cfg.optimizer, self.run)
+        self.fused = isinstance(ctx.optimizer, FusedBackward)
+        if self.fused:
+            # Steady state of fused backward: the state exists through forward and backward (it
+            # is not added afterwards, see _assemble), and each gradient dies in its hook.
+            ctx.optimizer.inner.allocate_state()
+            _label_optimizer_state(tracker, ctx.optimizer, self.owner)
         trainer = self.trainer
         self.raw = (ctx.facts.encode_on_device
                     and callable(getattr(trainer, "example_raw_batch", None)) and callable(getattr(trainer, "encode", None)))
@@ -313,7 +322,7 @@ def _assemble(sim: _Simulation, seconds: float) -> Plan:
     phases: dict[str, int] = {}
     for name, per_dev in recorder.phases:
         for dev, pk in per_dev.items():
-            if name.startswith(("forward", "backward")):  # steady state: the state lives through them
+            if name.startswith(("forward", "backward")) and not sim.fused:  # steady state: the state lives through them
                 extra = state.get(dev, {})
                 by_module = {m: dict(c) for m, c in pk.by_module.items()}
                 for m, n in extra.items():
@@ -343,7 +352,7 @@ def _assemble(sim: _Simulation, seconds: float) -> Plan:
         "precision": precision,
         "precision_text": f"{precision} autocast" if precision != "no" else "float32 (no autocast)",
         "plugins": plugins or "none",
-        "optimizer": str(c.optimizer.get("name", "?")),
+        "optimizer": str(c.optimizer.get("name", "?")) + (", fused backward" if sim.fused else ""),
         "trained": ", ".join(sorted(ctx.models.trained)) if ctx.models is not None else "?",
         "model_train": sim.run.train_mode,
         "model_dtype": str(sim.run.frozen_dtype).replace("torch.", ""),
