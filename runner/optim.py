@@ -348,6 +348,10 @@ class SimulatedOptimizer(torch.optim.Optimizer):
     it upcasts).
     """
 
+    # > 0 while a simulated optimizer creates its state: the first step's allocations, which a
+    # steady-state step does not repeat (the planner's step-time counter skips their ops).
+    allocating = 0
+
     def __init__(
         self,
         params: Iterable[torch.nn.Parameter],
@@ -374,14 +378,18 @@ class SimulatedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         loss = closure() if closure is not None else None
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    for spec in state_layout(self.cfg, p):
-                        state[spec.key] = self._allocate(spec, p)
+        SimulatedOptimizer.allocating += 1
+        try:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    state = self.state[p]
+                    if not state:
+                        for spec in state_layout(self.cfg, p):
+                            state[spec.key] = self._allocate(spec, p)
+        finally:
+            SimulatedOptimizer.allocating -= 1
         return loss
 
     def _allocate(self, spec: StateTensor, p: torch.Tensor) -> torch.Tensor:

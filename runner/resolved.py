@@ -30,6 +30,7 @@ from typing import Any, Optional
 
 import torch
 
+from runner.devices import DeviceSpec, device_spec
 from runner.errors import UserError
 
 log = logging.getLogger("runner")
@@ -56,6 +57,7 @@ class ResolvedRun:
     max_grad_norm: float  # 0 disables clipping
     seed: int
     simulate: bool = False  # True inside the planner: tensors are fake, device is meta
+    gpu: Optional[DeviceSpec] = None  # device.name / device.spec: the GPU the run is for (runner/devices.py)
 
     @property
     def micro_batch(self) -> int:
@@ -87,6 +89,8 @@ class ResolvedRun:
     def describe(self) -> str:
         """One log line: what was decided."""
         budget = "no budget" if self.budget_bytes is None else f"budget {self.budget_bytes / GiB:g} GiB"
+        if self.gpu is not None:
+            budget += f" ({self.gpu.label})"
         autocast = f"{self.precision} autocast" if self.precision != "no" else "no autocast"
         name = lambda d: str(d).replace("torch.", "")  # noqa: E731
         return (f"run: on {self.device} for {self.target}, {autocast}, frozen weights {name(self.frozen_dtype)}, "
@@ -133,6 +137,11 @@ def resolve(cfg: Any, *, target: Optional[str] = None, device: Optional[torch.de
                      precision, frozen_dtype_name, train_dtype_name)
         precision, train_dtype_name, frozen_dtype_name = "no", "float32", "float32"
     budget = cfg.get("budget_gb")
+    budget_bytes = None if budget is None else int(float(budget) * GiB)
+    gpu = device_spec(cfg.get("device")) if target == "cuda" else None
+    if gpu is not None:  # a named card: its usable memory is the default budget, and caps a larger one
+        usable = int(gpu.usable_gib * GiB)
+        budget_bytes = usable if budget_bytes is None else min(budget_bytes, usable)
     return ResolvedRun(
         device=torch.device(device),
         host=torch.device("cpu"),
@@ -141,9 +150,10 @@ def resolve(cfg: Any, *, target: Optional[str] = None, device: Optional[torch.de
         frozen_dtype=DTYPES[frozen_dtype_name],
         train_dtype=DTYPES[train_dtype_name],
         train_mode=str(model.get("train", "full")),
-        budget_bytes=None if budget is None else int(float(budget) * GiB),
+        budget_bytes=budget_bytes,
         batch_size=int(cfg.train.batch_size),
         grad_accum=int(cfg.train.grad_accum),
         max_grad_norm=float(cfg.train.max_grad_norm),
         seed=int(cfg.train.seed),
+        gpu=gpu,
     )

@@ -28,7 +28,9 @@ import torch
 from runner import registry
 from runner.config import DTYPES, LR_SCHEDULERS, MODES, PRECISIONS, SIZES, TRAIN_DTYPES
 from runner.errors import UserError, did_you_mean, valid_list
+from runner.devices import check_device_config
 from runner.export.config import validate_export
+from runner.fit.config import check_fit_config
 from runner.fused import check_fused_backward
 from runner.nonfinite import POLICIES as NONFINITE_POLICIES
 from runner.optim import validate_optimizer
@@ -280,6 +282,8 @@ def validate(cfg: DictConfig) -> None:
 
         check_dataset(cfg.data)
     validate_export(cfg)
+    check_device_config(cfg)
+    check_fit_config(cfg.fit)
     validate_log_config(cfg.log)
     run = resolve_for_mode(cfg)
     validate_optimizer(cfg, run)
@@ -314,7 +318,7 @@ def _spelling(names: list[str]) -> str:
 def resolve_for_mode(cfg: DictConfig) -> ResolvedRun:
     """The run as ``mode`` will see it: planned for its target on ``meta`` (mode=plan), else the
     running device."""
-    if cfg.mode == "plan":
+    if cfg.mode in ("plan", "fit"):
         return resolve(cfg, target=planned_target(cfg), device=torch.device("meta")).simulated()
     if cfg.mode == "plugins":
         return resolve(cfg, target=planned_target(cfg), device=torch.device("cpu"))

@@ -42,6 +42,11 @@ class Plan:
     suggestions: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
     sampling: dict[str, Any] | None = None  # sample.every: the sampling pass's peak beside the step's (runner/sampling/plan.py)
+    step_time: dict[str, Any] | None = None  # predicted s/step and its FLOPs, bytes and copies (runner/plan/speed.py)
+
+    @property
+    def seconds_per_step(self) -> float | None:
+        return None if self.step_time is None else float(self.step_time["seconds"])
 
     @property
     def required_bytes(self) -> int:
@@ -77,6 +82,14 @@ def format_size(n: int | float, unit: tuple[float, str] | None = None) -> str:
     return f"{n / div:.2f} {name}"
 
 
+def _step_time_line(st: dict[str, Any]) -> str:
+    per = ", ".join(f"{k} {v:.3g}" for k, v in st["phases"].items() if v)
+    moved = st["h2d_bytes"] + st["d2h_bytes"]
+    copies = f", {format_size(moved)} host<->device" if moved else ""
+    return (f"step time: {st['seconds']:.3g} s/step predicted on {st['device']} ({per} s; {st['bound']}; "
+            f"{st['flops'] / 1e12:.3g} TFLOP{copies})")
+
+
 def format_plan(plan: Plan) -> str:
     """The plan as a readable table (what ``mode=plan`` prints)."""
     s = plan.run
@@ -96,7 +109,10 @@ def format_plan(plan: Plan) -> str:
     else:
         over = format_size(plan.required_bytes - plan.budget_bytes)
         verdict = f"budget_gb {plan.budget_bytes / GiB:g} -> " + ("FITS" if plan.fits else f"DOES NOT FIT (over by {over})")
-    lines += [f"device memory: {need}", f"  {verdict}", ""]
+    lines += [f"device memory: {need}", f"  {verdict}"]
+    if plan.step_time:
+        lines.append(_step_time_line(plan.step_time))
+    lines.append("")
     mods = sorted(plan.by_module.items(), key=lambda kv: -sum(kv[1].values()))
     cats = [c for c in CATEGORIES if any(per.get(c) for _, per in mods)]
     short = {"optimizer_state": "optimizer", "temporaries": "temporary", "activations": "activation"}

@@ -37,13 +37,17 @@ from torch import nn
 
 from runner import registry
 from runner.context import RunContext
+from runner.devices import reference_spec
 from runner.fused import FusedBackward, fuse_into_backward
 from runner.memory.tracker import CATEGORIES, NO_MODULE, LiveBytesTracker
 from runner.optim import build_optimizer
 from runner.plan.batch import cached_parts, encode_batch, encode_part_shapes, example_batch, fake_batch, move_batch
 from runner.plan.fake import fake_module, simulation_mode
 from runner.plan.result import PhasePeak, Plan
+from runner.plan.calibrate import cpu_target
+from runner.plan.cost import CostCounter
 from runner.plan.semantics import DeviceSemantics, SimulatedAccelerator
+from runner.plan.speed import StepTime, Target, Trained, gpu_target, predict
 from runner.plan.suggest import suggest
 from runner.plan.target import CUDA_WORKSPACE_MARGIN_BYTES, DEVICE, HOST
 from runner.resolved import ResolvedRun, planned_target, resolve
@@ -126,6 +130,9 @@ def plan_step(
     if run is None:
         run = resolve(cfg, target=target or planned_target(cfg), device=DEVICE)
     run = run.simulated()
+    t0 = time.perf_counter()
+    timing = step_time_target(run)  # before _one_thread: a CPU is measured with the run's own threads
+    calibrated_s = time.perf_counter() - t0
     started = time.perf_counter()
     with _one_thread(), _old_objects_frozen():
         sim = _Simulation(
@@ -134,6 +141,8 @@ def plan_step(
             _isolated(trainer if trainer is not None else build_trainer(cfg, run)),
             schedule if schedule is not None else build_plugins(cfg, run),
         )
+        counter = timing.counter()
+        sim.tracker.op_observer = counter.observe  # FLOPs, bytes and copies of every op (runner/plan/cost.py)
         sampling = plan_sampling(sim)  # sample.every: keeps the VAE as the sampler does; a no-op when off
         with sim.mode:
             try:
@@ -147,8 +156,35 @@ def plan_step(
                 sim.tracker.detach_module_hooks()
                 sim.ctx.teardown()
     plan = _assemble(sim, time.perf_counter() - started)
+    plan.step_time = _step_time(sim, counter, timing).to_dict()
+    if calibrated_s > 0.05:
+        plan.notes["timings_s"]["cpu calibration"] = round(calibrated_s, 2)
     sampling.report(plan)
     return plan
+
+
+def step_time_target(run: ResolvedRun) -> Target:
+    """What the plan's s/step is predicted for: this CPU (measured), the named GPU, or the reference card."""
+    if run.target == "cpu":
+        return cpu_target()
+    return gpu_target(run.gpu or reference_spec(), reference=run.gpu is None)
+
+
+def _step_time(sim: _Simulation, counter: CostCounter, timing: Target) -> StepTime:
+    trained = Trained()
+    for p in sim.params:
+        n, b = p.numel(), p.numel() * p.element_size()
+        if getattr(p, "fake_device", p.device).type == HOST.type and sim.run.target != "cpu":
+            trained.host_elements += n
+            trained.host_bytes += b
+            trained.host_params += 1
+        else:
+            trained.device_elements += n
+            trained.device_bytes += b
+            trained.device_params += 1
+    return predict(counter, timing, micro_batches=sim.run.grad_accum, simulated_micro=sim.n_micro,
+                   transfers=sim.ctx.facts.transfers, optimizer=str(sim.cfg.optimizer.get("name", "adamw")),
+                   trained=trained, fused=sim.fused)
 
 
 @contextlib.contextmanager
