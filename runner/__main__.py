@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 
 from runner import registry, sweep
 from runner.export.checkpoint import export_after_training, export_command
+from runner.fit.output import auto_fit, command_line, fit_command
 from runner.hostmem import keep_freed_host_memory
 from runner.loop import make_accelerator, train
 from runner.plan import plan_command, preflight
@@ -45,6 +46,11 @@ def run(cfg: DictConfig) -> float | None:
     if cfg.mode == "export":                                    # export a saved checkpoint (train.resume); no training
         export_command(cfg, out)
         return None
+    if cfg.mode == "fit":                                       # the fastest settings that fit: table, fit.yaml (runner/fit/)
+        fit_command(cfg, command_line(overrides), out)
+        return None
+    if cfg.train.auto_fit:                                      # train.auto_fit: the same search, then train with the winner
+        cfg, overrides = auto_fit(cfg, command_line(overrides), out)
     run = resolve(cfg)                                          # resolve: device, precision, dtypes, budget, once
     log.info("%s", run.describe())
     keep_freed_host_memory(run)                                 # CPU runs: no page-fault churn between steps

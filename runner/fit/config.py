@@ -23,7 +23,7 @@ class FitConfig:
 
     allow: list[str] = field(default_factory=list)  # math-changing settings it may choose: lora, quantize, 8bit, bf16_weights, per_param_clipping
     top: int = 5  # candidates printed, fastest first
-    confirm: int = 4  # most candidates confirmed with a full plan before giving up on a fit
+    confirm: int = 3  # most candidates confirmed with a full plan (beside the base and one checkpointing anchor)
     headroom_gb: float = 0.0  # keep this much of the budget free (allocator fragmentation, other processes)
 
 

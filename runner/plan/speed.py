@@ -29,6 +29,7 @@ one when it is): the efficiencies below. The CPU figures are measured on the mac
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -229,5 +230,6 @@ def predict(counter: CostCounter, target: Target, *, micro_batches: int, simulat
         detail={"phases": {k: c.to_dict() for k, c in phases.items()},
                 "optimizer_update": {"device_bytes": dev_b, "host_bytes": host_b, "in": upd_phase,
                                      "host_elements": trained.host_elements, "device_elements": trained.device_elements},
-                "copies_overlapped_share": share, "first_window_bytes": window},
+                "copies_overlapped_share": share, "first_window_bytes": window,
+                "transfers": {k: asdict(t) if dataclasses.is_dataclass(t) else dict(t) for k, t in transfers.items()}},
     )
