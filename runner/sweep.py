@@ -303,7 +303,9 @@ def launch(task: Callable[[DictConfig], Any]) -> None:
     args, _ = hydra_args()
     if not (args.help or args.hydra_help or args.info or args.shell_completion):
         try:
-            precheck(args.overrides, multirun=args.multirun)
+            # --config-dir (a user's presets, e.g. mode=fit's conf/) joins the search path for the pre-check too
+            extra = [f"hydra.searchpath=[file://{Path(args.config_dir).resolve()}]"] if args.config_dir else []
+            precheck([*args.overrides, *extra], multirun=args.multirun)
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(e.exit_code)
