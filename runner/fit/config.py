@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from runner.errors import UserError, valid_list
 
@@ -25,6 +25,7 @@ class FitConfig:
     top: int = 5  # candidates printed, fastest first
     confirm: int = 3  # most candidates confirmed with a full plan (beside the base and one checkpointing anchor)
     headroom_gb: float = 0.0  # keep this much of the budget free (allocator fragmentation, other processes)
+    host_ram_gb: Optional[float] = None  # host RAM the run may use while training (offloads); None: this machine's RAM
 
 
 def check_fit_config(c: Any) -> None:
@@ -38,3 +39,5 @@ def check_fit_config(c: Any) -> None:
         raise UserError(f"fit.confirm={c.confirm!r} is not valid: give a whole number >= 1.")
     if c.headroom_gb is None or c.headroom_gb < 0:
         raise UserError(f"fit.headroom_gb={c.headroom_gb!r} is not valid: give GiB >= 0.")
+    if c.host_ram_gb is not None and not c.host_ram_gb > 0:
+        raise UserError(f"fit.host_ram_gb={c.host_ram_gb!r} is not valid: give GiB > 0, or null for this machine's RAM.")

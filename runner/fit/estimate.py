@@ -174,13 +174,17 @@ class Estimator:
         if k.quantization and not b.quantization:  # the LoRA base's Linear weights, packed
             per = NF4_BYTES if k.quantization == "nf4" else FP8_BYTES
             trained_w = max(trained_w - int(inv.frozen_linear_elements * (self.frozen_dtype_bytes - per)), 0)
+        host = float(a.plan.host_steady_bytes)  # host RAM during training: the anchor's, plus what moves there
         if k.stream_gb is not None and k.stream_gb >= 0 and k.stream_gb != b.stream_gb:
             streamed = self._streamed(k, trained_w)
+            host += streamed
             if full:  # streamed blocks' gradients and state live on the host
                 keep = 1 - streamed / max(trained_w, 1)
+                host += (grads + state) * (1 - keep)
                 grads, state = grads * keep, state * keep
             trained_w = min(trained_w, k.stream_gb * GiB)
         if k.optimizer_offload and not b.optimizer_offload:
+            host += state + 2 * grads  # state, host master weights and their gradient buffers
             state = 0
         if k.fused and not b.fused:
             grads = min(grads, inv.largest_param_bytes)
@@ -192,18 +196,20 @@ class Estimator:
         held = a.category("weights") + a.category("optimizer_state") + a.category("other")
         forward = max(a.plan.phases.get("forward", 0) - held, 0) * k.micro / b.micro
         if k.activations and not b.activations:
+            host += max(forward, acts)  # a micro-batch's saved activations wait on the host for its backward
             acts *= ACTIVATION_OFFLOAD_KEEPS
             forward *= ACTIVATION_OFFLOAD_KEEPS
         if forward > grads + acts + temps:  # the peak moves to the end of forward (fused backward, offloads)
             grads, acts, temps = 0, forward, 0
         return {"weights": trained_w + frozen_w, "gradients": grads, "optimizer_state": state,
-                "activations": acts, "temporaries": temps, "other": a.category("other")}
+                "activations": acts, "temporaries": temps, "other": a.category("other"), "host": host}
 
     def peak(self, k: Knobs) -> tuple[int, dict[str, int]]:
+        """(device peak, its parts by category and ``host``: host RAM during training)."""
         refs = self.refs(k) or [self.anchors[self.base.checkpoint]]
         each = [self._peak_from(a, k) for a in refs]
         parts = {c: int(sum(e[c] for e in each) / len(each)) for c in each[0]}
-        return int(sum(parts.values())), parts
+        return int(sum(v for c, v in parts.items() if c != "host")), parts
 
     # -- time --------------------------------------------------------------------------------------
     def _phases(self, a: Anchor, k: Knobs) -> dict[str, PhaseCost]:

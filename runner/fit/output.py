@@ -51,6 +51,9 @@ def _status(c: Candidate, result: FitResult) -> str:
     how = "planned" if c.confirmed else "estimated"
     if over > 0:
         return f"over the budget by {format_size(over)} ({how})"
+    if c.host_bytes > result.host_limit:
+        return (f"needs {format_size(c.host_bytes)} of host RAM while training, more than fit.host_ram_gb "
+                f"({format_size(result.host_limit)}) ({how})")
     if result.winner is not None:
         if c.seconds < result.winner.seconds and not c.confirmed:
             return "estimated about as fast; not planned (fit.confirm plans spent, or within 5 %)"
@@ -62,6 +65,7 @@ def format_result(result: FitResult, top: int = 5) -> str:
     batch = result.batch
     lines = [f"fit: budget {format_size(result.budget_bytes)}"
              + (f" less {format_size(result.headroom_bytes)} headroom" if result.headroom_bytes else "")
+             + f", host RAM {format_size(result.host_limit)}"
              + f", step time on {result.device}; {len(result.candidates)} candidates, {result.plans} full plans, "
              f"{result.seconds:.0f} s" + (f"; allowed to change the math: {', '.join(result.allow)}" if result.allow else
                                           "; only settings that keep the result the same (fit.allow=[...] for more)"),
@@ -101,8 +105,8 @@ def format_result(result: FitResult, top: int = 5) -> str:
 def _shown(result: FitResult, top: int) -> list[Candidate]:
     """The winner, the fastest others (confirmed first among equals), and what was planned."""
     ordered = sorted(result.candidates, key=lambda c: (c.seconds, c.required_bytes))
-    fitting = [c for c in ordered if c.required_bytes <= result.limit and c.error is None]
-    over = [c for c in ordered if c.required_bytes > result.limit or c.error]
+    fitting = [c for c in ordered if c.fits(result.limit, result.host_limit)]
+    over = [c for c in ordered if not c.fits(result.limit, result.host_limit)]
     shown: list[Candidate] = []
     for c in ([result.winner] if result.winner else []) + [c for c in ordered if c.confirmed] + fitting[:top] + over[:2]:
         if c is not None and c not in shown:
@@ -160,7 +164,8 @@ def preset_text(cfg: Any, result: FitResult, cand: Candidate, command: str) -> s
 def write_outputs(result: FitResult, out: Path) -> dict[str, Any]:
     """fit.json always; the preset and commands when something fits."""
     out.mkdir(parents=True, exist_ok=True)
-    record = {"budget_bytes": result.budget_bytes, "headroom_bytes": result.headroom_bytes, "device": result.device,
+    record = {"budget_bytes": result.budget_bytes, "headroom_bytes": result.headroom_bytes,
+              "host_limit_bytes": result.host_limit, "device": result.device,
               "plans": result.plans, "seconds": round(result.seconds, 2), "allow": result.allow,
               "base": _row(result.base, result), "winner": _row(result.winner, result) if result.winner else None,
               "closest": _row(result.closest, result) if result.closest else None,
@@ -196,6 +201,7 @@ def _row(c: Candidate | None, result: FitResult) -> dict[str, Any] | None:
     return {"settings": c.knobs.describe(result.batch),
             "knobs": {k: getattr(c.knobs, k) for k in c.knobs.__dataclass_fields__},
             "overrides": c.overrides, "required_bytes": c.required_bytes, "seconds_per_step": c.seconds,
+            "host_bytes": c.host_bytes,
             "confirmed": c.confirmed, "estimate": {"required_bytes": c.estimate.required_bytes,
                                                    "seconds_per_step": c.estimate.seconds, "parts": c.estimate.parts},
             "planned_peak_bytes": c.plan.peak_bytes if c.plan else None, "error": c.error,

@@ -65,12 +65,21 @@ class Candidate:
     def confirmed(self) -> bool:
         return self.plan is not None
 
+    @property
+    def host_bytes(self) -> int:
+        """Host RAM during training (offloaded weights, state, activations)."""
+        return self.plan.host_steady_bytes if self.plan is not None else int(self.estimate.parts.get("host", 0))
+
+    def fits(self, limit: int, host_limit: int) -> bool:
+        return self.error is None and self.required_bytes <= limit and self.host_bytes <= host_limit
+
 
 @dataclass
 class FitResult:
     batch: int  # train.batch_size (the effective batch every candidate keeps)
     budget_bytes: int
     headroom_bytes: int
+    host_limit: int  # host RAM the run may use while training (fit.host_ram_gb)
     device: str
     base: Candidate
     winner: Candidate | None
@@ -146,6 +155,7 @@ def search(cfg: Any, overrides: Sequence[str]) -> FitResult:
     planned: dict[Knobs, Plan] = {base: base_plan}
     headroom = int(float(c.headroom_gb) * GiB)
     limit = run.budget_bytes - headroom
+    host_limit = int(float(c.host_ram_gb) * GiB) if c.host_ram_gb is not None else _host_ram()
     for mode in _anchor_modes(base, base_plan.required_bytes <= limit):
         knobs = replace(base, checkpoint=mode, every_n=2)
         plan = planner.plan(overrides_for(knobs, base, base_cfg, user))
@@ -175,7 +185,7 @@ def search(cfg: Any, overrides: Sequence[str]) -> FitResult:
     for cand in candidates:
         if winner is not None and cand.seconds >= winner.seconds * (1 - WORTH_CONFIRMING):
             break  # nothing left is estimated clearly faster than a confirmed fit
-        if cand.required_bytes > limit:
+        if not cand.fits(limit, host_limit):
             continue
         if not cand.confirmed:
             if confirmed_budget <= 0:
@@ -186,7 +196,7 @@ def search(cfg: Any, overrides: Sequence[str]) -> FitResult:
             except UserError as e:  # a combination the runner refuses (its message says why)
                 cand.error = str(e).splitlines()[0]
                 continue
-        if cand.required_bytes <= limit and (winner is None or cand.seconds < winner.seconds):
+        if cand.fits(limit, host_limit) and (winner is None or cand.seconds < winner.seconds):
             winner = cand
     closest = None
     if winner is None:
@@ -197,15 +207,22 @@ def search(cfg: Any, overrides: Sequence[str]) -> FitResult:
                 closest.plan = planner.plan(closest.overrides)
             except UserError as e:
                 closest.error = str(e).splitlines()[0]
-        if closest is not None and closest.required_bytes <= limit:  # the estimate was pessimistic
+        if closest is not None and closest.fits(limit, host_limit):  # the estimate was pessimistic
             winner, closest = closest, None
     base_cand = next(x for x in candidates if x.knobs == base) if any(x.knobs == base for x in candidates) else \
         Candidate(base, list(user), estimator.estimate(base), plan=base_plan)
-    result = FitResult(batch=run.batch_size, budget_bytes=run.budget_bytes, headroom_bytes=headroom, device=timing.label, base=base_cand,
+    result = FitResult(batch=run.batch_size, budget_bytes=run.budget_bytes, headroom_bytes=headroom, host_limit=host_limit, device=timing.label, base=base_cand,
                        winner=winner, candidates=candidates, closest=closest, user_overrides=list(user),
                        allow=sorted(allow), plans=planner.plans, seconds=time.perf_counter() - started)
     result.not_allowed = _what_allow_would_give(result, space, estimator, base_cfg)
     return result
+
+
+def _host_ram() -> int:
+    """This machine's RAM: where a plan is made is usually where the run trains."""
+    import psutil
+
+    return int(psutil.virtual_memory().total)
 
 
 def _anchor_modes(base: Knobs, base_fits: bool) -> tuple[str, ...]:
@@ -241,7 +258,7 @@ def _what_allow_would_give(result: FitResult, space: Space, estimator: Estimator
             if knobs in seen or not estimator.can_estimate(knobs):
                 continue
             est = estimator.estimate(knobs)
-            if est.required_bytes > result.limit:
+            if est.required_bytes > result.limit or est.parts.get("host", 0) > result.host_limit:
                 continue
             if top is None or est.seconds < top.estimate.seconds:
                 top = Candidate(knobs, overrides_for(knobs, space.base, base_cfg, result.user_overrides), est)

@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from runner.plan.cost import Roofline
 from runner.plan.speed import Target
 
-VERSION = 1
+VERSION = 2
 _MEASURED: dict[str, dict[str, Any]] = {}
 
 
@@ -99,10 +99,19 @@ def measure(threads: int) -> dict[str, float]:
         with _CountOps() as counted:
             step()
         per_op = _median_time(step, 5, inner=4) / max(counted.n, 1)
+        # An optimizer update's ops: plain in-place kernels, no module or autograd around them.
+        p, g, m = torch.zeros(64), torch.ones(64), torch.zeros(64)
+
+        def update() -> None:
+            with torch.no_grad():
+                m.mul_(0.9).add_(g, alpha=0.1)
+                p.add_(m, alpha=-1e-3)
+
+        per_update_op = _median_time(update, 5, inner=20) / 3
     finally:
         torch.set_num_threads(before)
     return {"matmul_fp32_flops": mm_fp32, "matmul_bf16_flops": mm_bf16, "conv_fp32_flops": conv,
-            "bytes_per_s": bandwidth, "op_s": per_op}
+            "bytes_per_s": bandwidth, "op_s": per_op, "update_op_s": per_update_op}
 
 
 def calibration(threads: int | None = None) -> dict[str, Any]:
@@ -142,6 +151,7 @@ def cpu_target(threads: int | None = None) -> Target:
         conv_flops={torch.float32: conv, torch.bfloat16: bf16, torch.float16: bf16},
         bytes_per_s=c["bytes_per_s"], kernel_floor_s=0.0, default_flops=fp32)
     return Target(name="cpu", label=f"this CPU ({_cpu_model()}, {threads or torch.get_num_threads()} threads)",
-                  device=roofline, host=roofline, h2d_bytes_per_s=c["bytes_per_s"], host_op_s=c["op_s"], serial=True,
+                  device=roofline, host=roofline, h2d_bytes_per_s=c["bytes_per_s"], host_op_s=c["op_s"],
+                  update_op_s=c["update_op_s"], serial=True,
                   source=f"measured on this CPU ({cache_file()}{', cached' if c.get('cached') else ''})",
                   peak_flops=fp32)

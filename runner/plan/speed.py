@@ -90,6 +90,7 @@ class Target:
     serial: bool  # CPU: dispatch and compute add up; GPU: they overlap
     source: str  # "datasheet (conf/devices.yaml)" | "measured on this CPU ..."
     peak_flops: float  # the headline peak (bf16 on a GPU, fp32 on a CPU), for the utilisation shown
+    update_op_s: float = HOST_OP_S  # host time per op of the optimizer update (plain kernels: no module, no autograd)
 
     def counter(self) -> CostCounter:
         return CostCounter(self.device, self.host)
@@ -186,13 +187,12 @@ def predict(counter: CostCounter, target: Target, *, micro_batches: int, simulat
     dev_b, host_b, dev_k, host_k = _optimizer_work(optimizer, trained)
     upd_phase = "backward" if fused else "optimizer"
     upd_device_s = dev_b / target.device.bytes_per_s + dev_k * target.device.kernel_floor_s
-    upd_host_s = host_b / target.host.bytes_per_s + host_k * target.host_op_s
+    upd_host_s = host_b / target.host.bytes_per_s + host_k * target.update_op_s
     seconds: dict[str, float] = {}
     bound: dict[str, str] = {}
     for name, c in phases.items():
         device_s = c.device_s + (upd_device_s if name == upd_phase else 0.0)
-        ops = c.ops + (dev_k if name == upd_phase else 0)
-        dispatch = ops * target.host_op_s
+        dispatch = c.ops * target.host_op_s + (dev_k * target.update_op_s if name == upd_phase else 0.0)
         if target.serial:
             compute = device_s + dispatch
             why = "compute" if device_s >= dispatch else "per-op overhead"

@@ -80,7 +80,7 @@ def test_cpu_attention_is_counted_with_the_attention_formula():
     counter = CostCounter(Roofline({}, {}, 1e9, 0.0), Roofline({}, {}, 1e9, 0.0), device_type="cpu")
     tracker = LiveBytesTracker()
     tracker.op_observer = counter.observe
-    with tracker:
+    with tracker, tracker.phase("forward"):
         torch.nn.functional.scaled_dot_product_attention(q, q, q)
     assert counter.total().flops == 2 * (2 * 1 * 2 * 16 * 16 * 8)  # QK^T and PV
 
