@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from runner.compat import TorchDispatchMode
 from runner.plan.cost import Roofline
 from runner.plan.speed import Target
 
