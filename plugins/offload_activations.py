@@ -43,6 +43,8 @@ import torch
 from torch import nn
 
 from runner.compat import current_graph_task_id, is_fake, queue_engine_callback
+from runner.context import Transfer
+from runner.errors import UserError
 from runner.hooks import composable
 from runner.plugin import Plugin
 from runner.plugins.schemas import ActivationOffloadConfig, check_activation_offload
@@ -349,6 +351,19 @@ class ActivationOffload(Plugin):
             ram_warn_pct=float(c.ram_warn_pct), skip_modules=[m for _, m in ctx.models.items()],
         )
         ctx.step_contexts.append(self.offloader)
+
+    def on_step_start(self, ctx: RunContext, step: int) -> None:
+        offloader = getattr(self, "offloader", None)
+        self._offloaded_before = offloader.stats.offloaded_bytes if offloader is not None else 0
+
+    def on_step_end(self, ctx: RunContext, step: int) -> None:
+        """Record this step's copies for the step-time model: each offloaded byte goes out and comes back."""
+        offloader = getattr(self, "offloader", None)
+        if offloader is None:
+            return
+        moved = offloader.stats.offloaded_bytes - getattr(self, "_offloaded_before", 0)
+        ctx.facts.transfers[self.key] = Transfer(h2d_bytes=moved, d2h_bytes=moved,
+                                                 overlapped=bool(self.config.use_streams) and self.run.on_cuda)
 
     def on_oom(self, ctx: RunContext, step: int, error: BaseException) -> None:
         if getattr(self, "offloader", None) is not None:

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from runner.context import Transfer
 from runner.errors import UserError
 from runner.plugin import Plugin
 from runner.plugins.optimizer_wrappers import HostStateOptimizer, HostStepOptimizer, _torchao_class, _torchao_optimizer
@@ -151,6 +152,27 @@ class OptimizerOffload(Plugin):
         ctx.optimizer = self.optimizer = wrapped
         torchao = type(wrapped).__name__.startswith("CPUOffload")
         ctx.notes["optimizer"] = "torchao CPUOffloadOptimizer" if torchao else repr(wrapped)
+
+    def on_step_end(self, ctx: RunContext, step: int) -> None:
+        """Record this step's copies and host work for the step-time model (see each wrapper's docstring)."""
+        optimizer = getattr(self, "optimizer", None)
+        if isinstance(optimizer, HostStepOptimizer):
+            moved = [p for p, m in optimizer.pairs if p is not m]
+            nbytes = sum(p.numel() * p.element_size() for p in moved)
+            elements = sum(p.numel() for p in moved)
+            # Gradients out (during backward, on a side stream, with offload_gradients), weights back after the host step.
+            ctx.facts.transfers[self.key] = Transfer(h2d_bytes=nbytes, host_step_elements=elements,
+                                                     d2h_bytes=0 if optimizer.offload_gradients else nbytes)
+            if optimizer.offload_gradients:
+                ctx.facts.transfers[self.key + ":gradients"] = Transfer(d2h_bytes=nbytes, overlapped=self.run.on_cuda)
+        elif isinstance(optimizer, HostStateOptimizer):
+            state = optimizer.host_bytes()  # the state crosses twice a step, chunk by chunk, on the compute stream
+            ctx.facts.transfers[self.key] = Transfer(h2d_bytes=state, d2h_bytes=state)
+        elif optimizer is not None:  # torchao: gradients out during backward, weights back after its host step
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            nbytes = sum(p.numel() * p.element_size() for p in params)
+            ctx.facts.transfers[self.key] = Transfer(h2d_bytes=nbytes, d2h_bytes=nbytes, overlapped=True,
+                                                     host_step_elements=sum(p.numel() for p in params))
 
     def on_oom(self, ctx: RunContext, step: int, error: BaseException) -> None:
         if hasattr(getattr(self, "optimizer", None), "discard_gradients"):

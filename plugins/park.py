@@ -80,6 +80,8 @@ from runner.cache import (
     resolve_cache_dir,
 )
 from runner.compat import has_compatible_shallow_copy_type
+from runner.context import Transfer
+from runner.errors import UserError
 from runner.hooks import mark, marked, unmark
 from runner.plugin import Plugin
 from runner.plugins.schemas import ParkConfig, check_park
@@ -430,6 +432,22 @@ class Park(Plugin):
             ctx.notes["dropped weight bytes"] = sum(result.dropped.values())
         if result.cached_parts and not ctx.simulate:
             ctx.notes["encoder cache"] = f"{result.cache.root} ({result.encoded} entries encoded this run)"
+
+    def _loads(self) -> dict[str, int]:
+        result: ParkResult | None = getattr(self, "result", None)
+        return {n: p.loads for n, p in result.parked.items()} if result is not None else {}
+
+    def on_step_start(self, ctx: RunContext, step: int) -> None:
+        self._loads_before = self._loads()
+
+    def on_step_end(self, ctx: RunContext, step: int) -> None:
+        """Record this step's copies for the step-time model: parked modules moved in on the compute stream."""
+        result: ParkResult | None = getattr(self, "result", None)
+        if result is None or not result.parked or ctx.device == ctx.host:
+            return
+        before = getattr(self, "_loads_before", {})
+        moved = sum((p.loads - before.get(n, 0)) * p.nbytes for n, p in result.parked.items())
+        ctx.facts.transfers[self.key] = Transfer(h2d_bytes=moved)  # moving out is a pointer swap: no copy
 
     def teardown(self, ctx: RunContext) -> None:
         result: ParkResult | None = getattr(self, "result", None)

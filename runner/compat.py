@@ -27,7 +27,10 @@ slower, same figures; tests/runner/plan/test_planner.py checks the two agree)
     ``_DISPATCH_META_HANDLERS``, ``_DispatchCacheKey`` and ``FakeTensorMode``'s
     ``_cached_dispatch_impl`` and ``_cache_key``, which runner/plan/fake.py's ``SimulationMode``
     overrides; ``torch.fx.experimental.proxy_tensor.get_proxy_mode`` (part of the stock cache
-    key). All present: :data:`FAKE_CACHE_FAST_PATHS`.
+    key). All present: :data:`FAKE_CACHE_FAST_PATHS`. Also ``_get_output_tensor_from_cache_entry``
+    (overridden to build outputs without ``FakeTensor.__new__``), ``in_kernel_invocation_manager``,
+    ``Tensor._make_subclass(..., dispatch_device=, device_for_backend_keys=)`` and
+    ``torch._C._set_{throw_on,warn_deprecated_on}_mutable_data_ptr``: :data:`FAKE_OUTPUT_FAST_PATH`.
     ``torch._C._get_default_device``: part of the cache key (fallback: the public
     ``torch.get_default_device``, as a string).
 
@@ -74,7 +77,9 @@ from typing import Any, Callable
 import torch
 
 __all__ = [
-    "DISPATCH_HANDLE_DIRECTLY", "DISPATCH_META_HANDLERS", "FAKE_CACHE_FAST_PATHS", "FAKE_TENSOR_PARAM_KWARGS",
+    "DISPATCH_HANDLE_DIRECTLY", "DISPATCH_META_HANDLERS", "FAKE_CACHE_FAST_PATHS", "FAKE_OUTPUT_FAST_PATH",
+    "FAKE_TENSOR_PARAM_KWARGS", "in_kernel_invocation_manager", "set_throw_on_mutable_data_ptr",
+    "set_warn_deprecated_on_mutable_data_ptr",
     "FALLBACKS", "TESTED_TORCH", "DisableTorchDispatch", "DisableTorchFunction", "DispatchCacheKey", "FakeTensor",
     "FakeTensorConverter", "FakeTensorMode", "MissingTorchInternal", "TorchDispatchMode", "active_fake_mode",
     "current_graph_task_id", "engine_run_backward", "foreach_lerp_", "foreach_mul_", "foreach_norm",
@@ -136,6 +141,16 @@ def is_fake(t: Any) -> bool:
     return isinstance(t, FakeTensor)
 
 
+def _accepts_backend_keys() -> bool:
+    """Whether ``Tensor._make_subclass`` takes FakeTensor's ``dispatch_device``/``device_for_backend_keys``."""
+    try:
+        torch.Tensor._make_subclass(torch.Tensor, torch.empty(0, device="meta"), False, dispatch_device=True,
+                                    device_for_backend_keys=torch.device("cpu"))
+    except TypeError:
+        return False
+    return True
+
+
 # ---- the planner's fast path through the fake-tensor cache (fallback: stock FakeTensorMode) --------
 DISPATCH_HANDLE_DIRECTLY: Any = frozenset()
 DISPATCH_META_HANDLERS: Any = frozenset()
@@ -152,6 +167,29 @@ except ImportError as e:  # pragma: no cover - another PyTorch: the stock mode (
     FAKE_CACHE_FAST_PATHS = False
 if not FAKE_CACHE_FAST_PATHS:  # pragma: no cover
     FALLBACKS["FakeTensorMode cache internals"] = "the stock FakeTensorMode (slower plans, same figures)"
+
+# Cache hits' outputs built without FakeTensor.__new__ (runner/plan/fake.py: SimulationMode._wrap;
+# fallback: the stock construction, same tensors, slower).
+try:
+    from torch._subclasses.fake_tensor import FakeTensorConfig, in_kernel_invocation_manager
+
+    # FakeTensorConfig.debug (TORCH_FAKE_TENSOR_DEBUG) makes __new__ record a traceback per tensor:
+    # the stock constructor then, so debugging sees what it expects.
+    FAKE_OUTPUT_FAST_PATH = FAKE_CACHE_FAST_PATHS and not FakeTensorConfig.debug and all((
+        hasattr(FakeTensorMode, "_get_output_tensor_from_cache_entry"),
+        _accepts_backend_keys(),
+        hasattr(torch._C, "_set_throw_on_mutable_data_ptr"),
+        hasattr(torch._C, "_set_warn_deprecated_on_mutable_data_ptr"),
+    ))
+except ImportError:  # pragma: no cover
+    in_kernel_invocation_manager = None
+    FAKE_OUTPUT_FAST_PATH = False
+# What FakeTensor.__new__ calls on each tensor it makes (data_ptr() raises, or warns when the mode
+# allows unsafe access); None where FAKE_OUTPUT_FAST_PATH is False.
+set_throw_on_mutable_data_ptr: Any = getattr(torch._C, "_set_throw_on_mutable_data_ptr", None)
+set_warn_deprecated_on_mutable_data_ptr: Any = getattr(torch._C, "_set_warn_deprecated_on_mutable_data_ptr", None)
+if not FAKE_OUTPUT_FAST_PATH:  # pragma: no cover
+    FALLBACKS["FakeTensor outputs without __new__"] = "FakeTensor.__new__ (slower plans, same figures)"
 
 try:
     get_default_device: Callable[[], Any] = torch._C._get_default_device

@@ -12,8 +12,10 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from runner.devices import DeviceConfig
 from runner.ema_config import EMAConfig
 from runner.export.config import ExportConfig
+from runner.fit.config import FitConfig
 from runner.loss_config import LossConfig
 from runner.sampling.config import SampleConfig
 from runner.tracking import LogConfig
@@ -92,6 +94,7 @@ class TrainConfig:
     on_nonfinite: str = "skip"  # skip | stop: a NaN/inf loss or gradient skips the update, or stops the run
     nonfinite_patience: int = 3  # with skip: this many non-finite steps in a row stop the run (exit 4)
     preflight: bool = True  # plan the step first (runner/plan/); refuse to start (exit 3) over budget_gb
+    auto_fit: bool = False  # before training, search the fastest settings that fit (mode=fit, runner/fit/) and train with them
 
 
 @dataclass
@@ -143,12 +146,14 @@ class RunConfig:
     ema: EMAConfig = field(default_factory=EMAConfig)  # moving average of the trained weights (runner/ema.py)
     val: ValConfig = field(default_factory=ValConfig)  # held-out validation loss (runner/validation.py)
     budget_gb: Optional[float] = None  # device memory budget; used by allocator cap and the planner
-    mode: str = "train"  # train | plan (predict memory, exit 3 if over budget_gb) | export (a saved checkpoint: train.resume=...) | plugins
+    device: DeviceConfig = field(default_factory=DeviceConfig)  # the GPU the run is for: budget default, s/step (runner/devices.py)
+    fit: FitConfig = field(default_factory=FitConfig)  # mode=fit / train.auto_fit: the settings search (runner/fit/)
+    mode: str = "train"  # train | plan (predict memory and s/step, exit 3 if over budget_gb) | fit (the fastest settings that fit) | export (a saved checkpoint: train.resume=...) | plugins
     preset: Optional[str] = None  # set by the preset file, for the log
     output_dir: Optional[str] = None  # default: Hydra's run directory
 
 
-MODES = ("train", "plan", "export", "plugins")
+MODES = ("train", "plan", "fit", "export", "plugins")
 SIZES = ("tiny", "full")
 DTYPES = ("float32", "bfloat16", "float16")
 TRAIN_DTYPES = ("float32", "bfloat16")  # model.train_dtype (bfloat16 = kohya's --full_bf16)

@@ -55,6 +55,22 @@ class Claim:
 
 
 @dataclass
+class Transfer:
+    """Host<->device copies one plugin makes in one optimizer step, for the planner's step-time model.
+
+    Recorded by the plugin (in ``on_step_end``, for the step that just ended); the planner reads it
+    (runner/plan/speed.py). ``overlapped``: the copies run on a side stream ahead of use, so they
+    hide behind compute while they are shorter; otherwise they add their time.
+    """
+
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    overlapped: bool = False
+    window_bytes: int = 0  # bytes loaded before compute can start (a stream's first window)
+    host_step_elements: int = 0  # trained elements on the device whose optimizer step runs on the host CPU
+
+
+@dataclass
 class RunFacts:
     """What the plugins did, as the planner, the loop and the other plugins need to know it."""
 
@@ -69,6 +85,7 @@ class RunFacts:
     quantized: dict[str, int] = field(default_factory=dict)  # module -> quantized layers
     checkpointed: dict[str, int] = field(default_factory=dict)  # module -> checkpointed blocks
     pinned_host_bytes: int = 0  # page-locked host bytes (or that would be, on the target GPU)
+    transfers: dict[str, Transfer] = field(default_factory=dict)  # plugin key -> its copies in the last step
 
     def claimed(self, action: str) -> set[str]:
         return {c.module for c in self.claims if c.action == action}

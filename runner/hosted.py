@@ -55,6 +55,7 @@ from runner.hostmem import keep_freed_host_memory
 from runner.loop import TrainResult, make_accelerator
 from runner.memory.profile import build_profiler
 from runner.memory.stats import MemoryMonitor
+from runner.fused import fuse_into_backward, fusion_of
 from runner.optim import build_optimizer
 from runner.plan import preflight
 from runner.report import MetricsWriter, print_summary, write_run_info
@@ -191,6 +192,7 @@ class HostedRun:
             optimizer = optimizer(params)
         ctx.optimizer = optimizer
         ctx.run_phase("wrap_optimizer")
+        ctx.optimizer = fuse_into_backward(ctx.optimizer, self.cfg.optimizer, self.run, ctx.models.named_trainable_parameters())
         ctx.ema = build_ema(ctx)  # ema.enabled: averaged by log() after each step
         for name, m in ctx.models.items():
             m.train(name in ctx.models.trained)
@@ -215,7 +217,8 @@ class HostedRun:
         return self.ctx.step_context()
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.accelerator.backward(loss)
+        if fusion_of(self.ctx.optimizer).admits(loss):  # fused backward: a non-finite loss must not reach the weights
+            self.accelerator.backward(loss)
 
     def log(self, loss: torch.Tensor | float, **extra: Any) -> dict[str, Any]:
         """After the optimizer step: one metrics.jsonl row (loss, s/step, memory columns)."""

@@ -34,6 +34,7 @@ from runner.data import BatchOrder, collate, describe_dataset, visit_samples
 from runner.data.order import SampleOrder  # noqa: F401  (the one-stream order, importable from here as before)
 from runner.ema import build_ema
 from runner.errors import Interrupted, UserError
+from runner.fused import fuse_into_backward, fusion_of
 from runner.memory.profile import build_profiler
 from runner.memory.stats import MemoryMonitor
 from runner.nonfinite import NonFiniteGuard, NonFiniteStop, grad_norm
@@ -141,6 +142,8 @@ def train(ctx: RunContext) -> TrainResult:
 
     ctx.optimizer = build_optimizer(cfg.optimizer, list(models.trainable_parameters()), notes=ctx.notes)
     ctx.run_phase("wrap_optimizer")
+    ctx.optimizer = fuse_into_backward(ctx.optimizer, cfg.optimizer, run, models.named_trainable_parameters())
+    fused = fusion_of(ctx.optimizer)  # optimizer.fused_backward: steps inside backward (runner/fused.py); else a no-op view
     scheduler = get_scheduler(
         cfg.train.lr_scheduler, ctx.optimizer, num_warmup_steps=cfg.train.lr_warmup_steps, num_training_steps=cfg.train.steps
     )
@@ -164,7 +167,8 @@ def train(ctx: RunContext) -> TrainResult:
     metrics = MetricsWriter(out / "metrics.jsonl", append=bool(cfg.train.resume))
     ckpt_root = out / "checkpoints"
     result = TrainResult(steps_done=state.step)
-    recovery = MicroBatchRecovery(ctx, micro, batch_size, params)  # OOM: discard the step, halve, retry
+    recovery = MicroBatchRecovery(ctx, micro, batch_size, params,  # OOM: discard the step, halve, retry
+                                  unsplittable_because=fused.unsplittable_because)
     memory = MemoryMonitor(ctx.device, run.budget_gb)  # per-step memory columns and pressure warnings
     profiler = build_profiler(cfg, ctx)  # a no-op unless profile.enabled
     guard = NonFiniteGuard(cfg.train.on_nonfinite, cfg.train.nonfinite_patience, lr=cfg.optimizer.get("lr"),
@@ -179,7 +183,7 @@ def train(ctx: RunContext) -> TrainResult:
             norm = accelerator.clip_grad_norm_(params, run.max_grad_norm)
         elif guard.needs_grad_norm and math.isfinite(step_loss):
             norm = grad_norm(params)
-        if guard.allow_update(state.step + 1, step_loss, norm):  # NaN/inf: skip, or stop (runner/nonfinite.py)
+        if guard.allow_update(state.step + 1, step_loss, fused.guard_norm(norm)):  # NaN/inf: skip, or stop (runner/nonfinite.py)
             optimizer.step()
 
     def save() -> Path:
@@ -201,14 +205,16 @@ def train(ctx: RunContext) -> TrainResult:
             try:
                 step_loss = recovery.run(state.step + 1, lambda m: forward_backward(ctx, raw, m, profiler))
             except OutOfMemoryGiveUp as e:  # already at micro-batch 1: keep the last completed step, stop
-                e.add_checkpoint(save() if state.step else None, state.step)
+                e.add_checkpoint(save() if state.step and fused.intact else None, state.step,
+                                 fused.unsaved_reason(result.checkpoint))
                 raise
             try:
                 with profiler.phase("optimizer"):
                     recovery.update(state.step + 1, lambda: update(step_loss), result.checkpoint)
             except NonFiniteStop as e:  # the update was not applied: the weights are the last good step's
+                e.add_checkpoint(save() if state.step and fused.intact else None, state.step,
+                                 fused.unsaved_reason(result.checkpoint))
                 optimizer.zero_grad(set_to_none=True)
-                e.add_checkpoint(save() if state.step else None, state.step)
                 raise
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -258,6 +264,7 @@ def forward_backward(ctx: RunContext, raw: dict[str, Any], micro: int, profiler:
             loss = ctx.trainer.loss(ctx.models, enc)
         weight = batch_len(mb) / batch_size
         with profiler.phase("backward"):
-            ctx.accelerator.backward(loss * weight)
+            if fusion_of(ctx.optimizer).admits(loss):  # fused backward: a non-finite loss must not reach the weights
+                ctx.accelerator.backward(loss * weight)
         total += float(loss.detach()) * weight
     return total

@@ -48,10 +48,13 @@ class NonFiniteStop(UserError):
         super().__init__(message)
         self.step = step
 
-    def add_checkpoint(self, checkpoint: Path | None, completed_steps: int) -> None:
+    def add_checkpoint(self, checkpoint: Path | None, completed_steps: int, unsaved_reason: str | None = None) -> None:
+        """Append where the last good weights were saved; ``unsaved_reason``: why they could not be (fused backward)."""
         if checkpoint is not None:
             tail = (f" The weights at step {completed_steps} (finite: no non-finite update was applied) are saved in "
                     f"{checkpoint}; after fixing the cause, continue with train.resume={checkpoint}.")
+        elif unsaved_reason:
+            tail = f" {unsaved_reason}"
         else:
             tail = " No good step had completed, so nothing was saved."
         self.args = (self.args[0] + tail,)

@@ -86,12 +86,14 @@ class OutOfMemoryGiveUp(UserError):
         self.device = device
         self.checkpoint: Path | None = None
 
-    def add_checkpoint(self, checkpoint: Path | None, completed_steps: int) -> None:
-        """Append where the last completed step was saved (or why nothing was)."""
+    def add_checkpoint(self, checkpoint: Path | None, completed_steps: int, unsaved_reason: str | None = None) -> None:
+        """Append where the last completed step was saved (or why nothing was: ``unsaved_reason``)."""
         self.checkpoint = checkpoint
         if checkpoint is not None:
             tail = (f" The last completed step ({completed_steps}) is saved in {checkpoint}; after lowering memory, "
                     f"continue with train.resume={checkpoint}.")
+        elif unsaved_reason:
+            tail = f" {unsaved_reason}"
         else:
             tail = " No step had completed, so there is no checkpoint to resume from."
         self.args = (self.args[0] + tail,)
@@ -142,8 +144,9 @@ class MicroBatchRecovery:
     """
 
     def __init__(self, ctx: RunContext, micro_batch_size: int, batch_size: int,
-                 params: list[torch.nn.Parameter]) -> None:
+                 params: list[torch.nn.Parameter], unsplittable_because: str | None = None) -> None:
         self.ctx = ctx
+        self.unsplittable_because = unsplittable_because  # set: an OOM ends the run at any micro-batch (fused backward)
         self.micro_batch_size = micro_batch_size
         self.batch_size = batch_size
         self.params = params
@@ -177,7 +180,7 @@ class MicroBatchRecovery:
         release_memory(self.ctx.device)
         self.ctx.run_phase("on_oom", step, error)
         old = self.micro_batch_size
-        if old <= 1:
+        if old <= 1 or self.unsplittable_because:
             raise self._give_up(step, error)
         new = max(1, old // 2)
         passes = -(-self.batch_size // new)
@@ -223,6 +226,14 @@ class MicroBatchRecovery:
         cfg = self.ctx.cfg
         budget = cfg.get("budget_gb") if hasattr(cfg, "get") else None
         where = f"{self.ctx.device}" + (f" (budget_gb={budget})" if budget else "")
+        if self.unsplittable_because and self.micro_batch_size > 1:
+            return OutOfMemoryGiveUp(
+                f"Out of memory in step {step} at micro-batch {self.micro_batch_size} on {where}: "
+                f"{self.unsplittable_because}. Use a smaller train.batch_size, or optimizer.fused_backward=false with "
+                "train.grad_accum to keep the batch; the planner (mode=plan, mode=fit) shows what fits. "
+                f"The allocator said: {first_line(error)}.",
+                step=step, device=str(self.ctx.device),
+            )
         return OutOfMemoryGiveUp(
             f"Out of memory in step {step} even with micro-batch 1 (train.batch_size={self.batch_size} in passes of one "
             f"sample): the weights, gradients, optimizer state and one sample's activations do not fit on {where}. "

@@ -304,6 +304,10 @@ class SimulatedOptimizer(torch.optim.Optimizer):
     it upcasts).
     """
 
+    # > 0 while a simulated optimizer creates its state: the first step's allocations, which a
+    # steady-state step does not repeat (the planner's step-time counter skips their ops).
+    allocating = 0
+
     def __init__(
         self,
         params: Iterable[torch.nn.Parameter],
@@ -318,16 +322,30 @@ class SimulatedOptimizer(torch.optim.Optimizer):
         super().__init__(params, {"lr": float(cfg.lr)})
 
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        loss = closure() if closure is not None else None
+    def allocate_state(self) -> None:
+        """Every parameter's state now, as after a first step (fused backward's steady state)."""
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is None:
-                    continue
                 state = self.state[p]
                 if not state:
                     for spec in state_layout(self.cfg, p):
                         state[spec.key] = self._allocate(spec, p)
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        loss = closure() if closure is not None else None
+        SimulatedOptimizer.allocating += 1
+        try:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    state = self.state[p]
+                    if not state:
+                        for spec in state_layout(self.cfg, p):
+                            state[spec.key] = self._allocate(spec, p)
+        finally:
+            SimulatedOptimizer.allocating -= 1
         return loss
 
     def _allocate(self, spec: StateTensor, p: torch.Tensor) -> torch.Tensor:

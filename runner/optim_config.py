@@ -24,6 +24,7 @@ class AdamWConfig:
     weight_decay: float = 1e-2
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
+    fused_backward: bool = False  # step each parameter inside backward and free its gradient at once (runner/fused.py)
 
 
 @dataclass
@@ -53,6 +54,7 @@ class AdafactorConfig:
     decay_rate: float = -0.8
     beta1: Optional[float] = None  # None: no first moment (the memory saving)
     scale_parameter: bool = False  # True multiplies lr by each tensor's RMS
+    fused_backward: bool = False  # step each parameter inside backward and free its gradient at once (runner/fused.py)
 
 OPTIMIZER_CONFIGS: dict[str, type] = {
     "adamw": AdamWConfig,

@@ -30,6 +30,7 @@ from typing import Any, Optional
 
 import torch
 
+from runner.devices import DeviceSpec, device_spec
 from runner.errors import UserError
 
 log = logging.getLogger("runner")
@@ -57,6 +58,7 @@ class ResolvedRun:
     seed: int
     simulate: bool = False  # True inside the planner: tensors are fake, device is meta
     ema_dtype: Optional[torch.dtype] = None  # ema.enabled: the dtype of the EMA copy (runner/ema.py); None: no EMA
+    gpu: Optional[DeviceSpec] = None  # device.name / device.spec: the GPU the run is for (runner/devices.py)
 
     @property
     def micro_batch(self) -> int:
@@ -88,6 +90,8 @@ class ResolvedRun:
     def describe(self) -> str:
         """One log line: what was decided."""
         budget = "no budget" if self.budget_bytes is None else f"budget {self.budget_bytes / GiB:g} GiB"
+        if self.gpu is not None:
+            budget += f" ({self.gpu.label})"
         autocast = f"{self.precision} autocast" if self.precision != "no" else "no autocast"
         name = lambda d: str(d).replace("torch.", "")  # noqa: E731
         ema = f", EMA in {name(self.ema_dtype)}" if self.ema_dtype is not None else ""
@@ -137,6 +141,11 @@ def resolve(cfg: Any, *, target: Optional[str] = None, device: Optional[torch.de
     budget = cfg.get("budget_gb")
     from runner.ema import resolve_ema_dtype  # float32 unless ema.dtype=bfloat16 with bf16 trained weights
 
+    budget_bytes = None if budget is None else int(float(budget) * GiB)
+    gpu = device_spec(cfg.get("device")) if target == "cuda" else None
+    if gpu is not None:  # a named card: its usable memory is the default budget, and caps a larger one
+        usable = int(gpu.usable_gib * GiB)
+        budget_bytes = usable if budget_bytes is None else min(budget_bytes, usable)
     return ResolvedRun(
         device=torch.device(device),
         host=torch.device("cpu"),
@@ -145,10 +154,11 @@ def resolve(cfg: Any, *, target: Optional[str] = None, device: Optional[torch.de
         frozen_dtype=DTYPES[frozen_dtype_name],
         train_dtype=DTYPES[train_dtype_name],
         train_mode=str(model.get("train", "full")),
-        budget_bytes=None if budget is None else int(float(budget) * GiB),
+        budget_bytes=budget_bytes,
         batch_size=int(cfg.train.batch_size),
         grad_accum=int(cfg.train.grad_accum),
         max_grad_norm=float(cfg.train.max_grad_norm),
         seed=int(cfg.train.seed),
         ema_dtype=resolve_ema_dtype(cfg.get("ema"), DTYPES[train_dtype_name]),
+        gpu=gpu,
     )

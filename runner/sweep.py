@@ -385,7 +385,9 @@ def launch(task: Callable[[DictConfig], Any]) -> None:
         _fast_help(args)
     if not (args.help or args.hydra_help or args.info or args.shell_completion):
         try:  # every job's config checked first (no torch), then against this machine (torch)
-            configs = precheck(args.overrides, multirun=args.multirun, run_checks=False)
+            # --config-dir (a user's presets, e.g. mode=fit's conf/) joins the search path for the pre-check too
+            extra = [f"hydra.searchpath=[file://{Path(args.config_dir).resolve()}]"] if args.config_dir else []
+            configs = precheck([*args.overrides, *extra], multirun=args.multirun, run_checks=False)
             if args.cfg:  # --cfg job prints the composed config; nothing runs
                 configs = []
             elif configs and all(str(c.mode) == "plugins" for c in configs):

@@ -42,7 +42,9 @@ from runner import registry
 from runner.config import DTYPES, LR_SCHEDULERS, MODES, NONFINITE_POLICIES, PRECISIONS, SIZES, TRAIN_DTYPES
 from runner.ema_config import check_ema_config
 from runner.errors import UserError, did_you_mean, valid_list
+from runner.devices import check_device_config
 from runner.export.config import validate_export
+from runner.fit.config import check_fit_config
 from runner.loss_config import validate_loss
 from runner.optim_config import check_optimizer_config
 from runner.plugin import KINDS
@@ -319,6 +321,8 @@ def check_config(cfg: DictConfig) -> None:
     if cfg.mode == "train":
         _check_data_path(cfg)
     validate_export(cfg)
+    check_device_config(cfg)
+    check_fit_config(cfg.fit)
     validate_log_config(cfg.log)
     check_optimizer_config(cfg.optimizer)
     check_plugin_settings(cfg)
@@ -328,18 +332,19 @@ def check_run(cfg: DictConfig) -> None:
     """What depends on this machine and the resolved run, and the data folder's contents (imports
     torch; still before anything is built or planned)."""
     from runner.data import check_cache_compatible, check_dataset, check_options
+    from runner.data.video import check_video_keys, trainer_video_defaults
+    from runner.fused import check_fused_backward
     from runner.optim import validate_optimizer
 
     check_options(cfg.data)  # every data.* value, no file read
     check_cache_compatible(cfg)  # data.shuffle_tags with offload.park.cache_text is refused, naming both
     check_val_path(cfg)  # mode=train: a data.val_path folder is scanned now, like data.path below
-    from runner.data.video import check_video_keys, trainer_video_defaults
-
     check_video_keys(cfg.data)  # data.frames, fps, frame_sampling, width, height
     if cfg.mode == "train":  # a data.path folder (or data.sets) is scanned and checked now, not after the model build
         check_dataset(cfg.data, video=trainer_video_defaults(cfg))  # a video trainer's folder is read as clips
     run = resolve_for_mode(cfg)
     validate_optimizer(cfg, run)
+    check_fused_backward(cfg, run, [(k, n) for k, n, _ in registry.selected(cfg)])
     validate_plugins(cfg, run)
 
 
@@ -401,7 +406,7 @@ def resolve_for_mode(cfg: DictConfig) -> ResolvedRun:
 
     from runner.resolved import planned_target, resolve
 
-    if cfg.mode == "plan":
+    if cfg.mode in ("plan", "fit"):
         return resolve(cfg, target=planned_target(cfg), device=torch.device("meta")).simulated()
     if cfg.mode == "plugins":
         return resolve(cfg, target=planned_target(cfg), device=torch.device("cpu"))

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from runner.blocks import find_repeated_blocks
+from runner.context import Transfer
 from runner.errors import UserError
 from runner.plugin import Plugin
 from runner.plugins.stream.handle import MARK, StreamHandle, apply_stream_offload
@@ -128,6 +129,23 @@ class StreamOffload(Plugin):
         ctx.notes["stream: weight bytes on the host"] = host
         ctx.notes["stream: planned device weight bytes"] = sum(h.plan.device_weight_bytes for h in handles.values())
         ctx.notes["stream: planned window bytes"] = sum(h.plan.window_bytes for h in handles.values())
+
+    def _copied(self) -> tuple[int, int]:
+        handles = getattr(self, "handles", {}).values()
+        return sum(h.stats.h2d_bytes for h in handles), sum(h.stats.d2h_bytes for h in handles)
+
+    def on_step_start(self, ctx: RunContext, step: int) -> None:
+        self._copied_before = self._copied()
+
+    def on_step_end(self, ctx: RunContext, step: int) -> None:
+        """Record this step's copies for the step-time model: on a side stream, prefetched ahead of use."""
+        handles = getattr(self, "handles", {})
+        if not handles:
+            return
+        (h2d, d2h), (h2d0, d2h0) = self._copied(), getattr(self, "_copied_before", (0, 0))
+        ctx.facts.transfers[self.key] = Transfer(
+            h2d_bytes=h2d - h2d0, d2h_bytes=d2h - d2h0, overlapped=self.run.on_cuda,
+            window_bytes=sum(h.plan.window_bytes for h in handles.values()))
 
     def on_oom(self, ctx: RunContext, step: int, error: BaseException) -> None:
         for h in getattr(self, "handles", {}).values():

@@ -83,7 +83,7 @@ from __future__ import annotations
 
 import collections
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -207,6 +207,9 @@ class LiveBytesTracker(TrackerViews, TorchDispatchMode):
         self._phase_temporaries: dict[str, dict[str, int]] = {}
         self._module_stats: dict[str, dict[str, int]] = {}
         self._module_live: dict[str, int] = {}
+        # Called with (func, args, kwargs, out, innermost phase) after every op: the planner's
+        # FLOP/byte counter (runner/plan/cost.py). None: nothing extra per op.
+        self.op_observer: Callable[[Any, tuple, dict, Any, str], None] | None = None
 
     # ---- dispatch --------------------------------------------------------------------------
     @classmethod
@@ -241,6 +244,8 @@ class LiveBytesTracker(TrackerViews, TorchDispatchMode):
                 for t in tree_iter(out):
                     if isinstance(t, torch.Tensor):
                         self._see(t, None, born=True)
+            if self.op_observer is not None:
+                self.op_observer(func, args, kwargs, out, self._phases[-1].name if self._phases else NO_PHASE)
         return out
 
     def _see(self, t: torch.Tensor, category: str | None, born: bool, label: str | None = None) -> _Rec | None:

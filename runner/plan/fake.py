@@ -22,6 +22,7 @@ from runner.compat import (
     DISPATCH_HANDLE_DIRECTLY,
     DISPATCH_META_HANDLERS,
     FAKE_CACHE_FAST_PATHS,
+    FAKE_OUTPUT_FAST_PATH,
     FAKE_TENSOR_PARAM_KWARGS,
     DisableTorchDispatch,
     DispatchCacheKey,
@@ -31,6 +32,9 @@ from runner.compat import (
     active_fake_mode,
     get_default_device,
     get_proxy_mode,
+    in_kernel_invocation_manager,
+    set_throw_on_mutable_data_ptr,
+    set_warn_deprecated_on_mutable_data_ptr,
 )
 
 
@@ -98,6 +102,48 @@ class SimulationMode(FakeTensorMode):
             except RuntimeError:  # strides view() cannot express: the stock path decides
                 pass
         return self._cached_dispatch_impl(func, types, args, kwargs or {})
+
+    # FakeTensor's attributes besides its device and mode, as FakeTensor.__new__ sets them for an op
+    # output (all None); taken from the first output, per mode. False: use the stock constructor.
+    _output_state: dict[str, Any] | bool | None = None
+
+    def _get_output_tensor_from_cache_entry(self, state: Any, entry: Any, key: Any, func: Any, args: Any) -> Any:
+        """A cache hit's output, built without FakeTensor.__new__'s argument checks.
+
+        Why: after the cache key, building each output was the largest fixed cost of a hit
+        (FakeTensor.__new__ validates its arguments and sets fifteen memo attributes through
+        descriptors: ~3x the time of what is kept here). The output is the same tensor: the meta
+        tensor the stock path makes, wrapped by ``Tensor._make_subclass`` as ``__new__`` wraps it,
+        with the attributes ``__new__`` would set copied from one it made. Anything but a plain
+        new output (in-place, view, symbolic, conjugate/negative, sparse) takes the stock path.
+        """
+        md = entry.metadata
+        if (md is None or entry.inplace_idx is not None or entry.view_idx is not None or self.shape_env is not None
+                or md.is_conj or md.is_neg or md.layout is not torch.strided or getattr(func, "is_view", False)
+                or self._output_state is False or not FAKE_OUTPUT_FAST_PATH):
+            return super()._get_output_tensor_from_cache_entry(state, entry, key, func, args)
+        with in_kernel_invocation_manager(self):
+            empty = torch.empty_strided(md.shape, md.stride, dtype=md.dtype, device="meta",
+                                        requires_grad=md.requires_grad)
+        return self._wrap(empty, md.device)
+
+    def _wrap(self, elem: torch.Tensor, device: torch.device) -> FakeTensor:
+        st = self._output_state
+        if st is None:  # the first output: the stock constructor, and what it set
+            out = FakeTensor(self, elem, device)
+            st = {k: v for k, v in vars(out).items() if k not in ("_fake_device", "fake_device", "fake_mode")}
+            self._output_state = st if all(v is None for v in st.values()) else False
+            return out
+        out = torch.Tensor._make_subclass(FakeTensor, elem, elem.requires_grad, dispatch_device=True,
+                                          device_for_backend_keys=device)
+        if self._allow_unsafe_data_ptr_access:
+            set_warn_deprecated_on_mutable_data_ptr(out)
+        else:
+            set_throw_on_mutable_data_ptr(out)
+        out.__dict__.update(st)
+        out.fake_device = device
+        out.fake_mode = self
+        return out
 
     def _cache_key(self, state: Any, func: Any, args: Any, kwargs: Any) -> Any:
         if self.shape_env is not None:

@@ -45,6 +45,11 @@ class Plan:
     sampling: dict[str, Any] | None = None  # sample.every: the sampling pass's peak beside the step's (runner/sampling/plan.py)
     ema: dict[str, Any] | None = None  # ema.enabled: the EMA copy's bytes on the device and the host (plan/ema.py)
     validation: dict[str, Any] | None = None  # data.val_*: whether the validation pass was planned, and its peak
+    step_time: dict[str, Any] | None = None  # predicted s/step and its FLOPs, bytes and copies (runner/plan/speed.py)
+
+    @property
+    def seconds_per_step(self) -> float | None:
+        return None if self.step_time is None else float(self.step_time["seconds"])
 
     @property
     def required_bytes(self) -> int:
@@ -89,6 +94,14 @@ def _size_text(run: dict[str, Any]) -> str:
     return f"{w}x{h} px ({note})"
 
 
+def _step_time_line(st: dict[str, Any]) -> str:
+    per = ", ".join(f"{k} {v:.3g}" for k, v in st["phases"].items() if v)
+    moved = st["h2d_bytes"] + st["d2h_bytes"]
+    copies = f", {format_size(moved)} host<->device" if moved else ""
+    return (f"step time: {st['seconds']:.3g} s/step predicted on {st['device']} ({per} s; {st['bound']}; "
+            f"{st['flops'] / 1e12:.3g} TFLOP{copies})")
+
+
 def format_plan(plan: Plan) -> str:
     """The plan as a readable table (what ``mode=plan`` prints)."""
     s = plan.run
@@ -108,7 +121,10 @@ def format_plan(plan: Plan) -> str:
     else:
         over = format_size(plan.required_bytes - plan.budget_bytes)
         verdict = f"budget_gb {plan.budget_bytes / GiB:g} -> " + ("FITS" if plan.fits else f"DOES NOT FIT (over by {over})")
-    lines += [f"device memory: {need}", f"  {verdict}", ""]
+    lines += [f"device memory: {need}", f"  {verdict}"]
+    if plan.step_time:
+        lines.append(_step_time_line(plan.step_time))
+    lines.append("")
     mods = sorted(plan.by_module.items(), key=lambda kv: -sum(kv[1].values()))
     cats = [c for c in (*CATEGORIES, *OPTIONAL_CATEGORIES) if any(per.get(c) for _, per in mods)]
     short = {"optimizer_state": "optimizer", "temporaries": "temporary", "activations": "activation", "ema": "EMA"}

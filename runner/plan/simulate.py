@@ -39,6 +39,8 @@ from torch import nn
 from runner import registry
 from runner.context import RunContext
 from runner.data import planned_size
+from runner.devices import reference_spec
+from runner.fused import FusedBackward, fuse_into_backward
 from runner.memory.tracker import CATEGORIES, NO_MODULE, LiveBytesTracker
 from runner.memory.tracker_views import OPTIONAL_CATEGORIES
 from runner.optim import build_optimizer
@@ -46,7 +48,10 @@ from runner.plan.batch import cached_parts, encode_batch, encode_part_shapes, ex
 from runner.plan.ema import plan_ema
 from runner.plan.fake import fake_module, simulation_mode
 from runner.plan.result import PhasePeak, Plan
+from runner.plan.calibrate import cpu_target
+from runner.plan.cost import CostCounter
 from runner.plan.semantics import DeviceSemantics, SimulatedAccelerator
+from runner.plan.speed import StepTime, Target, Trained, gpu_target, predict
 from runner.plan.suggest import suggest
 from runner.plan.target import CUDA_WORKSPACE_MARGIN_BYTES, DEVICE, HOST
 from runner.plan.validation import plan_validation
@@ -130,6 +135,9 @@ def plan_step(
     if run is None:
         run = resolve(cfg, target=target or planned_target(cfg), device=DEVICE)
     run = run.simulated()
+    t0 = time.perf_counter()
+    timing = step_time_target(run)  # before _one_thread: a CPU is measured with the run's own threads
+    calibrated_s = time.perf_counter() - t0
     started = time.perf_counter()
     with _one_thread(), _old_objects_frozen():
         sim = _Simulation(
@@ -138,6 +146,8 @@ def plan_step(
             _isolated(trainer if trainer is not None else build_trainer(cfg, run)),
             schedule if schedule is not None else build_plugins(cfg, run),
         )
+        counter = timing.counter()
+        sim.tracker.op_observer = counter.observe  # FLOPs, bytes and copies of every op (runner/plan/cost.py)
         sampling = plan_sampling(sim)  # sample.every: keeps the VAE as the sampler does; a no-op when off
         validation = plan_validation(sim)  # data.val_*: only when it can raise the peak (runner/plan/validation.py)
         with sim.mode:
@@ -153,10 +163,37 @@ def plan_step(
                 sim.tracker.detach_module_hooks()
                 sim.ctx.teardown()
     plan = _assemble(sim, time.perf_counter() - started)
+    plan.step_time = _step_time(sim, counter, timing).to_dict()
+    if calibrated_s > 0.05:
+        plan.notes["timings_s"]["cpu calibration"] = round(calibrated_s, 2)
     sampling.report(plan)
     validation.report(plan)
     sim.ema.report(plan)
     return plan
+
+
+def step_time_target(run: ResolvedRun) -> Target:
+    """What the plan's s/step is predicted for: this CPU (measured), the named GPU, or the reference card."""
+    if run.target == "cpu":
+        return cpu_target()
+    return gpu_target(run.gpu or reference_spec(), reference=run.gpu is None)
+
+
+def _step_time(sim: _Simulation, counter: CostCounter, timing: Target) -> StepTime:
+    trained = Trained()
+    for p in sim.params:
+        n, b = p.numel(), p.numel() * p.element_size()
+        if getattr(p, "fake_device", p.device).type == HOST.type and sim.run.target != "cpu":
+            trained.host_elements += n
+            trained.host_bytes += b
+            trained.host_params += 1
+        else:
+            trained.device_elements += n
+            trained.device_bytes += b
+            trained.device_params += 1
+    return predict(counter, timing, micro_batches=sim.run.grad_accum, simulated_micro=sim.n_micro,
+                   transfers=sim.ctx.facts.transfers, optimizer=str(sim.cfg.optimizer.get("name", "adamw")),
+                   trained=trained, fused=sim.fused)
 
 
 @contextlib.contextmanager
@@ -220,6 +257,7 @@ class _Simulation:
         self.state_by_dev: dict[str, dict[str, dict[str, int]]] = {}
         self.host_steady = 0
         self.ema = plan_ema(self)  # ema.enabled: the copy, counted where it lives (runner/plan/ema.py); else a no-op
+        self.fused = False  # optimizer.fused_backward: the optimizer steps inside backward (runner/fused.py)
 
     def timed(self, name: str, fn: Any, *args: Any) -> None:
         t0 = time.perf_counter()
@@ -248,6 +286,13 @@ class _Simulation:
         ctx.optimizer = build_optimizer(self.cfg.optimizer, self.params, simulate=True)
         ctx.run_phase("wrap_optimizer")
         self.ema.create()  # where the loop builds it: after the optimizer, on the weights as placed
+        ctx.optimizer = fuse_into_backward(ctx.optimizer, self.cfg.optimizer, self.run)
+        self.fused = isinstance(ctx.optimizer, FusedBackward)
+        if self.fused:
+            # Steady state of fused backward: the state exists through forward and backward (it
+            # is not added afterwards, see _assemble), and each gradient dies in its hook.
+            ctx.optimizer.inner.allocate_state()
+            _label_optimizer_state(tracker, ctx.optimizer, self.owner)
         trainer = self.trainer
         self.raw = (ctx.facts.encode_on_device
                     and callable(getattr(trainer, "example_raw_batch", None)) and callable(getattr(trainer, "encode", None)))
@@ -325,7 +370,7 @@ def _assemble(sim: _Simulation, seconds: float) -> Plan:
     phases: dict[str, int] = {}
     for name, per_dev in recorder.phases:
         for dev, pk in per_dev.items():
-            if name.startswith(("forward", "backward")):  # steady state: the state lives through them
+            if name.startswith(("forward", "backward")) and not sim.fused:  # steady state: the state lives through them
                 extra = state.get(dev, {})
                 by_module = {m: dict(c) for m, c in pk.by_module.items()}
                 for m, n in extra.items():
@@ -362,7 +407,7 @@ def _assemble(sim: _Simulation, seconds: float) -> Plan:
         "precision": precision,
         "precision_text": f"{precision} autocast" if precision != "no" else "float32 (no autocast)",
         "plugins": plugins or "none",
-        "optimizer": str(c.optimizer.get("name", "?")),
+        "optimizer": str(c.optimizer.get("name", "?")) + (", fused backward" if sim.fused else ""),
         "trained": ", ".join(sorted(ctx.models.trained)) if ctx.models is not None else "?",
         "model_train": sim.run.train_mode,
         "model_dtype": str(sim.run.frozen_dtype).replace("torch.", ""),

@@ -195,3 +195,25 @@ def test_fast_help_prints_exactly_what_hydras_help_prints(overrides, capsys, mon
     with pytest.raises(SystemExit):
         hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(lambda cfg: None)()
     assert format_help(overrides) + "\n" == capsys.readouterr().out
+
+
+def test_planning_commands_end_without_teardown_with_every_output_complete(tmp_path):
+    """mode=plan/fit/plugins end with os._exit after flushing (runner/__main__.py:quick_exit): every file
+    and line is there, and the status is the command's."""
+    import json
+
+    ok = cli("+preset=constrained", "mode=plan", f"output_dir={tmp_path / 'ok'}")
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    plan = json.loads((tmp_path / "ok" / "plan.json").read_text())
+    assert plan["fits"] and plan["step_time"]["seconds"] > 0
+    assert json.loads((tmp_path / "ok" / "job_summary.json").read_text())["status"] == "ok"
+    lines = ok.stdout.rstrip().splitlines()
+    assert lines[-2].startswith("simulated in")  # the table's last line, then the log's last line:
+    assert "plan written to" in lines[-1]  # the log handler was flushed before the exit
+    over = cli("+preset=constrained", "mode=plan", "budget_gb=0.001", f"output_dir={tmp_path / 'over'}")
+    assert over.returncode == 3 and "more than budget_gb=0.001" in over.stderr, over.stderr[-2000:]
+    assert json.loads((tmp_path / "over" / "plan.json").read_text())["fits"] is False
+    summary = json.loads((tmp_path / "over" / "job_summary.json").read_text())
+    assert summary["exit_code"] == 3
+    listed = cli("mode=plugins")
+    assert listed.returncode == 0 and listed.stdout.rstrip().endswith("by its own norm")

@@ -385,6 +385,26 @@ def test_simulation_mode_describes_plain_fake_tensors_with_its_own_key():
         assert key == same and key != other  # equal metadata shares an entry; a transposed stride does not
 
 
+def test_cache_hits_outputs_are_the_tensors_the_stock_constructor_makes():
+    """SimulationMode builds a cache hit's output without FakeTensor.__new__: same tensor, same state."""
+    from runner.compat import FAKE_OUTPUT_FAST_PATH, FakeTensor
+
+    assert FAKE_OUTPUT_FAST_PATH  # the CI torch has every internal the fast construction needs
+    with simulation_mode() as mode:
+        x = torch.empty(8, 4, requires_grad=True)  # a fake CPU tensor: CPU's dispatch keys, meta storage
+        first = torch.ops.aten.mm.default(x, x.t())  # a miss: the stock constructor, and its state kept
+        assert isinstance(mode._output_state, dict)
+        hit = torch.ops.aten.mm.default(x, x.t())  # a hit: built by SimulationMode._wrap
+        assert mode.cache_hits >= 1
+        stock = FakeTensor(mode, torch.empty_strided(hit.shape, hit.stride(), device="meta",
+                                                     requires_grad=hit.requires_grad), hit.fake_device)
+    for t in (first, stock):
+        assert type(hit) is type(t) and hit.fake_mode is t.fake_mode and hit.device == t.device
+        assert (hit.shape, hit.stride(), hit.dtype, hit.requires_grad) == (t.shape, t.stride(), t.dtype, t.requires_grad)
+        assert vars(hit) == vars(t)
+        assert torch._C._dispatch_keys(hit) == torch._C._dispatch_keys(t)
+
+
 def test_planning_leaves_the_garbage_collector_as_it_found_it():
     """Plans freeze the objects that existed before them (speed), and unfreeze only what they froze."""
     import gc
