@@ -14,6 +14,7 @@ from accelerate.utils import set_seed
 from omegaconf import DictConfig
 
 from runner import registry, sweep
+from runner.dist.launch import join_run
 from runner.export.checkpoint import export_after_training, export_command
 from runner.hostmem import keep_freed_host_memory
 from runner.loop import make_accelerator, train
@@ -38,7 +39,9 @@ def run(cfg: DictConfig) -> float | None:
         print(registry.format_plugin_list())
         return None
     out = output_dir(cfg)
-    write_run_info(out, cfg)
+    writes = join_run()                                         # several processes: one group, rank 0 writes (runner/dist/)
+    if writes:
+        write_run_info(out, cfg)
     if cfg.mode == "plan":                                      # only plan: table + plan.json; exit 3 over budget
         plan_command(cfg, out)
         return None
@@ -63,8 +66,9 @@ def run(cfg: DictConfig) -> float | None:
         result = train(ctx)                                     # loop
     finally:
         ctx.teardown()                                          # every plugin change undone, even on error
-    export_after_training(ctx, result)                          # LoRA / diffusers files beside the final checkpoint
-    print(summary(result, out))                                 # report
+    if writes:
+        export_after_training(ctx, result)                      # LoRA / diffusers files beside the final checkpoint
+        print(summary(result, out))                             # report
     if result.interrupted_by is not None:
         sys.exit(128 + result.interrupted_by)
     return result.losses[-1] if result.losses else None

@@ -12,6 +12,8 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from runner.dist.config import store_dist_schemas
+from runner.dist.launch import runner_now
 from runner.export.config import ExportConfig
 from runner.sampling.config import SampleConfig
 from runner.tracking import LogConfig
@@ -107,6 +109,7 @@ class RunConfig:
     sample: SampleConfig = field(default_factory=SampleConfig)  # samples during training (runner/sampling/)
     export: ExportConfig = field(default_factory=ExportConfig)  # LoRA / diffusers files beside the final checkpoint (runner/export/)
     log: LogConfig = field(default_factory=LogConfig)  # trackers (tensorboard, wandb, ...): runner/tracking.py
+    dist: Any = MISSING  # dist=none|ddp|fsdp: several processes (runner/dist/); schemas in runner/dist/config.py
     budget_gb: Optional[float] = None  # device memory budget; used by allocator cap and the planner
     mode: str = "train"  # train | plan (predict memory, exit 3 if over budget_gb) | export (a saved checkpoint: train.resume=...) | plugins
     preset: Optional[str] = None  # set by the preset file, for the log
@@ -138,9 +141,12 @@ def native_resolution(size: str) -> int:
 
 def store_schemas() -> None:
     OmegaConf.register_new_resolver("native_resolution", native_resolution, replace=True)
+    # Hydra's ${now:...}, but one time for all processes of a multi-process run (runner/dist/launch.py).
+    OmegaConf.register_new_resolver("runner_now", runner_now, use_cache=True, replace=True)
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
     cs.store(group="trainer", name="custom", node=CustomTrainerConfig)
     from runner.optim import store_optimizer_schemas
 
     store_optimizer_schemas()
+    store_dist_schemas()

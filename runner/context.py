@@ -91,7 +91,15 @@ class RunContext:
     sampler: Any = field(default_factory=NoSampler)  # sample.every: runner.sampling.build_sampler; no-op by default
     # The run's experiment tracker (runner/tracking.py): ``ctx.tracking.log_images(step, {name: image})``.
     tracking: Tracking = field(default_factory=NoTracking)
+    # dist=ddp|fsdp across processes (runner/dist/runtime.py); the no-op Distribution for one process.
+    dist: Any = None
     _torn_down: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dist is None:
+            from runner.dist.runtime import build_distribution
+
+            self.dist = build_distribution(self.run)
 
     # The resolved run's devices, under the names plugins have always used.
     @property

@@ -32,18 +32,19 @@ from diffusers.optimization import get_scheduler
 from tqdm.auto import tqdm
 
 from runner.context import RunContext
+from runner.dist.runtime import accelerator_options
 from runner.data import collate, describe_dataset
 from runner.errors import Interrupted, UserError
-from runner.memory.profile import build_profiler
+from runner.memory.profile import NullProfiler, build_profiler
 from runner.memory.stats import MemoryMonitor
 from runner.nonfinite import NonFiniteGuard, NonFiniteStop, grad_norm
 from runner.oom import MicroBatchRecovery, OutOfMemoryGiveUp
 from runner.optim import build_optimizer
-from runner.report import MetricsWriter, drop_metrics_after
+from runner.report import MetricsWriter, NullMetrics, drop_metrics_after
 from runner.resume import saved_config_text
 from runner.resolved import ResolvedRun
 from runner.tracking import start_tracking
-from runner.train_state import TrainState, find_checkpoint, load_checkpoint, remove_leftovers, save_checkpoint
+from runner.train_state import TrainState, find_checkpoint, remove_leftovers
 from runner.trainer import batch_len, encode, move_batch, slice_batch
 
 log = logging.getLogger("runner")
@@ -148,7 +149,7 @@ def make_accelerator(run: ResolvedRun, **tracking: Any) -> Accelerator:
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    return Accelerator(mixed_precision=run.precision, cpu=run.device.type == "cpu", **tracking)
+    return Accelerator(mixed_precision=run.precision, cpu=run.device.type == "cpu", **accelerator_options(run), **tracking)
 
 
 def train(ctx: RunContext) -> TrainResult:
@@ -161,33 +162,37 @@ def train(ctx: RunContext) -> TrainResult:
     log.info("data: %s", describe_dataset(dataset))  # what is used, and what was skipped or upscaled and why
     order = SampleOrder(len(dataset), run.seed)
 
+    dist = ctx.dist  # one process: a no-op; dist=ddp|fsdp: runner/dist/runtime.py
+    dist.prepare_models(ctx)  # DDP or FSDP2 around the trained modules, before the optimizer takes their parameters
     ctx.optimizer = build_optimizer(cfg.optimizer, list(models.trainable_parameters()), notes=ctx.notes)
     ctx.run_phase("wrap_optimizer")
     scheduler = get_scheduler(
         cfg.train.lr_scheduler, ctx.optimizer, num_warmup_steps=cfg.train.lr_warmup_steps, num_training_steps=cfg.train.steps
     )
     state = TrainState(micro_batch_size=micro)
-    remove_leftovers(out / "checkpoints")  # hidden folders of a save or prune that was killed
+    if dist.is_main:
+        remove_leftovers(out / "checkpoints")  # hidden folders of a save or prune that was killed
     if cfg.train.resume:
         ckpt = find_checkpoint(cfg.train.resume)
-        state = load_checkpoint(ckpt, models, ctx.optimizer, scheduler, optimizer_name=cfg.optimizer.get("name"))
-        micro = state.micro_batch_size or micro
+        state = dist.load_checkpoint(ckpt, models, ctx.optimizer, scheduler, optimizer_name=cfg.optimizer.get("name"))
+        micro = min(state.micro_batch_size or micro, run.rank_batch)  # saved by another world size: this rank's share
         log.info("resumed from %s at step %d (%d samples seen)", ckpt, state.step, state.samples_seen)
-        drop_metrics_after(out / "metrics.jsonl", state.step)  # one curve: no step twice
+        if dist.is_main:
+            drop_metrics_after(out / "metrics.jsonl", state.step)  # one curve: no step twice
     optimizer, scheduler = accelerator.prepare(ctx.optimizer, scheduler)
     params = list(models.trainable_parameters())
     for name, m in models.items():
         m.train(name in models.trained)
 
-    metrics = MetricsWriter(out / "metrics.jsonl", append=bool(cfg.train.resume))
+    metrics = MetricsWriter(out / "metrics.jsonl", append=bool(cfg.train.resume)) if dist.is_main else NullMetrics()
     ckpt_root = out / "checkpoints"
     result = TrainResult(steps_done=state.step)
     recovery = MicroBatchRecovery(ctx, micro, batch_size, params)  # OOM: discard the step, halve, retry
     memory = MemoryMonitor(ctx.device, run.budget_gb)  # per-step memory columns and pressure warnings
-    profiler = build_profiler(cfg, ctx)  # a no-op unless profile.enabled
+    profiler = build_profiler(cfg, ctx) if dist.is_main else NullProfiler()  # a no-op unless profile.enabled
     guard = NonFiniteGuard(cfg.train.on_nonfinite, cfg.train.nonfinite_patience, lr=cfg.optimizer.get("lr"),
                            scaler_active=accelerator.scaler is not None, precision=run.precision)
-    bar = tqdm(total=cfg.train.steps, initial=state.step, disable=not cfg.train.progress, desc="train", dynamic_ncols=True)
+    bar = tqdm(total=cfg.train.steps, initial=state.step, disable=not (cfg.train.progress and dist.is_main), desc="train", dynamic_ncols=True)
     step_times: list[float] = []
     tracking = ctx.tracking = start_tracking(accelerator, cfg)  # a no-op unless log.tracker; samplers log images here
 
@@ -202,8 +207,8 @@ def train(ctx: RunContext) -> TrainResult:
 
     def save() -> Path:
         state.micro_batch_size = recovery.micro_batch_size
-        return save_checkpoint(ckpt_root, state, models, ctx.optimizer, scheduler, cfg.train.keep_saved,
-                               config_text=saved_config_text(cfg, ctx.overrides), optimizer_name=cfg.optimizer.get("name"))
+        return dist.save_checkpoint(ckpt_root, state, models, ctx.optimizer, scheduler, cfg.train.keep_saved,
+                                    config_text=saved_config_text(cfg, ctx.overrides), optimizer_name=cfg.optimizer.get("name"))
 
     with StopRequest() as stop, bar, closing(metrics), closing(profiler), closing(tracking):
         ctx.sampler.maybe_sample(state.step)  # samples at the start (step 0, or the resumed step)
@@ -212,10 +217,11 @@ def train(ctx: RunContext) -> TrainResult:
             profiler.begin_step(state.step + 1)
             ctx.run_phase("on_step_start", state.step)
             start = state.samples_seen
-            raw = collate([dataset[i] for i in order.indices(start, batch_size)])
-            raw["sample_seed"] = order.sample_seeds(start, batch_size)
-            try:
-                step_loss = recovery.run(state.step + 1, lambda m: forward_backward(ctx, raw, m, profiler))
+            indices, seeds = dist.shard(order.indices(start, batch_size), order.sample_seeds(start, batch_size))
+            raw = collate([dataset[i] for i in indices])
+            raw["sample_seed"] = seeds
+            try:  # dist.attempts: every rank agrees on each attempt (runner/dist/agree.py); the global mean loss
+                step_loss = recovery.run(state.step + 1, dist.attempts(lambda m: forward_backward(ctx, raw, m, profiler)))
             except OutOfMemoryGiveUp as e:  # already at micro-batch 1: keep the last completed step, stop
                 e.add_checkpoint(save() if state.step else None, state.step)
                 raise
@@ -227,7 +233,7 @@ def train(ctx: RunContext) -> TrainResult:
                 e.add_checkpoint(save() if state.step else None, state.step)
                 raise
             scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=dist.grads_to_none)
             state.step += 1
             state.samples_seen += batch_size
             ctx.run_phase("on_step_end", state.step)
@@ -243,6 +249,7 @@ def train(ctx: RunContext) -> TrainResult:
             result.losses.append(step_loss)
             bar.set_postfix({"loss": f"{step_loss:.4f}", "s_step": f"{dt:.2f}", **memory.postfix(mem)})  # in this order
             bar.update(1)
+            stop.signum = dist.agree_stop(stop.signum)  # a signal on any rank stops every rank after this step
             due = cfg.train.save_every and state.step % cfg.train.save_every == 0
             if due or state.step == cfg.train.steps or stop.signum is not None:
                 with stop.deferred():  # a second Ctrl-C waits for the save; a third forces the exit

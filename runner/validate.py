@@ -27,6 +27,7 @@ import torch
 
 from runner import registry
 from runner.config import DTYPES, LR_SCHEDULERS, MODES, PRECISIONS, SIZES, TRAIN_DTYPES
+from runner.dist import validate_dist
 from runner.errors import UserError, did_you_mean, valid_list
 from runner.export.config import validate_export
 from runner.nonfinite import POLICIES as NONFINITE_POLICIES
@@ -168,7 +169,8 @@ def _friendly(err: Exception, overrides: Sequence[str]) -> UserError:
         group, _, option = str(missing).rpartition("/")
         options = list(getattr(e, "options", None) or [])
         if group and options:
-            what = {"trainer": "trainer", "preset": "preset", "optimizer": "optimizer"}.get(group, f"{group} plugin")
+            what = {"trainer": "trainer", "preset": "preset", "optimizer": "optimizer",
+                    "dist": "distribution"}.get(group, f"{group} plugin")
             return UserError(
                 f"Unknown {what} '{option}' (from '{group}={option}'). Valid names: {valid_list(option, options)}."
             )
@@ -281,6 +283,7 @@ def validate(cfg: DictConfig) -> None:
     validate_export(cfg)
     validate_log_config(cfg.log)
     run = resolve_for_mode(cfg)
+    validate_dist(cfg, run.dist)  # dist=ddp|fsdp: batch split, refused combinations (runner/dist/config.py)
     validate_optimizer(cfg, run)
     validate_plugins(cfg, run)
 
