@@ -33,13 +33,13 @@ log = logging.getLogger("runner")
 
 def run(cfg: DictConfig) -> float | None:
     """The Hydra task: one job of a run or of a ``-m`` sweep (composed by Hydra)."""
+    writes = join_run()                                         # several processes: one group, rank 0 writes (runner/dist/)
     cfg, overrides = resume_base(cfg)                           # resume: on the checkpoint's saved command line
     validate(cfg)                                               # validate
     if cfg.mode == "plugins":
         print(registry.format_plugin_list())
         return None
     out = output_dir(cfg)
-    writes = join_run()                                         # several processes: one group, rank 0 writes (runner/dist/)
     if writes:
         write_run_info(out, cfg)
     if cfg.mode == "plan":                                      # only plan: table + plan.json; exit 3 over budget

@@ -152,6 +152,7 @@ class RunContext:
         self.run_phase("claim_modules")
         self.run_phase("transform_models")
         self.run_phase("place_models")
+        self.dist.defer_placement(self)  # dist=fsdp: the trained module reaches the device unit by unit, sharded
         for name, m in self.models.items():
             if name not in self.facts.placed:
                 m.to(self.device)

@@ -187,7 +187,7 @@ def train(ctx: RunContext) -> TrainResult:
     metrics = MetricsWriter(out / "metrics.jsonl", append=bool(cfg.train.resume)) if dist.is_main else NullMetrics()
     ckpt_root = out / "checkpoints"
     result = TrainResult(steps_done=state.step)
-    recovery = MicroBatchRecovery(ctx, micro, batch_size, params)  # OOM: discard the step, halve, retry
+    recovery = MicroBatchRecovery(ctx, micro, run.rank_batch, params)  # OOM: discard the step, halve, retry
     memory = MemoryMonitor(ctx.device, run.budget_gb)  # per-step memory columns and pressure warnings
     profiler = build_profiler(cfg, ctx) if dist.is_main else NullProfiler()  # a no-op unless profile.enabled
     guard = NonFiniteGuard(cfg.train.on_nonfinite, cfg.train.nonfinite_patience, lr=cfg.optimizer.get("lr"),

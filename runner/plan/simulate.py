@@ -37,6 +37,7 @@ from torch import nn
 
 from runner import registry
 from runner.context import RunContext
+from runner.dist.plan import measure as measure_rank, rank_phase, rank_state_bytes
 from runner.memory.tracker import CATEGORIES, NO_MODULE, LiveBytesTracker
 from runner.optim import build_optimizer
 from runner.plan.batch import cached_parts, encode_batch, encode_part_shapes, example_batch, fake_batch, move_batch
@@ -210,6 +211,7 @@ class _Simulation:
         self.cached: set[str] = set()
         self.state_by_dev: dict[str, dict[str, dict[str, int]]] = {}
         self.host_steady = 0
+        self.rank_layout: Any = None
 
     def timed(self, name: str, fn: Any, *args: Any) -> None:
         t0 = time.perf_counter()
@@ -234,6 +236,7 @@ class _Simulation:
                 self.owner[id(p)] = name
             tracker.attach_module_hooks(module, depth=1, prefix=name)
         self.recorder.take("setup")
+        self.rank_layout = measure_rank(self.run.dist, ctx.models)  # dist=ddp|fsdp: what one rank holds
         self.params = list(ctx.models.trainable_parameters())
         ctx.optimizer = build_optimizer(self.cfg.optimizer, self.params, simulate=True)
         ctx.run_phase("wrap_optimizer")
@@ -312,13 +315,16 @@ def _assemble(sim: _Simulation, seconds: float) -> Plan:
     best: dict[str, PhasePeak] = {}
     phases: dict[str, int] = {}
     for name, per_dev in recorder.phases:
-        for dev, pk in per_dev.items():
+        moved = 0  # dist.cpu_offload: this rank's shards on the host (runner/dist/plan.py)
+        for dev, pk in sorted(per_dev.items(), key=lambda kv: kv[0] != DEVICE.type):
             if name.startswith(("forward", "backward")):  # steady state: the state lives through them
                 extra = state.get(dev, {})
                 by_module = {m: dict(c) for m, c in pk.by_module.items()}
                 for m, n in extra.items():
                     by_module.setdefault(m, {})["optimizer_state"] = by_module.get(m, {}).get("optimizer_state", 0) + n
                 pk = PhasePeak(name, pk.where, pk.peak_bytes + sum(extra.values()), by_module)
+            if sim.rank_layout is not None:  # dist=ddp|fsdp: one rank's bytes (runner/dist/plan.py)
+                pk, moved = rank_phase(sim.rank_layout, pk, dev == DEVICE.type, moved)
             if dev == DEVICE.type:
                 phases[name] = pk.peak_bytes
             if dev not in best or pk.peak_bytes > best[dev].peak_bytes:
@@ -350,6 +356,8 @@ def _assemble(sim: _Simulation, seconds: float) -> Plan:
         "train_dtype": str(sim.run.train_dtype).replace("torch.", ""),
         "modules": sorted(ctx.models.modules) if ctx.models is not None else [],
     }
+    if sim.run.dist.active:  # the plan is one rank's (runner/dist/plan.py)
+        run.update(dist=sim.run.dist.name, world_size=sim.run.dist.world_size, rank_text=sim.run.dist.describe())
     plan = Plan(
         target=target,
         peak_bytes=dev_peak.peak_bytes,
@@ -364,7 +372,7 @@ def _assemble(sim: _Simulation, seconds: float) -> Plan:
         host_peak_phase=host_peak.name,
         host_steady_bytes=host_steady,
         host_pinned_bytes=ctx.facts.pinned_host_bytes,
-        optimizer_state_bytes={dev: sum(v.values()) for dev, v in state.items()},
+        optimizer_state_bytes=rank_state_bytes(sim.rank_layout, {dev: sum(v.values()) for dev, v in state.items()}),
         run=run,
         notes=notes,
         seconds=seconds,
