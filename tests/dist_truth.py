@@ -1,12 +1,13 @@
-"""One rank's plan against the same rank's real step: run with ``torchrun --nproc_per_node=N tests/dist_truth.py
-OUT_DIR override...`` (tests/runner/dist/test_plan.py does).
+"""One rank's plan against the same rank's real step: run with ``PYTHONPATH=tests torchrun --nproc_per_node=N
+-m dist_truth OUT_DIR override...`` (tests/runner/dist/test_dist_plan.py does), once per ``dist=`` in
+``RUNNER_TRUTH_DISTS`` (default ``ddp,fsdp``), in the same processes.
 
 Not a test module (no ``test_`` prefix). Each rank composes the run from the overrides, plans its
 own step (``plan_step(cfg, run=run)``: the per-rank plan of runner/dist/plan.py), then sets up the
 real run as runner/__main__.py and runner/loop.py do (models, plugins, DDP or FSDP2, optimizer) and
 runs two optimizer steps with the loop's own passes, agreement and gradient synchronisation under
 a LiveBytesTracker; the figures of step 2 (optimizer state exists, as for the rest of a run) go to
-``OUT_DIR/rank-<r>.json`` beside the plan's.
+``OUT_DIR/<dist>-rank-<r>.json`` beside the plan's.
 """
 from __future__ import annotations
 
@@ -18,6 +19,14 @@ import torch
 
 
 def main() -> None:
+    import os
+
+    out, overrides = Path(sys.argv[1]), sys.argv[2:]
+    for name in os.environ.get("RUNNER_TRUTH_DISTS", "ddp,fsdp").split(","):
+        one(out, [f"dist={name}", *overrides], name)
+
+
+def one(out: Path, overrides: list[str], label: str) -> None:
     from runner.dist.launch import join_process_group
     from runner.loop import forward_backward, make_accelerator
     from runner.memory.tracker import LiveBytesTracker
@@ -28,7 +37,6 @@ def main() -> None:
     from runner.trainer_setup import prepare_models
     from runner.validate import compose_config, validate
 
-    out, overrides = Path(sys.argv[1]), sys.argv[2:]
     torch.set_num_threads(1)
     world = join_process_group()
     cfg = compose_config(["train.device=cpu", "train.progress=false", *overrides])
@@ -83,7 +91,7 @@ def main() -> None:
         ctx.teardown()
     real = tracker.snapshot()["devices"]["cpu"]
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank-{world.rank}.json").write_text(json.dumps({
+    (out / f"{label}-rank-{world.rank}.json").write_text(json.dumps({
         "rank": world.rank, "world": world.world_size,
         "plan_peak": plan.peak_bytes, "plan_phases": plan.phases, "plan_by_module": plan.by_module,
         "real_peak": real["peak_bytes"], "real_phases": real["peak_by_phase"],
