@@ -19,10 +19,13 @@ Combinations refused before anything is built, each naming both sides:
 * ``dist=fsdp`` with ``offload=stream`` (a streamed block's weights are host tensors copied in
   per call; FSDP shards the same weights and all-gathers them itself), with ``offload=optimizer``
   (the host optimizer keeps its own full master copies; ``dist.cpu_offload=true`` is FSDP's own way
-  to keep sharded weights, gradients and the optimizer step on the host), and with 8-bit
-  bitsandbytes optimizers (their kernels take plain tensors, not FSDP's DTensor shards);
-* any ``dist`` with ``offload.optimizer.offload_gradients=true`` (gradients leave the device during
-  backward, before ranks have averaged them);
+  to keep sharded weights, gradients and the optimizer step on the host), and with optimizers
+  other than AdamW (bitsandbytes' 8-bit kernels and transformers' Adafactor take plain tensors,
+  not FSDP's DTensor shards);
+* any ``dist`` with ``offload.optimizer.offload_gradients=true`` or ``implementation=torchao``
+  (gradients leave the device during backward, before ranks have averaged them), and
+  ``dist=ddp`` with ``offload=stream`` (streamed weights and gradients live on the host, outside
+  DDP's buckets; FSDP's ``dist.cpu_offload`` is the multi-GPU way to keep weights on the host);
 * a global batch that does not split evenly: ``train.batch_size`` must be a multiple of
   ``world_size x train.grad_accum`` (every rank takes the same share, so the averaged gradient is
   the one-process gradient of the global batch).
@@ -41,8 +44,10 @@ log = logging.getLogger("runner")
 
 CHOICES = ("none", "ddp", "fsdp")
 SHARDING_STRATEGIES = ("full_shard", "hybrid_shard")
-# Optimizers whose state FSDP can shard: their step is torch ops on the parameters (DTensors).
-FSDP_OPTIMIZERS = ("adamw", "adafactor")
+# Optimizers whose step runs on FSDP's sharded parameters (DTensors): torch's AdamW. bitsandbytes'
+# 8-bit kernels take plain tensors; transformers' Adafactor mixes DTensors with plain tensors in its
+# update (torch 2.13: "aten.add_.Tensor got mixed torch.Tensor and DTensor").
+FSDP_OPTIMIZERS = ("adamw",)
 
 
 @dataclass
@@ -213,13 +218,24 @@ def validate_dist(cfg: Any, spec: DistSpec) -> None:
             f"dist={spec.name} and offload.optimizer.offload_gradients=true cannot be combined: gradients would leave "
             "the device during backward, before the ranks have averaged them. Set "
             "offload.optimizer.offload_gradients=false (the optimizer step stays on the host).")
+    if opt_offload is not None and str(opt_offload.get("implementation", "auto")) == "torchao":
+        raise UserError(
+            f"dist={spec.name} and offload.optimizer.implementation=torchao cannot be combined: torchao copies each "
+            "gradient to the host during backward, before the ranks have averaged them. Use "
+            "offload.optimizer.implementation=builtin (or auto, which picks it with several processes).")
+    if "stream" in offload:
+        if spec.name == "fsdp":
+            raise UserError(
+                "dist=fsdp and offload=stream cannot be combined: offload=stream copies each block's weights in from "
+                "host memory per call, while FSDP shards the same weights across ranks and all-gathers them itself. "
+                "Use dist=fsdp dist.cpu_offload=true (sharded weights on the host): each GPU then holds only the "
+                "blocks being computed.")
+        raise UserError(
+            "dist=ddp and offload=stream cannot be combined yet: a streamed block's weights (and, in a full "
+            "fine-tune, its gradients) live in host memory outside their calls, where DDP's gradient buckets cannot "
+            "average them. Use dist=fsdp dist.cpu_offload=true, which keeps the shards on the host the same way.")
     if spec.name != "fsdp":
         return
-    if "stream" in offload:
-        raise UserError(
-            "dist=fsdp and offload=stream cannot be combined: offload=stream copies each block's weights in from "
-            "host memory per call, while FSDP shards the same weights across ranks and all-gathers them itself. "
-            "Use dist=fsdp dist.cpu_offload=true (sharded weights on the host), or dist=ddp with offload=stream.")
     if opt_offload is not None:
         raise UserError(
             "dist=fsdp and offload=optimizer cannot be combined: offload=optimizer keeps full host copies of the "
@@ -227,7 +243,9 @@ def validate_dist(cfg: Any, spec: DistSpec) -> None:
             "sharded weights on the host), or dist=ddp with offload=optimizer.")
     optimizer = str(cfg.optimizer.get("name", "adamw"))
     if optimizer not in FSDP_OPTIMIZERS:
+        why = ("bitsandbytes' 8-bit kernels take whole tensors" if "8bit" in optimizer else
+               "its update mixes FSDP's sharded parameters with plain tensors")
         raise UserError(
-            f"dist=fsdp and optimizer={optimizer} cannot be combined: bitsandbytes' 8-bit kernels take whole "
-            "tensors, not FSDP's sharded parameters. Use optimizer=adamw or optimizer=adafactor (their state is "
-            f"sharded too), or dist=ddp with optimizer={optimizer}.")
+            f"dist=fsdp and optimizer={optimizer} cannot be combined: {why}, not FSDP's sharded parameters. Use "
+            "optimizer=adamw (its state is sharded too; model.train_dtype=bfloat16 halves it), or dist=ddp with "
+            f"optimizer={optimizer}.")

@@ -285,7 +285,7 @@ class GradientSync(nn.Module):
     def forward(self) -> torch.Tensor:
         params = [p for p in self.parameters() if p.requires_grad]
         # sum() has an expanded (stride-0) gradient: adding it allocates nothing per parameter.
-        return torch.stack([p.sum() for p in params]).sum() * 0.0
+        return torch.stack([p.sum().float() for p in params]).sum() * 0.0
 
 
 def _unshardable_params(module: nn.Module) -> set[nn.Parameter]:
