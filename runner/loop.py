@@ -149,7 +149,8 @@ def make_accelerator(run: ResolvedRun, **tracking: Any) -> Accelerator:
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    return Accelerator(mixed_precision=run.precision, cpu=run.device.type == "cpu", **accelerator_options(run), **tracking)
+    return Accelerator(mixed_precision=run.precision, cpu=run.device.type == "cpu", **accelerator_options(run),
+                       **tracking)
 
 
 def train(ctx: RunContext) -> TrainResult:

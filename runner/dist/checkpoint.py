@@ -83,7 +83,8 @@ def _state_dicts(models: ModelSet, optimizer: Any) -> tuple[nn.Module, dict[str,
 def _set_state_dicts(holder: nn.Module, optimizer: Any, msd: dict[str, Any], osd: dict[str, Any], full: bool) -> None:
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    set_state_dict(holder, optimizer, model_state_dict=msd, optim_state_dict=osd, options=_options(full_state_dict=full))
+    set_state_dict(holder, optimizer, model_state_dict=msd, optim_state_dict=osd,
+                   options=_options(full_state_dict=full))
 
 
 # ---- save ------------------------------------------------------------------------------------------
@@ -237,7 +238,8 @@ def _check_described(ckpt: Path, models: ModelSet, optimizer_name: str | None) -
 
     described = ckpt / "trained.json"
     if not described.is_file():
-        raise UserError(f"Checkpoint {ckpt} is sharded but has no trained.json; it is incomplete. Resume from another one.")
+        raise UserError(f"Checkpoint {ckpt} is sharded but has no trained.json; it is incomplete. Resume from "
+                        "another one.")
     info = _load(described, "the trained-state description")
     saved = {n: tuple(d["shape"]) for n, d in info.get("parameters", {}).items()}
     params = dict(models.named_trainable_parameters())
@@ -252,7 +254,8 @@ def _check_described(ckpt: Path, models: ModelSet, optimizer_name: str | None) -
     saved_name = info.get("optimizer", {}).get("name")
     if optimizer_name is not None and saved_name is not None and saved_name != optimizer_name:
         raise UserError(f"Checkpoint {ckpt} holds the state of optimizer={saved_name}, but this run uses optimizer="
-                        f"{optimizer_name}. Resume with optimizer={saved_name}, or start a new run without train.resume.")
+                        f"{optimizer_name}. Resume with optimizer={saved_name}, or start a new run without "
+                        "train.resume.")
 
 
 def _load_sharded(ckpt: Path, models: ModelSet, optimizer: Any, scheduler: Any, optimizer_name: str | None) -> Any:

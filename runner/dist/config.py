@@ -74,7 +74,8 @@ class FSDPConfig:
 
     name: str = "fsdp"
     world_size: Optional[int] = None  # processes; null: the launcher's (WORLD_SIZE); mode=plan: ranks to plan for
-    sharding_strategy: str = "full_shard"  # full_shard: over every rank | hybrid_shard: within a node, replicated across nodes
+    # full_shard: over every rank | hybrid_shard: within a node, replicated across nodes
+    sharding_strategy: str = "full_shard"
     ranks_per_node: Optional[int] = None  # hybrid_shard: shard group size; null: LOCAL_WORLD_SIZE (mode=plan: required)
     reshard_after_forward: bool = True  # free a block's gathered weights after its forward (gather again in backward)
     cpu_offload: bool = False  # sharded weights, gradients and the optimizer step on the host (FSDP2 CPUOffloadPolicy)
@@ -114,7 +115,9 @@ class DistSpec:
         if not self.active:
             return "one process"
         what = {"ddp": "DDP (replicated weights, averaged gradients)",
-                "fsdp": f"FSDP2 (sharded over {self.shard_size} ranks"
+                "fsdp": f"FSDP2 (sharded over {self.shard_size} rank{'s' if self.shard_size != 1 else ''}"
+                        + (f", replicated {self.world_size // self.shard_size} times" if self.shard_size < self.world_size
+                           else "")
                         + (", weights on the host" if self.cpu_offload else "")
                         + ("" if self.reshard_after_forward else ", gathered weights kept from forward to backward")
                         + ")"}[self.name]

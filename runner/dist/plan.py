@@ -7,8 +7,9 @@ see is what the distribution adds or removes, so each phase's peak is then corre
 sizes the planner measures on the simulated models (every parameter's shape and dtype, each
 FSDP unit's members: the repeated blocks of runner/blocks.py, as runner/dist/runtime.py shards
 them, and the rest of the module as the root unit). Why computed and not simulated: FSDP2 needs
-a process group of N ranks, and it frees and re-allocates its gathered weights by resizing
-storages, which no dispatch mode sees. The terms, per rank:
+a process group of N ranks (in a training run's preflight the real group is already in use), and
+it frees and re-allocates its gathered weights by resizing storages, which the simulation's
+dispatch mode does not see (the live-bytes tracker of a real run follows them). The terms, per rank:
 
 ``dist=fsdp`` (trained module ``m``; ``shard(x)``: FSDP2's dim-0 shard, padded to a multiple of
 the shard group, bytes exact per parameter)
@@ -16,8 +17,8 @@ the shard group, bytes exact per parameter)
 * weights of ``m``: ``shard(weights)`` instead of all of them; quantized weights (nf4, int8,
   fp8), which stay whole, count whole;
 * all-gather buffers (row ``(fsdp all-gather)``): at setup, the largest unit (or the root's rest)
-  whole, moved to the device by ``fully_shard`` before it keeps a shard; the root unit's weights, gathered for the
-  whole forward and backward (FSDP2 does not reshard the root after forward); in forward the
+  whole, moved to the device by ``fully_shard`` before it keeps a shard; the root unit's weights,
+  gathered for the whole forward and backward (FSDP2 does not reshard the root after forward); in forward the
   largest unit twice (its gathered weights and the all-gather output they are copied from);
   in backward the largest unit three times (the unit computing, the next one prefetched, and its
   all-gather output). ``dist.reshard_after_forward=false`` keeps every unit gathered from its
@@ -36,9 +37,10 @@ rebuilds its buckets in the order gradients arrived, copying every gradient once
 
 The backward phase is at least the forward's end (every activation still alive, no new gradient):
 a rank whose gradients are sharded, or always allocated (DDP's buckets), may peak right at the
-start of backward, where one process peaks later. The peak is re-taken over the corrected phases. The figures are an estimate of the FSDP2 terms,
-not a count: the per-rank truth test (tests/runner/dist/) holds it within 5 % of a real 2-process
-step measured with the live-bytes tracker on each rank.
+start of backward, where one process peaks later. The peak is re-taken over the corrected phases.
+The figures are an estimate of the FSDP2 terms, not a count: the per-rank truth test
+(tests/runner/dist/) holds it within 5 % of a real 2-process step measured with the live-bytes
+tracker on each rank.
 """
 from __future__ import annotations
 

@@ -198,7 +198,7 @@ class DataParallel(Distribution):
         self.fsdp_root = fully_shard(module, **root_kwargs)
         units.append(self.fsdp_root)
         agree_before_fsdp_collectives(units, self.agreement)
-        log.info("dist=fsdp: %s sharded over %d ranks in %d units (%d repeated blocks + the rest)%s%s", name,
+        log.info("dist=fsdp: %s sharded over %d rank(s) in %d units (%d repeated blocks + the rest)%s%s", name,
                  self.spec.shard_size, len(units), len(blocks),
                  "; sharded weights on the host" if self.spec.cpu_offload else "",
                  f"; {len(ignored)} quantized tensors kept whole on every rank" if ignored else "")
@@ -288,6 +288,9 @@ class GradientSync(nn.Module):
         return torch.stack([p.sum().float() for p in params]).sum() * 0.0
 
 
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def _unshardable_params(module: nn.Module) -> set[nn.Parameter]:
     """Frozen parameters FSDP cannot split: bitsandbytes' quantized storage (its quantization state
     describes the whole tensor) and float8 storage. They stay whole on every rank."""
@@ -295,7 +298,7 @@ def _unshardable_params(module: nn.Module) -> set[nn.Parameter]:
     for p in module.parameters():
         if p.requires_grad:
             continue
-        if type(p) is not nn.Parameter or not p.is_floating_point() or p.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        if type(p) is not nn.Parameter or not p.is_floating_point() or p.dtype in FLOAT8:
             out.add(p)
     return out
 
