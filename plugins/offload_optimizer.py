@@ -146,7 +146,9 @@ class OptimizerOffload(Plugin):
         c, run = self.config, self.run
         wrapped = offload_optimizer(
             ctx.optimizer, step_on_host=bool(c.step_on_host), offload_gradients=bool(c.offload_gradients),
-            max_grad_norm=run.max_grad_norm, grad_accum=run.grad_accum, implementation=str(c.implementation),
+            max_grad_norm=run.max_grad_norm, grad_accum=run.grad_accum,
+            # several processes: ours, which reads the gradients at step time, after the ranks averaged them
+            implementation="builtin" if run.dist.active else str(c.implementation),
             chunk_bytes=int(float(c.chunk_mb) * 2**20), host=ctx.host, pin_memory=bool(c.pin_memory),
         )
         ctx.optimizer = self.optimizer = wrapped

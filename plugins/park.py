@@ -36,6 +36,11 @@ VAE and text encoders of the built-in trainers):
    trainer's dataset is replaced too, by one that yields only sample indices, so no image is
    decoded during training.
 
+   Several processes (``dist=ddp|fsdp``): rank 0 plans and fills the cache first while the others
+   wait (accelerate's ``main_process_first``); then each other rank verifies the entries it reads
+   and finds them complete. Entries are renamed into place, so even a rank on another node filling
+   a node-local cache at the same time never reads half an entry.
+
    Limitation: the runner builds the models (``trainer.build_models``) before any plugin
    phase, so with a full cache the encoders are still constructed on the host at start-up and
    freed here, before placement; they never reach the device and are never called.
@@ -404,12 +409,14 @@ class Park(Plugin):
         ctx.facts.placed.update(models.frozen())  # the runner must not move them: they stay on the host
         batch = int(c.encode_batch_size) if c.encode_batch_size else run.micro_batch
         autocast = ctx.accelerator.autocast if ctx.accelerator is not None else None
-        result = park_and_cache(
-            ctx.trainer if parts else None, models, ctx.device, host=ctx.host, cache_dir=c.cache_dir,
-            cache_latents=c.cache_latents, cache_text=c.cache_text, encode_batch_size=batch,
-            pin_memory=c.pin_memory, extra_signature=ctx.encoder_signature(), autocast=autocast, simulate=ctx.simulate,
-            cache_setting=self.setting("cache_dir"), random_flip=ctx.flip.enabled,
-        )
+        # Several processes: rank 0 fills the cache, the others wait, then verify and read the complete entries.
+        with ctx.dist.main_process_first():
+            result = park_and_cache(
+                ctx.trainer if parts else None, models, ctx.device, host=ctx.host, cache_dir=c.cache_dir,
+                cache_latents=c.cache_latents, cache_text=c.cache_text, encode_batch_size=batch,
+                pin_memory=c.pin_memory, extra_signature=ctx.encoder_signature(), autocast=autocast,
+                simulate=ctx.simulate, cache_setting=self.setting("cache_dir"), random_flip=ctx.flip.enabled,
+            )
         self.result = result
         for name, parked in result.parked.items():
             ctx.hooks.add(models[name], MARK, self.key, handle=parked, undo=parked.remove)

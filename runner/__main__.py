@@ -27,6 +27,9 @@ def run(cfg: DictConfig) -> float | None:
     """The Hydra task: one job of a run or of a ``-m`` sweep (composed by Hydra)."""
     global _QUICK_EXIT
     _QUICK_EXIT = cfg.mode in QUICK_EXIT_MODES                  # nothing but files already written and closed: see main()
+    from runner.dist.launch import join_run
+
+    writes = join_run()                                         # several processes: one group, rank 0 writes (runner/dist/)
     cfg, overrides = resume_base(cfg)                           # resume: on the checkpoint's saved command line
     validate(cfg)                                               # validate (imports torch to resolve the device)
     if cfg.mode == "plugins":
@@ -49,7 +52,8 @@ def run(cfg: DictConfig) -> float | None:
     from runner.validation import build_validation
 
     out = output_dir(cfg)
-    write_run_info(out, cfg)
+    if writes:
+        write_run_info(out, cfg)
     if cfg.mode == "plan":                                      # only plan: table + plan.json; exit 3 over budget
         plan_command(cfg, out)
         return None
@@ -80,8 +84,9 @@ def run(cfg: DictConfig) -> float | None:
         result = train(ctx)                                     # loop
     finally:
         ctx.teardown()                                          # every plugin change undone, even on error
-    export_after_training(ctx, result)                          # LoRA / diffusers files beside the final checkpoint
-    print_summary(result, out)                                  # report: stdout and __main__.log (loss.png: sweep.run_job)
+    if writes:
+        export_after_training(ctx, result)                      # LoRA / diffusers files beside the final checkpoint
+        print_summary(result, out)                              # report: stdout and __main__.log (loss.png: sweep.run_job)
     if result.interrupted_by is not None:
         sys.exit(128 + result.interrupted_by)
     return result.losses[-1] if result.losses else None

@@ -62,6 +62,17 @@ Autograd hooks of the offload plugins (no fallback: an error when called)
     ``torch._has_compatible_shallow_copy_type``: whether ``param.data = t`` works between two
     devices (offload=park, offload=stream; ``meta`` and ``cpu`` are not compatible).
 
+Sharded tensors in the live-bytes tracker (fallback: none needed where DTensor is missing)
+    ``DTensor._local_tensor``: the shard a rank holds, read inside the tracker's dispatch mode,
+    where ``DTensor.to_local()`` (an autograd function) must not run: :func:`dtensor_local`.
+
+FSDP2's collectives (runner/dist/agree.py; fallback: none needed, ranks then agree on an
+out-of-memory retry only at the end of each attempt, see there)
+    ``torch.distributed.fsdp._fully_shard._fsdp_collectives``: ``DefaultAllGather`` and
+    ``DefaultReduceScatter``, the communication objects FSDP2 uses unless
+    ``FSDPModule.set_custom_all_gather``/``set_custom_reduce_scatter`` (public) replace them; the
+    runner's replacements call them after an agreement between ranks: :data:`FSDP_COMMS`.
+
 Also relied on in place, not wrapped (attributes and operators, on hot paths or part of a
 class that overrides them): ``Tensor._base``, ``Tensor._is_view()``, ``UntypedStorage._cdata``
 (storage identity), ``FakeTensor.fake_device/fake_mode/constant``,
@@ -85,6 +96,7 @@ __all__ = [
     "current_graph_task_id", "engine_run_backward", "foreach_lerp_", "foreach_mul_", "foreach_norm",
     "get_default_device", "get_proxy_mode", "has_compatible_shallow_copy_type", "is_fake", "outer_saved_tensors_hooks",
     "queue_engine_callback", "sdp_priority_order", "tree_flatten", "tree_iter", "unset_fake_temporarily",
+    "FSDP_COMMS", "FSDPDefaultAllGather", "FSDPDefaultReduceScatter", "DTensor", "dtensor_local",
 ]
 
 TESTED_TORCH = ">=2.11,<2.14"
@@ -298,3 +310,27 @@ try:
 except AttributeError as e:  # pragma: no cover
     has_compatible_shallow_copy_type = _missing("torch._has_compatible_shallow_copy_type",
                                                 "moving parameters between devices in place", e)
+
+try:
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather as FSDPDefaultAllGather
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter as FSDPDefaultReduceScatter
+
+    FSDP_COMMS = hasattr(torch.distributed.fsdp.FSDPModule, "set_custom_all_gather")
+except (ImportError, AttributeError):  # pragma: no cover
+    FSDPDefaultAllGather = FSDPDefaultReduceScatter = None  # type: ignore[assignment,misc]
+    FSDP_COMMS = False
+if not FSDP_COMMS:  # pragma: no cover
+    FALLBACKS["FSDP2 custom collectives"] = "out-of-memory agreement at the end of each attempt only"
+
+try:
+    from torch.distributed.tensor import DTensor
+
+    def dtensor_local(t: Any) -> torch.Tensor:
+        """The local shard of a DTensor, without dispatching an op (see the module docstring)."""
+        return t._local_tensor
+except ImportError:  # pragma: no cover - torch built without distributed
+    class DTensor:  # type: ignore[no-redef]
+        """Stand-in: no tensor is an instance."""
+
+    def dtensor_local(t: Any) -> torch.Tensor:
+        return t

@@ -14,6 +14,8 @@ from omegaconf import MISSING, OmegaConf
 
 from runner.devices import DeviceConfig
 from runner.ema_config import EMAConfig
+from runner.dist.config import store_dist_schemas
+from runner.dist.launch import runner_now
 from runner.export.config import ExportConfig
 from runner.fit.config import FitConfig
 from runner.loss_config import LossConfig
@@ -145,6 +147,7 @@ class RunConfig:
     log: LogConfig = field(default_factory=LogConfig)  # trackers (tensorboard, wandb, ...): runner/tracking.py
     ema: EMAConfig = field(default_factory=EMAConfig)  # moving average of the trained weights (runner/ema.py)
     val: ValConfig = field(default_factory=ValConfig)  # held-out validation loss (runner/validation.py)
+    dist: Any = MISSING  # dist=none|ddp|fsdp: several processes (runner/dist/); schemas in runner/dist/config.py
     budget_gb: Optional[float] = None  # device memory budget; used by allocator cap and the planner
     device: DeviceConfig = field(default_factory=DeviceConfig)  # the GPU the run is for: budget default, s/step (runner/devices.py)
     fit: FitConfig = field(default_factory=FitConfig)  # mode=fit / train.auto_fit: the settings search (runner/fit/)
@@ -186,9 +189,12 @@ def native_resolution(size: str, target: str = "", variant: str = "") -> int:
 
 def store_schemas() -> None:
     OmegaConf.register_new_resolver("native_resolution", native_resolution, replace=True)
+    # Hydra's ${now:...}, but one time for all processes of a multi-process run (runner/dist/launch.py).
+    OmegaConf.register_new_resolver("runner_now", runner_now, use_cache=True, replace=True)
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
     cs.store(group="trainer", name="custom", node=CustomTrainerConfig)
     from runner.optim_config import store_optimizer_schemas
 
     store_optimizer_schemas()
+    store_dist_schemas()

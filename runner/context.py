@@ -115,7 +115,15 @@ class RunContext:
     flip: VisitFlip = NO_FLIP
     ema: Any = field(default_factory=NoEMA)  # ema.enabled: runner.ema.build_ema (the loop, after a resume); else a no-op
     validation: Any = field(default_factory=NoValidation)  # val.*: runner.validation.build_validation; no-op by default
+    # dist=ddp|fsdp across processes (runner/dist/runtime.py); the no-op Distribution for one process.
+    dist: Any = None
     _torn_down: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dist is None:
+            from runner.dist.runtime import build_distribution
+
+            self.dist = build_distribution(self.run)
 
     # The resolved run's devices, under the names plugins have always used.
     @property
@@ -168,6 +176,7 @@ class RunContext:
         self.run_phase("claim_modules")
         self.run_phase("transform_models")
         self.run_phase("place_models")
+        self.dist.defer_placement(self)  # dist=fsdp: the trained module reaches the device unit by unit, sharded
         for name, m in self.models.items():
             if name not in self.facts.placed:
                 m.to(self.device)

@@ -132,6 +132,10 @@ class HostedRun:
         self.cfg = cfg
         self.overrides = list(overrides)
         self.run = resolve(cfg)
+        if self.run.dist.active:  # the loop is the user's: its batches, its backward; nothing to shard them with
+            raise UserError(
+                f"dist={self.run.dist.name} with {self.run.dist.world_size} processes is for the runner's own loop "
+                "(python -m runner). A hosted loop runs one process; distribute it with accelerate in the loop itself.")
         log.info("%s", self.run.describe())
         keep_freed_host_memory(self.run)
         self.output_dir = Path(output_dir) if output_dir else _default_output_dir(cfg)

@@ -32,20 +32,21 @@ from diffusers.optimization import get_scheduler
 from runner.context import RunContext
 from runner.data import BatchOrder, collate, describe_dataset, visit_samples
 from runner.data.order import SampleOrder  # noqa: F401  (the one-stream order, importable from here as before)
+from runner.dist.runtime import accelerator_options
 from runner.ema import build_ema
 from runner.errors import Interrupted, UserError
 from runner.fused import fuse_into_backward, fusion_of
-from runner.memory.profile import build_profiler
+from runner.memory.profile import NullProfiler, build_profiler
 from runner.memory.stats import MemoryMonitor
 from runner.nonfinite import NonFiniteGuard, NonFiniteStop, grad_norm
 from runner.oom import MicroBatchRecovery, OutOfMemoryGiveUp
 from runner.progress import build_progress
 from runner.optim import build_optimizer
-from runner.report import MetricsWriter, drop_metrics_after, read_metrics  # noqa: F401  (read_metrics: re-exported)
+from runner.report import MetricsWriter, NullMetrics, drop_metrics_after, read_metrics  # noqa: F401  (read_metrics: re-exported)
 from runner.resume import saved_config_text
 from runner.resolved import ResolvedRun
 from runner.tracking import start_tracking
-from runner.train_state import TrainState, find_checkpoint, load_checkpoint, remove_leftovers, save_checkpoint
+from runner.train_state import TrainState, find_checkpoint, remove_leftovers
 from runner.trainer import batch_len, encode, move_batch, slice_batch
 
 log = logging.getLogger("runner")
@@ -127,7 +128,8 @@ def make_accelerator(run: ResolvedRun, **tracking: Any) -> Accelerator:
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    return Accelerator(mixed_precision=run.precision, cpu=run.device.type == "cpu", **tracking)
+    return Accelerator(mixed_precision=run.precision, cpu=run.device.type == "cpu", **accelerator_options(run),
+                       **tracking)
 
 
 def train(ctx: RunContext) -> TrainResult:
@@ -140,6 +142,8 @@ def train(ctx: RunContext) -> TrainResult:
     log.info("data: %s%s", describe_dataset(dataset), ctx.flip.describe())  # what is used, skipped or upscaled, and why
     order = BatchOrder(dataset, batch_size, run.seed)  # step -> (indices, seeds): runner/data/order.py
 
+    dist = ctx.dist  # one process: a no-op; dist=ddp|fsdp: runner/dist/runtime.py
+    dist.prepare_models(ctx)  # DDP or FSDP2 around the trained modules, before the optimizer takes their parameters
     ctx.optimizer = build_optimizer(cfg.optimizer, list(models.trainable_parameters()), notes=ctx.notes)
     ctx.run_phase("wrap_optimizer")
     ctx.optimizer = fuse_into_backward(ctx.optimizer, cfg.optimizer, run, models.named_trainable_parameters())
@@ -148,13 +152,15 @@ def train(ctx: RunContext) -> TrainResult:
         cfg.train.lr_scheduler, ctx.optimizer, num_warmup_steps=cfg.train.lr_warmup_steps, num_training_steps=cfg.train.steps
     )
     state = TrainState(micro_batch_size=micro)
-    remove_leftovers(out / "checkpoints")  # hidden folders of a save or prune that was killed
+    if dist.is_main:
+        remove_leftovers(out / "checkpoints")  # hidden folders of a save or prune that was killed
     if cfg.train.resume:
         ckpt = find_checkpoint(cfg.train.resume)
-        state = load_checkpoint(ckpt, models, ctx.optimizer, scheduler, optimizer_name=cfg.optimizer.get("name"))
-        micro = state.micro_batch_size or micro
+        state = dist.load_checkpoint(ckpt, models, ctx.optimizer, scheduler, optimizer_name=cfg.optimizer.get("name"))
+        micro = min(state.micro_batch_size or micro, run.rank_batch)  # saved by another world size: this rank's share
         log.info("resumed from %s at step %d (%d samples seen)", ckpt, state.step, state.samples_seen)
-        drop_metrics_after(out / "metrics.jsonl", state.step)  # one curve: no step twice
+        if dist.is_main:
+            drop_metrics_after(out / "metrics.jsonl", state.step)  # one curve: no step twice
         order.resume(state.step, state.samples_seen)
     if order.describe():
         log.info("%s", order.describe())
@@ -164,16 +170,16 @@ def train(ctx: RunContext) -> TrainResult:
     for name, m in models.items():
         m.train(name in models.trained)
 
-    metrics = MetricsWriter(out / "metrics.jsonl", append=bool(cfg.train.resume))
+    metrics = MetricsWriter(out / "metrics.jsonl", append=bool(cfg.train.resume)) if dist.is_main else NullMetrics()
     ckpt_root = out / "checkpoints"
     result = TrainResult(steps_done=state.step)
-    recovery = MicroBatchRecovery(ctx, micro, batch_size, params,  # OOM: discard the step, halve, retry
+    recovery = MicroBatchRecovery(ctx, micro, run.rank_batch, params,  # OOM: discard the step, halve, retry
                                   unsplittable_because=fused.unsplittable_because)
     memory = MemoryMonitor(ctx.device, run.budget_gb)  # per-step memory columns and pressure warnings
-    profiler = build_profiler(cfg, ctx)  # a no-op unless profile.enabled
+    profiler = build_profiler(cfg, ctx) if dist.is_main else NullProfiler()  # a no-op unless profile.enabled
     guard = NonFiniteGuard(cfg.train.on_nonfinite, cfg.train.nonfinite_patience, lr=cfg.optimizer.get("lr"),
                            scaler_active=accelerator.scaler is not None, precision=run.precision)
-    progress = build_progress(cfg, state.step)  # tqdm on a terminal, else a log line every log.every steps
+    progress = build_progress(cfg, state.step, dist.is_main)  # tqdm on a terminal, else a log line every log.every steps
     step_times: list[float] = []
     tracking = ctx.tracking = start_tracking(accelerator, cfg)  # a no-op unless log.tracker; samplers log images here
 
@@ -188,9 +194,9 @@ def train(ctx: RunContext) -> TrainResult:
 
     def save() -> Path:
         state.micro_batch_size = recovery.micro_batch_size
-        return save_checkpoint(ckpt_root, state, models, ctx.optimizer, scheduler, cfg.train.keep_saved,
-                               config_text=saved_config_text(cfg, ctx.overrides),
-                               optimizer_name=cfg.optimizer.get("name"), more_files=ctx.ema.write_checkpoint)
+        return dist.save_checkpoint(ckpt_root, state, models, ctx.optimizer, scheduler, cfg.train.keep_saved,
+                                    config_text=saved_config_text(cfg, ctx.overrides),
+                                    optimizer_name=cfg.optimizer.get("name"), more_files=ctx.ema.write_checkpoint)
 
     with StopRequest() as stop, closing(progress), closing(metrics), closing(profiler), closing(tracking):
         ctx.sampler.maybe_sample(state.step)  # samples at the start (step 0, or the resumed step)
@@ -198,12 +204,13 @@ def train(ctx: RunContext) -> TrainResult:
             t0 = time.perf_counter()
             profiler.begin_step(state.step + 1)
             ctx.run_phase("on_step_start", state.step)
-            batch = order.batch(state.step)
-            raw = collate(visit_samples(dataset, batch.indices, batch.seeds))
-            raw["sample_seed"] = batch.seeds
+            batch = order.batch(state.step)  # the global batch; this rank's share of it (all of it in one process)
+            indices, seeds = dist.shard(batch.indices, batch.seeds)
+            raw = collate(visit_samples(dataset, indices, seeds))
+            raw["sample_seed"] = seeds
             raw = ctx.flip.apply(raw)  # data.random_flip: a coin per visit, from sample_seed (runner/data/flip.py)
-            try:
-                step_loss = recovery.run(state.step + 1, lambda m: forward_backward(ctx, raw, m, profiler))
+            try:  # dist.attempts: every rank agrees on each attempt (runner/dist/agree.py); the global mean loss
+                step_loss = recovery.run(state.step + 1, dist.attempts(lambda m: forward_backward(ctx, raw, m, profiler)))
             except OutOfMemoryGiveUp as e:  # already at micro-batch 1: keep the last completed step, stop
                 e.add_checkpoint(save() if state.step and fused.intact else None, state.step,
                                  fused.unsaved_reason(result.checkpoint))
@@ -217,7 +224,7 @@ def train(ctx: RunContext) -> TrainResult:
                 optimizer.zero_grad(set_to_none=True)
                 raise
             scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=dist.grads_to_none)
             state.step += 1
             state.samples_seen += batch_size
             ctx.ema.update(state.step, applied=guard.applied and not accelerator.optimizer_step_was_skipped)
@@ -234,6 +241,7 @@ def train(ctx: RunContext) -> TrainResult:
             tracking.log_metrics(state.step, row)
             result.losses.append(step_loss)
             progress.update(state.step, step_loss, row["lr"], dt, memory.postfix(mem))
+            stop.signum = dist.agree_stop(stop.signum)  # a signal on any rank stops every rank after this step
             due = cfg.train.save_every and state.step % cfg.train.save_every == 0
             if due or state.step == cfg.train.steps or stop.signum is not None:
                 with stop.deferred():  # a second Ctrl-C waits for the save; a third forces the exit

@@ -185,9 +185,10 @@ class MicroBatchRecovery:
         new = max(1, old // 2)
         passes = -(-self.batch_size // new)
         log.warning(
-            "out of memory in step %d: micro-batch %d -> %d (%d passes for train.batch_size=%d); the step is retried "
+            "out of memory in step %d: micro-batch %d -> %d (%d passes for %s=%d); the step is retried "
             "from its start and the run keeps micro-batch %d. (%s)",
-            step, old, new, passes, self.batch_size, new, first_line(error),
+            step, old, new, passes, "train.batch_size" if not self.ctx.run.dist.active else "this rank's share of train.batch_size",
+            self.batch_size, new, first_line(error),
         )
         self.micro_batch_size = new
         self.retries_this_step += 1

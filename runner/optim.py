@@ -49,6 +49,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from runner.compat import DTensor, dtensor_local
 from runner.errors import UserError, valid_list
 from runner.optim_config import (  # noqa: F401  (the schemas: re-exported)
     AdafactorConfig,
@@ -227,7 +228,8 @@ def _report_state_bytes_after_first_step(optimizer: torch.optim.Optimizer, notes
 
     def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         nbytes = optimizer_state_bytes(opt)
-        n_params = sum(p.numel() for g in opt.param_groups for p in g["params"])
+        n_params = sum((dtensor_local(p) if isinstance(p, DTensor) else p).numel()
+                       for g in opt.param_groups for p in g["params"])  # this rank's share under dist=fsdp
         notes["optimizer state bytes"] = nbytes
         log.info(
             "optimizer=%s state after the first step: %d bytes (%.2f MiB) for %d parameters (%.3f B/param)",
@@ -243,7 +245,7 @@ def _state_tensors(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
     for st in optimizer.state.values():
         for v in st.values():
             if isinstance(v, torch.Tensor):
-                yield v
+                yield dtensor_local(v) if isinstance(v, DTensor) else v  # dist=fsdp: this rank's shard
 
 
 def optimizer_state_bytes_by_device(optimizer: torch.optim.Optimizer) -> dict[str, int]:

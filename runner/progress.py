@@ -98,8 +98,21 @@ class Progress:
             self.bar.close()
 
 
-def build_progress(cfg: Any, initial: int) -> Progress:
-    """The bar when ``train.progress`` is on and stderr is a terminal; log lines every ``log.every``."""
+class NoProgress:
+    """Ranks other than 0 of a multi-process run: rank 0 reports the progress (runner/dist/)."""
+
+    def update(self, step: int, loss: float, lr: float, seconds: float, memory: dict[str, str]) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def build_progress(cfg: Any, initial: int, main_process: bool = True) -> Progress | NoProgress:
+    """The bar when ``train.progress`` is on and stderr is a terminal; log lines every ``log.every``.
+    Ranks other than 0 of a multi-process run (``main_process=False``) report nothing."""
+    if not main_process:
+        return NoProgress()
     log_cfg = cfg.get("log") if hasattr(cfg, "get") else None
     every = int(log_cfg.get("every", 10)) if log_cfg is not None else 10
     bar = bool(cfg.train.get("progress", True)) and stderr_is_terminal()

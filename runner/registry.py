@@ -251,6 +251,9 @@ def format_plugin_list() -> str:
         lines.append(f"  {name:<12} {entry.description}")
         for fname, ftype, default in describe_config(entry.config):
             lines.append(f"      {kind}.{name}.{fname}: {ftype} = {default!r}")
+    from runner.dist import describe_options
+
+    lines += ["", *describe_options()]
     lines += ["", "Trainers (select with trainer=<name>, or trainer._target_=module.Class):"]
     for name, entry in sorted(_TRAINERS.items()):
         lines.append(f"  {name:<12} {entry.description}")

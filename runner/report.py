@@ -49,6 +49,16 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+class NullMetrics:
+    """Ranks other than 0 of a multi-process run: rank 0 writes metrics.jsonl (runner/dist/)."""
+
+    def write(self, row: dict[str, Any]) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
 def drop_metrics_after(path: Path, step: int) -> int:
     """Keep the rows of ``path`` up to ``step`` (a resume from that step); how many were dropped.
 

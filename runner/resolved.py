@@ -31,6 +31,7 @@ from typing import Any, Optional
 import torch
 
 from runner.devices import DeviceSpec, device_spec
+from runner.dist.config import DistSpec, resolve_distribution
 from runner.errors import UserError
 
 log = logging.getLogger("runner")
@@ -59,11 +60,17 @@ class ResolvedRun:
     simulate: bool = False  # True inside the planner: tensors are fake, device is meta
     ema_dtype: Optional[torch.dtype] = None  # ema.enabled: the dtype of the EMA copy (runner/ema.py); None: no EMA
     gpu: Optional[DeviceSpec] = None  # device.name / device.spec: the GPU the run is for (runner/devices.py)
+    dist: DistSpec = DistSpec()  # dist=none|ddp|fsdp, world size and this rank (runner/dist/config.py)
+
+    @property
+    def rank_batch(self) -> int:
+        """Samples of each optimizer step's global batch that this rank takes (all of them in one process)."""
+        return self.batch_size // self.dist.world_size if self.dist.active else self.batch_size
 
     @property
     def micro_batch(self) -> int:
-        """Samples per forward/backward pass (OOM recovery may lower it at run time)."""
-        return self.batch_size // self.grad_accum
+        """Samples per forward/backward pass on this rank (OOM recovery may lower it at run time)."""
+        return self.rank_batch // self.grad_accum
 
     @property
     def autocast_dtype(self) -> Optional[torch.dtype]:
@@ -95,9 +102,11 @@ class ResolvedRun:
         autocast = f"{self.precision} autocast" if self.precision != "no" else "no autocast"
         name = lambda d: str(d).replace("torch.", "")  # noqa: E731
         ema = f", EMA in {name(self.ema_dtype)}" if self.ema_dtype is not None else ""
+        batch = (f"batch {self.batch_size} as {self.grad_accum} x {self.micro_batch}" if not self.dist.active else
+                 f"global batch {self.batch_size}, {self.rank_batch} per rank as {self.grad_accum} x {self.micro_batch}")
         return (f"run: on {self.device} for {self.target}, {autocast}, frozen weights {name(self.frozen_dtype)}, "
-                f"trained ({self.train_mode}) {name(self.train_dtype)}{ema}, batch {self.batch_size} as "
-                f"{self.grad_accum} x {self.micro_batch}, {budget}")
+                f"trained ({self.train_mode}) {name(self.train_dtype)}{ema}, {batch}, {budget}"
+                + ("" if not self.dist.active else f"; {self.dist.describe()}"))
 
 
 def running_device(cfg: Any) -> torch.device:
@@ -123,8 +132,11 @@ def resolve(cfg: Any, *, target: Optional[str] = None, device: Optional[torch.de
     ``target=planned_target(cfg)`` and ``device=meta``. The CPU precision policy of the module
     docstring is applied here, once.
     """
+    dist = resolve_distribution(cfg, planning=device is not None and device.type == "meta")
     if device is None:
         device = running_device(cfg)
+        if device.type == "cuda" and dist.active:
+            device = torch.device("cuda", dist.local_rank)  # one GPU per process: LOCAL_RANK's
     if target is None:
         target = "cuda" if device.type == "cuda" else "cpu"
     precision = str(cfg.train.mixed_precision)
@@ -161,4 +173,5 @@ def resolve(cfg: Any, *, target: Optional[str] = None, device: Optional[torch.de
         seed=int(cfg.train.seed),
         ema_dtype=resolve_ema_dtype(cfg.get("ema"), DTYPES[train_dtype_name]),
         gpu=gpu,
+        dist=dist,
     )

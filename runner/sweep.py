@@ -45,6 +45,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from runner import registry
+from runner.dist.launch import agree_on_start
 from runner.errors import Interrupted, UserError, storage_error
 from runner.validate import check_run, conf_dir, hydra_args, precheck
 
@@ -234,8 +235,11 @@ def plot_job(cfg: DictConfig) -> None:
 
 def write_job_summary(cfg: DictConfig, status: str, error: str | None, exit_code: int, num: int | None,
                       overrides: list[str], wall_s: float) -> Path | None:
+    from runner.dist.launch import process_world
     from runner.run import output_dir
 
+    if process_world().rank != 0:  # several processes: rank 0 writes the run's files (runner/dist/launch.py)
+        return None
     try:
         out = output_dir(cfg)
     except UserError:  # no output directory (not under Hydra, none configured): nothing to write into
@@ -398,5 +402,6 @@ def launch(task: Callable[[DictConfig], Any]) -> None:
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(e.exit_code)
+        agree_on_start()  # torchrun / accelerate launch: one process group, one run directory (runner/dist/launch.py)
     hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(lambda cfg: run_job(task, cfg))()
     sys.exit(exit_status())  # non-zero when a sweep job failed

@@ -41,6 +41,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from runner import registry
 from runner.config import DTYPES, LR_SCHEDULERS, MODES, NONFINITE_POLICIES, PRECISIONS, SIZES, TRAIN_DTYPES
 from runner.ema_config import check_ema_config
+from runner.dist import validate_dist
 from runner.errors import UserError, did_you_mean, valid_list
 from runner.devices import check_device_config
 from runner.export.config import validate_export
@@ -197,7 +198,8 @@ def _friendly(err: Exception, overrides: Sequence[str]) -> UserError:
         group, _, option = str(missing).rpartition("/")
         options = list(getattr(e, "options", None) or [])
         if group and options:
-            what = {"trainer": "trainer", "preset": "preset", "optimizer": "optimizer"}.get(group, f"{group} plugin")
+            what = {"trainer": "trainer", "preset": "preset", "optimizer": "optimizer",
+                    "dist": "distribution"}.get(group, f"{group} plugin")
             return UserError(
                 f"Unknown {what} '{option}' (from '{group}={option}'). Valid names: {valid_list(option, options)}."
             )
@@ -343,6 +345,7 @@ def check_run(cfg: DictConfig) -> None:
     if cfg.mode == "train":  # a data.path folder (or data.sets) is scanned and checked now, not after the model build
         check_dataset(cfg.data, video=trainer_video_defaults(cfg))  # a video trainer's folder is read as clips
     run = resolve_for_mode(cfg)
+    validate_dist(cfg, run.dist)  # dist=ddp|fsdp: batch split, refused combinations (runner/dist/config.py)
     validate_optimizer(cfg, run)
     check_fused_backward(cfg, run, [(k, n) for k, n, _ in registry.selected(cfg)])
     validate_plugins(cfg, run)

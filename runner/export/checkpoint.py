@@ -192,6 +192,10 @@ def export_after_training(ctx: Any, result: Any) -> Path | None:
     if not export_config(cfg).enabled or result.checkpoint is None or result.interrupted_by is not None:
         return None
     facts = ctx.facts
+    if ctx.run.dist.sharded:  # dist=fsdp: no rank holds the whole weights; read them from the sharded checkpoint
+        ctx.models = ctx.optimizer = None
+        gc.collect()
+        return export_checkpoint(cfg, result.checkpoint, ctx.run, ctx.trainer)
     if str(cfg.model.train) == "full" and (facts.dropped or facts.quantized):
         log.info("export: frozen modules were changed by plugins (dropped: %s; quantized: %s); "
                  "rebuilding them on the CPU for the pipeline folder",

@@ -85,12 +85,12 @@ import collections
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from runner.compat import DisableTorchFunction, FakeTensor, TorchDispatchMode, tree_iter
+from runner.compat import DisableTorchFunction, DTensor, FakeTensor, TorchDispatchMode, dtensor_local, tree_iter
 from runner.memory.tracker_views import CATEGORIES, NO_MODULE, NO_PHASE, TrackerViews  # noqa: F401 (re-exported)
 
 
@@ -140,6 +140,8 @@ class _Frame:
 
 
 def _storage_of(t: torch.Tensor) -> Any:
+    if isinstance(t, DTensor):  # a sharded tensor (FSDP2): its bytes are its local shard's
+        t = dtensor_local(t)
     try:
         return t.untyped_storage()
     except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested, wrapper subclasses
@@ -210,6 +212,52 @@ class LiveBytesTracker(TrackerViews, TorchDispatchMode):
         # Called with (func, args, kwargs, out, innermost phase) after every op: the planner's
         # FLOP/byte counter (runner/plan/cost.py). None: nothing extra per op.
         self.op_observer: Callable[[Any, tuple, dict, Any, str], None] | None = None
+
+    # ---- storages resized in place ----------------------------------------------------------
+    # FSDP2 frees a unit's gathered weights with ``storage.resize_(0)`` and allocates them again
+    # with ``resize_(n)``: no op is dispatched, so the dispatch mode alone would count them as
+    # live for good. While a tracker is active, UntypedStorage.resize_ (public) reports resizes
+    # of storages it counts. One wrapper per process; trackers register with it.
+    _active: ClassVar[list[LiveBytesTracker]] = []
+    _original_resize: ClassVar[Any] = None
+
+    def __enter__(self) -> LiveBytesTracker:
+        cls = type(self)
+        if not LiveBytesTracker._active:
+            original = torch.UntypedStorage.resize_
+            LiveBytesTracker._original_resize = original
+
+            def resize_(storage: Any, size: int) -> Any:
+                out = original(storage, size)
+                for tracker in LiveBytesTracker._active:
+                    tracker._resized(storage)
+                return out
+
+            torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        LiveBytesTracker._active.append(self)
+        del cls
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return super().__exit__(*exc)
+        finally:
+            if self in LiveBytesTracker._active:
+                LiveBytesTracker._active.remove(self)
+            if not LiveBytesTracker._active and LiveBytesTracker._original_resize is not None:
+                torch.UntypedStorage.resize_ = LiveBytesTracker._original_resize  # type: ignore[method-assign]
+                LiveBytesTracker._original_resize = None
+
+    def _resized(self, storage: Any) -> None:
+        rec = self._live.get(storage._cdata)
+        if rec is None or rec() is not storage:
+            return
+        if self._dead:
+            self._drain()
+        n = _int(storage.nbytes())
+        if n != rec.nbytes:
+            self._add(rec.device, rec.category, rec.module, n - rec.nbytes)
+            rec.nbytes = n
 
     # ---- dispatch --------------------------------------------------------------------------
     @classmethod

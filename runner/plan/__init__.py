@@ -116,7 +116,7 @@ def preflight(cfg: Any, run: ResolvedRun, trainer: Any, out: Path) -> Plan | Non
         log.warning("preflight: the planner could not simulate this run (%s: %s); starting without a plan "
                     "(train.preflight=false skips it)", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         return None
-    path = plan.write_json(out / PLAN_FILE)
+    path = plan.write_json(out / PLAN_FILE) if run.dist.is_main else out / PLAN_FILE  # rank 0 writes it
     log.info("preflight: predicted peak %s on %s in %s (%.1f s to plan)%s; %s", format_size(plan.required_bytes),
              plan.target, plan.peak_phase, plan.seconds,
              "" if plan.budget_bytes is None else f", budget_gb {plan.budget_bytes / GiB:g}", path)

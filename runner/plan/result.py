@@ -109,7 +109,7 @@ def format_plan(plan: Plan) -> str:
     lines = [
         f"Plan: {s['trainer']} ({s['size']}), {s.get('sample') or _size_text(s)}, batch {s['batch_size']} "
         f"({s['micro_batches']} x micro-batch {s['micro_batch_size']}), {s['precision_text']} on a "
-        f"{plan.target.upper()} device",
+        f"{plan.target.upper()} device" + (f"; one rank: {s['rank_text']}" if s.get("rank_text") else ""),
         f"  plugins: {s['plugins']}; optimizer: {s['optimizer']}; trained: {s['trained']}",
         "",
     ]

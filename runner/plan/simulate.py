@@ -41,6 +41,7 @@ from runner.context import RunContext
 from runner.data import planned_size
 from runner.devices import reference_spec
 from runner.fused import FusedBackward, fuse_into_backward
+from runner.dist.plan import measure as measure_rank, rank_phase, rank_state_bytes
 from runner.memory.tracker import CATEGORIES, NO_MODULE, LiveBytesTracker
 from runner.memory.tracker_views import OPTIONAL_CATEGORIES
 from runner.optim import build_optimizer
@@ -258,6 +259,7 @@ class _Simulation:
         self.host_steady = 0
         self.ema = plan_ema(self)  # ema.enabled: the copy, counted where it lives (runner/plan/ema.py); else a no-op
         self.fused = False  # optimizer.fused_backward: the optimizer steps inside backward (runner/fused.py)
+        self.rank_layout: Any = None
 
     def timed(self, name: str, fn: Any, *args: Any) -> None:
         t0 = time.perf_counter()
@@ -282,6 +284,7 @@ class _Simulation:
                 self.owner[id(p)] = name
             tracker.attach_module_hooks(module, depth=1, prefix=name)
         self.recorder.take("setup")
+        self.rank_layout = measure_rank(self.run.dist, ctx.models)  # dist=ddp|fsdp: what one rank holds
         self.params = list(ctx.models.trainable_parameters())
         ctx.optimizer = build_optimizer(self.cfg.optimizer, self.params, simulate=True)
         ctx.run_phase("wrap_optimizer")
@@ -369,13 +372,16 @@ def _assemble(sim: _Simulation, seconds: float) -> Plan:
     best: dict[str, PhasePeak] = {}
     phases: dict[str, int] = {}
     for name, per_dev in recorder.phases:
-        for dev, pk in per_dev.items():
+        moved = 0  # dist.cpu_offload: this rank's shards on the host (runner/dist/plan.py)
+        for dev, pk in sorted(per_dev.items(), key=lambda kv: kv[0] != DEVICE.type):
             if name.startswith(("forward", "backward")) and not sim.fused:  # steady state: the state lives through them
                 extra = state.get(dev, {})
                 by_module = {m: dict(c) for m, c in pk.by_module.items()}
                 for m, n in extra.items():
                     by_module.setdefault(m, {})["optimizer_state"] = by_module.get(m, {}).get("optimizer_state", 0) + n
                 pk = PhasePeak(name, pk.where, pk.peak_bytes + sum(extra.values()), by_module)
+            if sim.rank_layout is not None:  # dist=ddp|fsdp: one rank's bytes (runner/dist/plan.py)
+                pk, moved = rank_phase(sim.rank_layout, pk, dev == DEVICE.type, moved)
             if dev == DEVICE.type:
                 phases[name] = pk.peak_bytes
             if dev not in best or pk.peak_bytes > best[dev].peak_bytes:
@@ -417,6 +423,8 @@ def _assemble(sim: _Simulation, seconds: float) -> Plan:
     describe = getattr(trainer, "describe_sample", None)  # optional: a trainer whose sample is not a square image
     if callable(describe):
         run["sample"] = str(describe())
+    if sim.run.dist.active:  # the plan is one rank's (runner/dist/plan.py)
+        run.update(dist=sim.run.dist.name, world_size=sim.run.dist.world_size, rank_text=sim.run.dist.describe())
     plan = Plan(
         target=target,
         peak_bytes=dev_peak.peak_bytes,
@@ -431,7 +439,7 @@ def _assemble(sim: _Simulation, seconds: float) -> Plan:
         host_peak_phase=host_peak.name,
         host_steady_bytes=host_steady,
         host_pinned_bytes=ctx.facts.pinned_host_bytes,
-        optimizer_state_bytes={dev: sum(v.values()) for dev, v in state.items()},
+        optimizer_state_bytes=rank_state_bytes(sim.rank_layout, {dev: sum(v.values()) for dev, v in state.items()}),
         run=run,
         notes=notes,
         seconds=seconds,

@@ -173,10 +173,17 @@ class Sampler:
                         step, str(e).splitlines()[0])
 
     def sample(self, step: int) -> list[Path]:
-        """Write ``samples/step-<step>/`` now; training state (grad mode, train flags, RNG) untouched."""
+        """Write ``samples/step-<step>/`` now; training state (grad mode, train flags, RNG) untouched.
+
+        Several processes: with FSDP every rank runs the pipeline (the sharded denoiser's forward
+        needs all of them) and rank 0 writes the images; with DDP rank 0 samples alone."""
+        dist = self.ctx.run.dist
+        if not dist.is_main and not dist.sharded:
+            return []
         out = self.root / f"step-{step}"
-        out.mkdir(parents=True, exist_ok=True)
-        self._write_settings()
+        if dist.is_main:
+            out.mkdir(parents=True, exist_ok=True)
+            self._write_settings()
         modules = self.modules()
         flags = [(m, m.training) for module in modules.values() for m in module.modules()]
         devices = [self.ctx.device] if self.ctx.device.type == "cuda" else []
@@ -191,6 +198,8 @@ class Sampler:
         finally:
             for m, training in flags:
                 m.training = training
+        if not dist.is_main:
+            return []
         for i, (prompt, image) in enumerate(zip(self.prompts, images)):
             path = out / image_name(i, prompt)
             image.save(path)

@@ -1,0 +1,111 @@
+"""One rank's plan for multi-GPU fine-tunes: Flux full fine-tune on 2, 4 and 8 GPUs of 24 GiB, SDXL full
+fine-tune on 2 GPUs of 16 GiB (issue 17).
+
+    python bench/dist_plan.py [--no-write]
+
+Each case is planned with its own command, as a user would run it (``mode=plan dist=... dist.world_size=N``:
+the per-rank plan of runner/dist/plan.py), and its predicted per-GPU peak, breakdown and fit go into
+this script's section of docs/benchmarks.md. No GPU is needed: the planner runs on the CPU.
+
+Settings of the cases (each a shipped preset plus what multi-GPU changes):
+
+* Flux (12 B transformer) full fine-tune: ``+preset=flux_24gb_full``, whose single-GPU answer is to
+  stream the transformer from ~80 GB of pinned host RAM; with FSDP the weights, gradients and the
+  optimizer state are split across the GPUs instead, so ``offload=[park]`` (streaming FSDP-sharded
+  blocks is refused) and AdamW on bf16 weights (``optimizer=adamw model.train_dtype=bfloat16``,
+  kohya's full_bf16: FSDP's optimizer must update DTensor shards, which Adafactor's does not). One
+  sample per GPU at 1024 px: ``train.batch_size=N``.
+* SDXL (2.6 B U-Net) full fine-tune on two 16 GiB cards: ``+preset=sdxl_24gb budget_gb=16``; FSDP
+  needs a non-8-bit optimizer (``optimizer=adamw``), DDP keeps the preset's AdamW8bit.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from docs_section import replace_section  # bench/ is on sys.path as the script's folder
+
+ROOT = Path(__file__).resolve().parents[1]
+BEGIN, END = "<!-- bench/dist_plan.py begin -->", "<!-- bench/dist_plan.py end -->"
+GiB = 2**30
+FLUX = ["+preset=flux_24gb_full", "model.size=full", "offload=[park]", "optimizer=adamw", "model.train_dtype=bfloat16"]
+SDXL = ["+preset=sdxl_24gb", "model.size=full", "budget_gb=16"]
+CASES: list[tuple[str, list[str]]] = [
+    ("Flux full, 1 GPU, no streaming (for scale)", [*FLUX, "train.batch_size=1"]),
+    *[(f"Flux full, FSDP on {n} x 24 GiB", [*FLUX, "dist=fsdp", f"dist.world_size={n}", f"train.batch_size={n}"])
+      for n in (2, 4, 8)],
+    ("Flux full, FSDP on 2 x 24 GiB, sharded weights on the host",
+     [*FLUX, "dist=fsdp", "dist.world_size=2", "train.batch_size=2", "dist.cpu_offload=true"]),
+    ("SDXL full, 1 GPU of 16 GiB", [*SDXL]),
+    ("SDXL full, DDP on 2 x 16 GiB (AdamW8bit)", [*SDXL, "dist=ddp", "dist.world_size=2"]),
+    ("SDXL full, FSDP on 2 x 16 GiB (AdamW)", [*SDXL, "dist=fsdp", "dist.world_size=2", "optimizer=adamw"]),
+]
+
+
+def plan(overrides: list[str]) -> tuple[dict, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "runner", "mode=plan", *overrides, f"output_dir={tmp}"], cwd=ROOT,
+                              capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        wall = time.perf_counter() - t0
+        path = Path(tmp) / "plan.json"
+        if proc.returncode not in (0, 3) or not path.exists():
+            raise SystemExit(f"python -m runner mode=plan {' '.join(overrides)} failed ({proc.returncode}):\n"
+                             f"{proc.stderr[-3000:]}")
+        return json.loads(path.read_text()), wall
+
+
+def gib(n: float) -> str:
+    return f"{n / GiB:.2f}"
+
+
+def section(rows: list[tuple[str, list[str], dict, float]], load: float) -> str:
+    lines = [BEGIN, "## Multi-GPU plans: one rank's peak (bench/dist_plan.py)", "",
+             f"Command (CPU only, 2 cores, 1-minute load average {load:.2f} at the start, "
+             f"{time.strftime('%Y-%m-%d')}): `python bench/dist_plan.py`. Each row is one command, "
+             "`python -m runner mode=plan <overrides>`; the plan is of one GPU's step (runner/dist/plan.py says how "
+             "sharding, all-gather, reduce-scatter and DDP's buckets are counted).", "",
+             "| case | overrides | per-GPU peak (+ workspaces) | budget | fits | weights / gradients / optimizer / "
+             "activations (GiB) | all-gather + reduce-scatter (GiB) | host RAM peak (GiB) | wall (s) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, overrides, p, wall in rows:
+        cat = p["by_category"]
+        comm = sum(sum(c.values()) for m, c in p["by_module"].items() if m.startswith("(fsdp"))
+        lines.append(
+            f"| {name} | `{' '.join(overrides)}` | {gib(p['peak_bytes'])} ({gib(p['required_bytes'])}) in "
+            f"{p['peak_phase']} | {gib(p['budget_bytes']) if p['budget_bytes'] else '-'} | "
+            f"{'yes' if p['fits'] else 'no'} | {gib(cat.get('weights', 0))} / {gib(cat.get('gradients', 0))} / "
+            f"{gib(cat.get('optimizer_state', 0))} / {gib(cat.get('activations', 0))} | {gib(comm)} | "
+            f"{gib(p['host_peak_bytes'])} | {wall:.0f} |")
+    lines += ["", "Weights and gradients include the all-gather and reduce-scatter buffers; the column beside them "
+              "shows how much of them those are. The host RAM column is each process's tensors: with "
+              "`dist.cpu_offload=true` a rank's shards of weights, gradients and optimizer state live there.", END]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--no-write", action="store_true", help="print the section, leave docs/benchmarks.md alone")
+    args = parser.parse_args()
+    load = os.getloadavg()[0]
+    rows = []
+    for name, overrides in CASES:
+        p, wall = plan(overrides)
+        print(f"{name}: {gib(p['peak_bytes'])} GiB, fits={p['fits']} ({wall:.0f} s)", flush=True)
+        rows.append((name, overrides, p, wall))
+    text = section(rows, load)
+    if args.no_write:
+        print(text)
+    else:
+        replace_section(text, BEGIN, END)
+        print(f"wrote {BEGIN} ... {END} in docs/benchmarks.md")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,282 @@
+"""``dist=none|ddp|fsdp``: the config group, its checks, and what the resolved run records of it.
+
+The group's options are dataclass schemas (Hydra checks types and keys when it composes), stored
+at ``dist`` like any other group; ``python -m runner --help`` lists them and ``mode=plugins`` prints
+them with their defaults. :func:`resolve_distribution` turns the node plus the process's launch
+environment (runner/dist/launch.py) into the :class:`DistSpec` that ``ResolvedRun.dist`` holds:
+the choice, the world size and this process's rank, decided once. Nothing else reads
+``WORLD_SIZE`` or ``cfg.dist``.
+
+World size. Training: the launcher's (``torchrun``/``accelerate launch``/a SLURM job's tasks);
+``dist.world_size``, when set, must equal it (a guard against launching the wrong number of
+processes). ``mode=plan``: ``dist.world_size`` (default: the launcher's, else 1) is the number of
+ranks the plan is for; the plan is one rank's.
+
+Combinations refused before anything is built, each naming both sides:
+
+* ``dist=none`` under a launcher with more than one process (each process would train the whole
+  batch on its own and all would write the same files);
+* ``dist=fsdp`` with ``offload=stream`` (a streamed block's weights are host tensors copied in
+  per call; FSDP shards the same weights and all-gathers them itself), with ``offload=optimizer``
+  (the host optimizer keeps its own full master copies; ``dist.cpu_offload=true`` is FSDP's own way
+  to keep sharded weights, gradients and the optimizer step on the host), and with optimizers
+  other than AdamW (bitsandbytes' 8-bit kernels and transformers' Adafactor take plain tensors,
+  not FSDP's DTensor shards);
+* any ``dist`` with ``offload.optimizer.offload_gradients=true`` or ``implementation=torchao``
+  (gradients leave the device during backward, before ranks have averaged them), and
+  ``dist=ddp`` with ``offload=stream`` (streamed weights and gradients live on the host, outside
+  DDP's buckets; FSDP's ``dist.cpu_offload`` is the multi-GPU way to keep weights on the host);
+* a global batch that does not split evenly: ``train.batch_size`` must be a multiple of
+  ``world_size x train.grad_accum`` (every rank takes the same share, so the averaged gradient is
+  the one-process gradient of the global batch).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+
+from runner.errors import UserError, valid_list
+
+log = logging.getLogger("runner")
+
+CHOICES = ("none", "ddp", "fsdp")
+SHARDING_STRATEGIES = ("full_shard", "hybrid_shard")
+# Optimizers whose step runs on FSDP's sharded parameters (DTensors): torch's AdamW. bitsandbytes'
+# 8-bit kernels take plain tensors; transformers' Adafactor mixes DTensors with plain tensors in its
+# update (torch 2.13: "aten.add_.Tensor got mixed torch.Tensor and DTensor").
+FSDP_OPTIMIZERS = ("adamw",)
+
+
+@dataclass
+class NoDistConfig:
+    """``dist=none``: one process (the default)."""
+
+    name: str = "none"
+    world_size: Optional[int] = None  # must stay 1 (or unset); ddp/fsdp use more
+
+
+@dataclass
+class DDPConfig:
+    """``dist=ddp``: every rank holds the whole model; gradients are averaged across ranks (torch DDP)."""
+
+    name: str = "ddp"
+    world_size: Optional[int] = None  # processes; null: the launcher's (WORLD_SIZE); mode=plan: ranks to plan for
+    bucket_mb: float = 25.0  # size of DDP's gradient all-reduce buckets (MiB)
+
+
+@dataclass
+class FSDPConfig:
+    """``dist=fsdp``: FSDP2 (``fully_shard``): the trained module's weights, gradients and optimizer
+    state are split across ranks; each block's weights are all-gathered just for its forward/backward."""
+
+    name: str = "fsdp"
+    world_size: Optional[int] = None  # processes; null: the launcher's (WORLD_SIZE); mode=plan: ranks to plan for
+    # full_shard: over every rank | hybrid_shard: within a node, replicated across nodes
+    sharding_strategy: str = "full_shard"
+    ranks_per_node: Optional[int] = None  # hybrid_shard: shard group size; null: LOCAL_WORLD_SIZE (mode=plan: required)
+    reshard_after_forward: bool = True  # free a block's gathered weights after its forward (gather again in backward)
+    cpu_offload: bool = False  # sharded weights, gradients and the optimizer step on the host (FSDP2 CPUOffloadPolicy)
+
+
+OPTIONS = {"none": NoDistConfig, "ddp": DDPConfig, "fsdp": FSDPConfig}
+
+
+@dataclass(frozen=True)
+class DistSpec:
+    """What the run distributes, decided once (``ResolvedRun.dist``)."""
+
+    name: str = "none"  # none | ddp | fsdp, as configured
+    world_size: int = 1  # processes training together (planned ranks in mode=plan)
+    rank: int = 0  # this process (0 in a plan: every rank plans the same)
+    local_rank: int = 0  # this process's index on its node (its GPU)
+    shard_size: int = 1  # fsdp: ranks one copy of the weights is split over (world_size, or a node's ranks)
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    bucket_mb: float = 25.0
+
+    @property
+    def active(self) -> bool:
+        """More than one process and a distribution chosen: collectives run."""
+        return self.world_size > 1 and self.name != "none"
+
+    @property
+    def sharded(self) -> bool:
+        return self.active and self.name == "fsdp"
+
+    @property
+    def is_main(self) -> bool:
+        """The rank that writes the run's files (rank 0)."""
+        return self.rank == 0
+
+    def describe(self) -> str:
+        if not self.active:
+            return "one process"
+        what = {"ddp": "DDP (replicated weights, averaged gradients)",
+                "fsdp": f"FSDP2 (sharded over {self.shard_size} rank{'s' if self.shard_size != 1 else ''}"
+                        + (f", replicated {self.world_size // self.shard_size} times" if self.shard_size < self.world_size
+                           else "")
+                        + (", weights on the host" if self.cpu_offload else "")
+                        + ("" if self.reshard_after_forward else ", gathered weights kept from forward to backward")
+                        + ")"}[self.name]
+        return f"rank {self.rank} of {self.world_size}, {what}"
+
+
+def store_dist_schemas() -> None:
+    """``dist=none|ddp|fsdp`` as a Hydra group (package ``dist``)."""
+    cs = ConfigStore.instance()
+    for name, cls in OPTIONS.items():
+        cs.store(group="dist", name=name, node=cls(), package="dist")
+
+
+def describe_options() -> list[str]:
+    """Lines for ``mode=plugins``: each option and its keys with defaults."""
+    from runner.registry import describe_config
+
+    lines = ["Distribution (select with dist=<name>; launch with torchrun, accelerate launch or a SLURM sweep):"]
+    for name, cls in OPTIONS.items():
+        lines.append(f"  {name:<12} {(cls.__doc__ or '').strip().splitlines()[0]}")
+        for fname, ftype, default in describe_config(cls):
+            lines.append(f"      dist.{fname}: {ftype} = {default!r}")
+    return lines
+
+
+def _node(cfg: Any) -> Any:
+    node = cfg.get("dist") if hasattr(cfg, "get") else None
+    return node if node is not None else NoDistConfig()
+
+
+def resolve_distribution(cfg: Any, planning: bool) -> DistSpec:
+    """The :class:`DistSpec` of ``cfg`` in this process (see the module docstring). UserError on a
+    mismatch between the config and the launch."""
+    from runner.dist.launch import process_world
+
+    node = _node(cfg)
+    name = str(node.get("name", "none")) if hasattr(node, "get") else node.name
+    if name not in CHOICES:
+        raise UserError(f"dist={name!r} is not valid. Valid values: {valid_list(name, CHOICES)}.")
+    want = node.get("world_size") if hasattr(node, "get") else node.world_size
+    world = process_world()
+    if want is not None and int(want) < 1:
+        raise UserError(f"dist.world_size={want} is not valid: give the number of processes (>= 1), or leave it unset.")
+    if planning:
+        size = int(want) if want is not None else world.world_size
+        rank, local = 0, 0
+    else:
+        size, rank, local = world.world_size, world.rank, world.local_rank
+        if want is not None and int(want) != size:
+            raise UserError(
+                f"dist.world_size={want}, but this run was launched with {size} process{'es' if size > 1 else ''} "
+                f"({world.describe()}). Launch {want} processes (torchrun --nproc_per_node={want} -m runner ..., or "
+                "accelerate launch --num_processes ...), or drop dist.world_size to take the launcher's.")
+    if name == "none" and size > 1:
+        raise UserError(
+            f"{'dist.world_size=' + str(size) if planning else world.describe()} but dist=none: each process would "
+            "train the whole batch on its own and all would write the same files. Add dist=ddp (replicated weights) "
+            "or dist=fsdp (sharded weights), or run one process.")
+    get = (lambda k, d: node.get(k, d)) if hasattr(node, "get") else (lambda k, d: getattr(node, k, d))
+    shard = size
+    if name == "fsdp" and str(get("sharding_strategy", "full_shard")) == "hybrid_shard":
+        per_node = get("ranks_per_node", None)
+        per_node = int(per_node) if per_node is not None else (None if planning else world.local_world_size)
+        if per_node is None:
+            raise UserError("dist.sharding_strategy=hybrid_shard in mode=plan needs dist.ranks_per_node (the GPUs "
+                            "of one node, which one copy of the weights is sharded over).")
+        if per_node < 1 or size % per_node:
+            raise UserError(f"dist.ranks_per_node={per_node} must divide the world size {size} "
+                            "(hybrid_shard shards within each node and replicates across nodes).")
+        shard = per_node
+    return DistSpec(name=name, world_size=size, rank=rank, local_rank=local, shard_size=shard,
+                    reshard_after_forward=bool(get("reshard_after_forward", True)),
+                    cpu_offload=bool(get("cpu_offload", False)), bucket_mb=float(get("bucket_mb", 25.0)))
+
+
+def validate_dist(cfg: Any, spec: DistSpec) -> None:
+    """Value checks and refused combinations (module docstring), before anything is built."""
+    node = _node(cfg)
+    get = (lambda k, d: node.get(k, d)) if hasattr(node, "get") else (lambda k, d: getattr(node, k, d))
+    if spec.name == "fsdp":
+        strategy = str(get("sharding_strategy", "full_shard"))
+        if strategy not in SHARDING_STRATEGIES:
+            raise UserError(f"dist.sharding_strategy={strategy!r} is not valid. "
+                            f"Valid values: {valid_list(strategy, SHARDING_STRATEGIES)}.")
+    if spec.name == "ddp" and float(get("bucket_mb", 25.0)) <= 0:
+        raise UserError(f"dist.bucket_mb={get('bucket_mb', 25.0)!r} is not valid: it must be a number > 0 (MiB).")
+    if spec.world_size <= 1 or spec.name == "none":
+        return
+    train = cfg.train
+    share = spec.world_size * int(train.grad_accum)
+    if int(train.batch_size) % share:
+        raise UserError(
+            f"train.batch_size={train.batch_size} does not split evenly over {spec.world_size} ranks x "
+            f"train.grad_accum={train.grad_accum}: every rank takes the same share of each step's global batch. "
+            f"Use a multiple of {share} (e.g. train.batch_size={share * max(1, int(train.batch_size) // share)}), "
+            "or change train.grad_accum.")
+    _refuse_single_process_features(cfg, spec)
+    offload = cfg.get("offload") or {}
+    opt_offload = offload.get("optimizer") if hasattr(offload, "get") else None
+    if opt_offload is not None and bool(opt_offload.get("offload_gradients", False)):
+        raise UserError(
+            f"dist={spec.name} and offload.optimizer.offload_gradients=true cannot be combined: gradients would leave "
+            "the device during backward, before the ranks have averaged them. Set "
+            "offload.optimizer.offload_gradients=false (the optimizer step stays on the host).")
+    if opt_offload is not None and str(opt_offload.get("implementation", "auto")) == "torchao":
+        raise UserError(
+            f"dist={spec.name} and offload.optimizer.implementation=torchao cannot be combined: torchao copies each "
+            "gradient to the host during backward, before the ranks have averaged them. Use "
+            "offload.optimizer.implementation=builtin (or auto, which picks it with several processes).")
+    if "stream" in offload:
+        if spec.name == "fsdp":
+            raise UserError(
+                "dist=fsdp and offload=stream cannot be combined: offload=stream copies each block's weights in from "
+                "host memory per call, while FSDP shards the same weights across ranks and all-gathers them itself. "
+                "Use dist=fsdp dist.cpu_offload=true (sharded weights on the host): each GPU then holds only the "
+                "blocks being computed.")
+        raise UserError(
+            "dist=ddp and offload=stream cannot be combined yet: a streamed block's weights (and, in a full "
+            "fine-tune, its gradients) live in host memory outside their calls, where DDP's gradient buckets cannot "
+            "average them. Use dist=fsdp dist.cpu_offload=true, which keeps the shards on the host the same way.")
+    if spec.name != "fsdp":
+        return
+    if opt_offload is not None:
+        raise UserError(
+            "dist=fsdp and offload=optimizer cannot be combined: offload=optimizer keeps full host copies of the "
+            "weights it steps, FSDP keeps them sharded across ranks. Use dist.cpu_offload=true (FSDP steps its "
+            "sharded weights on the host), or dist=ddp with offload=optimizer.")
+    optimizer = str(cfg.optimizer.get("name", "adamw"))
+    if optimizer not in FSDP_OPTIMIZERS:
+        why = ("bitsandbytes' 8-bit kernels take whole tensors" if "8bit" in optimizer else
+               "its update mixes FSDP's sharded parameters with plain tensors")
+        raise UserError(
+            f"dist=fsdp and optimizer={optimizer} cannot be combined: {why}, not FSDP's sharded parameters. Use "
+            "optimizer=adamw (its state is sharded too; model.train_dtype=bfloat16 halves it), or dist=ddp with "
+            f"optimizer={optimizer}.")
+
+
+def _refuse_single_process_features(cfg: Any, spec: DistSpec) -> None:
+    """Features built for one process that no multi-process test covers yet: refused by name, not
+    run untested (the EMA and the validation pass would run on every rank; fused backward steps
+    each parameter before the ranks have averaged its gradient)."""
+    opt = cfg.get("optimizer") or {}
+    if bool(opt.get("fused_backward", False)):
+        raise UserError(
+            f"dist={spec.name} and optimizer.fused_backward=true cannot be combined: fused backward steps each "
+            "parameter as soon as its gradient exists, before the ranks have averaged it. Set "
+            "optimizer.fused_backward=false (dist=fsdp already frees each rank's full gradients by sharding them).")
+    if bool(cfg.train.get("auto_fit", False)):
+        raise UserError(
+            f"dist={spec.name} and train.auto_fit=true cannot be combined: the settings search plans one process. "
+            "Run mode=fit once (one process), then launch the ranks with +preset=fit.")
+    ema = cfg.get("ema") or {}
+    if bool(ema.get("enabled", False)):
+        raise UserError(
+            f"dist={spec.name} and ema.enabled=true cannot be combined yet: the EMA copy is kept and saved by one "
+            "process (runner/ema.py). Train with one process to keep an EMA, or set ema.enabled=false.")
+    data = cfg.get("data") or {}
+    if float(data.get("val_fraction", 0.0) or 0.0) > 0 or data.get("val_path") is not None:
+        raise UserError(
+            f"dist={spec.name} and a validation loss (data.val_fraction / data.val_path) cannot be combined yet: the "
+            "held-out pass is evaluated by one process (runner/validation.py). Unset data.val_fraction and "
+            "data.val_path for a multi-process run.")

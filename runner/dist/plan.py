@@ -1,0 +1,216 @@
+"""One rank's plan: ``mode=plan dist=ddp|fsdp dist.world_size=N`` (and a multi-process run's preflight).
+
+How it is made. The planner simulates one step of *one rank* with fake tensors: the micro-batch
+is the rank's (``ResolvedRun.micro_batch`` = batch / world / grad_accum), so activations,
+batches, encoders and every plugin are simulated as on that rank. What the simulation cannot
+see is what the distribution adds or removes, so each phase's peak is then corrected from unit
+sizes the planner measures on the simulated models (every parameter's shape and dtype, each
+FSDP unit's members: the repeated blocks of runner/blocks.py, as runner/dist/runtime.py shards
+them, and the rest of the module as the root unit). Why computed and not simulated: FSDP2 needs
+a process group of N ranks (in a training run's preflight the real group is already in use), and
+it frees and re-allocates its gathered weights by resizing storages, which the simulation's
+dispatch mode does not see (the live-bytes tracker of a real run follows them). The terms, per rank:
+
+``dist=fsdp`` (trained module ``m``; ``shard(x)``: FSDP2's dim-0 shard, padded to a multiple of
+the shard group, bytes exact per parameter)
+
+* weights of ``m``: ``shard(weights)`` instead of all of them; quantized weights (nf4, int8,
+  fp8), which stay whole, count whole;
+* all-gather buffers (row ``(fsdp all-gather)``): at setup, the largest unit (or the root's rest)
+  whole, moved to the device by ``fully_shard`` before it keeps a shard; the root unit's weights,
+  gathered for the whole forward and backward (FSDP2 does not reshard the root after forward); in forward the
+  largest unit twice (its gathered weights and the all-gather output they are copied from);
+  in backward the largest unit three times (the unit computing, the next one prefetched, and its
+  all-gather output). ``dist.reshard_after_forward=false`` keeps every unit gathered from its
+  forward to its backward: the whole module instead;
+* gradients of ``m``: ``shard(gradients)``, plus in backward (row ``(fsdp reduce-scatter)``) the
+  largest unit's unsharded gradients and the reduce-scatter input they are copied into;
+* optimizer state of ``m``: its share, ``shard(trainable) / trainable`` of it;
+* ``dist.cpu_offload=true``: sharded weights, gradients and optimizer state are on the host
+  (added to the host figures), only the gathered copies and reduce-scatter buffers on the device.
+
+``dist=ddp``: everything of one process, and DDP's gradient buckets (row ``(ddp buckets)``): the
+trained gradients live in them for the whole run (runner/dist/runtime.py), so every phase holds
+all trained gradients once, where one process holds them only from its backward on; around the
+optimizer step twice: the gradient all-reduce runs just before it, and at the second step DDP
+rebuilds its buckets in the order gradients arrived, copying every gradient once.
+
+The backward phase is at least the forward's end (every activation still alive, no new gradient):
+a rank whose gradients are sharded, or always allocated (DDP's buckets), may peak right at the
+start of backward, where one process peaks later. The peak is re-taken over the corrected phases.
+The figures are an estimate of the FSDP2 terms, not a count: the per-rank truth test
+(tests/runner/dist/) holds it within 5 % of a real 2-process step measured with the live-bytes
+tracker on each rank.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+ALL_GATHER = "(fsdp all-gather)"
+REDUCE_SCATTER = "(fsdp reduce-scatter)"
+DDP_BUCKETS = "(ddp buckets)"
+
+
+def _bytes(p: torch.Tensor) -> int:
+    return p.numel() * p.element_size()
+
+
+def shard_bytes(p: torch.Tensor, shards: int) -> int:
+    """One rank's bytes of ``p`` split on dim 0 over ``shards`` ranks, padded as FSDP2 pads it."""
+    if p.dim() == 0:
+        return _bytes(p)
+    rows = math.ceil(p.shape[0] / shards)
+    return rows * (p.numel() // max(p.shape[0], 1)) * p.element_size()
+
+
+@dataclass
+class RankLayout:
+    """What the distribution does to one rank's bytes (module docstring), measured on the simulated models."""
+
+    name: str  # ddp | fsdp
+    module: str = ""  # the trained module (fsdp: the one sharded)
+    world: int = 1
+    shards: int = 1
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    weights: int = 0  # every parameter of the module, full
+    weights_shard: int = 0  # one rank's: sharded ones' shards + quantized ones whole
+    whole: int = 0  # quantized weights FSDP leaves whole on every rank
+    root: int = 0  # the root unit's shardable weights, full
+    largest_unit: int = 0  # the largest block unit's shardable weights, full
+    largest_unit_grads: int = 0  # its trainable parameters, full
+    trainable: int = 0  # trainable parameters of the trained modules, full (their gradients' bytes)
+    trainable_shard: int = 0
+    units: int = 0
+    last_forward: Any = None  # the previous forward phase's per-rank peak (see rank_phase)
+
+    @property
+    def state_share(self) -> float:
+        return self.trainable_shard / self.trainable if self.trainable else 1.0
+
+
+def measure(spec: Any, models: Any) -> RankLayout | None:
+    """The layout of one rank of ``spec`` (a :class:`~runner.dist.config.DistSpec`) on the simulated
+    ``models`` after the plugins' setup; None for one process."""
+    from runner.blocks import find_repeated_blocks
+    from runner.dist.runtime import _unshardable_params
+
+    if not spec.active:
+        return None
+    trained = [models[n] for n in sorted(models.trained)]
+    trainable = sum(_bytes(p) for m in trained for p in m.parameters() if p.requires_grad)
+    if spec.name == "ddp":
+        return RankLayout("ddp", world=spec.world_size, trainable=trainable, trainable_shard=trainable)
+    name = sorted(models.trained)[0]
+    module: nn.Module = models[name]
+    whole = _unshardable_params(module)
+    blocks = models.blocks.get(name) or find_repeated_blocks(module)
+    in_blocks: set[int] = set()
+    unit_sizes, unit_grads = [], []
+    for block in blocks:
+        params = [p for p in block.parameters() if p not in whole]
+        in_blocks.update(id(p) for p in block.parameters())
+        unit_sizes.append(sum(_bytes(p) for p in params))
+        unit_grads.append(sum(_bytes(p) for p in params if p.requires_grad))
+    n = spec.shard_size
+    params = list(module.parameters())
+    return RankLayout(
+        "fsdp", module=name, world=spec.world_size, shards=n, reshard_after_forward=spec.reshard_after_forward,
+        cpu_offload=spec.cpu_offload,
+        weights=sum(_bytes(p) for p in params),
+        weights_shard=sum(_bytes(p) if p in whole else shard_bytes(p, n) for p in params),
+        whole=sum(_bytes(p) for p in params if p in whole),
+        root=sum(_bytes(p) for p in params if id(p) not in in_blocks and p not in whole),
+        largest_unit=max(unit_sizes, default=0), largest_unit_grads=max(unit_grads, default=0),
+        trainable=trainable, trainable_shard=sum(shard_bytes(p, n) for p in params if p.requires_grad),
+        units=len(blocks) + 1,
+    )
+
+
+def per_rank_phase(layout: RankLayout | None, phase: str, by_module: dict[str, dict[str, int]]
+                   ) -> tuple[dict[str, dict[str, int]], int]:
+    """One phase's device breakdown at its peak for one rank; (breakdown, bytes moved to the host)."""
+    if layout is None:
+        return by_module, 0
+    out = {m: dict(c) for m, c in by_module.items()}
+    step = phase.split(" ")[0]  # "forward #2" -> "forward"
+    if layout.name == "ddp":
+        grads = sum(c.get("gradients", 0) for m, c in out.items() if m != DDP_BUCKETS)
+        for c in out.values():  # the buckets hold the trained gradients; nothing else does
+            c.pop("gradients", None)
+        buckets = max(layout.trainable, grads)
+        if step == "optimizer":  # the gradient all-reduce runs just before the step: DDP re-buckets once, at the
+            buckets *= 2         # second step, copying every gradient into new buckets (both alive for a moment)
+        out[DDP_BUCKETS] = {"gradients": buckets}
+        return out, 0
+    mine = out.setdefault(layout.module, {})
+    grads = mine.get("gradients", 0)
+    share = layout.state_share
+    to_host = 0
+    weights = layout.weights_shard
+    sharded_grads = int(grads * share)
+    state = int(mine.get("optimizer_state", 0) * share)
+    if layout.cpu_offload:  # sharded weights, gradients and optimizer state on the host; quantized ones stay
+        to_host = weights - layout.whole + sharded_grads + state
+        weights, sharded_grads, state = layout.whole, 0, 0
+    mine["weights"] = weights
+    mine["gradients"] = sharded_grads
+    mine["optimizer_state"] = state
+    if step == "setup":  # fully_shard moves one unit (or the root's rest) whole to the device, then keeps a shard
+        out[ALL_GATHER] = {"weights": max(layout.largest_unit, layout.root)}
+    elif step in ("forward", "backward"):
+        if not layout.reshard_after_forward:
+            window = layout.weights - layout.whole  # every unit stays gathered from its forward to its backward
+        elif step == "forward":
+            window = layout.root + 2 * layout.largest_unit
+        else:
+            window = layout.root + 3 * layout.largest_unit
+        out[ALL_GATHER] = {"weights": window}
+        if step == "backward":
+            out[REDUCE_SCATTER] = {"gradients": 2 * layout.largest_unit_grads}
+    return out, to_host
+
+
+def rank_phase(layout: RankLayout, pk: Any, on_device: bool, moved: int) -> tuple[Any, int]:
+    """runner/plan/simulate.py's hook: one phase's :class:`~runner.plan.result.PhasePeak` for one rank.
+    The device's comes first and returns the bytes it moves to the host; the host's adds them."""
+    from runner.plan.result import PhasePeak
+
+    if on_device:
+        by_module, moved = per_rank_phase(layout, pk.name, pk.by_module)
+        total = sum(sum(c.values()) for c in by_module.values())
+        out = PhasePeak(pk.name, pk.where, pk.peak_bytes + total - sum(sum(c.values()) for c in pk.by_module.values()),
+                        by_module)
+        step = pk.name.split(" ")[0]
+        if step == "forward":
+            layout.last_forward = out
+        elif step == "backward" and layout.last_forward is not None \
+                and layout.last_forward.peak_bytes > out.peak_bytes:
+            # The start of backward holds what the end of forward held (every activation, no new gradient
+            # yet). One process peaks later in backward, when the gradients have grown; a rank whose
+            # gradients are sharded (FSDP) or always allocated (DDP's buckets) may peak right at its start.
+            f = layout.last_forward
+            out = PhasePeak(pk.name, f.where, f.peak_bytes, {m: dict(c) for m, c in f.by_module.items()})
+        return out, moved
+    if not moved:
+        return pk, moved
+    by_module = {m: dict(c) for m, c in pk.by_module.items()}
+    by_module.setdefault(layout.module, {})["weights"] = by_module.get(layout.module, {}).get("weights", 0) + moved
+    return PhasePeak(pk.name, pk.where, pk.peak_bytes + moved, by_module), moved
+
+
+def rank_state_bytes(layout: RankLayout | None, by_device: dict[str, int]) -> dict[str, int]:
+    """The plan's optimizer-state line for one rank: FSDP's share (on the host with cpu_offload)."""
+    if layout is None or layout.name != "fsdp":
+        return by_device
+    from runner.plan.target import DEVICE, HOST
+
+    out = {dev: int(n * layout.state_share) for dev, n in by_device.items()}
+    if layout.cpu_offload:
+        out[HOST.type] = out.get(HOST.type, 0) + out.pop(DEVICE.type, 0)
+    return out

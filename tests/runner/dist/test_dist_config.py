@@ -1,0 +1,175 @@
+"""dist=none|ddp|fsdp in one process: the config group, what the resolved run records, the shards of
+the global batch, the strict resume across world sizes, and the one run directory of many ranks.
+
+The multi-process runs themselves are in test_dist_training.py; bad values are in the corpus of
+tests/runner/test_bad_inputs.py.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from runner.dist.config import DistSpec
+from runner.dist.launch import START_TIME_ENV, process_world, runner_now
+from runner.dist.runtime import DataParallel
+from runner.errors import UserError
+from runner.registry import format_plugin_list
+from runner.resolved import resolve
+from runner.resume import check_unchanged, merge_overrides
+from runner.validate import compose_config, resolve_for_mode, validate
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """This process as rank ``rank`` of ``world`` launched by torchrun (its environment only)."""
+
+    def launch(world: int, rank: int, local_world: int | None = None) -> None:
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("LOCAL_RANK", str(rank % (local_world or world)))
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world or world))
+
+    return launch
+
+
+def test_the_group_composes_and_lists_its_keys_with_defaults():
+    cfg = compose_config(["dist=fsdp"])
+    assert cfg.dist.name == "fsdp" and cfg.dist.reshard_after_forward is True and cfg.dist.cpu_offload is False
+    assert compose_config([]).dist.name == "none"
+    text = format_plugin_list()
+    for line in ("dist.reshard_after_forward: bool = True", "dist.cpu_offload: bool = False",
+                 "dist.sharding_strategy: str = 'full_shard'", "dist.bucket_mb: float = 25.0"):
+        assert line in text
+
+
+def test_the_resolved_run_records_rank_world_size_and_the_rank_share_of_the_batch(launched):
+    launched(world=4, rank=3, local_world=2)
+    cfg = compose_config(["dist=fsdp", "train.batch_size=8", "train.grad_accum=2", "dist.sharding_strategy=hybrid_shard"])
+    validate(cfg)
+    run = resolve(cfg)
+    assert run.dist == DistSpec(name="fsdp", world_size=4, rank=3, local_rank=1, shard_size=2)
+    assert (run.batch_size, run.rank_batch, run.micro_batch) == (8, 2, 1)
+    assert "rank 3 of 4" in run.describe() and "global batch 8, 2 per rank as 2 x 1" in run.describe()
+
+
+def test_one_process_keeps_every_figure_of_a_run_without_dist():
+    plain, ddp = resolve(compose_config([])), resolve(compose_config(["dist=ddp"]))
+    assert not ddp.dist.active and ddp.micro_batch == plain.micro_batch == 2 and ddp.rank_batch == 2
+    assert ddp.describe() == plain.describe()
+
+
+def test_a_plan_is_for_one_rank_of_dist_world_size_without_a_launcher():
+    cfg = compose_config(["mode=plan", "dist=ddp", "dist.world_size=4", "train.batch_size=8"])
+    validate(cfg)
+    run = resolve_for_mode(cfg)
+    assert run.dist.world_size == 4 and run.dist.rank == 0 and run.micro_batch == 2 and run.simulate
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["ema.enabled=true"], "ema.enabled=true cannot be combined"),
+    (["data.val_fraction=0.25"], "validation loss"),
+    (["optimizer.fused_backward=true"], "optimizer.fused_backward=true cannot be combined"),
+    (["train.auto_fit=true", "budget_gb=12"], "train.auto_fit=true cannot be combined"),
+], ids=["ema", "validation", "fused_backward", "auto_fit"])
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_one_process_features_are_refused_by_name_with_several(kind, extra, needle):
+    """EMA, the validation pass, fused backward and auto-fit are built for one process; several refuse them."""
+    cfg = compose_config(["mode=plan", f"dist={kind}", "dist.world_size=2", "train.batch_size=4", *extra])
+    with pytest.raises(UserError, match=needle):
+        validate(cfg)
+    validate(compose_config(["mode=plan", "train.batch_size=4", *extra]))  # one process: accepted
+
+
+def test_a_launch_with_another_world_size_than_configured_is_refused(launched):
+    launched(world=2, rank=0)
+    with pytest.raises(UserError, match=r"dist.world_size=4, but this run was launched with 2 processes"):
+        resolve(compose_config(["dist=ddp", "dist.world_size=4"]))
+    with pytest.raises(UserError, match="dist=none"):
+        resolve(compose_config([]))
+
+
+def test_submitit_tasks_become_ranks(monkeypatch):
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RUNNER_LAUNCHER"):
+        monkeypatch.setenv(key, "x")  # recorded as absent before: restored so, whatever submitit exports
+        monkeypatch.delenv(key)
+    env = {"SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_JOB_ID": "123", "SUBMITIT_LOCAL_NTASKS": "2",
+           "SUBMITIT_LOCAL_JOB_NUM_NODES": "1", "SUBMITIT_LOCAL_NODEID": "0", "SUBMITIT_LOCAL_GLOBALID": "1",
+           "SUBMITIT_LOCAL_LOCALID": "1"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    pytest.importorskip("submitit")
+    world = process_world()
+    assert (world.world_size, world.rank, world.local_rank, world.launcher) == (2, 1, 1, "submitit")
+    assert os.environ["MASTER_PORT"] and os.environ["WORLD_SIZE"] == "2"
+
+
+def _shards(world: int, batch: int, step: int) -> list[tuple[list[int], list[int]]]:
+    from runner.loop import SampleOrder
+
+    order = SampleOrder(16, seed=7)
+    start = step * batch
+    out = []
+    for rank in range(world):
+        spec = DistSpec(name="ddp", world_size=world, rank=rank)
+        shard = DataParallel.shard(type("R", (), {"spec": spec})(), order.indices(start, batch),
+                                   order.sample_seeds(start, batch))
+        out.append((shard[0], shard[1].tolist()))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_every_world_size_consumes_the_same_samples_with_the_same_seeds_per_step(world):
+    for step in range(5):  # across an epoch boundary (16 samples, 8 per step)
+        one = _shards(1, 8, step)[0]
+        parts = _shards(world, 8, step)
+        assert [i for idx, _ in parts for i in idx] == one[0]
+        assert [s for _, seeds in parts for s in seeds] == one[1]
+        assert all(len(idx) == 8 // world for idx, _ in parts)
+
+
+def test_strict_resume_takes_the_world_size_of_this_launch_not_the_checkpoints():
+    saved = compose_config(["dist=fsdp", "mode=plan", "dist.world_size=2"])
+    from omegaconf import OmegaConf
+
+    overrides = merge_overrides(["dist=fsdp", "dist.world_size=2"], ["train.resume=/x", "dist.world_size=4"])
+    assert overrides == ["dist=fsdp", "train.resume=/x", "dist.world_size=4"]
+    assert merge_overrides(["dist=fsdp", "dist.world_size=2"], ["train.resume=/x"]) == ["dist=fsdp", "train.resume=/x"]
+    now = compose_config(["dist=ddp", "mode=plan", "dist.world_size=4"])
+    allowed = check_unchanged(OmegaConf.to_container(saved, resolve=False), now, "config.yaml")
+    assert {k for k, _, _ in allowed} >= {"dist.name"}  # a change of distribution is allowed, and listed
+
+
+def test_ranks_agree_on_one_run_directory(monkeypatch):
+    monkeypatch.setenv(START_TIME_ENV, "1700000000.5")
+    assert runner_now("%Y-%m-%d %H-%M-%S") == __import__("datetime").datetime.fromtimestamp(1700000000.5).strftime(
+        "%Y-%m-%d %H-%M-%S")
+    from hydra import compose, initialize_config_dir
+
+    from runner.validate import conf_dir
+
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = compose(config_name="config", return_hydra_config=True)
+    from omegaconf import OmegaConf
+
+    stamp = __import__("datetime").datetime.fromtimestamp(1700000000.5)
+    assert OmegaConf.select(cfg, "hydra.run.dir") == stamp.strftime("outputs/%Y-%m-%d/%H-%M-%S")
+    assert OmegaConf.select(cfg, "hydra.sweep.dir") == stamp.strftime("multirun/%Y-%m-%d/%H-%M-%S")
+
+
+def test_gradient_sync_forward_is_zero_and_touches_every_trained_parameter():
+    from runner.dist.runtime import GradientSync
+
+    m = torch.nn.Linear(3, 2)
+    frozen = torch.nn.Linear(2, 2).requires_grad_(False)
+    holder = GradientSync({"m": m, "f": frozen})
+    out = holder()
+    assert out.item() == 0.0
+    out.backward()
+    assert all(p.grad is not None and not p.grad.any() for p in m.parameters())
+    assert all(p.grad is None for p in frozen.parameters())
+
+
+def test_zz_no_launch_environment_leaks_out_of_these_tests():
+    assert "WORLD_SIZE" not in os.environ and "RUNNER_LAUNCHER" not in os.environ

@@ -1,0 +1,149 @@
+"""Two processes with the gloo backend, started by the launchers users use (``torchrun``, ``accelerate
+launch``), against one process with the same global batch.
+
+What is shown, launch by launch (each compared step by step with a one-process reference run in
+this process):
+
+1. ``torchrun`` + ``dist=ddp``, full fine-tune with park (a fresh encoder cache), block
+   checkpointing and VAE tiling, and an out-of-memory error raised on rank 1 only, inside the
+   U-Net's forward, in step 2: the same losses; both ranks retried with micro-batch 1 (rank 0's
+   metrics say so, and rank 0 did not run out of memory itself); rank 0 alone filled the cache
+   and rank 1 read it; one run directory, one log, written by rank 0.
+2. ``accelerate launch`` + ``dist=fsdp``, LoRA on an nf4-quantized base (the constrained preset:
+   park, checkpointing) + tiling, with the same one-rank OOM, this time in the middle of FSDP's
+   all-gathers: the same losses.
+3. ``torchrun`` + ``dist=fsdp`` full fine-tune resumed from the one-process run's full checkpoint:
+   the same losses for the next steps; its sharded checkpoint resumed in one process: the same
+   losses again. So resume works 1 -> 2 and 2 -> 1 processes, across formats.
+
+Tolerance: the ranks' mean losses are averaged in float64 and the gradients are sums in another
+order than one process's batched reductions: measured differences up to 2e-7 (relative); 1e-5
+is far below what one sample counted twice or dropped would change (~1e-2).
+
+Each launch starts two Python processes that import torch and diffusers and build the tiny SDXL
+models (~30-45 s on 2 busy cores); marked ``slow``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runner.__main__ import run
+from runner.loop import read_metrics
+from runner.validate import compose_config
+
+ROOT = Path(__file__).resolve().parents[3]
+ASSETS = ROOT / "tests" / "assets"
+TRAINER = "trainer._target_=dist_trainer.OOMOnOneRankSDXL"
+COMMON = ["train.progress=false", "train.preflight=false", "export.enabled=false", "data.demo_size=8",
+          "optimizer.lr=1e-3", "train.batch_size=4", "train.keep_saved=5", TRAINER]
+FULL = ["checkpoint=blocks", "offload=park", "tiling=vae"]
+LORA = ["+preset=constrained", "optimizer=adamw", "+tiling=vae"]
+OOM_ON_RANK_1 = "rank=1,step=2,above=1,block=3"
+REL = 1e-5
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(launcher: str, cwd: Path, *overrides: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``torchrun`` or ``accelerate launch`` of ``python -m runner`` on 2 CPU processes."""
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    else:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes=2",
+               "--num_machines=1", f"--main_process_port={_free_port()}", "--mixed_precision=no",
+               "--dynamo_backend=no"]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+                "PYTHONPATH": os.pathsep.join([str(ROOT), str(ASSETS)]), **(env or {})}
+    cwd.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run([*cmd, "-m", "runner", *overrides], cwd=cwd, env=full_env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-5000:]
+    return proc
+
+
+def one_process(out: Path, *overrides: str) -> list[dict]:
+    sys.path.insert(0, str(ASSETS))
+    try:
+        run(compose_config([f"output_dir={out}", *COMMON, *overrides]))
+    finally:
+        sys.path.remove(str(ASSETS))
+    return read_metrics(out / "metrics.jsonl")
+
+
+def assert_same_losses(rows: list[dict], reference: list[dict]) -> None:
+    assert [r["step"] for r in rows] == [r["step"] for r in reference]
+    for r, ref in zip(rows, reference):
+        assert r["loss"] == pytest.approx(ref["loss"], rel=REL), (r["step"], r["loss"], ref["loss"])
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory) -> dict[str, tuple[Path, list[dict]]]:
+    """One-process runs: a full fine-tune of 6 steps saving every 2 steps, and a LoRA run of 3 steps."""
+    d = tmp_path_factory.mktemp("one_process")
+    full = one_process(d / "full", *FULL, f"offload.park.cache_dir={d / 'cache'}", "train.steps=6",
+                       "train.save_every=2")
+    lora = one_process(d / "lora", *LORA, f"offload.park.cache_dir={d / 'cache'}", "train.steps=3")
+    return {"full": (d / "full", full), "lora": (d / "lora", lora), "cache": (d / "cache", [])}
+
+
+def test_torchrun_ddp_matches_one_process_and_agrees_on_a_one_rank_oom(tmp_path, references):
+    counts = tmp_path / "counts"
+    proc = launch("torchrun", tmp_path / "run", "dist=ddp", *FULL, *COMMON, "train.steps=3",
+                  f"offload.park.cache_dir={tmp_path / 'fresh_cache'}",
+                  env={"RUNNER_TEST_OOM": OOM_ON_RANK_1, "RUNNER_TEST_COUNTS": str(counts)})
+    runs = [p for p in (tmp_path / "run" / "outputs").glob("*/*") if p.is_dir()]
+    assert len(runs) == 1, runs  # both ranks took rank 0's start time for Hydra's run directory
+    out = runs[0]
+    rows = read_metrics(out / "metrics.jsonl")
+    assert_same_losses(rows, references["full"][1][:3])
+    # rank 1 ran out of memory in step 2; rank 0 (which did not) retried the step with it
+    assert [r["micro_batch_size"] for r in rows] == [2, 1, 1] and [r["oom_retries"] for r in rows] == [0, 1, 0]
+    per_rank = {r: json.loads((counts / f"rank-{r}.json").read_text()) for r in (0, 1)}
+    assert per_rank[1]["raised"] >= 1 and per_rank[0]["raised"] == 0
+    # the encoder cache: written by rank 0 alone, read by rank 1 once it was complete
+    assert per_rank[0]["encoded"] > 0 and per_rank[1]["encoded"] == 0
+    log = next(out.glob("*.log")).read_text()
+    assert log.count("run: on cpu") == 1 and "rank 0 of 2, DDP" in log and "[rank 1]" not in log
+    assert "PeerOutOfMemory" in log and "out of memory in step 2: micro-batch 2 -> 1" in log  # rank 0's own line
+    assert "[rank 1] out of memory in step 2" in proc.stdout + proc.stderr  # rank 1: its console only
+    assert (out / ".hydra" / "overrides.yaml").is_file()
+    assert json.loads((out / "job_summary.json").read_text())["status"] == "ok"
+
+
+def test_accelerate_launch_fsdp_with_quantized_lora_matches_one_process(tmp_path, references):
+    cache = references["cache"][0]
+    launch("accelerate", tmp_path, "dist=fsdp", *LORA, *COMMON, "train.steps=3", f"output_dir={tmp_path / 'out'}",
+           f"offload.park.cache_dir={cache}", env={"RUNNER_TEST_OOM": OOM_ON_RANK_1})
+    rows = read_metrics(tmp_path / "out" / "metrics.jsonl")
+    assert_same_losses(rows, references["lora"][1])
+    assert [r["micro_batch_size"] for r in rows] == [2, 1, 1]
+
+
+def test_resume_one_process_into_fsdp_and_back(tmp_path, references):
+    ref_dir, ref = references["full"]
+    cache = references["cache"][0]
+    two = tmp_path / "two"
+    launch("torchrun", tmp_path, "dist=fsdp", *FULL, *COMMON, "train.steps=4", f"output_dir={two}",
+           f"offload.park.cache_dir={cache}", f"train.resume={ref_dir / 'checkpoints' / 'step-00000002'}")
+    assert_same_losses(read_metrics(two / "metrics.jsonl"), ref[2:4])
+    sharded = two / "checkpoints" / "step-00000004"
+    assert (sharded / "sharded" / ".metadata").is_file() and not (sharded / "trainable.safetensors").exists()
+    assert json.loads((sharded / "state.json").read_text())["world_size"] == 2
+
+    back = tmp_path / "back"
+    rows = one_process(back, *FULL, f"offload.park.cache_dir={cache}", "train.steps=6", f"train.resume={sharded}")
+    assert_same_losses(rows, ref[4:6])
