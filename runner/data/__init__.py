@@ -179,6 +179,8 @@ def build_video_dataset(data_cfg: Any, default_frames: int, default_fps: float |
 
     check_video_keys(data_cfg)
     _check_resolution(_get(data_cfg, "resolution", 64))
+    _refuse_image_only_options(data_cfg)
+    rules = caption_rules(data_cfg)
     settings = clip_settings(data_cfg, default_frames, default_fps)
     path = _get(data_cfg, "path", None)
     if path is None:
@@ -186,12 +188,36 @@ def build_video_dataset(data_cfg: Any, default_frames: int, default_fps: float |
         if isinstance(demo_size, bool) or not isinstance(demo_size, int) or demo_size < 1:
             raise UserError(f"data.demo_size={demo_size!r} is not valid: it is the number of clips in the built-in "
                             "demo set (used because data.path is unset) and must be a whole number of at least 1.")
-        return DemoClips(demo_size, settings)
+        return _with_caption_rules(DemoClips(demo_size, settings), rules, "demo")
     handed_over = _CHECKED.pop(_folder_key(data_cfg, (default_frames, default_fps)), None)
     if handed_over is not None:
         return handed_over
-    return ClipFolderDataset(path, settings, missing_caption=_check_missing_caption(_get(data_cfg, "missing_caption",
-                                                                                              "error")))
+    clips = ClipFolderDataset(path, settings, missing_caption=_check_missing_caption(_get(data_cfg, "missing_caption",
+                                                                                           "error")))
+    return _with_caption_rules(clips, rules, "data.path")
+
+
+def _with_caption_rules(clips: Dataset, rules: CaptionRules, name: str) -> Dataset:
+    """Clips with ``data.caption_dropout`` / ``data.shuffle_tags`` applied per visit, as images get them
+    (runner/data/sets.py ``TrainingData`` is generic over the data set it wraps)."""
+    if not rules.active:
+        return clips
+    wrapped = TrainingData([(clips, 1, None, name)], rules)
+    for attr in ("frame_counts", "_shown", "settings"):  # what the video trainer and its checks read
+        if hasattr(clips, attr):
+            setattr(wrapped, attr, getattr(clips, attr))
+    return wrapped
+
+
+def _refuse_image_only_options(data_cfg: Any) -> None:
+    """Aspect-ratio buckets and several data sets are image options: a video trainer's clips have their
+    own frame size (data.width x data.height) and come from data.path alone."""
+    if bool(_get(data_cfg, "buckets", False)):
+        raise UserError("data.buckets=true applies to image trainers; a video trainer's clips all take one frame size, "
+                        "data.width x data.height. Set data.buckets=false, and data.width/data.height for the clips.")
+    if _get(data_cfg, "sets", None):
+        raise UserError("data.sets applies to image trainers; a video trainer reads its clips from data.path alone. "
+                        "Put the clips in one folder (sub-folders are searched) and set data.path, not data.sets.")
 
 
 _CHECKED: dict[tuple, Dataset] = {}

@@ -241,3 +241,19 @@ def test_validation_hands_the_checked_folder_to_the_trainer(tmp_path):
 def test_bad_video_keys(key, value, match):
     with pytest.raises(UserError, match=match):
         check_video_keys({key: value})
+
+
+def test_caption_options_apply_to_clips_per_visit_and_image_only_options_are_refused():
+    """data.caption_dropout / data.shuffle_tags reach video trainers as they reach image ones (per
+    visit, from the visit's seed); buckets and several sets are image options and are refused."""
+    plain = build_video_dataset(data_cfg(None, demo_size=4, frames=3), 9, 16)
+    dropped = build_video_dataset(data_cfg(None, demo_size=4, frames=3, caption_dropout=1.0), 9, 16)
+    assert dropped.visit(1, 7)["caption"] == "" and dropped.caption(1) == plain.caption(1)
+    assert torch.equal(dropped.visit(1, 7)["pixel_values"], plain[1]["pixel_values"])
+    shuffled = build_video_dataset(data_cfg(None, demo_size=4, frames=3, shuffle_tags=True), 9, 16)
+    tags = lambda c: sorted(t.strip() for t in c.split(","))  # noqa: E731
+    assert all(tags(shuffled.visit(2, s)["caption"]) == tags(plain.caption(2)) for s in range(5))
+    with pytest.raises(UserError, match="data.buckets=true applies to image trainers"):
+        build_video_dataset(data_cfg(None, demo_size=4, frames=3, buckets=True), 9, 16)
+    with pytest.raises(UserError, match="data.sets applies to image trainers"):
+        build_video_dataset(data_cfg(None, demo_size=4, frames=3, sets=[{"path": "x"}]), 9, 16)
