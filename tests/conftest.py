@@ -33,8 +33,18 @@ def one_thread():
 def no_hydra_job_left_over():
     """A test that runs ``hydra.main`` in-process leaves Hydra's job config set (Hydra never clears
     it in a process that then exits). runner/resume.py and runner/sweep.py read it to learn the
-    running job's command line, so a later in-process run would inherit another test's overrides."""
+    running job's command line, so a later in-process run would inherit another test's overrides.
+    Hydra also configures logging: its handlers write to the stream the test had (pytest's capture,
+    closed afterwards), so later tests would log "--- Logging error ---" tracebacks; they go too."""
+    import logging
+
+    loggers = [logging.getLogger(), logging.getLogger("hydra"), logging.getLogger("runner")]
+    before = {id(lg): list(lg.handlers) for lg in loggers}
     yield
+    for lg in loggers:
+        for h in lg.handlers[:]:
+            if h not in before[id(lg)]:
+                lg.removeHandler(h)
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
 
