@@ -57,6 +57,8 @@ if TYPE_CHECKING:
     from runner.resolved import ResolvedRun
 
 MAX_SWEEP_CHECKS = 64
+# Keys that moved when an option became shared: old spelling -> its place now.
+MOVED_KEYS = {"trainer.timestep_sampling": "loss.timestep_sampling"}  # Flux's, since the loss-family bases
 
 
 def conf_dir() -> Path:
@@ -230,6 +232,8 @@ def _friendly(err: Exception, overrides: Sequence[str]) -> UserError:
                 f"Unknown config key '{full_key}': '{option}' is not {'an' if kind[0] in 'aeiou' else 'a'} {kind} plugin. "
                 f"Valid names: {valid_list(option, registry.plugin_names(kind))}."
             )
+        if full_key in MOVED_KEYS:
+            return UserError(f"{full_key} has moved: it is {MOVED_KEYS[full_key]} now (the same values).")
         parent, _, key = full_key.rpartition(".")
         valid = _group_keys(overrides, parent, full_key)
         hint = did_you_mean(key, valid)
@@ -381,8 +385,8 @@ def check_plugin_settings(cfg: DictConfig) -> None:
             source = f"preset {cfg.preset}" if cfg.get("preset") else "the config"
             raise UserError(
                 f"{source} sets {keys or kind + '.' + name}, but {kind}={name} is not selected "
-                f"({kind}={_spelling(chosen)}). Add it with +{kind}={name}, "
-                f"or copy the preset into conf/preset/ without those lines."
+                f"({kind}={_spelling(chosen)}). Add it with +{kind}={name}, drop those settings with "
+                f"'~{kind}.{name}' on the command line, or copy the preset into conf/preset/ without those lines."
             )
         entry = registry.plugin_entry(kind, name)
         if entry.check is not None:
