@@ -44,7 +44,6 @@ from torch import nn
 
 from runner.compat import current_graph_task_id, is_fake, queue_engine_callback
 from runner.context import Transfer
-from runner.errors import UserError
 from runner.hooks import composable
 from runner.plugin import Plugin
 from runner.plugins.schemas import ActivationOffloadConfig, check_activation_offload

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from runner.compat import is_fake
+from runner.optim import ForwardsToInner
 from runner.plugins.stream.host import HostRegion, _nbytes, host_copy
 
 
@@ -78,41 +79,7 @@ def _sync(events: list[Any]) -> None:
     events.clear()
 
 
-class _ForwardsToInner(torch.optim.Optimizer):
-    """An optimizer wrapper whose groups, state and defaults are the inner optimizer's own.
-
-    Schedulers, accelerate and checkpointing read and write these attributes; forwarding them keeps
-    one source of truth instead of copies that drift after a load_state_dict.
-    """
-
-    inner: torch.optim.Optimizer
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.inner.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.inner.param_groups = value
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.inner.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.inner.state = value
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.inner.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self.inner.defaults = value
-
-
-class HostStepOptimizer(_ForwardsToInner):
+class HostStepOptimizer(ForwardsToInner):
     """``step_on_host=true``, built-in: host masters, host state, host step, copy back.
 
     Not constructed through ``Optimizer.__init__``: like torchao's wrapper it owns an inner
@@ -288,7 +255,7 @@ class HostStepOptimizer(_ForwardsToInner):
         return f"HostStepOptimizer({type(self.inner).__name__}, {len(self.pairs)} parameters)"
 
 
-class HostStateOptimizer(_ForwardsToInner):
+class HostStateOptimizer(ForwardsToInner):
     """``step_on_host=false``: state on the host between steps, stepped on the device in chunks.
 
     The inner optimizer is the original one over the device parameters; each chunk's state is

@@ -86,7 +86,6 @@ from runner.cache import (
 )
 from runner.compat import has_compatible_shallow_copy_type
 from runner.context import Transfer
-from runner.errors import UserError
 from runner.hooks import mark, marked, unmark
 from runner.plugin import Plugin
 from runner.plugins.schemas import ParkConfig, check_park

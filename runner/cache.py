@@ -226,7 +226,7 @@ class EncoderCache:
             if os_error is None:
                 raise
             raise storage_error(os_error, "Writing an encoder cache entry", final.parent,
-                                advice=f"Entries written so far are kept and reused; set offload.park.cache_dir to "
+                                advice="Entries written so far are kept and reused; set offload.park.cache_dir to "
                                        "a folder with space, or free some.") from None
         return final
 

@@ -62,7 +62,6 @@ import json
 import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ContextManager, Optional
 
@@ -70,8 +69,7 @@ import torch
 from torch import nn
 
 from runner.compat import foreach_lerp_
-from runner.ema_config import DEVICES, DTYPES, EMAConfig, check_ema_config  # noqa: F401  (re-exported)
-from runner.errors import UserError, valid_list
+from runner.errors import UserError
 
 log = logging.getLogger("runner")
 

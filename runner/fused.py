@@ -56,11 +56,12 @@ from torch import nn
 
 from runner.compat import is_fake
 from runner.errors import UserError
+from runner.optim import ForwardsToInner
 
 log = logging.getLogger("runner")
 
 
-class FusedBackward(torch.optim.Optimizer):
+class FusedBackward(ForwardsToInner):
     """Wraps ``optimizer``: each parameter steps in its post-accumulate-grad hook, then its grad is freed.
 
     Not built through ``Optimizer.__init__``: ``param_groups``, ``state`` and ``defaults`` are the
@@ -87,31 +88,6 @@ class FusedBackward(torch.optim.Optimizer):
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._hook))
         self._simulated = any(is_fake(p) for g in optimizer.param_groups for p in g["params"])
-
-    # -- the inner optimizer's tables ---------------------------------------------------------
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.inner.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.inner.param_groups = value
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.inner.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.inner.state = value
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.inner.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self.inner.defaults = value
 
     # -- the step, one parameter at a time ------------------------------------------------------
     def _step_one(self, p: nn.Parameter) -> None:

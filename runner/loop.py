@@ -34,7 +34,7 @@ from runner.data import BatchOrder, collate, describe_dataset, visit_samples
 from runner.data.order import SampleOrder  # noqa: F401  (the one-stream order, importable from here as before)
 from runner.dist.runtime import accelerator_options
 from runner.ema import build_ema
-from runner.errors import Interrupted, UserError
+from runner.errors import Interrupted
 from runner.fused import fuse_into_backward, fusion_of
 from runner.memory.profile import NullProfiler, build_profiler
 from runner.memory.stats import MemoryMonitor

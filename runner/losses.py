@@ -44,13 +44,10 @@ refused when the trainer is built, naming the key.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
-from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 
-from runner.errors import UserError, valid_list  # noqa: F401
 from runner.loss_config import (  # noqa: F401  (the options live there, without torch; re-exported)
     BASE_SEQ_LEN,
     DDPM,

@@ -62,6 +62,40 @@ from runner.optim_config import (  # noqa: F401  (the schemas: re-exported)
 
 log = logging.getLogger("runner")
 
+
+class ForwardsToInner(torch.optim.Optimizer):
+    """An optimizer wrapper (offload=optimizer's host steps, fused backward) whose groups, state and defaults are the inner optimizer's own.
+
+    Schedulers, accelerate and checkpointing read and write these attributes; forwarding them keeps
+    one source of truth instead of copies that drift after a load_state_dict.
+    """
+
+    inner: torch.optim.Optimizer
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.inner.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.inner.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.inner.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.inner.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.inner.defaults = value
+
 BNB_BLOCKSIZE = 256  # bitsandbytes' blockwise 8-bit optimizer state block
 PAGED_MIN_NUMEL = 100_000  # bitsandbytes pages only state tensors of at least this many elements
 

@@ -168,22 +168,29 @@ def save_checkpoint(
             raise _save_failed(os_error, root, state.step, weights, optimizer) from None
         raise
     try:
-        if final.exists():  # re-saving the same step (e.g. interrupted right after a save)
-            old = root / f".old-{final.name}-{os.getpid()}"
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        latest_tmp = root / f".latest-{os.getpid()}"
-        latest_tmp.write_text(final.name + "\n")
-        _fsync_file(latest_tmp)
-        os.replace(latest_tmp, root / "latest")
-        _fsync_dir(root)
+        publish_checkpoint(tmp, final, root)
     except OSError as e:
         raise _save_failed(e, root, state.step, weights, optimizer) from None
     _prune(root, keep, final)
     return final
+
+
+def publish_checkpoint(tmp: Path, final: Path, root: Path) -> None:
+    """Make the completed folder ``tmp`` the checkpoint ``final`` and point ``root/latest`` at it,
+    each by an atomic rename (a re-save of the same step, e.g. right after an interrupted one,
+    swaps the old folder out first)."""
+    if final.exists():
+        old = root / f".old-{final.name}-{os.getpid()}"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    latest_tmp = root / f".latest-{os.getpid()}"
+    latest_tmp.write_text(final.name + "\n")
+    _fsync_file(latest_tmp)
+    os.replace(latest_tmp, root / "latest")
+    _fsync_dir(root)
 
 
 def _save_failed(error: OSError, root: Path, step: int, weights: dict[str, torch.Tensor],

@@ -46,15 +46,14 @@ import random
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from runner.errors import UserError
-from runner.validation_config import ValConfig, as_val_path, check_val_config, val_source  # noqa: F401
+from runner.validation_config import ValConfig, as_val_path, val_source
 
 if TYPE_CHECKING:
     from runner.context import RunContext

@@ -95,7 +95,8 @@ def save_sharded(dist_: Any, root: Path, state: Any, models: ModelSet, optimizer
     import torch.distributed.checkpoint as dcp
 
     from runner.dist.launch import cpu_group
-    from runner.train_state import _fsync_dir, _fsync_file, _prune, describe_trained_state, rng_state
+    from runner.train_state import (_fsync_dir, _fsync_file, _prune, describe_trained_state, publish_checkpoint,
+                                    rng_state)
 
     main = dist_.is_main
     final = root / f"step-{state.step:08d}"
@@ -141,7 +142,7 @@ def save_sharded(dist_: Any, root: Path, state: Any, models: ModelSet, optimizer
                 _fsync_file(f)
             _fsync_dir(tmp / SHARDED)
             _fsync_dir(tmp)
-            _replace(tmp, final, root)
+            publish_checkpoint(tmp, final, root)
         except BaseException as e:  # noqa: BLE001 - reported below, on every rank
             error = e
     if not dist_.all_agree(error is None):
@@ -155,23 +156,6 @@ def save_sharded(dist_: Any, root: Path, state: Any, models: ModelSet, optimizer
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _replace(tmp: Path, final: Path, root: Path) -> None:
-    from runner.train_state import _fsync_dir, _fsync_file
-
-    if final.exists():
-        old = root / f".old-{final.name}-{os.getpid()}"
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-    latest_tmp = root / f".latest-{os.getpid()}"
-    latest_tmp.write_text(final.name + "\n")
-    _fsync_file(latest_tmp)
-    os.replace(latest_tmp, root / "latest")
-    _fsync_dir(root)
 
 
 def _failed(error: BaseException | None, root: Path, step: int) -> UserError:

@@ -124,15 +124,8 @@ class SDXLSampling:
         vae = modules["vae"]
         pipe = sdxl(vae=vae, text_encoder=None, text_encoder_2=None, tokenizer=None, tokenizer_2=None,
                     unet=modules["unet"], scheduler=self.scheduler(trainer), add_watermarker=False)
-        pipe.set_progress_bar_config(disable=True)
-        kw: dict[str, Any] = {}
-        if negative is not None:
-            kw = {"negative_prompt_embeds": negative["prompt_embeds"].to(device),
-                  "negative_pooled_prompt_embeds": negative["pooled_prompt_embeds"].to(device)}
-        latents = pipe(prompt_embeds=cond["prompt_embeds"].to(device),
-                       pooled_prompt_embeds=cond["pooled_prompt_embeds"].to(device),
-                       num_inference_steps=steps, guidance_scale=guidance, height=resolution, width=resolution,
-                       generator=generator, output_type="latent", return_dict=False, **kw)[0]
+        latents = _pooled_embeds_latents(pipe, cond, negative, device, steps=steps, guidance=guidance,
+                                         resolution=resolution, generator=generator)
         image = decode(vae, latents, vae_on_device)
         return pipe.image_processor.postprocess(image.float(), output_type="pil")[0]
 
@@ -239,17 +232,24 @@ class SD3Sampling:
         pipe = quiet_import("StableDiffusion3Pipeline")(
             transformer=modules["transformer"], scheduler=self.scheduler(trainer), vae=vae, text_encoder=None,
             tokenizer=None, text_encoder_2=None, tokenizer_2=None, text_encoder_3=None, tokenizer_3=None)
-        pipe.set_progress_bar_config(disable=True)
-        kw: dict[str, Any] = {}
-        if negative is not None:
-            kw = {"negative_prompt_embeds": negative["prompt_embeds"].to(device),
-                  "negative_pooled_prompt_embeds": negative["pooled_prompt_embeds"].to(device)}
-        latents = pipe(prompt_embeds=cond["prompt_embeds"].to(device),
-                       pooled_prompt_embeds=cond["pooled_prompt_embeds"].to(device),
-                       num_inference_steps=steps, guidance_scale=guidance, height=resolution, width=resolution,
-                       generator=generator, output_type="latent", return_dict=False, **kw)[0]
+        latents = _pooled_embeds_latents(pipe, cond, negative, device, steps=steps, guidance=guidance,
+                                         resolution=resolution, generator=generator)
         image = decode(vae, latents, vae_on_device, shift=float(vae.config.shift_factor or 0.0))
         return pipe.image_processor.postprocess(image.float(), output_type="pil")[0]
+
+
+def _pooled_embeds_latents(pipe: Any, cond: dict[str, torch.Tensor], negative: dict | None, device: torch.device, *,
+                           steps: int, guidance: float, resolution: int, generator: torch.Generator) -> torch.Tensor:
+    """Latents from a pipeline conditioned on prompt embeddings plus pooled ones (SDXL, SD3), with the
+    negative prompt's pair when given; no progress bar."""
+    pipe.set_progress_bar_config(disable=True)
+    kw: dict[str, Any] = {}
+    if negative is not None:
+        kw = {"negative_prompt_embeds": negative["prompt_embeds"].to(device),
+              "negative_pooled_prompt_embeds": negative["pooled_prompt_embeds"].to(device)}
+    return pipe(prompt_embeds=cond["prompt_embeds"].to(device), pooled_prompt_embeds=cond["pooled_prompt_embeds"].to(device),
+                num_inference_steps=steps, guidance_scale=guidance, height=resolution, width=resolution,
+                generator=generator, output_type="latent", return_dict=False, **kw)[0]
 
 
 def family_sampling(trainer: Any) -> Any:

@@ -32,7 +32,7 @@ The timestep goes to the transformer as ``t`` in (0, 1), the pipeline's ``timest
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any
 
 import torch
 

@@ -47,7 +47,9 @@ _TRANSFORMER_TINY = {
     "joint_attention_dim": 32,
     "axes_dims_rope": [4, 6, 6],
 }
-_VAE = {  # Qwen/Qwen-Image vae/config.json (AutoencoderKLQwenImage, 127 M parameters)
+# Qwen/Qwen-Image vae/config.json (AutoencoderKLQwenImage, 127 M parameters): the Wan 2.1 VAE's
+# architecture and latent statistics, which runner/trainers/wan_configs.py builds its own on.
+WAN21_VAE = {
     "base_dim": 96,
     "z_dim": 16,
     "dim_mult": [1, 2, 4, 4],
@@ -58,6 +60,7 @@ _VAE = {  # Qwen/Qwen-Image vae/config.json (AutoencoderKLQwenImage, 127 M param
     "latents_mean": WAN21_LATENTS_MEAN,
     "latents_std": WAN21_LATENTS_STD,
 }
+_VAE = WAN21_VAE
 _VAE_TINY = {**_VAE, "base_dim": 8, "num_res_blocks": 1}
 
 _QWEN25_VL_7B = {  # Qwen/Qwen-Image text_encoder/config.json (Qwen2.5-VL-7B-Instruct, 8.3 B parameters)

@@ -19,7 +19,7 @@ are the published ``config.json`` values, so ``mode=plan model.size=full`` plans
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 

@@ -26,7 +26,7 @@ pipeline feeds it its scheduler's timesteps.
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any
 
 import torch
 

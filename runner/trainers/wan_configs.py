@@ -21,8 +21,8 @@ import copy
 from typing import Any
 
 from runner.errors import UserError, valid_list
-from runner.trainers.model_configs import TINY_T5_VOCAB, _check_size
-from runner.trainers.qwen_image_configs import WAN21_LATENTS_MEAN, WAN21_LATENTS_STD
+from runner.trainers.model_configs import _T5_XXL, TINY_T5_VOCAB, _check_size
+from runner.trainers.qwen_image_configs import WAN21_VAE
 
 VARIANTS = ("14b", "1.3b", "2.2-5b")
 
@@ -56,19 +56,7 @@ _TRANSFORMER_TINY = {
     "num_layers": 3,  # three blocks: offload=stream keeps two in its window and streams the third
 }
 
-_VAE21 = {  # Wan2.1 vae/config.json (AutoencoderKLWan, 127 M parameters)
-    "base_dim": 96,
-    "z_dim": 16,
-    "dim_mult": [1, 2, 4, 4],
-    "num_res_blocks": 2,
-    "attn_scales": [],
-    "temperal_downsample": [False, True, True],
-    "dropout": 0.0,
-    "latents_mean": WAN21_LATENTS_MEAN,
-    "latents_std": WAN21_LATENTS_STD,
-    "scale_factor_temporal": 4,
-    "scale_factor_spatial": 8,
-}
+_VAE21 = {**WAN21_VAE, "scale_factor_temporal": 4, "scale_factor_spatial": 8}  # Wan2.1 vae/config.json (AutoencoderKLWan)
 _VAE22 = {  # Wan2.2-TI2V-5B vae/config.json (the residual, 48-channel Wan 2.2 VAE, 16x16 per latent)
     "base_dim": 160,
     "decoder_base_dim": 256,
@@ -97,23 +85,7 @@ _VAE22 = {  # Wan2.2-TI2V-5B vae/config.json (the residual, 48-channel Wan 2.2 V
 _VAE21_TINY = {**_VAE21, "base_dim": 8, "num_res_blocks": 1}
 _VAE22_TINY = {**_VAE22, "base_dim": 8, "decoder_base_dim": 8, "num_res_blocks": 1}
 
-_UMT5_XXL = {  # google/umt5-xxl encoder (Wan text_encoder/config.json)
-    "vocab_size": 256384,
-    "d_model": 4096,
-    "d_ff": 10240,
-    "d_kv": 64,
-    "num_heads": 64,
-    "num_layers": 24,
-    "feed_forward_proj": "gated-gelu",
-    "relative_attention_num_buckets": 32,
-    "relative_attention_max_distance": 128,
-    "layer_norm_epsilon": 1e-6,
-    "dropout_rate": 0.1,
-    "tie_word_embeddings": False,
-    "pad_token_id": 0,
-    "eos_token_id": 1,
-    "decoder_start_token_id": 0,
-}
+_UMT5_XXL = {**_T5_XXL, "vocab_size": 256384, "decoder_start_token_id": 0}  # google/umt5-xxl encoder: T5 v1.1 XXL's shape
 _UMT5_TINY = {**_UMT5_XXL, "vocab_size": TINY_T5_VOCAB, "d_model": 32, "d_ff": 64, "d_kv": 8, "num_heads": 4,
               "num_layers": 2}
 
