@@ -28,7 +28,7 @@ slower, same figures; tests/runner/plan/test_planner.py checks the two agree)
     ``_cached_dispatch_impl`` and ``_cache_key``, which runner/plan/fake.py's ``SimulationMode``
     overrides; ``torch.fx.experimental.proxy_tensor.get_proxy_mode`` (part of the stock cache
     key). All present: :data:`FAKE_CACHE_FAST_PATHS`. Also ``_get_output_tensor_from_cache_entry``
-    (overridden to build outputs without ``FakeTensor.__new__``), ``in_kernel_invocation_manager``,
+    (overridden to build outputs without ``FakeTensor.__new__``), ``torch._C._DisableTorchDispatch``,
     ``Tensor._make_subclass(..., dispatch_device=, device_for_backend_keys=)`` and
     ``torch._C._set_{throw_on,warn_deprecated_on}_mutable_data_ptr``: :data:`FAKE_OUTPUT_FAST_PATH`.
     ``torch._C._get_default_device``: part of the cache key (fallback: the public
@@ -192,6 +192,7 @@ try:
         _accepts_backend_keys(),
         hasattr(torch._C, "_set_throw_on_mutable_data_ptr"),
         hasattr(torch._C, "_set_warn_deprecated_on_mutable_data_ptr"),
+        hasattr(torch._C, "_DisableTorchDispatch"),
     ))
 except ImportError:  # pragma: no cover
     in_kernel_invocation_manager = None

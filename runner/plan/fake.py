@@ -32,7 +32,6 @@ from runner.compat import (
     active_fake_mode,
     get_default_device,
     get_proxy_mode,
-    in_kernel_invocation_manager,
     set_throw_on_mutable_data_ptr,
     set_warn_deprecated_on_mutable_data_ptr,
 )
@@ -115,16 +114,25 @@ class SimulationMode(FakeTensorMode):
         descriptors: ~3x the time of what is kept here). The output is the same tensor: the meta
         tensor the stock path makes, wrapped by ``Tensor._make_subclass`` as ``__new__`` wraps it,
         with the attributes ``__new__`` would set copied from one it made. Anything but a plain
-        new output (in-place, view, symbolic, conjugate/negative, sparse) takes the stock path.
+        new output or a view of a fake input (in-place, symbolic, conjugate/negative, sparse) takes the
+        stock path.
         """
         md = entry.metadata
-        if (md is None or entry.inplace_idx is not None or entry.view_idx is not None or self.shape_env is not None
-                or md.is_conj or md.is_neg or md.layout is not torch.strided or getattr(func, "is_view", False)
+        if (md is None or entry.inplace_idx is not None or self.shape_env is not None
+                or md.is_conj or md.is_neg or md.layout is not torch.strided
                 or self._output_state is False or not FAKE_OUTPUT_FAST_PATH):
             return super()._get_output_tensor_from_cache_entry(state, entry, key, func, args)
-        with in_kernel_invocation_manager(self):
+        is_view = getattr(func, "is_view", False)
+        if is_view != (entry.view_idx is not None) or (is_view and not isinstance(args[entry.view_idx], FakeTensor)):
+            return super()._get_output_tensor_from_cache_entry(state, entry, key, func, args)
+        # The stock path builds the meta tensor inside in_kernel_invocation_manager, a generator
+        # context manager (~5 us a call, twice for a view). A plain meta tensor needs only the
+        # Python dispatch modes off, which is what the C++ guard does.
+        with DisableTorchDispatch():
             empty = torch.empty_strided(md.shape, md.stride, dtype=md.dtype, device="meta",
                                         requires_grad=md.requires_grad)
+            if is_view:  # a view shares its input's storage, as the stock path sets it
+                empty.set_(args[entry.view_idx].untyped_storage(), md.storage_offset, md.shape, md.stride)
         return self._wrap(empty, md.device)
 
     def _wrap(self, elem: torch.Tensor, device: torch.device) -> FakeTensor:

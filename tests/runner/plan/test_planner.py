@@ -405,6 +405,22 @@ def test_cache_hits_outputs_are_the_tensors_the_stock_constructor_makes():
         assert torch._C._dispatch_keys(hit) == torch._C._dispatch_keys(t)
 
 
+def test_cache_hits_views_share_their_inputs_storage_like_the_stock_path():
+    """A view served from the cache by SimulationMode aliases its input, at the stock path's offset."""
+    from runner.compat import FakeTensor
+
+    with simulation_mode() as mode:
+        x = torch.empty(8, 4, requires_grad=True)
+        stock = torch.ops.aten.slice.Tensor(x, 0, 2, 6)  # a miss: FakeTensorMode's own construction
+        hits = mode.cache_hits
+        view = torch.ops.aten.slice.Tensor(x, 0, 2, 6)  # a hit: SimulationMode's
+        assert mode.cache_hits == hits + 1
+    assert isinstance(view, FakeTensor) and vars(view) == vars(stock)
+    assert view.untyped_storage()._cdata == x.untyped_storage()._cdata == stock.untyped_storage()._cdata
+    assert (view.shape, view.stride(), view.storage_offset()) == (stock.shape, stock.stride(), stock.storage_offset())
+    assert torch._C._dispatch_keys(view) == torch._C._dispatch_keys(stock)
+
+
 def test_planning_leaves_the_garbage_collector_as_it_found_it():
     """Plans freeze the objects that existed before them (speed), and unfreeze only what they froze."""
     import gc
