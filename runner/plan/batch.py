@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from runner.compat import unset_fake_temporarily
+from runner.plan.beside import Beside
 from runner.plan.target import DEVICE
 
 BOOKKEEPING_KEYS = ("sample_seed", "index")  # per-sample ints the protocol reads with tolist()
@@ -60,6 +61,37 @@ def encode_part_shapes(trainer: Any, models: Any, micro: int) -> dict[str, dict[
             out = trainer.encode_part(models, part, raw)
             shapes[part] = {k: (tuple(v.shape), v.dtype) for k, v in out.items() if isinstance(v, torch.Tensor)}
     return shapes
+
+
+FORK_ABOVE_ELEMENTS = 100_000_000  # encoders this large take ~0.3 s or more on meta: worth a second core
+
+
+def start_encode_part_shapes(trainer: Any, models: Any, micro: int, redo: Any) -> Beside:
+    """:func:`encode_part_shapes`, computed beside the plan's setup where the encoders are large.
+
+    The meta run of the encoders only reads the models as built, and setup only needs its result
+    at the first forward, so on a second core it costs the plan nothing (runner/plan/beside.py).
+    ``redo``: the same result computed in place from freshly built models, for when the child
+    fails (the parent's models have changed by then); it raises what the in-place call raises.
+    """
+    specs = trainer.encode_parts() if callable(getattr(trainer, "encode_parts", None)) else {}
+    names = {m for spec in specs.values() for m in spec.modules if m in models}
+    elements = sum(p.numel() for m in names for p in models[m].parameters())
+    # Not after CUDA is initialised (a training run's preflight on a GPU): a forked child cannot use
+    # it, and an encoder that asks about the device would fail there and be redone here.
+    fork = elements >= FORK_ABOVE_ELEMENTS and not torch.cuda.is_initialized()
+    return Beside(lambda: encode_part_shapes(trainer, models, micro), _shapes_to_json, _shapes_from_json,
+                  redo=redo, fork=fork)
+
+
+def _shapes_to_json(shapes: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]]) -> Any:
+    return {part: {k: [list(shape), str(dtype).removeprefix("torch.")] for k, (shape, dtype) in per.items()}
+            for part, per in shapes.items()}
+
+
+def _shapes_from_json(data: Any) -> dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]]:
+    return {part: {k: (tuple(shape), getattr(torch, dtype)) for k, (shape, dtype) in per.items()}
+            for part, per in data.items()}
 
 
 def cached_parts(trainer: Any, ctx: Any) -> set[str]:

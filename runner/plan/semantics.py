@@ -90,6 +90,16 @@ class DeviceSemantics(TorchFunctionMode):
         finally:
             self.casting, self.cache = before
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Ops run as on plain ``meta`` (no casting): for work inside a plan that is not part of the step."""
+        before = (self.casting, self.cache)
+        self.casting, self.cache = False, None
+        try:
+            yield
+        finally:
+            self.casting, self.cache = before
+
     # -- casting -----------------------------------------------------------------------------
     def _eligible(self, x: Any) -> bool:
         return (isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from runner import registry
+from runner.compat import without_dispatch_modes
 from runner.context import RunContext
 from runner.data import planned_size
 from runner.devices import reference_spec
@@ -45,7 +46,8 @@ from runner.dist.plan import measure as measure_rank, rank_phase, rank_state_byt
 from runner.memory.tracker import CATEGORIES, NO_MODULE, LiveBytesTracker
 from runner.memory.tracker_views import OPTIONAL_CATEGORIES
 from runner.optim import build_optimizer
-from runner.plan.batch import cached_parts, encode_batch, encode_part_shapes, example_batch, fake_batch, move_batch
+from runner.plan.batch import (cached_parts, encode_batch, encode_part_shapes, example_batch, fake_batch, move_batch,
+                               start_encode_part_shapes)
 from runner.plan.ema import plan_ema
 from runner.plan.fake import fake_module, simulation_mode
 from runner.plan.result import PhasePeak, Plan
@@ -147,22 +149,23 @@ def plan_step(
             _isolated(trainer if trainer is not None else build_trainer(cfg, run)),
             schedule if schedule is not None else build_plugins(cfg, run),
         )
-        counter = timing.counter()
-        sim.tracker.op_observer = counter.observe  # FLOPs, bytes and copies of every op (runner/plan/cost.py)
-        sampling = plan_sampling(sim)  # sample.every: keeps the VAE as the sampler does; a no-op when off
-        validation = plan_validation(sim)  # data.val_*: only when it can raise the peak (runner/plan/validation.py)
-        with sim.mode:
-            try:
-                with sim.tracker, sim.semantics:
-                    sim.timed("setup", sim.setup)
-                    for i in range(sim.n_micro):
-                        sim.timed("forward+backward", sim.forward_backward, i)
-                    sim.timed("optimizer", sim.optimizer_step)
-                    sampling.simulate()  # one sampling pass, between steps (runner/sampling/plan.py)
-                    validation.simulate()  # one validation pass, between steps
-            finally:
-                sim.tracker.detach_module_hooks()
-                sim.ctx.teardown()
+        with contextlib.closing(sim.part_shapes_job):  # no child left running if the plan fails
+            counter = timing.counter()
+            sim.tracker.op_observer = counter.observe  # FLOPs, bytes and copies of every op (runner/plan/cost.py)
+            sampling = plan_sampling(sim)  # sample.every: keeps the VAE as the sampler does; a no-op when off
+            validation = plan_validation(sim)  # data.val_*: only when it can raise the peak (runner/plan/validation.py)
+            with sim.mode:
+                try:
+                    with sim.tracker, sim.semantics:
+                        sim.timed("setup", sim.setup)
+                        for i in range(sim.n_micro):
+                            sim.timed("forward+backward", sim.forward_backward, i)
+                        sim.timed("optimizer", sim.optimizer_step)
+                        sampling.simulate()  # one sampling pass, between steps (runner/sampling/plan.py)
+                        validation.simulate()  # one validation pass, between steps
+                finally:
+                    sim.tracker.detach_module_hooks()
+                    sim.ctx.teardown()
     plan = _assemble(sim, time.perf_counter() - started)
     plan.step_time = _step_time(sim, counter, timing).to_dict()
     if calibrated_s > 0.05:
@@ -242,7 +245,6 @@ class _Simulation:
         t0 = time.perf_counter()
         # Real meta tensors (shapes only), prepared as a run prepares them (dtypes, LoRA).
         self.models = prepare_models(trainer.build_models(DEVICE), cfg.model, run)
-        self.part_shapes = encode_part_shapes(trainer, self.models, self.micro)
         self.notes["timings_s"]["build"] = round(time.perf_counter() - t0, 2)
         self.semantics = DeviceSemantics(run.target, self.precision)
         self.ctx = RunContext(run=run, schedule=schedule, cfg=cfg)
@@ -260,6 +262,22 @@ class _Simulation:
         self.ema = plan_ema(self)  # ema.enabled: the copy, counted where it lives (runner/plan/ema.py); else a no-op
         self.fused = False  # optimizer.fused_backward: the optimizer steps inside backward (runner/fused.py)
         self.rank_layout: Any = None
+        # Last: the encoders' output shapes, from the models as built, on the second core while
+        # setup runs (runner/plan/beside.py); needed from the first forward (self.part_shapes).
+        self.part_shapes_job = start_encode_part_shapes(trainer, self.models, self.micro, redo=self._part_shapes_in_place)
+
+    def _part_shapes_in_place(self) -> dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]]:
+        """The encoders' output shapes computed here, when the child could not: from freshly built
+        models (setup has changed ``self.models``), with the simulation's modes off and no
+        autocast, as the child ran it. It raises what the trainer raises."""
+        with without_dispatch_modes(), self.semantics.paused():
+            models = prepare_models(self.trainer.build_models(DEVICE), self.cfg.model, self.run)
+            return encode_part_shapes(self.trainer, models, self.micro)
+
+    @property
+    def part_shapes(self) -> dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]]:
+        """Shapes and dtypes of each cacheable encode part (runner/plan/batch.py)."""
+        return self.part_shapes_job.result()
 
     def timed(self, name: str, fn: Any, *args: Any) -> None:
         t0 = time.perf_counter()
