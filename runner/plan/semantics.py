@@ -55,6 +55,16 @@ def _holds_tensor(data: Any) -> bool:
     return isinstance(data, (list, tuple)) and any(_holds_tensor(x) for x in data)
 
 
+_SPECIAL = frozenset({"tensor", "as_tensor", "scaled_dot_product_attention"})
+_PASSES_THROUGH: dict[Any, bool] = {}  # function -> DeviceSemantics never changes its call
+
+
+def _passes_through(func: Any) -> bool:
+    name = getattr(func, "__name__", None)
+    return name is None or not (name in _SPECIAL or name in AUTOCAST_LOWER or name in AUTOCAST_FP32
+                                or name in AUTOCAST_FP32_OPT_DTYPE or name in AUTOCAST_PROMOTE)
+
+
 class DeviceSemantics(TorchFunctionMode):
     """Makes ``meta`` behave like the target device: its autocast and its attention kernels.
 
@@ -129,6 +139,18 @@ class DeviceSemantics(TorchFunctionMode):
         return max(found, key=lambda d: order.get(d, 2))
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        # Most calls (Tensor properties and methods, views, elementwise ops) are none of the
+        # functions below: answered from a per-function verdict, without the name checks.
+        try:
+            passes = _PASSES_THROUGH[func]
+        except KeyError:
+            passes = _passes_through(func)
+            if not isinstance(getattr(func, "__self__", None), torch.Tensor):  # never keep a tensor alive
+                _PASSES_THROUGH[func] = passes
+        except TypeError:  # pragma: no cover - an unhashable callable
+            passes = False
+        if passes:
+            return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
         name = getattr(func, "__name__", None)
         if name in ("tensor", "as_tensor") and args and not _holds_tensor(args[0]) \
