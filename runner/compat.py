@@ -91,13 +91,14 @@ import torch
 
 __all__ = [
     "DISPATCH_HANDLE_DIRECTLY", "DISPATCH_META_HANDLERS", "FAKE_CACHE_FAST_PATHS", "FAKE_OUTPUT_FAST_PATH",
-    "FAKE_TENSOR_PARAM_KWARGS", "in_kernel_invocation_manager", "set_throw_on_mutable_data_ptr",
+    "FAKE_TENSOR_PARAM_KWARGS", "set_throw_on_mutable_data_ptr",
     "set_warn_deprecated_on_mutable_data_ptr",
     "FALLBACKS", "TESTED_TORCH", "DisableTorchDispatch", "DisableTorchFunction", "DispatchCacheKey", "FakeTensor",
     "FakeTensorConverter", "FakeTensorMode", "MissingTorchInternal", "TorchDispatchMode", "active_fake_mode",
     "current_graph_task_id", "engine_run_backward", "foreach_lerp_", "foreach_mul_", "foreach_norm",
     "get_default_device", "get_proxy_mode", "has_compatible_shallow_copy_type", "is_fake", "outer_saved_tensors_hooks",
-    "queue_engine_callback", "sdp_priority_order", "tree_flatten", "tree_iter", "unset_fake_temporarily", "without_dispatch_modes",
+    "queue_engine_callback", "sdp_priority_order", "tree_flatten", "tree_iter", "unset_fake_temporarily",
+    "without_dispatch_modes",
     "FSDP_COMMS", "FSDPDefaultAllGather", "FSDPDefaultReduceScatter", "DTensor", "dtensor_local",
 ]
 
@@ -186,7 +187,7 @@ if not FAKE_CACHE_FAST_PATHS:  # pragma: no cover
 # Cache hits' outputs built without FakeTensor.__new__ (runner/plan/fake.py: SimulationMode._wrap;
 # fallback: the stock construction, same tensors, slower).
 try:
-    from torch._subclasses.fake_tensor import FakeTensorConfig, in_kernel_invocation_manager
+    from torch._subclasses.fake_tensor import FakeTensorConfig
 
     # FakeTensorConfig.debug (TORCH_FAKE_TENSOR_DEBUG) makes __new__ record a traceback per tensor:
     # the stock constructor then, so debugging sees what it expects.
@@ -198,7 +199,6 @@ try:
         hasattr(torch._C, "_DisableTorchDispatch"),
     ))
 except ImportError:  # pragma: no cover
-    in_kernel_invocation_manager = None
     FAKE_OUTPUT_FAST_PATH = False
 # What FakeTensor.__new__ calls on each tensor it makes (data_ptr() raises, or warns when the mode
 # allows unsafe access); None where FAKE_OUTPUT_FAST_PATH is False.

@@ -10,7 +10,8 @@ The package, by responsibility (each module's docstring has the details):
 * ``simulate``: :func:`plan_step`, how one step is simulated (build on meta, the plugins'
   phases with ``ctx.simulate``, one optimizer step under fake tensors, steady state).
 * ``fake``: the fake-tensor mode (:class:`SimulationMode`, the fast paths that keep a plan
-  quick) and fake modules; ``batch``: the example batches and the encode step's cached parts.
+  quick) and fake modules; ``batch``: the example batches and the encode step's cached parts;
+  ``beside``: work done in a forked child on the second core while setup runs (encoder shapes).
 * ``semantics``: :class:`DeviceSemantics`, which gives ``meta`` the target's autocast and
   attention kernels, and the simulated accelerator.
 * ``target``: the simulated device pair, the target and its precision, and what is not counted

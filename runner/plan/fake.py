@@ -5,7 +5,8 @@ Speed
 A full-size SDXL or Flux step is 50-80 k dispatched ops, and the fixed cost of each op in
 ``FakeTensorMode`` is most of a plan's time (docs/benchmarks.md has the profile and figures).
 So the simulation keeps that path short without changing a figure: :class:`SimulationMode`
-(a cheaper cache key, direct dispatch, ``_unsafe_view`` served from the cache), the tracker
+(a cheaper cache key, direct dispatch, ``_unsafe_view`` served from the cache, new outputs and
+views built without ``FakeTensor.__new__`` or generator context managers), the tracker
 answering the autograd engine's device queries itself, fake parameters made without dispatched
 ops (:func:`fake_module`), gradient clipping with the foreach kernels a GPU run uses
 (runner/plan/semantics.py), and the garbage collector kept off the objects that existed before

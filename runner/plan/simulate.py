@@ -264,7 +264,8 @@ class _Simulation:
         self.rank_layout: Any = None
         # Last: the encoders' output shapes, from the models as built, on the second core while
         # setup runs (runner/plan/beside.py); needed from the first forward (self.part_shapes).
-        self.part_shapes_job = start_encode_part_shapes(trainer, self.models, self.micro, redo=self._part_shapes_in_place)
+        self.part_shapes_job = start_encode_part_shapes(trainer, self.models, self.micro,
+                                                        redo=self._part_shapes_in_place)
 
     def _part_shapes_in_place(self) -> dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]]:
         """The encoders' output shapes computed here, when the child could not: from freshly built
