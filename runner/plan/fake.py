@@ -14,6 +14,8 @@ the plan (runner/plan/simulate.py).
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -198,6 +200,34 @@ def simulation_mode(fast: bool = True) -> FakeTensorMode:
     old = mode.fake_tensor_converter
     mode.fake_tensor_converter = _UnmemoizedOutputs(copy_data=old.meta_converter.copy_data, export=old.export)
     return mode
+
+
+_INIT_FUNCTIONS = tuple(n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_"))  # uniform_, ...
+
+
+def _leave_as_is(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return tensor
+
+
+@contextlib.contextmanager
+def weights_left_uninitialised() -> Iterator[None]:
+    """``torch.nn.init``'s in-place initialisers do nothing (and return their tensor) inside.
+
+    Why: the planner builds every model on ``meta``, where there are no values to initialise, yet
+    each layer's ``reset_parameters`` still runs its initialiser op by op: ~1 s of a full-size Wan
+    build (UMT5-XXL and the 14 B transformer), about as long as the rest of the build. Shapes,
+    dtypes and tied weights are untouched (the plans are byte for byte the same). The trade-off:
+    the patch is process-wide while it lasts, so a model built by another thread meanwhile would
+    keep uninitialised weights; diffusers' ``no_init_weights`` makes the same choice when loading.
+    """
+    saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
+    for name in saved:
+        setattr(nn.init, name, _leave_as_is)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
 
 
 def fake_module(module: nn.Module, device: torch.device, memo: dict[int, torch.Tensor]) -> None:

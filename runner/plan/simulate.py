@@ -49,7 +49,7 @@ from runner.optim import build_optimizer
 from runner.plan.batch import (cached_parts, encode_batch, encode_part_shapes, example_batch, fake_batch, move_batch,
                                start_encode_part_shapes)
 from runner.plan.ema import plan_ema
-from runner.plan.fake import fake_module, simulation_mode
+from runner.plan.fake import fake_module, simulation_mode, weights_left_uninitialised
 from runner.plan.result import PhasePeak, Plan
 from runner.plan.calibrate import cpu_target
 from runner.plan.cost import CostCounter
@@ -244,7 +244,8 @@ class _Simulation:
         self.notes: dict[str, Any] = {"timings_s": {}}
         t0 = time.perf_counter()
         # Real meta tensors (shapes only), prepared as a run prepares them (dtypes, LoRA).
-        self.models = prepare_models(trainer.build_models(DEVICE), cfg.model, run)
+        with weights_left_uninitialised():  # no values on meta (runner/plan/fake.py)
+            self.models = prepare_models(trainer.build_models(DEVICE), cfg.model, run)
         self.notes["timings_s"]["build"] = round(time.perf_counter() - t0, 2)
         self.semantics = DeviceSemantics(run.target, self.precision)
         self.ctx = RunContext(run=run, schedule=schedule, cfg=cfg)
@@ -272,7 +273,8 @@ class _Simulation:
         models (setup has changed ``self.models``), with the simulation's modes off and no
         autocast, as the child ran it. It raises what the trainer raises."""
         with without_dispatch_modes(), self.semantics.paused():
-            models = prepare_models(self.trainer.build_models(DEVICE), self.cfg.model, self.run)
+            with weights_left_uninitialised():
+                models = prepare_models(self.trainer.build_models(DEVICE), self.cfg.model, self.run)
             return encode_part_shapes(self.trainer, models, self.micro)
 
     @property

@@ -369,6 +369,26 @@ def test_fast_simulation_mode_plans_byte_for_byte_like_stock_fake_tensors(case, 
     assert fast == stock
 
 
+@pytest.mark.parametrize("case", ["sdxl", "wan"])
+def test_building_on_meta_without_weight_init_plans_byte_for_byte_the_same(case, monkeypatch):
+    """The planner skips torch.nn.init on its meta builds (runner/plan/fake.py): no figure changes."""
+    import contextlib
+
+    import runner.plan.simulate as simulate
+    from runner.plan.fake import weights_left_uninitialised
+
+    cfg = compose(*({"sdxl": [], "wan": ["+preset=wan_24gb"]}[case]))
+    skipped = _comparable(plan_step(cfg))
+    monkeypatch.setattr(simulate, "weights_left_uninitialised", contextlib.nullcontext)
+    assert _comparable(plan_step(cfg)) == skipped
+    before = nn.init.kaiming_uniform_
+    w = torch.zeros(3, 4)
+    with weights_left_uninitialised():
+        assert nn.init.kaiming_uniform_(w, a=5 ** 0.5) is w and nn.init.normal_(w).eq(0).all()  # untouched
+        assert nn.Linear(4, 3, device="meta").weight.shape == (3, 4)
+    assert nn.init.kaiming_uniform_ is before and nn.init.normal_(w).ne(0).any()  # restored
+
+
 def test_simulation_mode_describes_plain_fake_tensors_with_its_own_key():
     """The fast key is what the cache sees for ordinary ops (a fallback to the stock key is silent)."""
     from torch._subclasses.fake_tensor import _CacheKeyState
