@@ -28,28 +28,29 @@ def run(cfg: DictConfig) -> float | None:
     global _QUICK_EXIT
     _QUICK_EXIT = cfg.mode in QUICK_EXIT_MODES                  # nothing but files already written and closed: see main()
     from runner.dist.launch import join_run
+    from runner.hostmem import collector_paused, keep_freed_host_memory
 
-    writes = join_run()                                         # several processes: one group, rank 0 writes (runner/dist/)
-    cfg, overrides = resume_base(cfg)                           # resume: on the checkpoint's saved command line
-    validate(cfg)                                               # validate (imports torch to resolve the device)
-    if cfg.mode == "plugins":
-        print(registry.format_plugin_list())
-        return None
-    # The steps below import torch, diffusers and accelerate: only now, once the config is valid.
-    from accelerate.utils import set_seed
+    with collector_paused():                                    # the libraries load without GC passes (runner/hostmem.py)
+        writes = join_run()                                     # several processes: one group, rank 0 writes (runner/dist/)
+        cfg, overrides = resume_base(cfg)                       # resume: on the checkpoint's saved command line
+        validate(cfg)                                           # validate (imports torch to resolve the device)
+        if cfg.mode == "plugins":
+            print(registry.format_plugin_list())
+            return None
+        # The steps below import torch, diffusers and accelerate: only now, once the config is valid.
+        from accelerate.utils import set_seed
 
-    from runner.export.checkpoint import export_after_training, export_command
-    from runner.fit.output import auto_fit, command_line, fit_command
-    from runner.hostmem import keep_freed_host_memory
-    from runner.loop import make_accelerator, train
-    from runner.plan import plan_command, preflight
-    from runner.report import print_summary, write_run_info
-    from runner.resolved import resolve
-    from runner.run import build_plugins, build_trainer, make_context, output_dir
-    from runner.sampling import build_sampler
-    from runner.tracking import accelerator_kwargs
-    from runner.trainer_setup import prepare_models
-    from runner.validation import build_validation
+        from runner.export.checkpoint import export_after_training, export_command
+        from runner.fit.output import auto_fit, command_line, fit_command
+        from runner.loop import make_accelerator, train
+        from runner.plan import plan_command, preflight
+        from runner.report import print_summary, write_run_info
+        from runner.resolved import resolve
+        from runner.run import build_plugins, build_trainer, make_context, output_dir
+        from runner.sampling import build_sampler
+        from runner.tracking import accelerator_kwargs
+        from runner.trainer_setup import prepare_models
+        from runner.validation import build_validation
 
     out = output_dir(cfg)
     if writes:

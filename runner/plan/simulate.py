@@ -42,6 +42,7 @@ from runner.context import RunContext
 from runner.data import planned_size
 from runner.devices import reference_spec
 from runner.fused import FusedBackward, fuse_into_backward
+from runner.hostmem import collector_paused
 from runner.dist.plan import measure as measure_rank, rank_phase, rank_state_bytes
 from runner.memory.tracker import CATEGORIES, NO_MODULE, LiveBytesTracker
 from runner.memory.tracker_views import OPTIONAL_CATEGORIES
@@ -142,13 +143,10 @@ def plan_step(
     timing = step_time_target(run)  # before _one_thread: a CPU is measured with the run's own threads
     calibrated_s = time.perf_counter() - t0
     started = time.perf_counter()
+    trainer = _isolated(trainer if trainer is not None else build_trainer(cfg, run))
+    _import_model_classes(trainer)  # before the freeze: see the function
     with _one_thread(), _old_objects_frozen():
-        sim = _Simulation(
-            cfg,
-            run,
-            _isolated(trainer if trainer is not None else build_trainer(cfg, run)),
-            schedule if schedule is not None else build_plugins(cfg, run),
-        )
+        sim = _Simulation(cfg, run, trainer, schedule if schedule is not None else build_plugins(cfg, run))
         with contextlib.closing(sim.part_shapes_job):  # no child left running if the plan fails
             counter = timing.counter()
             sim.tracker.op_observer = counter.observe  # FLOPs, bytes and copies of every op (runner/plan/cost.py)
@@ -210,6 +208,24 @@ def _one_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def _import_model_classes(trainer: Any) -> None:
+    """Import the trainer's model classes now, so that the freeze below covers them.
+
+    Why: the first plan in a process imports the model families (diffusers' model packages,
+    transformers' text encoders, and through them peft, bitsandbytes and parts of torch._dynamo
+    and torch._inductor): about a million objects that live as long as the process. Imported
+    inside the plan, they are young objects that every full collection of the plan walks: 8-9
+    of them, ~1 s of a full-size plan. Imported first (with the collector paused: it would only
+    walk the growing heap), they are frozen with the rest. A trainer without ``module_classes``
+    (the built-in families have it) imports inside the plan as before.
+    """
+    module_classes = getattr(trainer, "module_classes", None)
+    if not callable(module_classes):
+        return
+    with collector_paused():  # an import makes long-lived objects, not garbage (runner/hostmem.py)
+        module_classes()
 
 
 @contextlib.contextmanager
