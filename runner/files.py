@@ -14,6 +14,7 @@ umask 022), folders ``0o777 & ~umask`` (0755). A user who wants private outputs 
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -79,3 +80,19 @@ def fix_tree_modes(root: str | os.PathLike[str]) -> None:
             p = os.path.join(top, n)
             if not os.path.islink(p):
                 os.chmod(p, fmode)
+
+
+def swap_in_folder(tmp: Path, final: Path) -> None:
+    """Make the completed folder ``tmp`` the folder ``final``, each step an atomic rename.
+
+    An existing ``final`` is first renamed aside (``.old-<name>-<pid>`` beside it), then removed:
+    at every moment ``final`` is either the old folder or the new one, never a mix. Shared by the
+    checkpoints (runner/train_state.py) and their exports (runner/export/checkpoint.py).
+    """
+    if final.exists():
+        old = final.parent / f".old-{final.name}-{os.getpid()}"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)

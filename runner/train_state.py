@@ -45,7 +45,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from runner.errors import UserError, as_os_error, storage_error
-from runner.files import fix_tree_modes
+from runner.files import fix_tree_modes, swap_in_folder
 from runner.nonfinite import check_finite_weights
 from runner.trainer import ModelSet
 
@@ -179,13 +179,7 @@ def publish_checkpoint(tmp: Path, final: Path, root: Path) -> None:
     """Make the completed folder ``tmp`` the checkpoint ``final`` and point ``root/latest`` at it,
     each by an atomic rename (a re-save of the same step, e.g. right after an interrupted one,
     swaps the old folder out first)."""
-    if final.exists():
-        old = root / f".old-{final.name}-{os.getpid()}"
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
+    swap_in_folder(tmp, final)
     latest_tmp = root / f".latest-{os.getpid()}"
     latest_tmp.write_text(final.name + "\n")
     _fsync_file(latest_tmp)

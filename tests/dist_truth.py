@@ -29,13 +29,14 @@ def main() -> None:
 def one(out: Path, overrides: list[str], label: str) -> None:
     from runner.dist.launch import join_process_group
     from runner.loop import forward_backward, make_accelerator
-    from runner.memory.tracker import LiveBytesTracker
     from runner.optim import build_optimizer
     from runner.plan import plan_step
     from runner.resolved import resolve
     from runner.run import build_plugins, build_trainer, make_context
     from runner.trainer_setup import prepare_models
     from runner.validate import compose_config, validate
+
+    from planner_truth import tracked_steps  # tests/ is on the path (PYTHONPATH=tests)
 
     torch.set_num_threads(1)
     world = join_process_group()
@@ -64,31 +65,10 @@ def one(out: Path, overrides: list[str], label: str) -> None:
     raw = {k: (v[lo:lo + run.rank_batch] if isinstance(v, (torch.Tensor, list)) else v) for k, v in raw_all.items()}
     raw["sample_seed"] = seeds
 
-    class Phases:
-        def __init__(self, tracker: LiveBytesTracker) -> None:
-            self.tracker = tracker
+    def passes(phases: object) -> None:  # the loop's passes inside the ranks' agreement
+        ctx.dist.attempts(lambda m: forward_backward(ctx, raw, m, phases))(run.micro_batch)
 
-        def phase(self, name: str):  # noqa: ANN201
-            return self.tracker.phase(name)
-
-    tracker = LiveBytesTracker()
-    for name, m in ctx.models.items():
-        tracker.track(m, "weights", module=name)
-    tracker.track({k: v for k, v in raw.items() if isinstance(v, torch.Tensor)}, "other")
-    try:
-        with tracker:
-            for step in range(2):
-                if step == 1:
-                    tracker.reset_peaks()
-                attempt = ctx.dist.attempts(lambda m: forward_backward(ctx, raw, m, Phases(tracker)))
-                attempt(run.micro_batch)
-                with tracker.phase("optimizer"):
-                    if cfg.train.max_grad_norm > 0:
-                        ctx.accelerator.clip_grad_norm_(params, cfg.train.max_grad_norm)
-                    ctx.optimizer.step()
-                ctx.optimizer.zero_grad(set_to_none=ctx.dist.grads_to_none)
-    finally:
-        ctx.teardown()
+    tracker = tracked_steps(ctx, params, raw, cfg.train.max_grad_norm, passes, set_to_none=ctx.dist.grads_to_none)
     real = tracker.snapshot()["devices"]["cpu"]
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{label}-rank-{world.rank}.json").write_text(json.dumps({

@@ -8,6 +8,7 @@ trainer the planner was not written for is held to exactly the bar of the built-
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -55,9 +56,14 @@ def prepared_step(cfg: Any, trainer: Any = None, configure_process: bool = False
     return ctx, params, raw, micro
 
 
-def real_step(cfg: Any, trainer: Any = None) -> dict[str, Any]:
-    """Two real optimizer steps on the CPU with the loop's code; the tracker's figures of step 2."""
-    ctx, params, raw, micro = prepared_step(cfg, trainer)
+def tracked_steps(ctx: Any, params: list, raw: dict, max_grad_norm: float, passes: Callable[[Any], None],
+                  set_to_none: bool = True) -> LiveBytesTracker:
+    """Two optimizer steps under a LiveBytesTracker, its peaks reset for the second; then teardown.
+
+    ``passes(phases)`` runs one step's forward and backward passes (the loop's
+    ``forward_backward``, directly or inside the distributed agreement), ``phases`` being the
+    profiler interface it expects. Shared with tests/dist_truth.py.
+    """
     tracker = LiveBytesTracker()
     for name, m in ctx.models.items():
         tracker.track(m, "weights", module=name)
@@ -67,14 +73,22 @@ def real_step(cfg: Any, trainer: Any = None) -> dict[str, Any]:
             for step in range(2):
                 if step == 1:
                     tracker.reset_peaks()
-                forward_backward(ctx, raw, micro, _Phases(tracker))
+                passes(_Phases(tracker))
                 with tracker.phase("optimizer"):
-                    if cfg.train.max_grad_norm > 0:
-                        ctx.accelerator.clip_grad_norm_(params, cfg.train.max_grad_norm)
+                    if max_grad_norm > 0:
+                        ctx.accelerator.clip_grad_norm_(params, max_grad_norm)
                     ctx.optimizer.step()
-                ctx.optimizer.zero_grad(set_to_none=True)
+                ctx.optimizer.zero_grad(set_to_none=set_to_none)
     finally:
         ctx.teardown()
+    return tracker
+
+
+def real_step(cfg: Any, trainer: Any = None) -> dict[str, Any]:
+    """Two real optimizer steps on the CPU with the loop's code; the tracker's figures of step 2."""
+    ctx, params, raw, micro = prepared_step(cfg, trainer)
+    tracker = tracked_steps(ctx, params, raw, cfg.train.max_grad_norm,
+                            lambda phases: forward_backward(ctx, raw, micro, phases))
     out = tracker.snapshot()["devices"]["cpu"]
     out["batch_bytes"] = sum(v.numel() * v.element_size() for v in raw.values() if isinstance(v, torch.Tensor))
     return out

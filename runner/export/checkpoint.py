@@ -32,7 +32,7 @@ from runner.errors import as_os_error, storage_error
 from runner.export.config import export_config
 from runner.export.ema import write_ema_exports
 from runner.export.lora import write_diffusers_lora, write_kohya_lora
-from runner.files import fix_tree_modes
+from runner.files import fix_tree_modes, swap_in_folder
 from runner.trainer import ModelSet
 
 log = logging.getLogger("runner")
@@ -142,13 +142,7 @@ def _staging(ckpt: Path) -> Iterator[Path]:
             for n in names:
                 with open(os.path.join(root, n), "rb") as f:
                     os.fsync(f.fileno())
-        if dest.exists():
-            old = ckpt / f".old-export-{os.getpid()}"
-            os.replace(dest, old)
-            os.replace(tmp, dest)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, dest)
+        swap_in_folder(tmp, dest)  # an earlier export is renamed aside, then removed
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         os_error = as_os_error(e, tmp)

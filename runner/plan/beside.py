@@ -53,6 +53,7 @@ class Beside(Generic[T]):
         self._done: tuple[T] | None = None
         self._pid = 0
         self._read = -1
+        self.forked = False  # the work runs in a child (else it is done already)
         if not (fork and can_fork()):
             self._done = (work(),)
             return
@@ -71,8 +72,6 @@ class Beside(Generic[T]):
         os.close(write)
         self._pid, self._read = pid, read
         self.forked = True
-
-    forked = False
 
     def _collect(self) -> bytes | None:
         with os.fdopen(self._read, "rb") as pipe:
