@@ -1,4 +1,4 @@
-"""What verifying the encoder cache before training costs (runner/cache_entry.py, plan_cache).
+"""What verifying the encoder cache before training costs (plugins/park/entry.py, plan_cache).
 
     python bench/cache_verify.py                  # 10 000 entries of SDXL at 1024 px, bf16 (~2.9 GB on disk)
     python bench/cache_verify.py --dtype fp32     # the same in float32 (~5.8 GB)
@@ -90,7 +90,7 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="where to build the cache (default: a temporary folder)")
     ap.add_argument("--write", action="store_true", help="replace this script's section of docs/benchmarks.md")
     args = ap.parse_args()
-    from runner.cache import EncoderCache
+    from runner.plugins.park.cache import EncoderCache
 
     work = Path(tempfile.mkdtemp(prefix="bench-cache-verify-", dir=args.dir))
     try:

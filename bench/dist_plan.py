@@ -4,7 +4,7 @@ fine-tune on 2 GPUs of 16 GiB (issue 17).
     python bench/dist_plan.py [--no-write]
 
 Each case is planned with its own command, as a user would run it (``mode=plan dist=... dist.world_size=N``:
-the per-rank plan of runner/dist/plan.py), and its predicted per-GPU peak, breakdown and fit go into
+the per-rank plan of runner/plan/dist.py), and its predicted per-GPU peak, breakdown and fit go into
 this script's section of docs/benchmarks.md. No GPU is needed: the planner runs on the CPU.
 
 Settings of the cases (each a shipped preset plus what multi-GPU changes):
@@ -71,7 +71,7 @@ def section(rows: list[tuple[str, list[str], dict, float]], load: float) -> str:
     lines = [BEGIN, "## Multi-GPU plans: one rank's peak (bench/dist_plan.py)", "",
              f"Command (CPU only, 2 cores, 1-minute load average {load:.2f} at the start, "
              f"{time.strftime('%Y-%m-%d')}): `python bench/dist_plan.py`. Each row is one command, "
-             "`python -m runner mode=plan <overrides>`; the plan is of one GPU's step (runner/dist/plan.py says how "
+             "`python -m runner mode=plan <overrides>`; the plan is of one GPU's step (runner/plan/dist.py says how "
              "sharding, all-gather, reduce-scatter and DDP's buckets are counted).", "",
              "| case | overrides | per-GPU peak (+ workspaces) | budget | fits | weights / gradients / optimizer / "
              "activations (GiB) | all-gather + reduce-scatter (GiB) | host RAM peak (GiB) | wall (s) |",

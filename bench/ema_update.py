@@ -1,8 +1,8 @@
-"""One EMA update on the CPU: runner/ema.py against diffusers' EMAModel and torch's AveragedModel.
+"""One EMA update on the CPU: runner/ema/average.py against diffusers' EMAModel and torch's AveragedModel.
 
     python bench/ema_update.py [--params 100e6] [--repeats 3] [--no-write]
 
-Why: runner/ema.py writes its own update (a chunked ``torch._foreach_lerp_``) instead of using a
+Why: runner/ema/average.py writes its own update (a chunked ``torch._foreach_lerp_``) instead of using a
 library's; this measures what that choice costs or saves where ``ema.device=cpu`` runs it, on the
 host. The parameters are real tensor shapes of the full-size SDXL U-Net (built on ``meta``), the
 first ones up to ``--params`` elements, materialised on the CPU in float32. Per implementation:
@@ -18,11 +18,10 @@ import statistics
 import time
 
 import torch
-
 from docs_section import replace_section  # bench/ is on sys.path as the script's folder
 
-from runner.ema import EMA
-from runner.memory.tracker import LiveBytesTracker
+from runner.ema.average import EMA
+from runner.memory.live_bytes import LiveBytesTracker
 
 SECTION = "## One EMA update on the CPU: ours against diffusers and torch (bench/ema_update.py)"
 BEGIN, END = "<!-- bench/ema_update.py begin -->", "<!-- bench/ema_update.py end -->"
@@ -30,8 +29,9 @@ MiB = 2**20
 
 
 def sdxl_shapes(limit: float) -> list[torch.Size]:
-    from runner.trainers import model_configs
     from diffusers import UNet2DConditionModel
+
+    from runner.trainers import model_configs
 
     with torch.device("meta"):
         unet = UNet2DConditionModel(**model_configs.sdxl_configs("full")["unet"])
@@ -86,10 +86,10 @@ def main() -> None:
     module = torch.nn.ParameterList(params)
     weights = [*params, *bf16]
     rows = [
-        measure("runner/ema.py (chunked foreach lerp), float32 weights",
+        measure("runner/ema/average.py (chunked foreach lerp), float32 weights",
                 lambda: EMA(named, decay=decay, warmup=False, on_host=True), lambda e: e.average(1 - decay), args.repeats,
                 lambda e: [*weights, *e.shadow]),
-        measure("runner/ema.py, bfloat16 weights into a float32 average",
+        measure("runner/ema/average.py, bfloat16 weights into a float32 average",
                 lambda: EMA([(f"p{i}", p) for i, p in enumerate(bf16)], decay=decay, warmup=False, on_host=True),
                 lambda e: e.average(1 - decay), args.repeats, lambda e: [*weights, *e.shadow]),
         measure("one lerp_ per tensor, float32",
@@ -122,7 +122,7 @@ def main() -> None:
     for r in rows:
         lines.append(f"| {r['name']} | {r['seconds']:.3f} | {r['extra_bytes'] / MiB:.1f} MiB |")
     lines += ["", "diffusers' foreach step allocates a temporary as large as every averaged parameter "
-              "(`torch._foreach_sub(shadow, params)`); runner/ema.py bounds its temporaries to one chunk (64 MiB of "
+              "(`torch._foreach_sub(shadow, params)`); runner/ema/average.py bounds its temporaries to one chunk (64 MiB of "
               "the average, or one tensor when larger), which is what lets the device copy stay within the plan.", END]
     text = "\n".join(lines)
     if args.no_write:

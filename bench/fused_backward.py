@@ -47,7 +47,7 @@ def main() -> None:
     lines = [BEGIN, SECTION, "",
              f"Command: `python bench/fused_backward.py --preset {args.preset}` ({time.strftime('%Y-%m-%d')}); each row is "
              f"`python -m runner {' '.join(base)} mode=plan` plus its setting (clipping off: fused backward then gives "
-             "the normal step's weights bit for bit, tests/runner/test_fused.py). Step times for the reference card "
+             "the normal step's weights bit for bit, tests/runner/optim/test_fused.py). Step times for the reference card "
              "(RTX 4090).", "",
              "| | planned peak (phase) | " + " | ".join(cats) + " | predicted s/step |",
              "|---|---|" + "---|" * len(cats) + "---|"]

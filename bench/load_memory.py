@@ -44,8 +44,8 @@ CHILD = r'''
 import json, sys, threading, time
 sys.path.insert(0, sys.argv[1])
 import torch
-from runner.run import build_trainer
-from runner.validate import compose_config
+from runner.build import build_trainer
+from runner.cli.compose import compose_config
 
 def status():
     out = {}
@@ -101,12 +101,11 @@ def run_case(file: Path, dtype: str, hub: Path) -> dict:
 
 def write_file(path: Path, file_dtype: str) -> int:
     import torch
-
     from original_layouts import sdxl_original, write_sparse_safetensors
 
-    from runner.run import build_trainer
+    from runner.build import build_trainer
+    from runner.cli.compose import compose_config
     from runner.trainers.model_configs import sdxl_configs
-    from runner.validate import compose_config
 
     models = build_trainer(compose_config(["trainer=sdxl", "model.size=full"])).build_models("meta")
     state = sdxl_original(models, sdxl_configs("full"))
@@ -119,8 +118,8 @@ def tokenizer_cache(root: Path) -> Path:
     single file needs; here the runner's generated ones stand in for the real ones (a few KB, no download)."""
     from original_layouts import hub_cache
 
-    from runner.run import build_trainer
-    from runner.validate import compose_config
+    from runner.build import build_trainer
+    from runner.cli.compose import compose_config
 
     tiny = build_trainer(compose_config(["trainer=sdxl"]))
     folder = root / "tokenizers"

@@ -58,9 +58,9 @@ def run_case(out: Path, overrides: list[str]) -> dict:
     import torch
 
     from runner.__main__ import run
+    from runner.cli.compose import compose_config
+    from runner.guards.oom import OutOfMemoryGiveUp
     from runner.loop import read_metrics
-    from runner.oom import OutOfMemoryGiveUp
-    from runner.validate import compose_config
 
     fresh_device()
     error = None
@@ -112,9 +112,9 @@ def main() -> None:
         sys.exit("bench/oom_gpu.py needs a CUDA device (it caps the card with set_per_process_memory_fraction).")
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cudnn.benchmark = False
-    from runner import registry
 
-    registry.load_all()
+    from runner.config import load_all
+    load_all()
     b = args.batch
     base = [f"model.size={args.size}", f"data.resolution={args.resolution}", f"train.batch_size={b}",
             f"train.steps={args.steps}", "train.save_every=0", "data.demo_size=32", *args.overrides]

@@ -45,7 +45,6 @@ import io
 import json
 import logging
 import os
-import platform
 import resource
 import statistics
 import tempfile
@@ -55,8 +54,11 @@ from typing import Any
 
 import diffusers
 import torch
+from cpu_attribution import (  # bench/ is on sys.path as the script's folder
+    by_owner,
+    markdown,
+)
 from diffusers import DDPMScheduler, UNet2DModel
-from cpu_attribution import by_owner, markdown  # bench/ is on sys.path as the script's folder
 from docs_section import replace_section
 
 from runner.data import build_dataset, collate
@@ -131,7 +133,7 @@ def cycle_spans(step_seconds: list[float]) -> dict[str, list[float]]:
 def managed_round(steps: int) -> dict[str, Any]:
     """One ``run(cfg)`` job; per-step figures from its metrics.jsonl and the trainer's log."""
     from runner.__main__ import run
-    from runner.validate import compose_config
+    from runner.cli.compose import compose_config
 
     TimedUNetTrainer.calls.clear()
     with tempfile.TemporaryDirectory() as tmp:
@@ -149,7 +151,7 @@ def plain_round(cfg: Any, samples: list[tuple[list[int], list[int]]]) -> dict[st
     models = trainer.build_models("cpu")
     models["unet"].train()
     params = list(models.trainable_parameters())
-    o = cfg.optimizer  # runner/optim.py builds torch AdamW with foreach=False; so do we
+    o = cfg.optimizer  # runner/optim/build.py builds torch AdamW with foreach=False; so do we
     opt = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, foreach=False)
     ds = trainer.dataset()
     TimedUNetTrainer.calls.clear()
@@ -191,7 +193,7 @@ def fix_malloc() -> None:
 
 
 def measure(rounds: int, steps: int, threads: int) -> dict[str, Any]:
-    from runner.validate import compose_config
+    from runner.cli.compose import compose_config
 
     torch.set_num_threads(threads)
     warm = managed_round(steps)  # imports, Hydra, accelerate; its sample order is what the plain loop replays

@@ -52,9 +52,10 @@ def _peak(device: torch.device) -> int | None:
 def train_case(tmp: Path, overrides: list[str]) -> dict:
     from accelerate.utils import set_seed
 
+    from runner.build import build_plugins, build_trainer, make_context
+    from runner.cli.compose import compose_config
+    from runner.config.checks import validate
     from runner.loop import make_accelerator, train
-    from runner.run import build_plugins, build_trainer, make_context
-    from runner.validate import compose_config, validate
 
     cfg = compose_config([f"output_dir={tmp}", "train.progress=false", *overrides])
     validate(cfg)
@@ -107,9 +108,9 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="extra runner overrides (after --)")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from runner import registry
 
-    registry.load_all()
+    from runner.config import load_all
+    load_all()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     base = [f"model.size={args.size}", f"data.resolution={args.resolution}", f"train.steps={args.steps}",

@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from docs_section import replace_section  # bench/ is on sys.path as the script's folder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,8 +115,9 @@ def calibrate_rounds(rounds: list[dict]) -> dict:
 
 
 def predict_all(cache: Path) -> dict[str, float]:
+    from runner.cli.compose import compose_config
+    from runner.config.checks import validate
     from runner.plan import plan_step
-    from runner.validate import compose_config, validate
 
     out = {}
     for name, overrides in CONFIGS.items():

@@ -31,7 +31,8 @@ from torch.utils.checkpoint import checkpoint
 from runner.blocks import find_repeated_blocks
 from runner.hooks import mark, marked, unmark
 from runner.plugin import Plugin
-from runner.plugins.schemas import CHECKPOINT_MODES as MODES, CheckpointConfig, check_checkpoint  # noqa: F401
+from runner.plugins.schemas import CHECKPOINT_MODES as MODES  # noqa: F401
+from runner.plugins.schemas import CheckpointConfig, check_checkpoint
 from runner.registry import register_plugin
 
 if TYPE_CHECKING:

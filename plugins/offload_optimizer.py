@@ -44,7 +44,12 @@ import torch
 from runner.context import Transfer
 from runner.errors import UserError
 from runner.plugin import Plugin
-from runner.plugins.optimizer_wrappers import HostStateOptimizer, HostStepOptimizer, _torchao_class, _torchao_optimizer
+from runner.plugins.optimizer_wrappers import (
+    HostStateOptimizer,
+    HostStepOptimizer,
+    _torchao_class,
+    _torchao_optimizer,
+)
 from runner.plugins.schemas import OPTIMIZER_OFFLOAD_IMPLEMENTATIONS as IMPLEMENTATIONS  # noqa: F401
 from runner.plugins.schemas import OptimizerOffloadConfig, check_optimizer_offload
 from runner.registry import register_plugin

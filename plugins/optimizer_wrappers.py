@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from runner.compat import is_fake
-from runner.optim import ForwardsToInner
+from runner.optim.build import ForwardsToInner
 from runner.plugins.stream.host import HostRegion, _nbytes, host_copy
 
 

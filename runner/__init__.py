@@ -26,7 +26,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(trainer, name)
     if name == "__version__":
-        from runner.version import runner_version
+        from runner.cli.version import runner_version
 
         return runner_version()
     raise AttributeError(f"module 'runner' has no attribute {name!r}")

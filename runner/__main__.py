@@ -5,8 +5,8 @@ One run, top to bottom: compose -> validate -> resolve -> build trainer -> plan 
 docs/architecture.md maps each one to its file.
 
 Nothing heavy is imported at the top of this module: ``--help``, ``--version``, ``mode=plugins``
-and every config error are answered before torch, diffusers or accelerate load (runner/sweep.py
-:func:`~runner.sweep.launch`); :func:`run` imports them once the config is valid.
+and every config error are answered before torch, diffusers or accelerate load (runner/cli/launch.py
+:func:`~runner.launch.launch`); :func:`run` imports them once the config is valid.
 """
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ import sys
 
 from omegaconf import DictConfig
 
-from runner import registry, sweep
-from runner.resume import resume_base
-from runner.validate import validate
+from runner.cli import launch
+from runner.cli.listing import format_plugin_list
+from runner.config.checks import validate
+from runner.state.resume import resume_base
 
 log = logging.getLogger("runner")
 
@@ -35,22 +36,27 @@ def run(cfg: DictConfig) -> float | None:
         cfg, overrides = resume_base(cfg)                       # resume: on the checkpoint's saved command line
         validate(cfg)                                           # validate (imports torch to resolve the device)
         if cfg.mode == "plugins":
-            print(registry.format_plugin_list())
+            print(format_plugin_list())
             return None
         # The steps below import torch, diffusers and accelerate: only now, once the config is valid.
         from accelerate.utils import set_seed
 
+        from runner.build import (
+            build_plugins,
+            build_trainer,
+            make_context,
+            output_dir,
+            prepare_models,
+        )
         from runner.export.checkpoint import export_after_training, export_command
         from runner.fit.output import auto_fit, command_line, fit_command
         from runner.loop import make_accelerator, train
+        from runner.output.report import print_summary, write_run_info
+        from runner.output.trackers import accelerator_kwargs
         from runner.plan import plan_command, preflight
-        from runner.report import print_summary, write_run_info
         from runner.resolved import resolve
-        from runner.run import build_plugins, build_trainer, make_context, output_dir
         from runner.sampling import build_sampler
-        from runner.tracking import accelerator_kwargs
-        from runner.trainer_setup import prepare_models
-        from runner.validation import build_validation
+        from runner.val.holdout import build_validation
 
     out = output_dir(cfg)
     if writes:
@@ -77,7 +83,7 @@ def run(cfg: DictConfig) -> float | None:
     preflight(cfg, run, ctx.trainer, out)                       # plan: refuse to start (exit 3) over budget_gb
     set_seed(run.seed)                                          # random init is reproducible, so resume is exact
     ctx.models = prepare_models(ctx.trainer.build_models("cpu"), cfg.model, run)  # dtypes, LoRA
-    ctx.accelerator = make_accelerator(run, **accelerator_kwargs(cfg.log, out))  # log.tracker: runner/tracking.py
+    ctx.accelerator = make_accelerator(run, **accelerator_kwargs(cfg.log, out))  # log.tracker: runner/output/trackers.py
     try:
         ctx.sampler = build_sampler(ctx)                        # sample prompts encoded before park can drop encoders
         ctx.validation = build_validation(ctx)                  # held-out split (data.val_*), before park caches
@@ -87,7 +93,7 @@ def run(cfg: DictConfig) -> float | None:
         ctx.teardown()                                          # every plugin change undone, even on error
     if writes:
         export_after_training(ctx, result)                      # LoRA / diffusers files beside the final checkpoint
-        print_summary(result, out)                              # report: stdout and __main__.log (loss.png: sweep.run_job)
+        print_summary(result, out)                              # report: stdout and __main__.log (loss.png: launch.run_job)
     if result.interrupted_by is not None:
         sys.exit(128 + result.interrupted_by)
     return result.losses[-1] if result.losses else None
@@ -102,12 +108,12 @@ def main(quick: bool = False) -> None:
     (:func:`quick_exit`); the command line sets it, callers in the same process (tests) do not."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")                # weights are local or built from config
     if not sys.stderr.isatty():  # no \r-redrawn bars in a log file (transformers' save_pretrained has one)
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # our own progress: runner/progress.py
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # our own progress: runner/output/progress.py
     # bitsandbytes warns at import that an optional CPU kernel package is missing; it falls back
     # to its own CPU kernels, so the line is noise for every run.
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     try:
-        sweep.launch(run)                                       # compose (friendly errors), run or sweep
+        launch.launch(run)                                       # compose (friendly errors), run or sweep
     except SystemExit as e:
         if quick and _QUICK_EXIT:
             quick_exit(e.code)
@@ -127,7 +133,7 @@ def quick_exit(code: object) -> None:
     or the plugin list has written and closed every file by now (plan.json, fit.json, the preset,
     job_summary.json, all written atomically), so nothing is lost: the streams and the log
     handlers are flushed and closed, then the process ends with its status
-    (tests/runner/test_cli.py checks the outputs and statuses of such exits).
+    (tests/runner/cli/test_cli.py checks the outputs and statuses of such exits).
     """
     status = code if isinstance(code, int) else (0 if code is None else 1)
     for stream in (sys.stdout, sys.stderr):

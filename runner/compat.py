@@ -51,7 +51,7 @@ The target device's semantics in the planner (runner/plan/semantics.py)
     it wraps).
     ``torch._foreach_norm``, ``torch._foreach_mul_``: gradient clipping with the foreach kernels
     a GPU run uses (fallback: one op per gradient, same values and bytes, slower).
-    ``torch._foreach_lerp_``: the EMA update of runner/ema.py, one kernel per chunk (fallback:
+    ``torch._foreach_lerp_``: the EMA update of runner/ema/average.py, one kernel per chunk (fallback:
     ``Tensor.lerp_`` per tensor, same values, slower).
 
 Autograd hooks of the offload plugins (no fallback: an error when called)
@@ -134,9 +134,16 @@ def _missing(name: str, use: str, error: BaseException) -> Callable[..., Any]:
 
 # ---- fake tensors, dispatch modes, pytrees (required) ----------------------------------------------
 try:
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConverter, FakeTensorMode, unset_fake_temporarily
+    from torch._subclasses.fake_tensor import (
+        FakeTensor,
+        FakeTensorConverter,
+        FakeTensorMode,
+        unset_fake_temporarily,
+    )
     from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._python_dispatch import _disable_current_modes as without_dispatch_modes
+    from torch.utils._python_dispatch import (
+        _disable_current_modes as without_dispatch_modes,
+    )
     from torch.utils._pytree import tree_flatten
 except ImportError as e:  # pragma: no cover - outside the tested range
     raise MissingTorchInternal("torch._subclasses.fake_tensor / torch.utils._python_dispatch / torch.utils._pytree",
@@ -172,8 +179,12 @@ DISPATCH_HANDLE_DIRECTLY: Any = frozenset()
 DISPATCH_META_HANDLERS: Any = frozenset()
 DispatchCacheKey: Any = None
 try:
-    from torch._subclasses.fake_tensor import _DISPATCH_HANDLE_DIRECTLY as DISPATCH_HANDLE_DIRECTLY
-    from torch._subclasses.fake_tensor import _DISPATCH_META_HANDLERS as DISPATCH_META_HANDLERS
+    from torch._subclasses.fake_tensor import (
+        _DISPATCH_HANDLE_DIRECTLY as DISPATCH_HANDLE_DIRECTLY,
+    )
+    from torch._subclasses.fake_tensor import (
+        _DISPATCH_META_HANDLERS as DISPATCH_META_HANDLERS,
+    )
     from torch._subclasses.fake_tensor import _DispatchCacheKey as DispatchCacheKey
     from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
@@ -316,8 +327,12 @@ except AttributeError as e:  # pragma: no cover
                                                 "moving parameters between devices in place", e)
 
 try:
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather as FSDPDefaultAllGather
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter as FSDPDefaultReduceScatter
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+        DefaultAllGather as FSDPDefaultAllGather,
+    )
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+        DefaultReduceScatter as FSDPDefaultReduceScatter,
+    )
 
     FSDP_COMMS = hasattr(torch.distributed.fsdp.FSDPModule, "set_custom_all_gather")
 except (ImportError, AttributeError):  # pragma: no cover

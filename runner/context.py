@@ -25,15 +25,15 @@ from typing import Any, Callable
 import torch
 
 from runner.data.flip import NO_FLIP, VisitFlip
-from runner.ema import NoEMA
+from runner.ema.average import NoEMA
 from runner.errors import UserError
 from runner.hooks import ModuleHooks
+from runner.output.trackers import NoTracking, Tracking
 from runner.plugin import PluginSchedule
 from runner.resolved import ResolvedRun
 from runner.sampling import NoSampler
-from runner.tracking import NoTracking, Tracking
 from runner.trainer import ModelSet
-from runner.validation import NoValidation
+from runner.val.holdout import NoValidation
 
 log = logging.getLogger("runner")
 
@@ -109,12 +109,12 @@ class RunContext:
     # Lines for the run report and plan.json ("optimizer state bytes": 1234): shown, never read back.
     notes: dict[str, Any] = field(default_factory=dict)
     sampler: Any = field(default_factory=NoSampler)  # sample.every: runner.sampling.build_sampler; no-op by default
-    # The run's experiment tracker (runner/tracking.py): ``ctx.tracking.log_images(step, {name: image})``.
+    # The run's experiment tracker (runner/output/trackers.py): ``ctx.tracking.log_images(step, {name: image})``.
     tracking: Tracking = field(default_factory=NoTracking)
     # data.random_flip, per visit (runner/data/flip.py): the loop applies it, the encoder cache keys both orientations.
     flip: VisitFlip = NO_FLIP
-    ema: Any = field(default_factory=NoEMA)  # ema.enabled: runner.ema.build_ema (the loop, after a resume); else a no-op
-    validation: Any = field(default_factory=NoValidation)  # val.*: runner.validation.build_validation; no-op by default
+    ema: Any = field(default_factory=NoEMA)  # ema.enabled: runner.ema.average.build_ema (the loop, after a resume); else a no-op
+    validation: Any = field(default_factory=NoValidation)  # val.*: runner.val.holdout.build_validation; no-op by default
     # dist=ddp|fsdp across processes (runner/dist/runtime.py); the no-op Distribution for one process.
     dist: Any = None
     _torn_down: bool = False

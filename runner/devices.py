@@ -7,7 +7,7 @@ not code: ``conf/devices.yaml`` cites each figure's datasheet. A user adds a car
 it: ``device.spec=my_gpu.yaml`` holds one entry's fields (and a ``name``), and single fields can be
 overridden on the command line (``device.name=rtx4090 device.h2d_gbps=25``).
 
-This module stays light (a YAML read, no torch): runner/config.py imports it for the schema and
+This module stays light (a YAML read, no torch): runner/config/__init__.py imports it for the schema and
 runner/resolved.py resolves the spec once per run.
 """
 from __future__ import annotations
@@ -61,7 +61,7 @@ class DeviceSpec:
 
 
 def _table_path() -> Path:
-    from runner.validate import conf_dir
+    from runner.files import conf_dir
 
     return conf_dir() / "devices.yaml"
 

@@ -1,4 +1,8 @@
-"""Permissions of the files the runner writes: as if ``open()`` and ``mkdir()`` had created them.
+"""Where the shipped config tree is, and how the runner's files are written.
+
+``conf_dir``: the conf/ tree beside the package (a checkout) or inside it (a wheel).
+
+Permissions of the files the runner writes: as if ``open()`` and ``mkdir()`` had created them.
 
 Why this is needed: an atomic write goes through a temporary file, and ``tempfile.mkstemp``
 creates it with mode 0600 on purpose (it is meant to be private); renamed into place, that file
@@ -87,7 +91,7 @@ def swap_in_folder(tmp: Path, final: Path) -> None:
 
     An existing ``final`` is first renamed aside (``.old-<name>-<pid>`` beside it), then removed:
     at every moment ``final`` is either the old folder or the new one, never a mix. Shared by the
-    checkpoints (runner/train_state.py) and their exports (runner/export/checkpoint.py).
+    checkpoints (runner/state/checkpoint.py) and their exports (runner/export/checkpoint.py).
     """
     if final.exists():
         old = final.parent / f".old-{final.name}-{os.getpid()}"
@@ -96,3 +100,12 @@ def swap_in_folder(tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
+
+
+def conf_dir() -> Path:
+    """The shipped conf/ tree: beside the package in a checkout, inside it in a wheel."""
+    pkg = Path(__file__).resolve().parent
+    for cand in (pkg / "conf", pkg.parent / "conf"):
+        if (cand / "config.yaml").is_file():
+            return cand
+    raise RuntimeError(f"conf/config.yaml not found next to {pkg}; the installation is incomplete")

@@ -17,7 +17,7 @@ What ``prepare`` gives the loop, exactly as managed mode does (the shared code i
 
 * the resolved run (runner/resolved.py): device, precision, dtypes, budget;
 * ``model.dtype``/``model.train_dtype`` and ``model.train=lora`` on the modules
-  (runner/trainer_setup.py);
+  (runner/build.py);
 * a preflight plan (runner/plan/) from the prepared modules and one example batch, when
   ``loss_fn`` and ``example_batch`` are given: over ``budget_gb`` the run stops there;
 * every configured plugin, through the same phases and the same RunContext;
@@ -26,7 +26,7 @@ What ``prepare`` gives the loop, exactly as managed mode does (the shared code i
   error, because one of them would be silently ignored;
 * the output directory, metrics.jsonl, ``profile.enabled`` and the final summary
   (:meth:`HostedRun.finish`, called by :func:`hosted`);
-* ``ema.enabled``: the average of the trained weights (runner/ema.py), updated by :meth:`HostedRun.log`
+* ``ema.enabled``: the average of the trained weights (runner/ema/average.py), updated by :meth:`HostedRun.log`
   after each step whose loss is finite, used with ``with run.ema.applied(): ...`` and written to
   ``ema.safetensors`` in the output directory by :meth:`HostedRun.finish`.
 """
@@ -47,23 +47,24 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from torch import nn
 
-from runner import registry, sweep
+from runner.build import build_plugins, make_context, output_dir, prepare_models
+from runner.cli import launch
+from runner.cli.compose import compose_config
+from runner.config import load_all
+from runner.config.checks import validate
 from runner.context import RunContext
-from runner.ema import build_ema
+from runner.ema.average import build_ema
 from runner.errors import UserError
 from runner.hostmem import keep_freed_host_memory
 from runner.loop import TrainResult, make_accelerator
 from runner.memory.profile import build_profiler
 from runner.memory.stats import MemoryMonitor
-from runner.fused import fuse_into_backward, fusion_of
-from runner.optim import build_optimizer
+from runner.optim.build import build_optimizer
+from runner.optim.fused import fuse_into_backward, fusion_of
+from runner.output.report import MetricsWriter, print_summary, write_run_info
 from runner.plan import preflight
-from runner.report import MetricsWriter, print_summary, write_run_info
 from runner.resolved import resolve
-from runner.run import build_plugins, make_context, output_dir
 from runner.trainer import ModelSet
-from runner.trainer_setup import prepare_models
-from runner.validate import compose_config, validate
 
 log = logging.getLogger("runner")
 
@@ -256,7 +257,7 @@ class HostedRun:
         self.result.seconds_per_step = sum(tail) / len(tail) if tail else float("nan")
         self.result.notes = dict(self.ctx.notes)
         text = print_summary(self.result, self.output_dir)  # stdout and the job's log file
-        from runner.plots import LOSS_PNG, safely, write_loss_plot
+        from runner.output.plots import LOSS_PNG, safely, write_loss_plot
 
         safely(LOSS_PNG, lambda: write_loss_plot(self.output_dir, self.cfg))
         return text
@@ -278,7 +279,7 @@ def _default_output_dir(cfg: DictConfig) -> Path:
 
 def session(overrides: Sequence[str] = (), output_dir: str | Path | None = None) -> HostedRun:
     """A hosted run from command-line style overrides (``["+preset=sdxl_24gb", "train.device=cpu"]``)."""
-    registry.load_all()
+    load_all()
     cfg = compose_config(overrides)
     return HostedRun(cfg, Path(output_dir) if output_dir else None, overrides)
 
@@ -297,6 +298,6 @@ def hosted(fn: Callable[[HostedRun], Any]) -> Callable[[], None]:
 
     @functools.wraps(fn)
     def main() -> None:
-        sweep.launch(task)
+        launch.launch(task)
 
     return main

@@ -7,7 +7,7 @@ position, so:
 
 * resume is exact: step k always sees the same samples with the same noise;
 * a step can be cut into any number of micro-batches (gradient accumulation, and the OOM
-  recovery of runner/oom.py, which retries a step with smaller micro-batches) without skipping,
+  recovery of runner/guards/oom.py, which retries a step with smaller micro-batches) without skipping,
   repeating or re-randomising a sample.
 
 accelerate provides device handling, autocast for mixed precision, fp16 gradient scaling and
@@ -33,20 +33,25 @@ from runner.context import RunContext
 from runner.data import BatchOrder, collate, describe_dataset, visit_samples
 from runner.data.order import SampleOrder  # noqa: F401  (the one-stream order, importable from here as before)
 from runner.dist.runtime import accelerator_options
-from runner.ema import build_ema
+from runner.ema.average import build_ema
 from runner.errors import Interrupted
-from runner.fused import fuse_into_backward, fusion_of
+from runner.guards.nonfinite import NonFiniteGuard, NonFiniteStop, grad_norm
+from runner.guards.oom import MicroBatchRecovery, OutOfMemoryGiveUp
 from runner.memory.profile import NullProfiler, build_profiler
 from runner.memory.stats import MemoryMonitor
-from runner.nonfinite import NonFiniteGuard, NonFiniteStop, grad_norm
-from runner.oom import MicroBatchRecovery, OutOfMemoryGiveUp
-from runner.progress import build_progress
-from runner.optim import build_optimizer
-from runner.report import MetricsWriter, NullMetrics, drop_metrics_after, read_metrics  # noqa: F401  (read_metrics: re-exported)
-from runner.resume import saved_config_text
+from runner.optim.build import build_optimizer
+from runner.optim.fused import fuse_into_backward, fusion_of
+from runner.output.progress import build_progress
+from runner.output.report import (  # noqa: F401  (read_metrics: re-exported)
+    MetricsWriter,
+    NullMetrics,
+    drop_metrics_after,
+    read_metrics,
+)
+from runner.output.trackers import start_tracking
 from runner.resolved import ResolvedRun
-from runner.tracking import start_tracking
-from runner.train_state import TrainState, find_checkpoint, remove_leftovers
+from runner.state.checkpoint import TrainState, find_checkpoint, remove_leftovers
+from runner.state.resume import saved_config_text
 from runner.trainer import batch_len, encode, move_batch, slice_batch
 
 log = logging.getLogger("runner")
@@ -119,7 +124,7 @@ class TrainResult:
 
 def make_accelerator(run: ResolvedRun, **tracking: Any) -> Accelerator:
     """A fresh Accelerator for this job, with the resolved precision (runner/resolved.py decides it)
-    and the tracker's ``log_with``/``project_dir`` (runner/tracking.py:accelerator_kwargs).
+    and the tracker's ``log_with``/``project_dir`` (runner/output/trackers.py:accelerator_kwargs).
 
     accelerate keeps a process-wide singleton state; Hydra's ``-m`` runs jobs one after another
     in the same process, and jobs may differ in mixed precision, so the state is reset first.
@@ -147,7 +152,7 @@ def train(ctx: RunContext) -> TrainResult:
     ctx.optimizer = build_optimizer(cfg.optimizer, list(models.trainable_parameters()), notes=ctx.notes)
     ctx.run_phase("wrap_optimizer")
     ctx.optimizer = fuse_into_backward(ctx.optimizer, cfg.optimizer, run, models.named_trainable_parameters())
-    fused = fusion_of(ctx.optimizer)  # optimizer.fused_backward: steps inside backward (runner/fused.py); else a no-op view
+    fused = fusion_of(ctx.optimizer)  # optimizer.fused_backward: steps inside backward (runner/optim/fused.py); else a no-op view
     scheduler = get_scheduler(
         cfg.train.lr_scheduler, ctx.optimizer, num_warmup_steps=cfg.train.lr_warmup_steps, num_training_steps=cfg.train.steps
     )
@@ -189,7 +194,7 @@ def train(ctx: RunContext) -> TrainResult:
             norm = accelerator.clip_grad_norm_(params, run.max_grad_norm)
         elif guard.needs_grad_norm and math.isfinite(step_loss):
             norm = grad_norm(params)
-        if guard.allow_update(state.step + 1, step_loss, fused.guard_norm(norm)):  # NaN/inf: skip, or stop (runner/nonfinite.py)
+        if guard.allow_update(state.step + 1, step_loss, fused.guard_norm(norm)):  # NaN/inf: skip, or stop (runner/guards/nonfinite.py)
             optimizer.step()
 
     def save() -> Path:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import importlib
 import logging
 from dataclasses import MISSING, dataclass, fields
-from importlib.metadata import entry_points
 from typing import Any, Callable
 
 from hydra.core.config_store import ConfigStore
@@ -64,11 +63,10 @@ class TrainerEntry:
     description: str
     # data.resolution's default at model.size=full (px), by trainer.variant ("" = any); None: the runner's 1024
     native_resolution: dict[str, int] | None = None
-    objective: str | None = None  # runner.loss_config.DDPM | FLOW: loss.* options are checked against it unimported
+    objective: str | None = None  # runner.loss.config.DDPM | FLOW: loss.* options are checked against it unimported
 
 
 _TRAINERS: dict[str, TrainerEntry] = {}
-_LOADED = False
 
 
 def _store_schema(kind: str, name: str, config: type) -> None:
@@ -131,38 +129,11 @@ def register_trainer(name: str, target: str, config: type, description: str = ""
     """Register a trainer option ``trainer=<name>``; ``config`` must have a ``_target_`` field.
 
     ``native_resolution``: the resolution the full-size model trains at, by ``trainer.variant``,
-    when it is not the runner's 1024 px (``data.resolution``'s default; runner/config.py)."""
+    when it is not the runner's 1024 px (``data.resolution``'s default; runner/config/__init__.py)."""
     _TRAINERS[name] = TrainerEntry(name, target, config, description, native_resolution, objective)
     ConfigStore.instance().store(group="trainer", name=name, node=config(_target_=target))
 
 
-def load_all() -> None:
-    """Import built-in plugins and trainers, then every entry point. Idempotent."""
-    global _LOADED
-    if _LOADED:
-        return
-    _LOADED = True
-    from runner.config import store_schemas
-
-    store_schemas()
-    store_empty_options()
-    importlib.import_module("runner.plugins")
-    importlib.import_module("runner.trainers")
-    for group in (PLUGIN_GROUP, TRAINER_GROUP):
-        for ep in entry_points(group=group):
-            try:
-                obj = ep.load()
-            except Exception as e:  # a broken third-party package must not hide the others
-                log.warning("entry point %s (%s) failed to load: %s", ep.name, ep.value, e)
-                continue
-            if isinstance(obj, type) and issubclass(obj, Plugin) and (obj.kind, obj.name) not in _PLUGINS:
-                register_plugin(obj)
-            elif group == TRAINER_GROUP and isinstance(obj, type) and ep.name not in _TRAINERS:
-                from runner.config import CustomTrainerConfig
-
-                cfg_cls = getattr(obj, "Config", CustomTrainerConfig)
-                register_trainer(ep.name, f"{obj.__module__}.{obj.__qualname__}", cfg_cls, (obj.__doc__ or "").strip(),
-                                 objective=getattr(obj, "objective", None))
 
 
 def plugin_names(kind: str) -> list[str]:
@@ -212,9 +183,6 @@ def trainers() -> dict[str, TrainerEntry]:
     return dict(_TRAINERS)
 
 
-def all_plugins() -> dict[tuple[str, str], type[Plugin]]:
-    """Every plugin's class (imports every plugin module: for code that builds plugins)."""
-    return {key: entry.load() for key, entry in plugin_entries().items()}
 
 
 def plugin_entries() -> dict[tuple[str, str], PluginEntry]:
@@ -239,52 +207,5 @@ def describe_config(config_cls: type) -> list[tuple[str, str, Any]]:
     return out
 
 
-def format_plugin_list() -> str:
-    """The text of ``python -m runner mode=plugins``."""
-    lines = ["Plugins (select with <kind>=<name> or <kind>=[<name>,<name>], add one to a preset's with",
-             "+<kind>=<name>, set parameters with <kind>.<name>.<param>=<value>):", ""]
-    current = None
-    for (kind, name), entry in plugin_entries().items():
-        if kind != current:
-            lines.append(f"{kind}:")
-            current = kind
-        lines.append(f"  {name:<12} {entry.description}")
-        for fname, ftype, default in describe_config(entry.config):
-            lines.append(f"      {kind}.{name}.{fname}: {ftype} = {default!r}")
-    from runner.dist import describe_options
-
-    lines += ["", *describe_options()]
-    lines += ["", "Trainers (select with trainer=<name>, or trainer._target_=module.Class):"]
-    for name, entry in sorted(_TRAINERS.items()):
-        lines.append(f"  {name:<12} {entry.description}")
-        for fname, ftype, default in describe_config(entry.config):
-            lines.append(f"      trainer.{fname}: {ftype} = {default!r}")
-    from runner.loss_config import describe_loss_options
-
-    lines += ["", *describe_loss_options()]
-    return "\n".join(lines + _other_groups())
 
 
-def _other_groups() -> list[str]:
-    """Optimizers, the device table and the fit search: groups that are not plugins, with their keys."""
-    from runner.devices import DeviceConfig, device_table
-    from runner.fit.config import ALLOW, FitConfig
-    from runner.optim_config import OPTIMIZER_CONFIGS
-
-    lines = ["", "Optimizers (select with optimizer=<name>, runner/optim.py):"]
-    for name, config in OPTIMIZER_CONFIGS.items():
-        lines.append(f"  {name}")
-        for fname, ftype, default in describe_config(config):
-            lines.append(f"      optimizer.{fname}: {ftype} = {default!r}")
-    lines += ["", "Devices (device.name=<name>: budget default and step-time model; conf/devices.yaml, runner/devices.py):"]
-    for name, row in device_table().items():
-        lines.append(f"  {name:<14} {row['label']}: {row['bf16_tflops']:g} TFLOP/s bf16 (dense), "
-                     f"{row['hbm_gbps']:g} GB/s, {row['usable_gib']:g} GiB usable")
-    lines.append("      device.name: Optional[str] = None (one of the names above)")
-    for fname, ftype, default in describe_config(DeviceConfig):
-        lines.append(f"      device.{fname}: {ftype} = {default!r}")
-    lines += ["", "Fit (mode=fit, train.auto_fit=true; runner/fit/):"]
-    for fname, ftype, default in describe_config(FitConfig):
-        lines.append(f"      fit.{fname}: {ftype} = {default!r}")
-    lines += [f"      fit.allow: {name} = {what}" for name, what in ALLOW.items()]
-    return lines

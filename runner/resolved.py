@@ -58,7 +58,7 @@ class ResolvedRun:
     max_grad_norm: float  # 0 disables clipping
     seed: int
     simulate: bool = False  # True inside the planner: tensors are fake, device is meta
-    ema_dtype: Optional[torch.dtype] = None  # ema.enabled: the dtype of the EMA copy (runner/ema.py); None: no EMA
+    ema_dtype: Optional[torch.dtype] = None  # ema.enabled: the dtype of the EMA copy (runner/ema/average.py); None: no EMA
     gpu: Optional[DeviceSpec] = None  # device.name / device.spec: the GPU the run is for (runner/devices.py)
     dist: DistSpec = DistSpec()  # dist=none|ddp|fsdp, world size and this rank (runner/dist/config.py)
 
@@ -151,7 +151,9 @@ def resolve(cfg: Any, *, target: Optional[str] = None, device: Optional[torch.de
                      precision, frozen_dtype_name, train_dtype_name)
         precision, train_dtype_name, frozen_dtype_name = "no", "float32", "float32"
     budget = cfg.get("budget_gb")
-    from runner.ema import resolve_ema_dtype  # float32 unless ema.dtype=bfloat16 with bf16 trained weights
+    from runner.ema.average import (
+        resolve_ema_dtype,  # float32 unless ema.dtype=bfloat16 with bf16 trained weights
+    )
 
     budget_bytes = None if budget is None else int(float(budget) * GiB)
     gpu = device_spec(cfg.get("device")) if target == "cuda" else None

@@ -69,7 +69,7 @@ class ModelSet:
     its outputs are cached. ``blocks`` optionally names, per module, the repeated blocks that
     checkpointing and offload plugins should operate on (default: runner.blocks finds them).
     With ``model.train=lora`` the runner attaches LoRA to the trained modules unless the trainer
-    did (runner/trainer_setup.py).
+    did (runner/build.py).
     """
 
     modules: dict[str, nn.Module]
@@ -77,7 +77,7 @@ class ModelSet:
     blocks: dict[str, list[nn.Module]] = field(default_factory=dict)
     # True when the trainer built every module in the run's dtypes itself (the built-in trainers
     # convert on load); otherwise the runner casts frozen modules to model.dtype and trained ones
-    # to model.train_dtype (runner/trainer_setup.py).
+    # to model.train_dtype (runner/build.py).
     dtypes_applied: bool = False
 
     def __getitem__(self, name: str) -> nn.Module:
@@ -138,6 +138,15 @@ def batch_device(batch: Mapping[str, Any]) -> torch.device:
     if not isinstance(t, torch.Tensor):
         t = batch["sample_seed"]
     return t.device
+
+
+def salted(seeds: torch.Tensor, salt: int) -> torch.Tensor:
+    """Derived per-sample seeds, so two draws from one sample's seed are independent.
+
+    Without it the VAE posterior sample and the diffusion noise of a sample would be the *same*
+    numbers (same seed, same shape).
+    """
+    return torch.tensor([(int(s) * 7_919_007 + salt) % (1 << 62) for s in seeds.tolist()], dtype=torch.int64)
 
 
 def per_sample_randn(

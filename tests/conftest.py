@@ -32,7 +32,7 @@ def one_thread():
 @pytest.fixture(autouse=True)
 def no_hydra_job_left_over():
     """A test that runs ``hydra.main`` in-process leaves Hydra's job config set (Hydra never clears
-    it in a process that then exits). runner/resume.py and runner/sweep.py read it to learn the
+    it in a process that then exits). runner/state/resume.py and runner/cli/launch.py read it to learn the
     running job's command line, so a later in-process run would inherit another test's overrides.
     Hydra also configures logging: its handlers write to the stream the test had (pytest's capture,
     closed afterwards), so later tests would log "--- Logging error ---" tracebacks; they go too."""

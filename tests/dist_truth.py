@@ -1,9 +1,9 @@
 """One rank's plan against the same rank's real step: run with ``PYTHONPATH=tests torchrun --nproc_per_node=N
--m dist_truth OUT_DIR override...`` (tests/runner/dist/test_dist_plan.py does), once per ``dist=`` in
+-m dist_truth OUT_DIR override...`` (tests/runner/plan/test_dist_plan.py does), once per ``dist=`` in
 ``RUNNER_TRUTH_DISTS`` (default ``ddp,fsdp``), in the same processes.
 
 Not a test module (no ``test_`` prefix). Each rank composes the run from the overrides, plans its
-own step (``plan_step(cfg, run=run)``: the per-rank plan of runner/dist/plan.py), then sets up the
+own step (``plan_step(cfg, run=run)``: the per-rank plan of runner/plan/dist.py), then sets up the
 real run as runner/__main__.py and runner/loop.py do (models, plugins, DDP or FSDP2, optimizer) and
 runs two optimizer steps with the loop's own passes, agreement and gradient synchronisation under
 a LiveBytesTracker; the figures of step 2 (optimizer state exists, as for the rest of a run) go to
@@ -27,16 +27,21 @@ def main() -> None:
 
 
 def one(out: Path, overrides: list[str], label: str) -> None:
+    from planner_truth import tracked_steps  # tests/ is on the path (PYTHONPATH=tests)
+
+    from runner.build import (
+        build_plugins,
+        build_trainer,
+        make_context,
+        prepare_models,
+    )
+    from runner.cli.compose import compose_config
+    from runner.config.checks import validate
     from runner.dist.launch import join_process_group
     from runner.loop import forward_backward, make_accelerator
-    from runner.optim import build_optimizer
+    from runner.optim.build import build_optimizer
     from runner.plan import plan_step
     from runner.resolved import resolve
-    from runner.run import build_plugins, build_trainer, make_context
-    from runner.trainer_setup import prepare_models
-    from runner.validate import compose_config, validate
-
-    from planner_truth import tracked_steps  # tests/ is on the path (PYTHONPATH=tests)
 
     torch.set_num_threads(1)
     world = join_process_group()

@@ -14,13 +14,12 @@ from typing import Any
 import pytest
 import torch
 
+from runner.build import build_plugins, build_trainer, make_context, prepare_models
 from runner.loop import forward_backward, make_accelerator
-from runner.memory.tracker import LiveBytesTracker
-from runner.optim import build_optimizer
+from runner.memory.live_bytes import LiveBytesTracker
+from runner.optim.build import build_optimizer
 from runner.plan import plan_step
 from runner.resolved import resolve
-from runner.run import build_plugins, build_trainer, make_context
-from runner.trainer_setup import prepare_models
 
 
 class _Phases:

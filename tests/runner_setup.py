@@ -10,12 +10,12 @@ from typing import Any
 
 from accelerate.utils import set_seed
 
+from runner.build import build_plugins, build_trainer, make_context, prepare_models
+from runner.cli.compose import compose_config
+from runner.config.checks import validate
 from runner.context import RunContext
 from runner.loop import make_accelerator
 from runner.resolved import resolve
-from runner.run import build_plugins, build_trainer, make_context
-from runner.trainer_setup import prepare_models
-from runner.validate import compose_config, validate
 
 
 def prepared_context(out: Path, *overrides: str, trainer: Any = None) -> RunContext:

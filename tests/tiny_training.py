@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from runner.run import build_trainer
-from runner.validate import compose_config
+from runner.build import build_trainer
+from runner.cli.compose import compose_config
 
 
 @functools.cache

@@ -49,11 +49,17 @@ from runner.blocks import find_repeated_blocks
 from runner.context import Transfer
 from runner.errors import UserError
 from runner.plugin import Plugin
+from runner.plugins.schemas import StreamConfig, check_stream
 from runner.plugins.stream.handle import MARK, StreamHandle, apply_stream_offload
 from runner.plugins.stream.host import GiB, HostRegion, _nbytes, fmt_bytes, host_copy
-from runner.plugins.stream.plan import BlockPlan, StreamPlan, guess_execution_order, minimum_device_bytes, plan_stream
+from runner.plugins.stream.schedule import (
+    BlockPlan,
+    StreamPlan,
+    guess_execution_order,
+    minimum_device_bytes,
+    plan_stream,
+)
 from runner.plugins.stream.state import StreamStats
-from runner.plugins.schemas import StreamConfig, check_stream
 from runner.registry import register_plugin
 
 if TYPE_CHECKING:

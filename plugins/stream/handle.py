@@ -29,8 +29,20 @@ from runner.compat import has_compatible_shallow_copy_type, is_fake
 from runner.hooks import mark, marked, unmark
 from runner.plugins.stream.hooks import _StreamHooks
 from runner.plugins.stream.host import HostRegion, _align, host_copy
-from runner.plugins.stream.plan import StreamPlan, _streamable, guess_execution_order, plan_stream
-from runner.plugins.stream.state import INFLIGHT, LOADED, RELEASED, StreamStats, _Block, _Slot
+from runner.plugins.stream.schedule import (
+    StreamPlan,
+    _streamable,
+    guess_execution_order,
+    plan_stream,
+)
+from runner.plugins.stream.state import (
+    INFLIGHT,
+    LOADED,
+    RELEASED,
+    StreamStats,
+    _Block,
+    _Slot,
+)
 
 MARK = "stream"  # runner.hooks mark on a streamed module: its StreamHandle
 

@@ -26,7 +26,7 @@ mixin: it uses the handle's attributes and is never instantiated alone.
   releases whatever is left. The last ``prefetch + 1`` streamed blocks stay loaded across the
   forward->backward turn (backward needs them first; this stays within the window). The
   execution order is guessed before the first forward (diffusers U-Nets register their stages
-  and blocks in another order than they run: :func:`~runner.plugins.stream.plan.guess_execution_order`)
+  and blocks in another order than they run: :func:`~runner.plugins.stream.schedule.guess_execution_order`)
   and recorded by it.
 * **Gradients of streamed trained parameters** (full fine-tune) are copied device->host on a
   second side stream from a post-accumulate-grad hook, accumulated over micro-batches on the
@@ -45,7 +45,12 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from runner.compat import current_graph_task_id, outer_saved_tensors_hooks, queue_engine_callback, tree_flatten
+from runner.compat import (
+    current_graph_task_id,
+    outer_saved_tensors_hooks,
+    queue_engine_callback,
+    tree_flatten,
+)
 from runner.hooks import composable, is_composable
 from runner.plugins.stream.host import HostRegion, _nbytes
 from runner.plugins.stream.state import RELEASED, _Block, _Slot

@@ -30,7 +30,6 @@ images, bad ``data.*`` values) raise :class:`runner.errors.UserError` naming the
 """
 from __future__ import annotations
 
-
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any

@@ -27,8 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from runner.errors import UserError
 from runner.data.images import _mix
+from runner.errors import UserError
 
 TAG_SEPARATOR = ","
 TAG_JOINER = ", "

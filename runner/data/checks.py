@@ -9,7 +9,6 @@ from typing import Any
 
 from runner.errors import UserError, valid_list
 
-
 MISSING_CAPTION_MODES: tuple[str, ...] = ("error", "empty")
 
 

@@ -15,7 +15,6 @@ from torch.utils.data import Dataset
 from runner.data.checks import _check_resolution
 from runner.data.images import _SALT_DEMO, _mix, _to_tensor
 
-
 # Saturated, well-separated colours. A (shape, background) pair is used only if the two are far
 # apart in RGB and not in _LOW_CONTRAST (yellow/white are far apart in RGB but hard to tell
 # apart by eye), so every shape stands out from its background.

@@ -14,7 +14,7 @@ The flip is applied by the runner to the collated batch (``pixel_values``, mirro
 last axis: width, for images and video frames alike), which also carries ``flip`` (one bool per
 sample) for whoever needs to know: the encoder cache (``offload=park``) stores both orientations
 of each image, as kohya's ``flip_aug`` does, and reads the one each visit asks for, so cached and
-uncached runs give bit-identical losses (tests/plugins/test_park.py).
+uncached runs give bit-identical losses (tests/plugins/park/test_park.py).
 
 Disabled (the default) it is :data:`NO_FLIP`, whose ``apply`` returns the batch untouched.
 """

@@ -15,9 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from torch.utils.data import Dataset
-
 import torch
+from torch.utils.data import Dataset
 
 from runner.data.buckets import BucketSpec, Size, cover_geometry, describe_buckets
 from runner.data.checks import _check_missing_caption, _check_resolution

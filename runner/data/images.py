@@ -20,7 +20,6 @@ from PIL import Image, ImageOps
 
 from runner.errors import UserError
 
-
 IMAGE_EXTENSIONS: tuple[str, ...] = (".bmp", ".jpeg", ".jpg", ".png", ".webp")
 IMAGE_PIPELINE_VERSION = 1  # bump when decode/resize/crop changes the pixels: encoder-cache keys carry it
 

@@ -3,7 +3,7 @@
 The runner, not the trainer or a data loader, decides it, so that a run is a pure function of
 its seed: ``order.batch(k)`` gives step ``k``'s dataset indices and one seed per sample, the
 same in every process, after any resume, and however the step is cut into micro-batches (the
-OOM recovery of runner/oom.py re-cuts it; a distributed run shards the same global batch across
+OOM recovery of runner/guards/oom.py re-cuts it; a distributed run shards the same global batch across
 ranks). A sample's seed is its global position, ``train.seed * 1_000_003 + position`` with
 ``position = step * batch_size + row``: a *visit* seed, so the same image seen twice gets fresh
 noise, timestep and caption draws.

@@ -1,6 +1,6 @@
 """Ranks agree on an out-of-memory retry without waiting on each other forever.
 
-The problem: runner/oom.py retries a step with a smaller micro-batch when it runs out of memory.
+The problem: runner/guards/oom.py retries a step with a smaller micro-batch when it runs out of memory.
 With several processes, an OOM may hit one rank only (fragmentation, a neighbour on the GPU). If
 that rank left the step while the others went on, the others would wait in their next
 collective (DDP's gradient all-reduce, FSDP's all-gather of the next block) for a partner that
@@ -19,7 +19,7 @@ over gloo (no GPU synchronisation): ``[out of memory here, done with this attemp
   ``[own OOM, 1, loss]`` until every rank is done. A rank still inside the attempt is at a sync
   point, learns of the OOM there, and leaves too. So the meetings pair up whatever the point
   where a rank failed, and every rank ends the attempt knowing the same thing: whether anyone
-  ran out of memory (then all retry with the same smaller micro-batch, runner/oom.py), and the
+  ran out of memory (then all retry with the same smaller micro-batch, runner/guards/oom.py), and the
   global mean loss.
 
 What it costs: one all-reduce of three numbers per FSDP collective (two or three per block per
@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from runner.compat import FSDP_COMMS, FSDPDefaultAllGather, FSDPDefaultReduceScatter
 from runner.dist.launch import cpu_group
-from runner.oom import is_out_of_memory
+from runner.guards.oom import is_out_of_memory
 
 log = logging.getLogger("runner")
 
@@ -77,7 +77,7 @@ class Agreement:
     def attempts(self, passes: Callable[[int], float], on_failure: Callable[[], None],
                  after_passes: Callable[[], None]) -> Callable[[int], float]:
         """``passes`` (every forward and backward of a step with a given micro-batch) as one agreed
-        attempt: a local OOM or a peer's becomes an OOM on every rank (so runner/oom.py retries
+        attempt: a local OOM or a peer's becomes an OOM on every rank (so runner/guards/oom.py retries
         everywhere); ``after_passes`` runs when no rank failed (DDP's gradient all-reduce);
         ``on_failure`` resets what a broken attempt left (FSDP's iteration state)."""
 

@@ -1,9 +1,9 @@
 """Checkpoints of several processes, and resume across formats and world sizes.
 
 Two formats, one folder layout (``checkpoints/step-N/``, written atomically as in
-runner/train_state.py: a hidden folder, fsynced, renamed; ``latest`` replaced after):
+runner/state/checkpoint.py: a hidden folder, fsynced, renamed; ``latest`` replaced after):
 
-* **full** (one process, ``dist=ddp``): runner/train_state.py's own: ``trainable.safetensors``
+* **full** (one process, ``dist=ddp``): runner/state/checkpoint.py's own: ``trainable.safetensors``
   and ``optimizer.pt`` hold everything. Under DDP every rank holds the same weights and optimizer
   state, so rank 0 writes it alone and the others wait for the verdict.
 * **sharded** (``dist=fsdp``): the trained weights and the optimizer state, keyed by parameter
@@ -95,7 +95,7 @@ def save_sharded(dist_: Any, root: Path, state: Any, models: ModelSet, optimizer
     import torch.distributed.checkpoint as dcp
 
     from runner.dist.launch import cpu_group
-    from runner.train_state import (_fsync_dir, _fsync_file, _prune, describe_trained_state, publish_checkpoint,
+    from runner.state.checkpoint import (_fsync_dir, _fsync_file, _prune, describe_trained_state, publish_checkpoint,
                                     rng_state)
 
     main = dist_.is_main
@@ -106,7 +106,7 @@ def save_sharded(dist_: Any, root: Path, state: Any, models: ModelSet, optimizer
     error: BaseException | None = None
     params = dict(models.named_trainable_parameters())
     if not dist_.all_agree(all(bool(torch.isfinite(_local(p)).all()) for p in params.values())):
-        from runner.nonfinite import NonFiniteStop
+        from runner.guards.nonfinite import NonFiniteStop
 
         raise NonFiniteStop(f"The trained weights hold NaN or inf after step {state.step}; no checkpoint was "
                             "written (a checkpoint is what you go back to). The previous checkpoint is kept.",
@@ -195,8 +195,8 @@ def save_replicated(dist_: Any, save: Any) -> Path:
 def load_any(ckpt: Path, models: ModelSet, optimizer: Any, scheduler: Any, optimizer_name: str | None,
              sharded_run: bool) -> Any:
     """Restore a checkpoint of either format into this run (module docstring's table); the saved
-    :class:`~runner.train_state.TrainState`."""
-    from runner.train_state import load_checkpoint
+    :class:`~runner.state.checkpoint.TrainState`."""
+    from runner.state.checkpoint import load_checkpoint
 
     if is_sharded(ckpt):
         return _load_sharded(ckpt, models, optimizer, scheduler, optimizer_name)
@@ -206,7 +206,7 @@ def load_any(ckpt: Path, models: ModelSet, optimizer: Any, scheduler: Any, optim
 
 
 def _small_files(ckpt: Path) -> tuple[Any, Any, Any]:
-    from runner.train_state import TrainState, _load
+    from runner.state.checkpoint import TrainState, _load
 
     raw = _load(ckpt / "state.json", "the step state")
     try:
@@ -218,7 +218,7 @@ def _small_files(ckpt: Path) -> tuple[Any, Any, Any]:
 
 def _check_described(ckpt: Path, models: ModelSet, optimizer_name: str | None) -> None:
     """Names and shapes (trained.json) and the optimizer's kind against this run, before loading."""
-    from runner.train_state import _load
+    from runner.state.checkpoint import _load
 
     described = ckpt / "trained.json"
     if not described.is_file():
@@ -245,7 +245,7 @@ def _check_described(ckpt: Path, models: ModelSet, optimizer_name: str | None) -
 def _load_sharded(ckpt: Path, models: ModelSet, optimizer: Any, scheduler: Any, optimizer_name: str | None) -> Any:
     import torch.distributed.checkpoint as dcp
 
-    from runner.train_state import set_rng_state
+    from runner.state.checkpoint import set_rng_state
 
     _check_described(ckpt, models, optimizer_name)
     state, sched, rng = _small_files(ckpt)
@@ -266,7 +266,7 @@ def _load_sharded(ckpt: Path, models: ModelSet, optimizer: Any, scheduler: Any, 
 def _load_full_into_shards(ckpt: Path, models: ModelSet, optimizer: Any, scheduler: Any,
                            optimizer_name: str | None) -> Any:
     """A full checkpoint into an FSDP run: every rank reads the files and keeps its shards."""
-    from runner.train_state import _check_optimizer, _check_weights, _load, set_rng_state
+    from runner.state.checkpoint import _check_optimizer, _check_weights, _load, set_rng_state
 
     state, sched, rng = _small_files(ckpt)
     weights = _load(ckpt / "trainable.safetensors", "the trained weights")

@@ -273,10 +273,10 @@ def _refuse_single_process_features(cfg: Any, spec: DistSpec) -> None:
     if bool(ema.get("enabled", False)):
         raise UserError(
             f"dist={spec.name} and ema.enabled=true cannot be combined yet: the EMA copy is kept and saved by one "
-            "process (runner/ema.py). Train with one process to keep an EMA, or set ema.enabled=false.")
+            "process (runner/ema/average.py). Train with one process to keep an EMA, or set ema.enabled=false.")
     data = cfg.get("data") or {}
     if float(data.get("val_fraction", 0.0) or 0.0) > 0 or data.get("val_path") is not None:
         raise UserError(
             f"dist={spec.name} and a validation loss (data.val_fraction / data.val_path) cannot be combined yet: the "
-            "held-out pass is evaluated by one process (runner/validation.py). Unset data.val_fraction and "
+            "held-out pass is evaluated by one process (runner/val/holdout.py). Unset data.val_fraction and "
             "data.val_path for a multi-process run.")

@@ -95,9 +95,9 @@ class Distribution:
     def save_checkpoint(self, root: Path, state: Any, models: Any, optimizer: Any, scheduler: Any, keep: int,
                         config_text: str | None, optimizer_name: str | None,
                         more_files: Callable[[Path], list[str]] | None = None) -> Path:
-        """runner/train_state.py's checkpoint (every rank's, when several hold the same state).
-        ``more_files``: what else one process's checkpoint holds (the EMA: runner/ema.py)."""
-        from runner.train_state import save_checkpoint
+        """runner/state/checkpoint.py's checkpoint (every rank's, when several hold the same state).
+        ``more_files``: what else one process's checkpoint holds (the EMA: runner/ema/average.py)."""
+        from runner.state.checkpoint import save_checkpoint
 
         state.world_size = self.run.dist.world_size if self.active else 1
         return save_checkpoint(root, state, models, optimizer, scheduler, keep, config_text=config_text,

@@ -4,7 +4,7 @@
   (``export.enabled``, default on), from the models in memory.
 * :func:`export_command`: ``mode=export train.resume=<checkpoint or run dir>`` exports any saved
   checkpoint afterwards: the trainer's models are built on the CPU with the run's settings, the
-  checkpoint's trained weights loaded (runner/train_state.py), and the files written. No
+  checkpoint's trained weights loaded (runner/state/checkpoint.py), and the files written. No
   training, no plan, no plugin.
 
 Layout (``checkpoints/step-N/export/``): ``pytorch_lora_weights.safetensors`` and/or
@@ -159,10 +159,9 @@ def export_checkpoint(cfg: Any, ckpt: Path, run: Any = None, trainer: Any = None
     trained weights into them and export. Host RAM: one copy of the models, as at the run's start."""
     from accelerate.utils import set_seed
 
+    from runner.build import build_trainer, prepare_models
     from runner.resolved import resolve
-    from runner.run import build_trainer
-    from runner.train_state import load_trainable_weights
-    from runner.trainer_setup import prepare_models
+    from runner.state.checkpoint import load_trainable_weights
 
     run = run if run is not None else resolve(cfg)
     trainer = trainer if trainer is not None else build_trainer(cfg, run)
@@ -225,7 +224,7 @@ def with_run_settings(cfg: Any, ckpt: Path) -> Any:
 
 def export_command(cfg: Any, out: Path) -> Path | None:
     """``mode=export``: export the checkpoint ``train.resume`` names; no training, no plan."""
-    from runner.train_state import find_checkpoint
+    from runner.state.checkpoint import find_checkpoint
 
     ckpt = find_checkpoint(cfg.train.resume)
     path = export_checkpoint(with_run_settings(cfg, ckpt), ckpt)

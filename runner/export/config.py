@@ -1,4 +1,4 @@
-"""``export.*``: the schema of the exports (registered in runner/config.py's RunConfig)."""
+"""``export.*``: the schema of the exports (registered in runner/config/__init__.py's RunConfig)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

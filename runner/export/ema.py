@@ -1,4 +1,4 @@
-"""The EMA of the trained weights, exported beside them (``ema.enabled``; runner/ema.py).
+"""The EMA of the trained weights, exported beside them (``ema.enabled``; runner/ema/average.py).
 
 A checkpoint holding ``ema.safetensors`` gets, in ``checkpoints/step-N/export/``, the same files
 for the average as for the trained weights:
@@ -29,9 +29,14 @@ from typing import Any
 
 import torch
 
-from runner.ema import FILE, ema_info
+from runner.ema.average import FILE, ema_info
 from runner.export.config import export_config
-from runner.export.lora import DIFFUSERS_EMA_FILE, KOHYA_EMA_FILE, write_diffusers_lora, write_kohya_lora
+from runner.export.lora import (
+    DIFFUSERS_EMA_FILE,
+    KOHYA_EMA_FILE,
+    write_diffusers_lora,
+    write_kohya_lora,
+)
 from runner.trainer import ModelSet
 
 FULL_EMA_DIR = "diffusers_ema"

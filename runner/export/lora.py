@@ -69,7 +69,7 @@ def lora_metadata(config: Any, info: dict[str, Any]) -> dict[str, str]:
         "preset": str(info.get("preset") or ""),
         "step": str(info.get("step", "")),
         "trainer": str(info.get("trainer", "")),
-        "weights": str(info.get("weights", "trained")),  # "ema": the average of the trained weights (runner/ema.py)
+        "weights": str(info.get("weights", "trained")),  # "ema": the average of the trained weights (runner/ema/average.py)
         "ss_network_module": "networks.lora",
         "ss_network_dim": str(config.r),
         "ss_network_alpha": str(config.lora_alpha),

@@ -21,7 +21,6 @@ model as a plan's (runner/plan/speed.py) with the anchor's per-phase counts, the
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 

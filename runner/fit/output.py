@@ -22,12 +22,12 @@ import yaml
 from omegaconf import OmegaConf
 
 from runner import registry
+from runner.cli.compose import compose_config
 from runner.errors import UserError
 from runner.fit.search import Candidate, FitResult, fitted_overrides, search
 from runner.plan.result import format_size
 from runner.plan.target import GiB
 from runner.plugin import KINDS
-from runner.validate import compose_config
 
 log = logging.getLogger("runner")
 

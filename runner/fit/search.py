@@ -22,8 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import torch
-
+from runner.build import build_trainer, prepare_models
+from runner.cli.compose import compose_config
+from runner.config.checks import validate
 from runner.errors import UserError
 from runner.fit.estimate import Anchor, Estimate, Estimator, Inventory, dtype_bytes
 from runner.fit.space import Knobs, Space, base_knobs, overrides_for
@@ -31,9 +32,6 @@ from runner.plan.result import Plan
 from runner.plan.simulate import plan_step, step_time_target
 from runner.plan.target import DEVICE, GiB
 from runner.resolved import planned_target, resolve
-from runner.run import build_trainer
-from runner.trainer_setup import prepare_models
-from runner.validate import compose_config, validate
 
 log = logging.getLogger("runner")
 

@@ -175,7 +175,7 @@ class Space:
     def valid(self, k: Knobs) -> bool:
         """Whether ``k`` is a configuration the runner accepts and the search may choose."""
         if k.fused and (k.micro != self.batch or k.optimizer_offload or (k.stream_gb is not None and k.train == "full")):
-            return False  # runner/fused.py refuses these
+            return False  # runner/optim/fused.py refuses these
         if k.fused and not self.base.fused and self.max_grad_norm > 0 and "per_param_clipping" not in self.allow:
             return False  # fused backward would clip per parameter: a different result
         if k.quantization is not None and k.train != "lora":

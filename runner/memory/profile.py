@@ -23,7 +23,7 @@ Outputs, in the run's output directory:
   it is skipped and the log and JSON say so (PyTorch records allocation history only for CUDA).
 
 Where the numbers come from: live bytes are counted by
-:class:`~runner.memory.tracker.LiveBytesTracker` on every device (exact storage bytes; on CUDA
+:class:`~runner.memory.live_bytes.LiveBytesTracker` on every device (exact storage bytes; on CUDA
 the allocator's figures sit beside them, larger by block rounding, cached blocks and library
 workspaces). The tracker is a ``TorchDispatchMode``: while it is active every op goes through
 Python, so the profiled steps run several times slower than the others (``s_per_step`` in
@@ -55,9 +55,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from runner.errors import UserError
+from runner.memory.live_bytes import CATEGORIES, LiveBytesTracker
+from runner.memory.live_bytes_views import OPTIONAL_CATEGORIES
 from runner.memory.stats import host_rss
-from runner.memory.tracker import CATEGORIES, LiveBytesTracker
-from runner.memory.tracker_views import OPTIONAL_CATEGORIES
 
 if TYPE_CHECKING:
     from runner.context import RunContext
@@ -355,7 +355,7 @@ class MemoryProfiler:
         true_peak = max(self.points, key=lambda p: p["peak_live_bytes_since_previous"], default=None)
         record = {
             "device": str(self.ctx.device),
-            "live_bytes_source": "runner.memory.tracker.LiveBytesTracker (tensor storage bytes on the training device)",
+            "live_bytes_source": "runner.memory.live_bytes.LiveBytesTracker (tensor storage bytes on the training device)",
             "steps": [self.first, self.last],
             "points": self.points,
             # The highest live bytes of the profiled steps, reached between the previous point and this one.

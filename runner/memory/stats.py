@@ -10,7 +10,7 @@ the caching allocator; no synchronisation):
 * ``memory_peak_gb`` / ``mem_peak_reserved_gb``: the highest allocated / reserved bytes so far
   (``torch.cuda.max_memory_allocated`` / ``max_memory_reserved``). The runner never resets these
   counters inside a run, because benchmarks and the planner's validation read
-  ``max_memory_allocated`` over a whole run; :func:`runner.sweep.run_job` resets them once when a
+  ``max_memory_allocated`` over a whole run; :func:`runner.cli.launch.run_job` resets them once when a
   job starts, so the jobs of a ``-m`` sweep do not inherit each other's peaks. (Per-step peaks
   would need a reset every step, as torchtune does, and would break those readers.)
 * ``mem_fragmentation`` = (reserved - allocated) / reserved: the share of reserved memory that

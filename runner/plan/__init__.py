@@ -32,9 +32,9 @@ Contract for plugins (what ``ctx.simulate`` means)
   fake tensors with the same byte size and dtype layout as the real ones (nf4: packed uint8 plus
   its absmax values), and its forward computes with fake tensors of the shapes and dtypes the
   real kernel produces (including what the real kernel dequantizes transiently).
-* Optimizers: the planner calls :func:`runner.optim.build_optimizer` with ``simulate=True``,
+* Optimizers: the planner calls :func:`runner.optim.build.build_optimizer` with ``simulate=True``,
   which returns an optimizer that allocates exactly the state the real one keeps after its first
-  step (checked against the real optimizers byte for byte in tests/runner/test_optimizers.py), then
+  step (checked against the real optimizers byte for byte in tests/runner/optim/test_optimizers.py), then
   runs ``wrap_optimizer``. A plugin wrapping the optimizer must keep ``step()`` runnable on it.
 * Encoding: a plugin that makes the encoders unnecessary during training (every latent and
   embedding cached) sets ``ctx.facts.encode_on_device = False`` by the end of
@@ -58,7 +58,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-
+from runner.cli.compose import compose_config
+from runner.config.checks import validate
 from runner.errors import UserError
 from runner.plan.fake import SimulationMode, fake_module, simulation_mode
 from runner.plan.result import PhasePeak, Plan, format_plan, format_size
@@ -67,7 +68,6 @@ from runner.plan.simulate import plan_step
 from runner.plan.suggest import suggest
 from runner.plan.target import CUDA_WORKSPACE_MARGIN_BYTES, DEVICE, HOST, GiB
 from runner.resolved import ResolvedRun
-from runner.validate import compose_config, validate
 
 __all__ = [
     "CUDA_WORKSPACE_MARGIN_BYTES", "DEVICE", "HOST", "PLAN_FILE", "GiB", "DeviceSemantics", "PhasePeak", "Plan",

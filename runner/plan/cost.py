@@ -28,9 +28,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import (
+    flop_registry,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+)
 
-from runner.optim import SimulatedOptimizer
+from runner.optim.build import SimulatedOptimizer
 
 aten = torch.ops.aten
 

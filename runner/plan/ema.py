@@ -1,12 +1,12 @@
-"""The planner's view of the EMA of the trained weights (``ema.enabled``; runner/ema.py).
+"""The planner's view of the EMA of the trained weights (``ema.enabled``; runner/ema/average.py).
 
-The simulation builds the same :class:`~runner.ema.EMA` the loop builds, over the simulated run's
+The simulation builds the same :class:`~runner.ema.average.EMA` the loop builds, over the simulated run's
 trained parameters as the plugins placed them, right after the optimizer (where the loop builds
 it): its copy is fake tensors on the simulated device or the fake host, so the tracker counts it
 where it will live, under the category ``ema`` and the trained module's name, and it stays live
 through every later phase (forward, backward, optimizer), as in a run. After the optimizer step
 one update runs (phase ``ema update``), which counts its temporaries (at most
-:data:`runner.ema.CHUNK_BYTES` of weights cast to the EMA dtype or staged on the host).
+:data:`runner.ema.average.CHUNK_BYTES` of weights cast to the EMA dtype or staged on the host).
 
 What the plan reports (``Plan.ema``, a line of the table): the copy's bytes on the device and on
 the host, its dtype and placement. With EMA off nothing is simulated and the plan is byte for
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from runner.ema import CATEGORY, EMA
+from runner.ema.average import CATEGORY, EMA
 
 PHASE = "ema"
 UPDATE_PHASE = "ema update"

@@ -6,8 +6,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runner.memory.tracker import CATEGORIES
-from runner.memory.tracker_views import OPTIONAL_CATEGORIES
+from runner.memory.live_bytes import CATEGORIES
+from runner.memory.live_bytes_views import OPTIONAL_CATEGORIES
 from runner.plan.target import DEVICE, HOST, GiB
 
 
@@ -42,7 +42,7 @@ class Plan:
     notes: dict[str, Any] = field(default_factory=dict)
     suggestions: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
-    sampling: dict[str, Any] | None = None  # sample.every: the sampling pass's peak beside the step's (runner/sampling/plan.py)
+    sampling: dict[str, Any] | None = None  # sample.every: the sampling pass's peak beside the step's (runner/plan/sampling.py)
     ema: dict[str, Any] | None = None  # ema.enabled: the EMA copy's bytes on the device and the host (plan/ema.py)
     validation: dict[str, Any] | None = None  # data.val_*: whether the validation pass was planned, and its peak
     step_time: dict[str, Any] | None = None  # predicted s/step and its FLOPs, bytes and copies (runner/plan/speed.py)

@@ -19,7 +19,13 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from runner.compat import engine_run_backward, foreach_mul_, foreach_norm, sdp_priority_order, unset_fake_temporarily
+from runner.compat import (
+    engine_run_backward,
+    foreach_mul_,
+    foreach_norm,
+    sdp_priority_order,
+    unset_fake_temporarily,
+)
 from runner.plan.target import DEVICE
 
 # CUDA autocast policies, from PyTorch's ATen/autocast_mode.h (AT_FORALL_LOWER_PRECISION_FP,

@@ -15,7 +15,7 @@ How a step is simulated
    (``trainer.example_raw_batch``, when the trainer has it and no plugin made encoding
    unnecessary), ``loss``, backward, gradient clipping, ``optimizer.step()``; with
    ``train.grad_accum > 1`` two micro-batches (every later micro-batch repeats the second
-   one's memory). A :class:`~runner.memory.tracker.LiveBytesTracker` counts live storage bytes
+   one's memory). A :class:`~runner.memory.live_bytes.LiveBytesTracker` counts live storage bytes
    per device, phase, category and top-level module. With ``ema.enabled`` the EMA copy is built
    right after the optimizer and updated once after its step (runner/plan/ema.py).
 4. Steady state: optimizer state is created by the first step and then lives through every
@@ -37,32 +37,39 @@ import torch
 from torch import nn
 
 from runner import registry
+from runner.build import build_plugins, build_trainer, prepare_models
 from runner.compat import without_dispatch_modes
 from runner.context import RunContext
 from runner.data import planned_size
 from runner.devices import reference_spec
-from runner.fused import FusedBackward, fuse_into_backward
 from runner.hostmem import collector_paused
-from runner.dist.plan import measure as measure_rank, rank_phase, rank_state_bytes
-from runner.memory.tracker import CATEGORIES, NO_MODULE, LiveBytesTracker
-from runner.memory.tracker_views import OPTIONAL_CATEGORIES
-from runner.optim import build_optimizer
-from runner.plan.batch import (cached_parts, encode_batch, encode_part_shapes, example_batch, fake_batch, move_batch,
-                               start_encode_part_shapes)
+from runner.memory.live_bytes import CATEGORIES, NO_MODULE, LiveBytesTracker
+from runner.memory.live_bytes_views import OPTIONAL_CATEGORIES
+from runner.optim.build import build_optimizer
+from runner.optim.fused import FusedBackward, fuse_into_backward
+from runner.plan.batch import (
+    cached_parts,
+    encode_batch,
+    encode_part_shapes,
+    example_batch,
+    fake_batch,
+    move_batch,
+    start_encode_part_shapes,
+)
+from runner.plan.calibrate import cpu_target
+from runner.plan.cost import CostCounter
+from runner.plan.dist import measure as measure_rank
+from runner.plan.dist import rank_phase, rank_state_bytes
 from runner.plan.ema import plan_ema
 from runner.plan.fake import fake_module, simulation_mode, weights_left_uninitialised
 from runner.plan.result import PhasePeak, Plan
-from runner.plan.calibrate import cpu_target
-from runner.plan.cost import CostCounter
+from runner.plan.sampling import plan_sampling
 from runner.plan.semantics import DeviceSemantics, SimulatedAccelerator
 from runner.plan.speed import StepTime, Target, Trained, gpu_target, predict
 from runner.plan.suggest import suggest
 from runner.plan.target import CUDA_WORKSPACE_MARGIN_BYTES, DEVICE, HOST
-from runner.plan.validation import plan_validation
+from runner.plan.val import plan_validation
 from runner.resolved import ResolvedRun, planned_target, resolve
-from runner.run import build_plugins, build_trainer
-from runner.sampling.plan import plan_sampling
-from runner.trainer_setup import prepare_models
 
 log = logging.getLogger("runner")
 
@@ -129,7 +136,7 @@ def plan_step(
 ) -> Plan:
     """Simulate one training step of ``cfg`` (with ``trainer`` and plugin ``schedule`` if given).
 
-    ``cfg``: the composed run config (``runner.validate.compose_config``); ``run``: the resolved
+    ``cfg``: the composed run config (``runner.cli.compose.compose_config``); ``run``: the resolved
     run to plan (a training run's own, for its preflight; default: ``cfg`` resolved for
     ``target``, itself by default CUDA unless ``train.device=cpu``); ``trainer``: any object
     following the trainer protocol (default: built from ``cfg.trainer``); ``schedule``: a
@@ -151,7 +158,7 @@ def plan_step(
             counter = timing.counter()
             sim.tracker.op_observer = counter.observe  # FLOPs, bytes and copies of every op (runner/plan/cost.py)
             sampling = plan_sampling(sim)  # sample.every: keeps the VAE as the sampler does; a no-op when off
-            validation = plan_validation(sim)  # data.val_*: only when it can raise the peak (runner/plan/validation.py)
+            validation = plan_validation(sim)  # data.val_*: only when it can raise the peak (runner/plan/val.py)
             with sim.mode:
                 try:
                     with sim.tracker, sim.semantics:
@@ -159,7 +166,7 @@ def plan_step(
                         for i in range(sim.n_micro):
                             sim.timed("forward+backward", sim.forward_backward, i)
                         sim.timed("optimizer", sim.optimizer_step)
-                        sampling.simulate()  # one sampling pass, between steps (runner/sampling/plan.py)
+                        sampling.simulate()  # one sampling pass, between steps (runner/plan/sampling.py)
                         validation.simulate()  # one validation pass, between steps
                 finally:
                     sim.tracker.detach_module_hooks()
@@ -277,7 +284,7 @@ class _Simulation:
         self.state_by_dev: dict[str, dict[str, dict[str, int]]] = {}
         self.host_steady = 0
         self.ema = plan_ema(self)  # ema.enabled: the copy, counted where it lives (runner/plan/ema.py); else a no-op
-        self.fused = False  # optimizer.fused_backward: the optimizer steps inside backward (runner/fused.py)
+        self.fused = False  # optimizer.fused_backward: the optimizer steps inside backward (runner/optim/fused.py)
         self.rank_layout: Any = None
         # Last: the encoders' output shapes, from the models as built, on the second core while
         # setup runs (runner/plan/beside.py); needed from the first forward (self.part_shapes).
@@ -409,7 +416,7 @@ def _assemble(sim: _Simulation, seconds: float) -> Plan:
     best: dict[str, PhasePeak] = {}
     phases: dict[str, int] = {}
     for name, per_dev in recorder.phases:
-        moved = 0  # dist.cpu_offload: this rank's shards on the host (runner/dist/plan.py)
+        moved = 0  # dist.cpu_offload: this rank's shards on the host (runner/plan/dist.py)
         for dev, pk in sorted(per_dev.items(), key=lambda kv: kv[0] != DEVICE.type):
             if name.startswith(("forward", "backward")) and not sim.fused:  # steady state: the state lives through them
                 extra = state.get(dev, {})
@@ -417,7 +424,7 @@ def _assemble(sim: _Simulation, seconds: float) -> Plan:
                 for m, n in extra.items():
                     by_module.setdefault(m, {})["optimizer_state"] = by_module.get(m, {}).get("optimizer_state", 0) + n
                 pk = PhasePeak(name, pk.where, pk.peak_bytes + sum(extra.values()), by_module)
-            if sim.rank_layout is not None:  # dist=ddp|fsdp: one rank's bytes (runner/dist/plan.py)
+            if sim.rank_layout is not None:  # dist=ddp|fsdp: one rank's bytes (runner/plan/dist.py)
                 pk, moved = rank_phase(sim.rank_layout, pk, dev == DEVICE.type, moved)
             if dev == DEVICE.type:
                 phases[name] = pk.peak_bytes
@@ -460,7 +467,7 @@ def _assemble(sim: _Simulation, seconds: float) -> Plan:
     describe = getattr(trainer, "describe_sample", None)  # optional: a trainer whose sample is not a square image
     if callable(describe):
         run["sample"] = str(describe())
-    if sim.run.dist.active:  # the plan is one rank's (runner/dist/plan.py)
+    if sim.run.dist.active:  # the plan is one rank's (runner/plan/dist.py)
         run.update(dist=sim.run.dist.name, world_size=sim.run.dist.world_size, rank_text=sim.run.dist.describe())
     plan = Plan(
         target=target,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from runner import registry
-from runner.optim import OPTIMIZERS
+from runner.optim.build import OPTIMIZERS
 from runner.plan.result import Plan
 
 

@@ -24,5 +24,5 @@ DEVICE = torch.device("meta")  # the simulated accelerator
 HOST = torch.device("cpu")  # the simulated host (fake cpu tensors)
 # cuBLAS/cuDNN workspaces and allocator rounding have no Python-visible tensor. On an H100 the
 # CUDA allocator read ~35 MB above the live-bytes tracker after a forward and ~68 MB after a
-# backward (runner/memory/tracker.py); 128 MiB covers that with room for a second stream.
+# backward (runner/memory/live_bytes.py); 128 MiB covers that with room for a second stream.
 CUDA_WORKSPACE_MARGIN_BYTES = 128 * 2**20

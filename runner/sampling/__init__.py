@@ -27,15 +27,15 @@ How sampling stays inside the memory budget of the training run
   reference to it, so it stays on the host (its weights, ~160 MB in bf16 for SDXL/Flux, stay in
   host RAM) instead of being freed; it never stays on the device. It is the module object
   ``tiling=vae`` tiled, so the decode is tiled when tiling is on.
-* The planner plans this pass too (:mod:`runner.sampling.plan`) and reports its peak beside the
+* The planner plans this pass too (:mod:`runner.plan.sampling`) and reports its peak beside the
   training step's.
 
 Sampling changes nothing in training: ``no_grad``; every module's train/eval flags restored; the
 global RNG states (CPU and CUDA) forked and restored; each image's noise comes from its own
-generator. Losses with and without sampling are bit-identical (tests/runner/test_sampling.py).
+generator. Losses with and without sampling are bit-identical (tests/runner/sampling/test_sampling.py).
 An out-of-memory error while sampling is logged and the samples of that step are skipped: a
 sample must never cost the training run. ``sample.use_ema=true`` samples with the EMA of the
-trained weights (runner/ema.py): they are copied into the trained parameters for the pass and
+trained weights (runner/ema/average.py): they are copied into the trained parameters for the pass and
 the trained values copied back exactly after it (backed up in host RAM meanwhile).
 
 A user's trainer may implement ``sample(models, prompts, *, steps, guidance, seed, resolution,

@@ -1,6 +1,6 @@
 """``sample.*``: the settings of samples during training, and their checks.
 
-Kept apart from the sampler so that ``runner/config.py`` (the root schema) imports a plain
+Kept apart from the sampler so that ``runner/config/__init__.py`` (the root schema) imports a plain
 dataclass, not torch or diffusers.
 """
 from __future__ import annotations
@@ -61,7 +61,7 @@ def check_sample_config(cfg: Any) -> None:
     ema = cfg.get("ema")
     if c.get("use_ema", False) and (ema is None or not ema.enabled):
         raise UserError("sample.use_ema=true samples with the EMA of the trained weights, but ema.enabled=false: set "
-                        "ema.enabled=true (runner/ema.py), or sample.use_ema=false to sample the trained weights.")
+                        "ema.enabled=true (runner/ema/average.py), or sample.use_ema=false to sample the trained weights.")
     if c.prompts and c.prompts_file is not None:
         raise UserError("sample.prompts and sample.prompts_file are both set: give the prompts one way, "
                         "a list (sample.prompts=['a cat','a dog']) or a file with one prompt a line.")

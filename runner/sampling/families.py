@@ -21,8 +21,8 @@ CPU; we decode on the run's device, with the VAE brought there only for the deco
 from __future__ import annotations
 
 import functools
-from contextlib import AbstractContextManager
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from typing import Any, Callable
 
 import torch

@@ -5,7 +5,7 @@ Registered by the path of their class, with their schema from runner/trainers/co
 loss objective: the trainer modules import torch and diffusers, and are imported only when a run
 builds the trainer (``loss.*`` options are checked against the registered objective before that).
 """
-from runner.loss_config import DDPM, FLOW
+from runner.loss.config import DDPM, FLOW
 from runner.registry import register_trainer
 from runner.trainers.configs import (
     SD15_NATIVE_RESOLUTION,

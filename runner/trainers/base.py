@@ -8,7 +8,7 @@ Three layers, so that a model family is one small file (docs/adding-a-family.md)
   sampling hooks; example batches for the planner.
 * one base per loss family: :class:`runner.trainers.ddpm.DDPMTrainer` (epsilon or v-prediction:
   SDXL, SD1.5/SD2.1) and :class:`runner.trainers.flow.FlowMatchTrainer` (rectified flow: Flux,
-  SD3.5), which own the loss and its options (``loss.*``, runner/losses.py);
+  SD3.5), which own the loss and its options (``loss.*``, runner/loss/objectives.py);
 * the family: its module classes and config dicts, the text part of ``encode``, the denoiser
   call (``predict``), latent packing and its pipeline class.
 
@@ -27,8 +27,8 @@ from torch import nn
 
 from runner.blocks import find_repeated_blocks
 from runner.errors import UserError, valid_list
-from runner.losses import check_objective, loss_config
-from runner.trainer import Batch, EncodePart, ModelSet
+from runner.loss.objectives import check_objective, loss_config
+from runner.trainer import Batch, EncodePart, ModelSet, salted
 from runner.trainers.loading import (
     SAFETENSORS_ACCEPTED,
     attach_lora,
@@ -47,21 +47,12 @@ log = logging.getLogger("runner")
 
 TRAIN_MODES = ("full", "lora")
 # Salts of the per-sample draws (see salted / per_sample_rand), shared by every family so that a
-# sample's VAE draw and timestep never coincide with its noise. runner/losses.py uses 3.
+# sample's VAE draw and timestep never coincide with its noise. runner/loss/objectives.py uses 3.
 VAE_SALT = 1
 TIMESTEP_SALT = 2
 
 
 # ---- per-sample randomness ----------------------------------------------------------------------
-def salted(seeds: torch.Tensor, salt: int) -> torch.Tensor:
-    """Derived per-sample seeds, so two draws from one sample's seed are independent.
-
-    Without it the VAE posterior sample and the diffusion noise of a sample would be the *same*
-    numbers (same seed, same shape).
-    """
-    return torch.tensor([(int(s) * 7_919_007 + salt) % (1 << 62) for s in seeds.tolist()], dtype=torch.int64)
-
-
 def sample_latents(dist: Any, seeds: torch.Tensor, salt: int) -> torch.Tensor:
     """``mean + std * eps`` of a VAE posterior in float32, with eps drawn per sample.
 
@@ -135,7 +126,7 @@ class DiffusersTrainer:
     family: str = ""  # matched against an original single file's layout (runner/trainers/single_file.py)
     reference_repo: str = ""  # hub repo whose tokenizers an original single file's text encoders need
     display_name: str = ""  # the family in messages ("SDXL"); the class name when empty
-    objective: str | None = None  # runner.losses.DDPM | FLOW, set by the loss-family base
+    objective: str | None = None  # runner.loss.objectives.DDPM | FLOW, set by the loss-family base
     resolution_multiple: int = 8  # data.resolution must be a multiple (VAE factor x latent packing)
     kohya_lora: bool = True  # whether diffusers reads a kohya-layout LoRA of this family back (runner/export/)
     kohya_base_model_version: str | None = None  # kohya's ss_base_model_version of this family's LoRAs
@@ -167,7 +158,7 @@ class DiffusersTrainer:
         if self.source is not None and self.source[0] == "file":
             self._open_single_file(self.source[1])
         name = self.display_name or type(self).__name__
-        self.loss_options = loss_config(cfg)  # loss.* (runner/losses.py), read by the loss-family base
+        self.loss_options = loss_config(cfg)  # loss.* (runner/loss/objectives.py), read by the loss-family base
         if self.objective is not None:
             check_objective(self.loss_options, self.objective, f"trainer {name}")
         export = cfg.get("export") if hasattr(cfg, "get") else None
@@ -437,7 +428,7 @@ class DiffusersTrainer:
             sig["data"] = {
                 "resolution": int(data.resolution),
                 "center_crop": bool(data.get("center_crop", True)),
-            }  # not random_flip: the orientation is per entry (runner/cache.py, runner/data/flip.py)
+            }  # not random_flip: the orientation is per entry (plugins/park/cache.py, runner/data/flip.py)
         if "caption" in spec.inputs:
             sig["tokenizers"] = {
                 m.replace("text_encoder", "tokenizer"): self.tokenizer_source(m.replace("text_encoder", "tokenizer"))
@@ -447,7 +438,9 @@ class DiffusersTrainer:
         return sig
 
     def dataset(self) -> Any:
-        from runner.data import build_dataset  # lazily: the data module is optional for planning
+        from runner.data import (
+            build_dataset,  # lazily: the data module is optional for planning
+        )
 
         return build_dataset(self.cfg.data)
 

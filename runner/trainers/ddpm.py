@@ -5,7 +5,7 @@ What SDXL and SD1.5/SD2.1 share, from diffusers' ``train_text_to_image*.py`` scr
 timestep ``t ~ U{0, ..., T-1}`` from the sample's seed; ``x_t = add_noise(x0, noise, t)``; the
 target is the noise (epsilon) or ``get_velocity(x0, noise, t)`` (v_prediction); the loss is the
 MSE in float32. ``loss.noise_offset``, ``loss.min_snr_gamma`` and ``loss.type`` change it as
-runner/losses.py describes; at their defaults this is the plain loss, bit for bit.
+runner/loss/objectives.py describes; at their defaults this is the plain loss, bit for bit.
 
 A family sets ``noise_schedule`` (the betas) and implements ``predict`` (the denoiser call).
 """
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from runner.errors import UserError, valid_list
-from runner.losses import DDPM, ddpm_noise, diffusion_loss, min_snr_weights
+from runner.loss.objectives import DDPM, ddpm_noise, diffusion_loss, min_snr_weights
 from runner.trainer import Batch, ModelSet, per_sample_rand
 from runner.trainers.base import TIMESTEP_SALT, DiffusersTrainer
 

@@ -2,7 +2,7 @@
 
 What Flux and SD3.5 share, from diffusers' ``train_dreambooth_{flux,sd3}.py``: per sample a noise
 draw and a t in (0, 1) from the sample's seed (``loss.timestep_sampling``, then
-``loss.timestep_shift``; runner/losses.py has the formulas), ``x_t = (1 - t) x0 + t noise``, and
+``loss.timestep_shift``; runner/loss/objectives.py has the formulas), ``x_t = (1 - t) x0 + t noise``, and
 the target is the velocity ``noise - x0``; the loss is the MSE in float32 (``loss.type``) over the
 denoiser's output layout (:meth:`~runner.trainers.base.DiffusersTrainer.pack` of the target).
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from runner.losses import FLOW, diffusion_loss, shifted_flow_timesteps
+from runner.loss.objectives import FLOW, diffusion_loss, shifted_flow_timesteps
 from runner.trainer import Batch, ModelSet, per_sample_rand, per_sample_randn
 from runner.trainers.base import TIMESTEP_SALT, DiffusersTrainer
 

@@ -10,7 +10,7 @@ Loss: the flow-matching family's (runner/trainers/flow.py), ``x_t = (1 - t) x0 +
 which concentrates training on middle noise levels as SD3/Flux trainers do (diffusers'
 ``compute_density_for_timestep_sampling("logit_normal")``), with no shift (as diffusers' Flux
 scripts train); ``loss.timestep_sampling``, ``loss.timestep_shift`` (``resolution``: Flux's own
-``mu`` from the image's token count) change it (runner/losses.py).
+``mu`` from the image's token count) change it (runner/loss/objectives.py).
 """
 from __future__ import annotations
 
@@ -25,8 +25,6 @@ from runner.trainers.configs import FluxTrainerConfig
 from runner.trainers.flow import FlowMatchTrainer
 from runner.trainers.loading import compute_dtype
 from runner.trainers.tokenizers import clip_tokenizer, t5_tokenizer, tokenize
-
-
 
 
 @functools.lru_cache(maxsize=1)

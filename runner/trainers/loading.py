@@ -327,3 +327,13 @@ def attach_lora(
         ) from None
     cast_training_params(model, dtype=dtype)
     return model
+
+
+def build_denoiser(name: str, device: str = "meta", dtype: Any = None) -> Any:
+    """Build a full-size denoiser by name; on ``meta`` by default (no storage, for planning)."""
+    import diffusers
+
+    from runner.trainers.model_configs import denoiser_config
+
+    cls_name, cfg = denoiser_config(name)
+    return build_module(getattr(diffusers, cls_name), cfg, device, dtype or torch.float32)

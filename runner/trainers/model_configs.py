@@ -376,14 +376,3 @@ def denoiser_config(name: str) -> tuple[str, dict[str, Any]]:
         raise UserError(f"Unknown denoiser '{name}'. Valid names: {valid_list(name, DENOISERS)}.")
     cls_name, cfg = DENOISERS[name]
     return cls_name, copy.deepcopy(cfg)
-
-
-def build_denoiser(name: str, device: str = "meta", dtype: Any = None) -> Any:
-    """Build a full-size denoiser by name; on ``meta`` by default (no storage, for planning)."""
-    import diffusers
-    import torch
-
-    from runner.trainers.loading import build_module
-
-    cls_name, cfg = denoiser_config(name)
-    return build_module(getattr(diffusers, cls_name), cfg, device, dtype or torch.float32)

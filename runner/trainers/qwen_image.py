@@ -37,9 +37,9 @@ from typing import Any
 import torch
 
 from runner.errors import UserError
-from runner.trainers.configs import QwenImageTrainerConfig
 from runner.trainer import Batch, EncodePart, ModelSet, batch_device
 from runner.trainers import qwen_image_configs
+from runner.trainers.configs import QwenImageTrainerConfig
 from runner.trainers.flow import FlowMatchTrainer
 from runner.trainers.loading import compute_dtype
 from runner.trainers.tokenizers import qwen2_tokenizer

@@ -90,7 +90,9 @@ def open_clip_converter(prefix: str) -> Callable[[dict, dict, nn.Module], dict]:
 def convert_t5(state: dict, config: dict, model: nn.Module) -> dict:
     """ComfyUI's t5xxl files store the embedding once, as ``shared.weight``; T5 ties it to the
     encoder's ``embed_tokens`` (re-tied after loading, see :func:`load_component`)."""
-    from diffusers.loaders.single_file_utils import convert_sd3_t5_checkpoint_to_diffusers
+    from diffusers.loaders.single_file_utils import (
+        convert_sd3_t5_checkpoint_to_diffusers,
+    )
 
     out = convert_sd3_t5_checkpoint_to_diffusers(state)
     if "shared.weight" in out and "encoder.embed_tokens.weight" not in out:

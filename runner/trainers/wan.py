@@ -31,9 +31,9 @@ from typing import Any
 import torch
 
 from runner.errors import UserError
-from runner.trainers.configs import WanTrainerConfig
 from runner.trainer import Batch, EncodePart, ModelSet, batch_device
 from runner.trainers import wan_configs
+from runner.trainers.configs import WanTrainerConfig
 from runner.trainers.flow import FlowMatchTrainer
 from runner.trainers.loading import compute_dtype
 from runner.trainers.qwen_image import latent_factor, normalize_per_channel

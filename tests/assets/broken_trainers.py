@@ -1,4 +1,4 @@
-"""User trainers that fail in the ways a half-written trainer does (tests/runner/test_bad_inputs.py)."""
+"""User trainers that fail in the ways a half-written trainer does (tests/runner/cli/test_bad_inputs.py)."""
 from __future__ import annotations
 
 

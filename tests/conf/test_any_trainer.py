@@ -20,11 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from planner_truth import assert_plan_matches_a_real_cpu_step
 
 from runner.__main__ import run
+from runner.cli.compose import compose_config
+from runner.config.checks import validate
+from runner.files import conf_dir
 from runner.loop import read_metrics
-from runner.validate import compose_config, conf_dir, validate
-from planner_truth import assert_plan_matches_a_real_cpu_step
 
 ROOT = Path(__file__).resolve().parents[2]
 ASSETS = ROOT / "tests" / "assets"

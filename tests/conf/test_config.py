@@ -6,8 +6,10 @@ import re
 import pytest
 from omegaconf import OmegaConf
 
+from runner.cli.compose import compose_config, expand_sweeps, precheck
+from runner.config.checks import validate
 from runner.errors import UserError
-from runner.validate import compose_config, conf_dir, expand_sweeps, precheck, validate
+from runner.files import conf_dir
 
 PRESETS = sorted(p.stem for p in (conf_dir() / "preset").glob("*.yaml"))
 

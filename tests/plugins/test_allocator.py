@@ -10,6 +10,10 @@ import pytest
 import torch
 from hydra.core.config_store import ConfigStore
 
+from runner.cli.compose import compose_config
+from runner.context import RunContext
+from runner.errors import UserError
+from runner.plugin import PluginSchedule
 from runner.plugins.allocator import (
     ENV,
     ENV_NEW,
@@ -19,11 +23,7 @@ from runner.plugins.allocator import (
     apply_allocator_settings,
     merge_alloc_conf,
 )
-from runner.context import RunContext
-from runner.errors import UserError
-from runner.plugin import PluginSchedule
 from runner.resolved import GiB, ResolvedRun, resolve
-from runner.validate import compose_config
 
 
 @functools.cache

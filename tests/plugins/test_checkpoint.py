@@ -15,22 +15,21 @@ import torch
 from hydra.core.config_store import ConfigStore
 from torch import nn
 
+from runner.blocks import find_repeated_blocks
+from runner.cli.compose import compose_config
+from runner.context import RunContext
+from runner.errors import UserError
+from runner.hooks import marked
+from runner.memory.live_bytes import LiveBytesTracker
+from runner.plugin import PluginSchedule
 from runner.plugins.checkpoint import (
     BlockCheckpointing,
     CheckpointConfig,
     apply_activation_checkpointing,
     remove_activation_checkpointing,
 )
-from runner.blocks import find_repeated_blocks
-from runner.context import RunContext
-from runner.errors import UserError
-from runner.hooks import marked
-from runner.memory.tracker import LiveBytesTracker
-from runner.plugin import PluginSchedule
 from runner.resolved import ResolvedRun, resolve
 from runner.trainer import ModelSet
-from runner.validate import compose_config
-
 
 # One intra-op thread (tests/conftest.py): faster tiny ops, bitwise-reproducible runs.
 pytestmark = pytest.mark.usefixtures("one_thread")

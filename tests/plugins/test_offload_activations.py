@@ -11,16 +11,16 @@ import logging
 
 import pytest
 import torch
+from tiny_training import assert_identical_training, fake_unet_inputs, tiny_trainer
 from torch import nn
 
+from runner.cli.compose import compose_config
+from runner.config.checks import validate
+from runner.errors import UserError
+from runner.memory.live_bytes import LiveBytesTracker
 from runner.plugins.checkpoint import apply_activation_checkpointing
 from runner.plugins.offload_activations import ActivationOffloader, offload_activations
 from runner.plugins.stream import apply_stream_offload
-from runner.errors import UserError
-from runner.memory.tracker import LiveBytesTracker
-from runner.validate import compose_config, validate
-from tiny_training import assert_identical_training, fake_unet_inputs, tiny_trainer
-
 
 # One intra-op thread (tests/conftest.py): faster tiny ops, bitwise-reproducible runs.
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -185,11 +185,15 @@ def test_plugin_on_a_cpu_target_is_a_no_op_and_the_cpu_plan_equals_the_run(tmp_p
     import json
 
     from runner.__main__ import run as run_main
+    from runner.build import (
+        build_plugins,
+        build_trainer,
+        make_context,
+        prepare_models,
+    )
     from runner.loop import make_accelerator, read_metrics
     from runner.plan import plan_step
     from runner.resolved import resolve
-    from runner.run import build_plugins, build_trainer, make_context
-    from runner.trainer_setup import prepare_models
 
     common = ["train.device=cpu", "checkpoint=blocks", "train.progress=false"]
     cfg = compose_config([*common, "offload=activations"])

@@ -11,13 +11,13 @@ import pytest
 import torch
 from diffusers.optimization import get_scheduler
 
+from runner.build import build_trainer
+from runner.cli.compose import compose_config
+from runner.config.checks import validate
+from runner.errors import UserError
+from runner.memory.live_bytes import LiveBytesTracker
 from runner.plugins.offload_optimizer import offload_optimizer, torchao_available
 from runner.plugins.optimizer_wrappers import HostStateOptimizer, HostStepOptimizer
-from runner.errors import UserError
-from runner.memory.tracker import LiveBytesTracker
-from runner.run import build_trainer
-from runner.validate import compose_config, validate
-
 
 # One intra-op thread (tests/conftest.py): faster tiny ops, bitwise-reproducible runs.
 pytestmark = pytest.mark.usefixtures("one_thread")

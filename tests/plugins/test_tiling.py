@@ -16,7 +16,6 @@ Bounds stated here, all measured on this CPU with random-init tiny models:
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 
 import pytest
@@ -24,6 +23,14 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from runner.cli.compose import compose_config
+from runner.config.checks import validate
+from runner.context import RunContext
+from runner.data.demo import demo_image
+from runner.data.images import _to_tensor
+from runner.errors import UserError
+from runner.memory.live_bytes import LiveBytesTracker
+from runner.plugin import PluginSchedule
 from runner.plugins.tiling import (
     AttentionConfig,
     TilingConfig,
@@ -33,16 +40,9 @@ from runner.plugins.tiling import (
     apply_vae_tiling,
     check_config,
 )
-from runner.context import RunContext
-from runner.data.demo import demo_image
-from runner.data.images import _to_tensor
-from runner.errors import UserError
-from runner.memory.tracker import LiveBytesTracker
-from runner.plugin import PluginSchedule
 from runner.resolved import ResolvedRun, resolve
 from runner.trainer import ModelSet
 from runner.trainers.model_configs import sdxl_configs
-from runner.validate import compose_config, validate
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -222,7 +222,10 @@ def test_attention_backends_match_default(unet):
 def test_attention_backend_holds_in_checkpoint_recomputation(unet):
     """The recomputation in backward runs outside any step context: it must use the same kernel."""
     from runner.blocks import find_repeated_blocks
-    from runner.plugins.checkpoint import apply_activation_checkpointing, remove_activation_checkpointing
+    from runner.plugins.checkpoint import (
+        apply_activation_checkpointing,
+        remove_activation_checkpointing,
+    )
 
     inputs = unet_inputs(16)
     base = step(unet, inputs)

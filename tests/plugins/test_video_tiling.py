@@ -18,21 +18,28 @@ from __future__ import annotations
 
 import pytest
 import torch
+from planner_truth import assert_plan_matches_a_real_cpu_step
 from torch import nn
 
+from runner.cli.compose import compose_config
+from runner.config.checks import validate
 from runner.context import RunContext
 from runner.data.demo_video import demo_frame
 from runner.data.video import frames_to_tensor
-from runner.memory.tracker import LiveBytesTracker
+from runner.memory.live_bytes import LiveBytesTracker
 from runner.plan import plan_step
 from runner.plugin import PluginSchedule
-from runner.plugins.tiling import TilingConfig, VaeTiling, apply_vae_tiling, is_tileable_vae, vae_downsampling
+from runner.plugins.tiling import (
+    TilingConfig,
+    VaeTiling,
+    apply_vae_tiling,
+    is_tileable_vae,
+    vae_downsampling,
+)
 from runner.resolved import resolve
 from runner.trainer import ModelSet
 from runner.trainers.qwen_image_configs import qwen_image_configs
 from runner.trainers.wan_configs import wan_configs
-from runner.validate import compose_config, validate
-from planner_truth import assert_plan_matches_a_real_cpu_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

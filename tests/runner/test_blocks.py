@@ -2,7 +2,12 @@
 from __future__ import annotations
 
 import torch
-from diffusers import DiTTransformer2DModel, FluxTransformer2DModel, UNet2DConditionModel, WanTransformer3DModel
+from diffusers import (
+    DiTTransformer2DModel,
+    FluxTransformer2DModel,
+    UNet2DConditionModel,
+    WanTransformer3DModel,
+)
 from torch import nn
 
 from runner.blocks import find_repeated_blocks

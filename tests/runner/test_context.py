@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from runner.__main__ import run
+from runner.cli.compose import compose_config
 from runner.errors import UserError
 from runner.hooks import marked
 from runner.plan import plan_step
-from runner.validate import compose_config
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILT: dict[str, torch.nn.Module] = {}

@@ -20,13 +20,13 @@ from faults import faults_supported, with_faults
 from safetensors.torch import load_file
 
 from runner.__main__ import run
+from runner.cli.compose import compose_config
+from runner.cli.launch import run_job
 from runner.errors import Interrupted
-from runner.loop import StopRequest, read_metrics
-from runner.nonfinite import NonFiniteStop
-from runner.sweep import run_job
-from runner.train_state import TrainState, remove_leftovers, save_checkpoint
+from runner.guards.nonfinite import NonFiniteStop
+from runner.loop import StopRequest
+from runner.state.checkpoint import TrainState, remove_leftovers, save_checkpoint
 from runner.trainer import ModelSet
-from runner.validate import compose_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

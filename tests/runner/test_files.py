@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from runner.cache_entry import write_entry
 from runner.files import current_umask, fix_tree_modes
-from runner.report import write_text_atomic
+from runner.output.report import write_text_atomic
+from runner.plugins.park.entry import write_entry
 
 
 @pytest.fixture(params=[0o022, 0o077, 0o002], ids=["umask022", "umask077", "umask002"])

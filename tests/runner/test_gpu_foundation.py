@@ -15,8 +15,11 @@ import torch
 from diffusers import UNet2DConditionModel
 
 from runner.blocks import find_repeated_blocks
-from runner.plugins.checkpoint import apply_activation_checkpointing, remove_activation_checkpointing
-from runner.memory.tracker import LiveBytesTracker
+from runner.memory.live_bytes import LiveBytesTracker
+from runner.plugins.checkpoint import (
+    apply_activation_checkpointing,
+    remove_activation_checkpointing,
+)
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]

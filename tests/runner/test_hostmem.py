@@ -9,9 +9,10 @@ import sys
 import pytest
 import torch
 
+from runner.cli.compose import compose_config
+from runner.config.checks import validate
 from runner.hostmem import collector_paused, keep_freed_host_memory
 from runner.resolved import resolve
-from runner.validate import compose_config, validate
 
 
 def test_the_collector_is_paused_inside_and_restored_after():

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
+from runner.cli.compose import compose_config
 from runner.errors import UserError
 from runner.plugin import KINDS, PHASES, Plugin, PluginSchedule, order_for_phase
 from runner.resolved import resolve
-from runner.validate import compose_config
 
 RUN = resolve(compose_config(["train.device=cpu"]))  # ordering reads no setting of the run
 
@@ -110,7 +110,7 @@ def test_describe():
 
 def test_kind_none_selects_no_plugin():
     # `<kind>=none` used to build a do-nothing "none" plugin; it now selects no plugin at all.
-    from runner.run import build_plugins
+    from runner.build import build_plugins
 
     cfg = compose_config([f"{kind}=none" for kind in KINDS] + ["train.device=cpu"])
     sched = build_plugins(cfg, resolve(cfg))

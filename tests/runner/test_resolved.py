@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from runner.__main__ import run
+from runner.cli.compose import compose_config
 from runner.resolved import GiB, resolve
-from runner.validate import compose_config
 
 PRESETS = ("sdxl_24gb", "flux_24gb", "constrained", "flux_24gb_full")
 

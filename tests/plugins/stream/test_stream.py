@@ -14,8 +14,15 @@ import math
 
 import pytest
 import torch
+from tiny_training import assert_identical_training, fake_unet_inputs, tiny_trainer
 from torch import nn
 
+from runner.blocks import find_repeated_blocks
+from runner.build import build_trainer
+from runner.cli.compose import compose_config
+from runner.config.checks import validate
+from runner.errors import UserError
+from runner.memory.live_bytes import LiveBytesTracker
 from runner.plugins.checkpoint import apply_activation_checkpointing
 from runner.plugins.stream import (
     GiB,
@@ -26,12 +33,6 @@ from runner.plugins.stream import (
     minimum_device_bytes,
     plan_stream,
 )
-from runner.blocks import find_repeated_blocks
-from runner.errors import UserError
-from runner.memory.tracker import LiveBytesTracker
-from runner.run import build_trainer
-from runner.validate import compose_config, validate
-from tiny_training import assert_identical_training, fake_unet_inputs, tiny_trainer
 
 STEPS = 3
 
@@ -139,8 +140,8 @@ def test_composes_with_fp8_storage_and_keeps_bitsandbytes_blocks_resident():
     saves for backward: they stream like any weight (same losses and LoRA gradients). bitsandbytes
     parameters carry their quantization state with them: their blocks stay resident, and a budget
     that would need them streamed is a UserError that says so."""
-    from runner.plugins.bnb_quant import apply_bnb_quantization
-    from runner.plugins.fp8 import apply_fp8_storage
+    from runner.plugins.quantization.bnb import apply_bnb_quantization
+    from runner.plugins.quantization.fp8 import apply_fp8_storage
 
     def run(stream: bool):
         tr, models, name = build("sdxl", "lora")

@@ -139,8 +139,8 @@ def test_bad_bucket_settings(tmp_path, change, words):
 
 
 def test_plan_plans_the_largest_bucket_and_says_so(tmp_path):
+    from runner.cli.compose import compose_config
     from runner.plan import plan_step
-    from runner.validate import compose_config
 
     folder = make_folder(tmp_path / "data", [(96, 64), (64, 96)])
     cfg = compose_config(["train.device=cpu", f"data.path={folder}", "data.resolution=64", "data.buckets=true",

@@ -12,11 +12,16 @@ import pytest
 from omegaconf import OmegaConf
 from PIL import Image
 
+from runner.cli.compose import compose_config
 from runner.config import DataConfig
 from runner.data import TrainingData, build_dataset, visit_samples
-from runner.data.captions import CaptionRules, caption_rules, check_cache_compatible, split_tags
+from runner.data.captions import (
+    CaptionRules,
+    caption_rules,
+    check_cache_compatible,
+    split_tags,
+)
 from runner.errors import UserError
-from runner.validate import compose_config
 
 CAPTION = "sks person, red hat, smiling, outdoors, , blue sky,"
 TAGS = ["sks person", "red hat", "smiling", "outdoors", "blue sky"]

@@ -14,7 +14,13 @@ from omegaconf import OmegaConf
 from PIL import Image
 
 from runner.config import DataConfig
-from runner.data import DemoDataset, FolderDataset, build_dataset, collate, describe_dataset
+from runner.data import (
+    DemoDataset,
+    FolderDataset,
+    build_dataset,
+    collate,
+    describe_dataset,
+)
 from runner.data.demo import demo_caption
 from runner.data.images import IMAGE_EXTENSIONS
 from runner.errors import UserError

@@ -5,7 +5,7 @@ on the visit's seed only (so any split of a step into micro-batches flips the sa
 a resumed run flips as the run it continues would have); the flip is an exact mirror; a disabled
 flip leaves the batch untouched. End to end: a resumed run with flips gives the losses of the
 run never stopped, and flips change the losses (they are applied). The cached == uncached check
-with flips is in tests/plugins/test_park.py, the OOM split in tests/runner/test_oom.py.
+with flips is in tests/plugins/park/test_park.py, the OOM split in tests/runner/guards/test_oom.py.
 """
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from runner.cli.compose import compose_config
 from runner.data import DemoDataset, collate
 from runner.data.flip import NO_FLIP, VisitFlip, flip_rows, flips_on_visit, visit_flip
 from runner.loop import SampleOrder, read_metrics
-from runner.validate import compose_config
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
 

@@ -20,10 +20,10 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from runner.__main__ import run
+from runner.cli.compose import compose_config
 from runner.loop import read_metrics
 from runner.plugin import Plugin, PluginConfig
 from runner.registry import register_plugin
-from runner.validate import compose_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -2,7 +2,7 @@
 the global batch, the strict resume across world sizes, and the one run directory of many ranks.
 
 The multi-process runs themselves are in test_dist_training.py; bad values are in the corpus of
-tests/runner/test_bad_inputs.py.
+tests/runner/cli/test_bad_inputs.py.
 """
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ from runner.dist.config import DistSpec
 from runner.dist.launch import START_TIME_ENV, process_world, runner_now
 from runner.dist.runtime import DataParallel
 from runner.errors import UserError
-from runner.registry import format_plugin_list
+from runner.cli.listing import format_plugin_list
 from runner.resolved import resolve
-from runner.resume import check_unchanged, merge_overrides
-from runner.validate import compose_config, resolve_for_mode, validate
+from runner.state.resume import check_unchanged, merge_overrides
+from runner.cli.compose import compose_config
+from runner.config.checks import resolve_for_mode, validate
 
 
 @pytest.fixture
@@ -147,7 +148,7 @@ def test_ranks_agree_on_one_run_directory(monkeypatch):
         "%Y-%m-%d %H-%M-%S")
     from hydra import compose, initialize_config_dir
 
-    from runner.validate import conf_dir
+    from runner.files import conf_dir
 
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         cfg = compose(config_name="config", return_hydra_config=True)

@@ -36,7 +36,7 @@ import pytest
 
 from runner.__main__ import run
 from runner.loop import read_metrics
-from runner.validate import compose_config
+from runner.cli.compose import compose_config
 
 ROOT = Path(__file__).resolve().parents[3]
 ASSETS = ROOT / "tests" / "assets"

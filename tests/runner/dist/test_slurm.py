@@ -30,9 +30,10 @@ def test_the_shipped_slurm_launcher_config_runs_one_rank_per_gpu():
     from omegaconf import OmegaConf
 
     from runner import registry
-    from runner.validate import conf_dir
+    from runner.files import conf_dir
 
-    registry.load_all()
+    from runner.config import load_all
+    load_all()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["hydra/launcher=slurm", "hydra.launcher.nodes=2",
                                                        "hydra.launcher.gpus_per_node=4", "hydra.launcher.partition=gpu"],

@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 from bad_input import assert_clean_failure, run_main
 
+from runner.cli.compose import compose_config
+from runner.config.checks import validate
 from runner.fit.search import fitted_overrides
 from runner.fit.space import Knobs, overrides_for
 from runner.loop import read_metrics
 from runner.plan import plan_step
-from runner.validate import compose_config, validate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

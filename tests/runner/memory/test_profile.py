@@ -10,11 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from runner.cli.compose import compose_config
 from runner.errors import UserError
-from runner.memory.profile import TIMELINE_JSON, TIMELINE_PNG, LeakDetector, NullProfiler, build_profiler
+from runner.memory.profile import (
+    TIMELINE_JSON,
+    TIMELINE_PNG,
+    LeakDetector,
+    NullProfiler,
+    build_profiler,
+)
 from runner.plugin import Plugin, PluginConfig
 from runner.registry import register_plugin
-from runner.validate import compose_config
 
 ASSETS = Path(__file__).resolve().parents[3] / "tests" / "assets"
 MIB = 2**20

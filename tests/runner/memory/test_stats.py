@@ -9,9 +9,15 @@ import psutil
 import pytest
 import torch
 
+from runner.cli.compose import compose_config
 from runner.loop import read_metrics
-from runner.memory.stats import GIB, MemoryMonitor, PressureMonitor, fragmentation, pressure_level
-from runner.validate import compose_config
+from runner.memory.stats import (
+    GIB,
+    MemoryMonitor,
+    PressureMonitor,
+    fragmentation,
+    pressure_level,
+)
 
 ASSETS = Path(__file__).resolve().parents[3] / "tests" / "assets"
 COLUMNS = ("memory_in_use_gb", "memory_peak_gb", "host_rss_gb", "mem_allocated_gb", "mem_reserved_gb",
@@ -94,7 +100,7 @@ def test_run_writes_the_columns_and_warns_once(tmp_path, caplog):
 
 @pytest.mark.gpu
 def test_cuda_figures_come_from_the_allocator():
-    from runner.oom import is_out_of_memory
+    from runner.guards.oom import is_out_of_memory
 
     dev = torch.device("cuda")
     torch.cuda.init()

@@ -87,7 +87,8 @@ import json, os, sys
 import runner.plan.batch as batch
 import runner.plan.simulate as simulate
 from runner.plan import plan_step
-from runner.validate import compose_config, validate
+from runner.cli.compose import compose_config
+from runner.config.checks import validate
 
 PARTLY = ["offload.park.cache_text=false"]
 out = {"can_fork": __import__("runner.plan.beside", fromlist=["x"]).can_fork()}

@@ -6,12 +6,12 @@ the live-bytes tracker counts when the real EMA is built on CPU with real tiny m
 from __future__ import annotations
 
 import pytest
-
-from runner.ema import CATEGORY, build_ema
-from runner.memory.tracker import LiveBytesTracker
-from runner.plan import plan_step
-from runner.validate import compose_config
 from runner_setup import prepared_context
+
+from runner.cli.compose import compose_config
+from runner.ema.average import CATEGORY, build_ema
+from runner.memory.live_bytes import LiveBytesTracker
+from runner.plan import plan_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -19,15 +19,20 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from planner_truth import assert_plan_matches_a_real_cpu_step, prepared_step
 from torch import nn
 
+from runner.build import build_plugins, build_trainer
+from runner.cli.compose import compose_config
+from runner.config.checks import validate
+from runner.files import conf_dir
 from runner.loop import forward_backward
-from runner.memory.tracker import LiveBytesTracker
+from runner.memory.live_bytes import LiveBytesTracker
 from runner.plan import (
     CUDA_WORKSPACE_MARGIN_BYTES,
     DEVICE,
-    GiB,
     DeviceSemantics,
+    GiB,
     Plan,
     plan_step,
     simulation_mode,
@@ -35,11 +40,8 @@ from runner.plan import (
 )
 from runner.plugin import Plugin, PluginSchedule
 from runner.resolved import planned_target, resolve
-from runner.run import build_plugins, build_trainer
 from runner.trainer import ModelSet
-from runner.trainers.model_configs import build_denoiser
-from runner.validate import compose_config, conf_dir, validate
-from planner_truth import assert_plan_matches_a_real_cpu_step, prepared_step
+from runner.trainers.loading import build_denoiser
 
 ROOT = Path(__file__).resolve().parents[3]
 ASSETS = ROOT / "tests" / "assets"

@@ -1,4 +1,4 @@
-"""The planner's sampling pass (runner/sampling/plan.py) against real CPU sampling of tiny models.
+"""The planner's sampling pass (runner/plan/sampling.py) against real CPU sampling of tiny models.
 
 Truth: what a real ``Sampler.sample`` adds on top of what lives anyway, counted by a
 LiveBytesTracker on the CPU, against the plan's sampling peak minus its between-steps bytes.
@@ -9,12 +9,12 @@ import json
 from pathlib import Path
 
 import pytest
+from runner_setup import prepared_context
 
-from runner.memory.tracker import LiveBytesTracker
+from runner.cli.compose import compose_config
+from runner.memory.live_bytes import LiveBytesTracker
 from runner.plan import plan_step
 from runner.sampling import build_sampler
-from runner.validate import compose_config
-from runner_setup import prepared_context
 
 SAMPLE = ["sample.every=1", "sample.prompts=[a cat]", "sample.steps=2", "train.device=cpu"]
 

@@ -8,25 +8,24 @@ model composes its inputs as documented.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from planner_truth import _Phases, prepared_step
 from torch.utils.flop_counter import FlopCounterMode
 
+from runner.cli.compose import compose_config
+from runner.config.checks import validate
 from runner.devices import FIELDS, DeviceSpec, device_spec, device_table
 from runner.errors import UserError
 from runner.loop import forward_backward
-from runner.memory.tracker import LiveBytesTracker
-from runner.plan import plan_step
-from runner.plan import calibrate
+from runner.memory.live_bytes import LiveBytesTracker
+from runner.plan import calibrate, plan_step
 from runner.plan.cost import EXTRA_FORMULAS, CostCounter, PhaseCost, Roofline
 from runner.plan.speed import Target, Trained, predict
 from runner.resolved import resolve
-from runner.validate import compose_config, validate
-from planner_truth import _Phases, prepared_step
 
 ROOT = Path(__file__).resolve().parents[3]
 ASSETS = ROOT / "tests" / "assets"

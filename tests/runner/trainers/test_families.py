@@ -4,7 +4,7 @@ For each family: the loss goes down over a short run; the planner agrees with th
 within 5 %; cached and uncached runs give the same losses; checkpointing and streamed offload
 leave the losses bit-identical; quantization and tiling run; an out-of-memory step retried with a
 smaller micro-batch gives the losses of a run configured that way. Exports and samples are in
-tests/runner/test_export.py and tests/runner/test_sampling.py (parametrized over the families),
+tests/runner/export/test_export.py and tests/runner/sampling/test_sampling.py (parametrized over the families),
 module-level checks (shapes, LoRA, folders) in test_trainers.py.
 """
 from __future__ import annotations
@@ -17,18 +17,18 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate.utils import set_seed
+from planner_truth import assert_plan_matches_a_real_cpu_step
+from runner_setup import prepared_context
 
 from runner.__main__ import run
+from runner.build import build_trainer, prepare_models
+from runner.cli.compose import compose_config
+from runner.config.checks import validate
 from runner.data import collate
 from runner.loop import read_metrics, train
 from runner.resolved import resolve
-from runner.run import build_trainer
-from runner.train_state import find_checkpoint, load_trainable_weights
+from runner.state.checkpoint import find_checkpoint, load_trainable_weights
 from runner.trainer import encode
-from runner.trainer_setup import prepare_models
-from runner.validate import compose_config, validate
-from planner_truth import assert_plan_matches_a_real_cpu_step
-from runner_setup import prepared_context
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -25,9 +25,9 @@ from original_layouts import (
 )
 from safetensors.torch import save_file
 
+from runner.build import build_trainer
+from runner.cli.compose import compose_config
 from runner.errors import UserError
-from runner.run import build_trainer
-from runner.validate import compose_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -201,7 +201,9 @@ def test_our_flux_conversion_equals_diffusers_at_full_width():
     """diffusers' converter hard-codes FLUX.1's width; ours reads it from the config. On the full-size
     layout (two blocks of each kind, 3 columns per tensor: the converters split rows only) they agree."""
     import diffusers
-    from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers
+    from diffusers.loaders.single_file_utils import (
+        convert_flux_transformer_checkpoint_to_diffusers,
+    )
 
     from runner.trainers.model_configs import flux_configs
     from runner.trainers.single_file import convert_flux_transformer

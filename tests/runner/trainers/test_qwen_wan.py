@@ -17,8 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate.utils import set_seed
+from planner_truth import assert_plan_matches_a_real_cpu_step
 
 from runner.__main__ import run
+from runner.build import build_trainer, prepare_models
+from runner.cli.compose import compose_config
+from runner.config.checks import validate
 from runner.errors import UserError
 from runner.export.checkpoint import EXPORT_DIR
 from runner.export.lora import DIFFUSERS_FILE
@@ -26,12 +30,8 @@ from runner.loop import read_metrics
 from runner.plugin import Plugin, PluginConfig
 from runner.registry import register_plugin
 from runner.resolved import resolve
-from runner.run import build_trainer
-from runner.train_state import load_trainable_weights
+from runner.state.checkpoint import load_trainable_weights
 from runner.trainers.qwen_image import PROMPT_TEMPLATE
-from runner.trainer_setup import prepare_models
-from runner.validate import compose_config, validate
-from planner_truth import assert_plan_matches_a_real_cpu_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

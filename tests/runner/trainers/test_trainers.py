@@ -15,11 +15,11 @@ from omegaconf import OmegaConf
 from runner.blocks import find_repeated_blocks
 from runner.config import DataConfig, ModelConfig
 from runner.errors import UserError
-from runner.losses import LossConfig
+from runner.loss.objectives import LossConfig
 from runner.trainer import ModelSet, encode, slice_batch
 from runner.trainers.flux import FluxTrainer, FluxTrainerConfig
-from runner.trainers.loading import load_single_file
-from runner.trainers.model_configs import build_denoiser, sd35_configs, sdxl_configs
+from runner.trainers.loading import build_denoiser, load_single_file
+from runner.trainers.model_configs import sdxl_configs
 from runner.trainers.sd15 import SD15Trainer, SD15TrainerConfig
 from runner.trainers.sd35 import SD35Trainer, SD35TrainerConfig
 from runner.trainers.sdxl import SDXLTrainer, SDXLTrainerConfig
@@ -210,8 +210,8 @@ def test_full_size_configs_on_meta():
     ("sd35_medium", {}),
 ])
 def test_new_families_build_their_published_sizes_on_meta(family, published):
-    from runner.run import build_trainer
-    from runner.validate import compose_config
+    from runner.build import build_trainer
+    from runner.cli.compose import compose_config
 
     cls, _, variant = FAMILIES[family]
     trainer_name = cls.__module__.rsplit(".", 1)[-1]
@@ -334,9 +334,8 @@ def test_bad_paths(tmp_path):
 
 
 def test_trainers_are_registered():
-    from runner.registry import trainers
-
     import runner.trainers  # noqa: F401
+    from runner.registry import trainers
 
     reg = trainers()
     assert reg["sdxl"].target == "runner.trainers.sdxl.SDXLTrainer"

@@ -1,0 +1,464 @@
+"""Park frozen modules on the host and cache what they compute (``offload=park``).
+
+Two savings, for the frozen modules of a run (every module not in ``ModelSet.trained``: the
+VAE and text encoders of the built-in trainers):
+
+1. **Parking.** Frozen modules stay on the host; each one is copied to the device only for the
+   duration of one of its calls (``forward``, and ``encode``/``decode`` where the module has
+   them, which is how trainers call a diffusers VAE) and dropped from the device when the call
+   returns. Device memory then holds at most one frozen module at a time (plus the trained
+   denoiser), instead of all of them for the whole run. Method wrappers are used rather than
+   forward pre/post hooks because ``AutoencoderKL.encode`` does not go through ``forward``, so
+   hooks would never fire for the VAE.
+
+   Moving out is a pointer swap, not a copy: frozen weights never change, so the host tensor
+   taken once at park time (pinned on CUDA with ``pin_memory``, so copies in are asynchronous)
+   stays valid, and "offloading" is ``param.data = host_copy``, which drops the device copy
+   without any device-to-host transfer (diffusers' group offloading does the same). Cost: one
+   host-to-device copy of the module per call. On a CPU run device == host, the copy-in returns
+   the host tensor itself and the swap is a no-op, but the same code runs. Parameters of a
+   type other than ``nn.Parameter`` (bitsandbytes' quantized ``Params4bit``/``Int8Params``
+   carry their quantization state with them) are moved with their leaf module's ``Module.to``
+   instead, which does copy back on the way out.
+
+2. **Caching** (``cache_latents``, ``cache_text``, both on by default). Before training, a
+   batched pre-pass runs the trainer's ``encode_part`` over every sample of the data set and
+   stores the results as safetensors under ``cache_dir`` (see :mod:`runner.plugins.park.cache` for the
+   layout, the keys and why they are safe to reuse across runs). The pre-pass runs in
+   ``place_models``, before the runner moves the denoiser to the device, so its device peak is
+   one encoder and its activations. Once every sample of a part is cached, the modules that
+   compute only cached parts are **dropped from the ModelSet and freed**: the training loop
+   never calls them and the device never holds them. The trainer's ``encode`` is replaced for
+   the run by one that reads cached parts from disk, computes the others with the parked
+   modules, and calls the trainer's ``finish_encode``, which draws the VAE posterior sample from
+   each sample's seed, exactly as the uncached encode does: a cached run's losses equal an
+   uncached run's (tests/plugins/park/test_park.py checks this bit for bit). When every part is cached the
+   trainer's dataset is replaced too, by one that yields only sample indices, so no image is
+   decoded during training.
+
+   Several processes (``dist=ddp|fsdp``): rank 0 plans and fills the cache first while the others
+   wait (accelerate's ``main_process_first``); then each other rank verifies the entries it reads
+   and finds them complete. Entries are renamed into place, so even a rank on another node filling
+   a node-local cache at the same time never reads half an entry.
+
+   Limitation: the runner builds the models (``trainer.build_models``) before any plugin
+   phase, so with a full cache the encoders are still constructed on the host at start-up and
+   freed here, before placement; they never reach the device and are never called.
+
+What it tells the planner, the loop and the other plugins (typed fields of ``ctx.facts``):
+``encode_on_device`` (False when every encode part is cached: nothing is encoded during
+training), ``cached_parts``, ``encode_replaced``, ``parked`` and ``dropped`` module names; in
+``claim_modules`` it claims the modules it will drop or park, so that quantization leaves dropped
+modules alone by default and offload=stream refuses to stream a parked one.
+
+A trainer with nothing to cache (no ``encode_parts``) and nothing frozen: one log line, and the
+plugin steps aside. With frozen modules but no cacheable encode step, they are only parked.
+
+Under the planner (``ctx.simulate``) no file is read or written: parts that are configured to be
+cached are taken as cached, their modules are dropped and the flags are set the same way.
+
+Trade-offs: parking costs one host-to-device copy of each frozen module per call, every step
+(SDXL's encoders: about 1.6 GB in bf16 per step, ~0.1 s over PCIe 4); caching removes that and
+the encoders' compute, at the price of a pre-pass and disk space (SDXL at 1024 px: ~0.6 MB per
+sample in bf16, 1.2 MB in float32).
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch import nn
+
+from runner.compat import has_compatible_shallow_copy_type
+from runner.context import Transfer
+from runner.hooks import mark, marked, unmark
+from runner.plugin import Plugin
+from runner.plugins.park.cache import (
+    CachePlan,
+    EncoderCache,
+    check_writable,
+    fill_cache,
+    is_image_part,
+    plan_cache,
+    require_fillable,
+    resolve_cache_dir,
+)
+from runner.plugins.park.encode import CachedEncode, IndexSamples
+from runner.plugins.schemas import ParkConfig, check_park
+from runner.registry import register_plugin
+from runner.trainer import ModelSet
+
+if TYPE_CHECKING:
+    from runner.context import RunContext
+
+log = logging.getLogger("runner")
+
+PARK_METHODS = ("forward", "encode", "decode")
+MARK = "park"  # runner.hooks mark: the module's ParkedModule
+
+
+# ---- parking: the twin functions ----------------------------------------------------------------
+def _bytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class ParkedModule:
+    """A frozen module whose weights live on ``host`` and are swapped onto ``device`` per call.
+
+    Calls nest (``vae.forward`` calls ``vae.encode``): weights are moved in by the outermost
+    call and out when it returns. ``loads`` counts the moves in.
+    """
+
+    def __init__(self, module: nn.Module, device: torch.device, host: torch.device, pin_memory: bool) -> None:
+        self.module_ref = weakref.ref(module)
+        self.device, self.host = torch.device(device), torch.device(host)
+        self.pinned = bool(pin_memory) and self.device.type == "cuda" and torch.cuda.is_available()
+        self.depth = 0
+        self.loads = 0
+        self.swapped: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param or buffer, its host data)
+        self.moved: list[nn.Module] = []  # leaf modules with quantized parameter types: Module.to
+        seen: set[int] = set()  # tied weights (T5's shared embedding) are one tensor: swap it once
+        for sub in module.modules():
+            own_params = list(sub.parameters(recurse=False))
+            if any(type(p) is not nn.Parameter for p in own_params):
+                self.moved.append(sub)
+                sub.to(self.host)
+                continue
+            for t in [*own_params, *sub.buffers(recurse=False)]:
+                if id(t) in seen:
+                    continue
+                seen.add(id(t))
+                if t.device != self.host:
+                    t.data = t.data.to(self.host)
+                if self.pinned:
+                    t.data = t.data.pin_memory()
+                self.swapped.append((t, t.data))
+        self.nbytes = _bytes(h for _, h in self.swapped) + sum(
+            _bytes([*m.parameters(recurse=False), *m.buffers(recurse=False)]) for m in self.moved
+        )
+        # ``param.data = x`` needs tensors of one implementation type (CPU and CUDA are); ``meta``,
+        # the planner's simulated device, is not, so there the tensors' contents are exchanged
+        # with torch.utils.swap_tensors instead (same objects, same effect, frozen tensors only).
+        probe = torch.empty(0, device=self.host)
+        self.swap_objects = not has_compatible_shallow_copy_type(probe, torch.empty(0, device=self.device))
+        self._holders: list[torch.Tensor] = []
+        self.wrapped: dict[str, Any] = {}  # method name -> the instance attribute it replaced (or None)
+        for name in PARK_METHODS:
+            if callable(getattr(type(module), name, None)):
+                self.wrapped[name] = module.__dict__.get(name)
+                setattr(module, name, self._wrapper(name, self.wrapped[name]))
+        mark(module, MARK, self)
+
+    def _wrapper(self, name: str, previous: Any) -> Callable[..., Any]:
+        module_ref, cls_fn = self.module_ref, getattr(type(self.module_ref()), name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.enter()
+            try:
+                if previous is not None:
+                    return previous(*args, **kwargs)
+                return cls_fn(module_ref(), *args, **kwargs)
+            finally:
+                self.exit()
+
+        return call
+
+    def enter(self) -> None:
+        if self.depth == 0:
+            if self.swap_objects:
+                self._holders = []
+                for t, host in self.swapped:
+                    dev = host.to(self.device)
+                    holder = nn.Parameter(dev, requires_grad=False) if isinstance(t, nn.Parameter) else dev
+                    torch.utils.swap_tensors(t, holder)
+                    self._holders.append(holder)
+            else:
+                for t, host in self.swapped:
+                    t.data = host.to(self.device, non_blocking=self.pinned)
+            for m in self.moved:
+                m.to(self.device)
+            self.loads += 1
+        self.depth += 1
+
+    def exit(self) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            if self.swap_objects:
+                for (t, _), holder in zip(self.swapped, self._holders):
+                    torch.utils.swap_tensors(t, holder)
+                self._holders = []
+            else:
+                for t, host in self.swapped:
+                    t.data = host  # pointer swap: the device copy is released, nothing copied back
+            for m in self.moved:
+                m.to(self.host)
+
+    def remove(self) -> None:
+        """Restore the module's methods; its weights stay on the host."""
+        module = self.module_ref()
+        if module is None:
+            return
+        for name, previous in self.wrapped.items():
+            if previous is None:
+                module.__dict__.pop(name, None)
+            else:
+                setattr(module, name, previous)
+        unmark(module, MARK)
+
+
+def park_module(
+    module: nn.Module, device: torch.device | str, host: torch.device | str = "cpu", pin_memory: bool = True
+) -> ParkedModule:
+    """Keep ``module``'s weights on ``host`` and move them to ``device`` for each call.
+
+    Only for frozen modules: a trained parameter's optimizer would keep updating the host copy
+    while gradients were computed against a device copy that is thrown away. Undo with
+    :meth:`ParkedModule.remove` (or :func:`unpark_module`).
+    """
+    if any(p.requires_grad for p in module.parameters()):
+        raise ValueError("park_module() is for frozen modules; this one has parameters with requires_grad=True")
+    if marked(module, MARK) is not None:
+        return marked(module, MARK)
+    return ParkedModule(module, torch.device(device), torch.device(host), pin_memory)
+
+
+def unpark_module(module: nn.Module) -> None:
+    parked = marked(module, MARK)
+    if parked is not None:
+        parked.remove()
+
+
+# ---- caching: the twin function (what reads the cache during training: plugins/park/encode.py) ----
+@dataclass
+class ParkResult:
+    """What :func:`park_and_cache` did, for teardown, the planner and the report."""
+
+    parked: dict[str, ParkedModule] = field(default_factory=dict)
+    cached_parts: list[str] = field(default_factory=list)
+    dropped: dict[str, int] = field(default_factory=dict)  # module -> bytes freed
+    encoded: int = 0  # entries encoded by the pre-pass
+    cache: EncoderCache | None = None
+    plan: CachePlan | None = None
+    encode: CachedEncode | None = None
+    all_parts_cached: bool = False  # every encode part is cached: nothing is encoded during training
+    restore: list[Callable[[], None]] = field(default_factory=list)
+
+
+def parts_to_cache(trainer: Any, cache_latents: bool, cache_text: bool) -> list[str]:
+    """The trainer's encode parts selected by the two switches (image parts read pixels)."""
+    if not callable(getattr(trainer, "encode_parts", None)):
+        return []
+    return [p for p, spec in trainer.encode_parts().items() if (cache_latents if is_image_part(spec) else cache_text)]
+
+
+def droppable_modules(trainer: Any, models: ModelSet, parts: list[str]) -> list[str]:
+    """Frozen modules that compute only cached parts: freed once the cache is complete."""
+    specs = trainer.encode_parts()
+    needed_later = {m for p, s in specs.items() if p not in parts for m in s.modules}
+    droppable = sorted({m for p in parts for m in specs[p].modules} - needed_later - models.trained)
+    return [m for m in droppable if m in models]
+
+
+def _drop_modules(models: ModelSet, names: list[str], result: ParkResult) -> None:
+    for name in names:
+        module = models.modules.pop(name)
+        parked = result.parked.pop(name, None)
+        if parked is not None:
+            parked.remove()
+        result.dropped[name] = _bytes([*module.parameters(), *module.buffers()])
+        models.blocks.pop(name, None)
+        del module, parked
+    gc.collect()  # free the weights now, not at the next collection
+
+
+def park_and_cache(
+    trainer: Any,
+    models: ModelSet,
+    device: torch.device | str,
+    *,
+    host: torch.device | str = "cpu",
+    cache_dir: str | None = None,
+    cache_latents: bool = True,
+    cache_text: bool = True,
+    encode_batch_size: int = 1,
+    pin_memory: bool = True,
+    extra_signature: dict[str, Any] | None = None,
+    autocast: Callable[[], Any] | None = None,
+    simulate: bool = False,
+    cache_setting: str = "offload.park.cache_dir",
+    random_flip: bool = False,
+) -> ParkResult:
+    """Park every frozen module of ``models``; fill and use the encoder cache for ``trainer``.
+
+    ``trainer`` may be None (hosted mode): then only parking happens. The trainer's ``encode``
+    (and, when every part is cached, its ``dataset``) are replaced by instance attributes;
+    ``ParkResult.restore`` undoes that. The cache folder is written only when entries are missing
+    or fail verification (then it must be writable, else a UserError naming ``cache_setting``).
+    ``random_flip`` (``data.random_flip``): image parts are cached in both orientations and each
+    batch reads the one its ``flip`` asks for (runner/data/flip.py).
+    """
+    result = ParkResult()
+
+    def park_frozen() -> None:  # idempotent: park_module returns an existing ParkedModule
+        for name, module in models.frozen().items():
+            result.parked[name] = park_module(module, device, host, pin_memory)
+
+    parts = parts_to_cache(trainer, cache_latents, cache_text) if trainer is not None else []
+    if not parts:
+        park_frozen()
+        return result
+    specs = trainer.encode_parts()
+    droppable = droppable_modules(trainer, models, parts)
+    result.all_parts_cached = set(parts) == set(specs)
+    result.cached_parts = list(parts)
+    if simulate:
+        _drop_modules(models, droppable, result)
+        park_frozen()
+        return result
+
+    result.cache = cache = EncoderCache(resolve_cache_dir(cache_dir))
+    dataset = trainer.dataset()
+    plan = plan_cache(trainer, dataset, parts, cache, extra_signature, random_flip)  # verifies every entry it will read
+    result.plan = plan
+    hits = {p: len(set(plan.keys[p])) - len(plan.missing[p]) for p in parts}
+    log.info("park: encoder cache %s: %s", cache.root,
+             ", ".join(f"{p} {hits[p]}/{len(set(plan.keys[p]))} entries cached" for p in parts))
+    require_fillable(cache, plan, cache_setting)  # before any encoding: a read-only cache with holes stops here
+    if plan.bad:
+        log.warning("park: encoder cache: %s; re-encoding %s", plan.describe_bad(),
+                    "it" if len(plan.bad) == 1 else "them")
+    if plan.missing_count():
+        park_frozen()  # the pre-pass runs the encoders parked: one on the device at a time
+        result.encoded = fill_cache(trainer, models, dataset, plan, cache, encode_batch_size, device, autocast)
+    # A complete cache: the modules that only compute cached parts are freed before they are
+    # ever parked (no pinned copy of weights that will not be used).
+    _drop_modules(models, droppable, result)
+    park_frozen()
+
+    encode = CachedEncode(trainer, cache, {p: plan.keys[p] for p in parts}, plan.captions, plan.samples)
+    result.encode = encode
+    had_encode = trainer.__dict__.get("encode")
+    trainer.encode = encode
+    result.restore.append(lambda: _restore_attr(trainer, "encode", had_encode))
+    if result.all_parts_cached:
+        light = IndexSamples(dataset)
+        had_dataset = trainer.__dict__.get("dataset")
+        trainer.dataset = lambda: light
+        result.restore.append(lambda: _restore_attr(trainer, "dataset", had_dataset))
+    return result
+
+
+def _restore_attr(obj: Any, name: str, previous: Any) -> None:
+    if previous is None:
+        obj.__dict__.pop(name, None)
+    else:
+        setattr(obj, name, previous)
+
+
+# ---- the plugin ----------------------------------------------------------------------------------
+def cacheable(trainer: Any) -> bool:
+    """Whether ``trainer`` splits its encode step into cacheable parts (runner/trainer.py)."""
+    return trainer is not None and all(
+        callable(getattr(trainer, m, None)) for m in ("encode_parts", "encode_part", "finish_encode", "cache_signature"))
+
+
+@register_plugin
+class Park(Plugin):
+    kind = "offload"
+    name = "park"
+    Config = ParkConfig
+
+    def validate(self) -> None:
+        check_park(self.config, self.key.replace("/", "."))
+
+    def _parts(self, ctx: RunContext) -> list[str]:
+        c = self.config
+        if not cacheable(ctx.trainer):
+            return []
+        return parts_to_cache(ctx.trainer, c.cache_latents, c.cache_text)
+
+    def claim_modules(self, ctx: RunContext) -> None:
+        parts = self._parts(ctx)
+        folder = resolve_cache_dir(self.config.cache_dir)
+        if parts and not folder.is_dir():
+            # Nothing is cached yet, so everything will be written: refuse an unwritable place in the
+            # preflight plan already, before anything real is built. An existing folder is checked
+            # only once its entries are verified (place_models): a complete cache may be read-only.
+            check_writable(folder, self.setting("cache_dir"))
+        dropped = droppable_modules(ctx.trainer, ctx.models, parts) if parts else []
+        for name in dropped:
+            ctx.claim(name, "drop", self.key)
+        for name in ctx.models.frozen():
+            if name not in dropped:
+                ctx.claim(name, "park", self.key)
+        if not parts and not ctx.models.frozen():
+            log.info("park: nothing to do: the trainer has no frozen module to park and no cacheable encode step "
+                     "(encode_parts, see runner/trainer.py)")
+        elif not parts and (self.config.cache_latents or self.config.cache_text) and ctx.trainer is not None:
+            log.info("park: %s has no cacheable encode step (encode_parts); frozen modules are parked, nothing is cached",
+                     type(ctx.trainer).__name__)
+
+    def place_models(self, ctx: RunContext) -> None:
+        c, models, run = self.config, ctx.models, self.run
+        parts = self._parts(ctx)
+        ctx.facts.placed.update(models.frozen())  # the runner must not move them: they stay on the host
+        batch = int(c.encode_batch_size) if c.encode_batch_size else run.micro_batch
+        autocast = ctx.accelerator.autocast if ctx.accelerator is not None else None
+        # Several processes: rank 0 fills the cache, the others wait, then verify and read the complete entries.
+        with ctx.dist.main_process_first():
+            result = park_and_cache(
+                ctx.trainer if parts else None, models, ctx.device, host=ctx.host, cache_dir=c.cache_dir,
+                cache_latents=c.cache_latents, cache_text=c.cache_text, encode_batch_size=batch,
+                pin_memory=c.pin_memory, extra_signature=ctx.encoder_signature(), autocast=autocast,
+                simulate=ctx.simulate, cache_setting=self.setting("cache_dir"), random_flip=ctx.flip.enabled,
+            )
+        self.result = result
+        for name, parked in result.parked.items():
+            ctx.hooks.add(models[name], MARK, self.key, handle=parked, undo=parked.remove)
+        has_encode = ctx.trainer is not None and callable(getattr(ctx.trainer, "encode", None))
+        facts = ctx.facts
+        facts.encode_on_device = facts.encode_on_device and has_encode and not result.all_parts_cached
+        facts.cached_parts |= set(result.cached_parts)
+        facts.encode_replaced = facts.encode_replaced or result.encode is not None
+        facts.parked |= set(result.parked)
+        facts.dropped |= set(result.dropped)
+        if result.parked:
+            where = ("the device is the host on this run, so nothing moves" if ctx.device == ctx.host
+                     else f"moved to {ctx.device} only for their calls")
+            log.info("park: %s kept on %s, %s (%.1f MiB)", ", ".join(sorted(result.parked)), ctx.host, where,
+                     sum(p.nbytes for p in result.parked.values()) / 2**20)
+            ctx.notes["parked weight bytes"] = sum(p.nbytes for p in result.parked.values())
+        if result.dropped:
+            log.info("park: dropped %s: every output they compute is cached (%.1f MiB of weights freed)",
+                     ", ".join(sorted(result.dropped)), sum(result.dropped.values()) / 2**20)
+            ctx.notes["dropped weight bytes"] = sum(result.dropped.values())
+        if result.cached_parts and not ctx.simulate:
+            ctx.notes["encoder cache"] = f"{result.cache.root} ({result.encoded} entries encoded this run)"
+
+    def _loads(self) -> dict[str, int]:
+        result: ParkResult | None = getattr(self, "result", None)
+        return {n: p.loads for n, p in result.parked.items()} if result is not None else {}
+
+    def on_step_start(self, ctx: RunContext, step: int) -> None:
+        self._loads_before = self._loads()
+
+    def on_step_end(self, ctx: RunContext, step: int) -> None:
+        """Record this step's copies for the step-time model: parked modules moved in on the compute stream."""
+        result: ParkResult | None = getattr(self, "result", None)
+        if result is None or not result.parked or ctx.device == ctx.host:
+            return
+        before = getattr(self, "_loads_before", {})
+        moved = sum((p.loads - before.get(n, 0)) * p.nbytes for n, p in result.parked.items())
+        ctx.facts.transfers[self.key] = Transfer(h2d_bytes=moved)  # moving out is a pointer swap: no copy
+
+    def teardown(self, ctx: RunContext) -> None:
+        result: ParkResult | None = getattr(self, "result", None)
+        if result is None:
+            return
+        for undo in reversed(result.restore):  # the trainer's encode/dataset; the modules via ctx.hooks
+            undo()
+        self.result = None

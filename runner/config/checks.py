@@ -1,0 +1,206 @@
+"""The checks of a composed config, each naming the key and what would be valid.
+
+Two stages, so that a config error answers at once:
+
+* :func:`check_config`: everything the config decides by itself (every schema, value, range and
+  choice, each plugin's own settings, whether ``data.path`` and ``train.resume`` exist). This
+  module and everything it imports at the top load without torch, diffusers, transformers,
+  accelerate or bitsandbytes (tests/runner/cli/test_cli.py checks it): ``--help`` and these errors
+  take the time of Python and Hydra (bench/cli_latency.py).
+* :func:`check_run`: what depends on this machine and the resolved run (``train.device=auto``
+  resolving to CPU or CUDA, CUDA-only options, a plugin's checks against the precision) and the
+  data folder's contents. It imports torch (to ask for CUDA), still before anything is built or
+  planned.
+
+:func:`validate` runs both. Composition and its friendly errors are runner/cli/compose.py's.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from omegaconf import DictConfig, OmegaConf
+
+from runner import registry
+from runner.config import (
+    DTYPES,
+    LR_SCHEDULERS,
+    MODES,
+    NONFINITE_POLICIES,
+    PRECISIONS,
+    SIZES,
+    TRAIN_DTYPES,
+)
+from runner.devices import check_device_config
+from runner.dist import validate_dist
+from runner.ema.config import check_ema_config
+from runner.errors import UserError, valid_list
+from runner.export.config import validate_export
+from runner.fit.config import check_fit_config
+from runner.loss.config import validate_loss
+from runner.optim.config import check_optimizer_config
+from runner.output.config import validate_log_config
+from runner.sampling.config import check_sample_config
+from runner.val.config import check_val_config, check_val_path
+
+if TYPE_CHECKING:
+    from runner.resolved import ResolvedRun
+
+
+def _one_of(cfg: DictConfig, key: str, valid: Sequence[str]) -> None:
+    value = OmegaConf.select(cfg, key)
+    if value not in valid:
+        raise UserError(f"{key}={value!r} is not valid. Valid values: {valid_list(str(value), valid)}.")
+
+
+def _positive(cfg: DictConfig, key: str, allow_zero: bool = False) -> None:
+    value = OmegaConf.select(cfg, key)
+    if value is None or value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise UserError(f"{key}={value!r} is not valid: it must be a number {bound}.")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Semantic checks that schemas cannot express; each names the key and the valid values."""
+    check_config(cfg)
+    check_run(cfg)
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Everything the config decides by itself, without torch (see the module docstring)."""
+    _one_of(cfg, "mode", MODES)
+    _one_of(cfg, "model.size", SIZES)
+    _one_of(cfg, "model.dtype", DTYPES)
+    _one_of(cfg, "model.train", ("full", "lora"))
+    _one_of(cfg, "model.train_dtype", TRAIN_DTYPES)
+    _one_of(cfg, "train.mixed_precision", PRECISIONS)
+    _one_of(cfg, "train.device", ("auto", "cpu", "cuda"))
+    for key in ("train.steps", "train.batch_size", "train.grad_accum", "optimizer.lr", "model.lora_rank"):
+        _positive(cfg, key)
+    for key in ("train.save_every", "train.max_grad_norm", "train.lr_warmup_steps"):
+        _positive(cfg, key, allow_zero=True)
+    if cfg.budget_gb is not None:
+        _positive(cfg, "budget_gb")
+    _one_of(cfg, "train.lr_scheduler", LR_SCHEDULERS)
+    _one_of(cfg, "train.on_nonfinite", NONFINITE_POLICIES)
+    _positive(cfg, "train.nonfinite_patience")
+    _positive(cfg, "train.keep_saved", allow_zero=True)
+    if not 0 <= cfg.train.seed < 2**32:
+        raise UserError(f"train.seed={cfg.train.seed} is not valid: it must be an integer from 0 to 2**32-1 "
+                        "(numpy's seed range; the runner seeds torch, numpy and Python's random from it).")
+    if cfg.train.batch_size % cfg.train.grad_accum:
+        raise UserError(
+            f"train.batch_size={cfg.train.batch_size} is not divisible by train.grad_accum={cfg.train.grad_accum}; "
+            "choose a grad_accum that divides the batch size."
+        )
+    if cfg.model.train_dtype == "bfloat16" and cfg.train.mixed_precision == "fp16":
+        raise UserError(
+            "model.train_dtype=bfloat16 conflicts with train.mixed_precision=fp16: bf16 weights computed in fp16 "
+            "autocast lose bf16's range and fp16's loss scaling does not fit bf16 gradients. Use "
+            "train.mixed_precision=bf16 with bf16 trained weights."
+        )
+    if cfg.train.resume is not None and not Path(cfg.train.resume).exists():
+        raise UserError(
+            f"train.resume={cfg.train.resume!r} does not exist. Give a run directory or one of its "
+            "checkpoints/step-* directories."
+        )
+    check_sample_config(cfg)
+    check_ema_config(cfg)
+    check_val_config(cfg)
+    validate_loss(cfg)
+    if cfg.mode == "train":
+        _check_data_path(cfg)
+    validate_export(cfg)
+    check_device_config(cfg)
+    check_fit_config(cfg.fit)
+    validate_log_config(cfg.log)
+    check_optimizer_config(cfg.optimizer)
+    check_plugin_settings(cfg)
+
+
+def check_run(cfg: DictConfig) -> None:
+    """What depends on this machine and the resolved run, and the data folder's contents (imports
+    torch; still before anything is built or planned)."""
+    from runner.data import check_cache_compatible, check_dataset, check_options
+    from runner.data.video import check_video_keys, trainer_video_defaults
+    from runner.optim.build import validate_optimizer
+    from runner.optim.fused import check_fused_backward
+
+    check_options(cfg.data)  # every data.* value, no file read
+    check_cache_compatible(cfg)  # data.shuffle_tags with offload.park.cache_text is refused, naming both
+    check_val_path(cfg)  # mode=train: a data.val_path folder is scanned now, like data.path below
+    check_video_keys(cfg.data)  # data.frames, fps, frame_sampling, width, height
+    if cfg.mode == "train":  # a data.path folder (or data.sets) is scanned and checked now, not after the model build
+        check_dataset(cfg.data, video=trainer_video_defaults(cfg))  # a video trainer's folder is read as clips
+    run = resolve_for_mode(cfg)
+    validate_dist(cfg, run.dist)  # dist=ddp|fsdp: batch split, refused combinations (runner/dist/config.py)
+    validate_optimizer(cfg, run)
+    check_fused_backward(cfg, run, [(k, n) for k, n, _ in registry.selected(cfg)])
+    validate_plugins(cfg, run)
+
+
+def _check_data_path(cfg: DictConfig) -> None:
+    """``data.path`` names an existing folder (its images and captions are checked by :func:`check_run`)."""
+    path = cfg.data.get("path")
+    if path is None:
+        return
+    shown = str(path)
+    root = Path(os.path.expanduser(shown)).absolute()
+    hint = ("Set data.path to a folder of images with a same-named .txt caption beside each (cat.png + cat.txt), "
+            "or leave it unset (null) for the built-in demo set.")
+    if not shown.strip():
+        raise UserError(f"data.path is empty ({shown!r}). {hint}")
+    if not root.exists():
+        raise UserError(f"data.path={shown!r} does not exist (looked for {str(root)!r}). {hint}")
+    if not root.is_dir():
+        raise UserError(f"data.path={shown!r} is a file, not a folder ({str(root)!r}). {hint}")
+
+
+def check_plugin_settings(cfg: DictConfig) -> None:
+    """Each selected plugin's own settings, from its schema module (no torch, no plugin class).
+
+    A node without ``name`` is a setting for a plugin that is not selected: a preset sets
+    ``quantization.nf4.modules`` while the command line chose ``quantization=fp8``.
+    """
+    for kind, name, node in registry.selected(cfg):
+        if not isinstance(node, DictConfig) or "name" not in node:
+            keys = ", ".join(f"{kind}.{name}.{k}" for k in (node.keys() if isinstance(node, DictConfig) else []))
+            chosen = [n for k, n, sub in registry.selected(cfg) if k == kind and isinstance(sub, DictConfig) and "name" in sub]
+            source = f"preset {cfg.preset}" if cfg.get("preset") else "the config"
+            raise UserError(
+                f"{source} sets {keys or kind + '.' + name}, but {kind}={name} is not selected "
+                f"({kind}={_spelling(chosen)}). Add it with +{kind}={name}, drop those settings with "
+                f"'~{kind}.{name}' on the command line, or copy the preset into conf/preset/ without those lines."
+            )
+        entry = registry.plugin_entry(kind, name)
+        if entry.check is not None:
+            entry.check(node, f"{kind}.{name}")
+
+
+def validate_plugins(cfg: DictConfig, run: ResolvedRun) -> None:
+    """Each selected plugin's own ``validate()``, given its node and the resolved run (after the
+    settings' own checks, for a caller that skipped :func:`check_config`)."""
+    check_plugin_settings(cfg)
+    for kind, name, node in registry.selected(cfg):
+        registry.get_plugin(kind, name)(node, run).validate()
+
+
+def _spelling(names: list[str]) -> str:
+    """A kind's choice as a user types it: none, park, [park,stream]."""
+    return "none" if not names else names[0] if len(names) == 1 else "[" + ",".join(names) + "]"
+
+
+def resolve_for_mode(cfg: DictConfig) -> ResolvedRun:
+    """The run as ``mode`` will see it: planned for its target on ``meta`` (mode=plan), else the
+    running device."""
+    import torch
+
+    from runner.resolved import planned_target, resolve
+
+    if cfg.mode in ("plan", "fit"):
+        return resolve(cfg, target=planned_target(cfg), device=torch.device("meta")).simulated()
+    if cfg.mode == "plugins":
+        return resolve(cfg, target=planned_target(cfg), device=torch.device("cpu"))
+    return resolve(cfg)
