@@ -57,15 +57,15 @@ def fresh_device() -> None:
 def run_case(out: Path, overrides: list[str]) -> dict:
     import torch
 
-    from runner.__main__ import run
+    from runner.__main__ import task
     from runner.cli.compose import compose_config
     from runner.guards.oom import OutOfMemoryGiveUp
-    from runner.loop import read_metrics
+    from runner.output.report import read_metrics
 
     fresh_device()
     error = None
     try:
-        run(compose_config([f"output_dir={out}", "train.progress=false", "train.device=cuda", *overrides]))
+        task(compose_config([f"output_dir={out}", "train.progress=false", "train.device=cuda", *overrides]))
     except OutOfMemoryGiveUp as e:
         error = e
     torch.cuda.synchronize()

@@ -131,14 +131,14 @@ def cycle_spans(step_seconds: list[float]) -> dict[str, list[float]]:
 
 
 def managed_round(steps: int) -> dict[str, Any]:
-    """One ``run(cfg)`` job; per-step figures from its metrics.jsonl and the trainer's log."""
-    from runner.__main__ import run
+    """One ``task(cfg)`` job; per-step figures from its metrics.jsonl and the trainer's log."""
+    from runner.__main__ import task
     from runner.cli.compose import compose_config
 
     TimedUNetTrainer.calls.clear()
     with tempfile.TemporaryDirectory() as tmp:
         with contextlib.redirect_stdout(io.StringIO()):  # run() prints its summary
-            run(compose_config(overrides(steps, tmp)))
+            task(compose_config(overrides(steps, tmp)))
         rows = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return {**cycle_spans([r["s_per_step"] for r in rows]), "loss": [r["loss"] for r in rows],
             "samples": [c[3:] for c in TimedUNetTrainer.calls]}

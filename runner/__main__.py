@@ -24,38 +24,31 @@ from runner.state.resume import resume_base
 log = logging.getLogger("runner")
 
 
-def run(cfg: DictConfig) -> float | None:
+def task(cfg: DictConfig) -> float | None:
     """The Hydra task: one job of a run or of a ``-m`` sweep (composed by Hydra)."""
     global _QUICK_EXIT
     _QUICK_EXIT = cfg.mode in QUICK_EXIT_MODES                  # nothing but files already written and closed: see main()
     from runner.dist.launch import join_run
-    from runner.hostmem import collector_paused, keep_freed_host_memory
+    from runner.hostmem import collector_paused
 
     with collector_paused():                                    # the libraries load without GC passes (runner/hostmem.py)
         writes = join_run()                                     # several processes: one group, rank 0 writes (runner/dist/)
         cfg, overrides = resume_base(cfg)                       # resume: on the checkpoint's saved command line
-        validate(cfg)                                           # validate (imports torch to resolve the device)
+        checked = validate(cfg)                                 # validate: once a job (imports torch to resolve the device)
         if cfg.mode == "plugins":
             print(format_plugin_list())
             return None
         # The steps below import torch, diffusers and accelerate: only now, once the config is valid.
         from accelerate.utils import set_seed
 
-        from runner.build import (
-            build_plugins,
-            build_trainer,
-            make_context,
-            output_dir,
-            prepare_models,
-        )
+        from runner.build import build_trainer, output_dir
         from runner.export.checkpoint import export_after_training, export_command
         from runner.fit.output import auto_fit, command_line, fit_command
-        from runner.loop import make_accelerator, train
+        from runner.loop import train
         from runner.output.report import print_summary, write_run_info
-        from runner.output.trackers import accelerator_kwargs
-        from runner.plan import plan_command, preflight
-        from runner.resolved import resolve
+        from runner.plan import plan_command
         from runner.sampling import build_sampler
+        from runner.session import open_run, plan_run, take_models
         from runner.val.holdout import build_validation
 
     out = output_dir(cfg)
@@ -72,23 +65,17 @@ def run(cfg: DictConfig) -> float | None:
         return None
     if cfg.train.auto_fit:                                      # train.auto_fit: the same search, then train with the winner
         cfg, overrides = auto_fit(cfg, command_line(overrides), out)
-    run = resolve(cfg)                                          # resolve: device, precision, dtypes, budget, once
-    log.info("%s", run.describe())
-    keep_freed_host_memory(run)                                 # CPU runs: no page-fault churn between steps
-    schedule = build_plugins(cfg, run)
-    log.info("plugin order:\n%s", schedule.describe())
-    ctx = make_context(cfg, run, schedule, out, overrides)
-    ctx.run_phase("configure_process")                          # before anything touches CUDA
-    ctx.trainer = build_trainer(cfg, run)                       # build trainer
-    preflight(cfg, run, ctx.trainer, out)                       # plan: refuse to start (exit 3) over budget_gb
-    set_seed(run.seed)                                          # random init is reproducible, so resume is exact
-    ctx.models = prepare_models(ctx.trainer.build_models("cpu"), cfg.model, run)  # dtypes, LoRA
-    ctx.accelerator = make_accelerator(run, **accelerator_kwargs(cfg.log, out))  # log.tracker: runner/output/trackers.py
+        checked = None                                          # another config: resolved and built anew
+    ctx = open_run(cfg, out, overrides, checked)                # resolve, plugins, context, process, accelerator (session.py)
+    ctx.trainer = build_trainer(cfg, ctx.run)                   # build trainer
+    plan_run(ctx, ctx.trainer)                                  # plan: refuse to start (exit 3) over budget_gb
+    set_seed(ctx.run.seed)                                      # random init is reproducible, so resume is exact
+    take_models(ctx, ctx.trainer.build_models("cpu"))           # dtypes, LoRA
     try:
         ctx.sampler = build_sampler(ctx)                        # sample prompts encoded before park can drop encoders
         ctx.validation = build_validation(ctx)                  # held-out split (data.val_*), before park caches
         ctx.apply_setup_phases()                                # apply plugins
-        result = train(ctx)                                     # loop
+        result = train(ctx)                                     # loop (optimizer, EMA: session.py)
     finally:
         ctx.teardown()                                          # every plugin change undone, even on error
     if writes:
@@ -113,7 +100,7 @@ def main(quick: bool = False) -> None:
     # to its own CPU kernels, so the line is noise for every run.
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     try:
-        launch.launch(run)                                       # compose (friendly errors), run or sweep
+        launch.launch(task)                                       # compose (friendly errors), run or sweep
     except SystemExit as e:
         if quick and _QUICK_EXIT:
             quick_exit(e.code)

@@ -52,6 +52,34 @@ class Interrupted(UserError):
         self.exit_code = 128 + signum
 
 
+class ResumableStop(UserError):
+    """A stop that loses no completed step: the loop saves the last one and its message says where,
+    so that the user can continue with ``train.resume`` once the cause is fixed (OOM at micro-batch 1,
+    a non-finite step). Each kind of stop says in its own words what was kept (``kept``, with
+    ``{steps}`` and ``{checkpoint}``), what to fix first (``advice``) and what an empty save means."""
+
+    kept = "The last completed step ({steps}) is saved in {checkpoint}"
+    advice = "after fixing the cause"
+    nothing_saved = "No step had completed, so there is no checkpoint to resume from."
+
+    def __init__(self, message: str, step: int) -> None:
+        super().__init__(message)
+        self.step = step
+        self.checkpoint: Path | None = None
+
+    def add_checkpoint(self, checkpoint: Path | None, completed_steps: int, unsaved_reason: str | None = None) -> None:
+        """Append where the last completed step was saved (or why nothing was: ``unsaved_reason``)."""
+        self.checkpoint = checkpoint
+        if checkpoint is not None:
+            tail = (" " + self.kept.format(steps=completed_steps, checkpoint=checkpoint)
+                    + f"; {self.advice}, continue with train.resume={checkpoint}.")
+        elif unsaved_reason:
+            tail = f" {unsaved_reason}"
+        else:
+            tail = " " + self.nothing_saved
+        self.args = (self.args[0] + tail,)
+
+
 class StorageError(UserError):
     """A read or write failed for a reason outside the runner (disk full, read-only, gone); exit 5.
 

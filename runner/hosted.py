@@ -47,23 +47,19 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from torch import nn
 
-from runner.build import build_plugins, make_context, output_dir, prepare_models
+from runner.build import output_dir
 from runner.cli import launch
 from runner.cli.compose import compose_config
 from runner.config import load_all
 from runner.config.checks import validate
 from runner.context import RunContext
-from runner.ema.average import build_ema
 from runner.errors import UserError
-from runner.hostmem import keep_freed_host_memory
-from runner.loop import TrainResult, make_accelerator
+from runner.loop import TrainResult
 from runner.memory.profile import build_profiler
 from runner.memory.stats import MemoryMonitor
-from runner.optim.build import build_optimizer
-from runner.optim.fused import fuse_into_backward, fusion_of
+from runner.optim.fused import fusion_of
 from runner.output.report import MetricsWriter, print_summary, write_run_info
-from runner.plan import preflight
-from runner.resolved import resolve
+from runner.session import attach_ema, attach_optimizer, open_run, plan_run, take_models
 from runner.trainer import ModelSet
 
 log = logging.getLogger("runner")
@@ -129,21 +125,18 @@ class HostedRun:
     """One hosted run: the resolved run, its plugins and its outputs around a loop that stays yours."""
 
     def __init__(self, cfg: DictConfig, output_dir: Path | None = None, overrides: Sequence[str] = ()) -> None:
-        validate(cfg)
+        checked = validate(cfg)  # once a job: @hosted's command line checked it already (runner/config/checks.py)
         self.cfg = cfg
         self.overrides = list(overrides)
-        self.run = resolve(cfg)
+        self.run = checked.run
         if self.run.dist.active:  # the loop is the user's: its batches, its backward; nothing to shard them with
             raise UserError(
                 f"dist={self.run.dist.name} with {self.run.dist.world_size} processes is for the runner's own loop "
                 "(python -m runner). A hosted loop runs one process; distribute it with accelerate in the loop itself.")
-        log.info("%s", self.run.describe())
-        keep_freed_host_memory(self.run)
         self.output_dir = Path(output_dir) if output_dir else _default_output_dir(cfg)
         write_run_info(self.output_dir, cfg)
-        self.ctx: RunContext = make_context(cfg, self.run, build_plugins(cfg, self.run), self.output_dir)
-        self.ctx.run_phase("configure_process")
-        self.ctx.accelerator = make_accelerator(self.run)
+        # resolve, plugins, context, configure_process, accelerator: the same setup as managed mode
+        self.ctx: RunContext = open_run(cfg, self.output_dir, None, checked, tracked=False)
         self.result = TrainResult(steps_done=0)
         self._metrics = MetricsWriter(self.output_dir / "metrics.jsonl")
         self._memory = MemoryMonitor(self.run.device, self.run.budget_gb)
@@ -178,29 +171,18 @@ class HostedRun:
         if trained is None:
             trained = {n for n, m in named.items() if any(p.requires_grad for p in m.parameters())}
         ctx = self.ctx
-        ctx.models = prepare_models(ModelSet(named, set(trained)), self.cfg.model, self.run)
+        take_models(ctx, ModelSet(named, set(trained)))  # dtypes, LoRA: as managed mode (runner/session.py)
         if loss_fn is not None and example_batch is not None:
-            preflight(self.cfg, self.run, HostedLoop(ctx.models, loss_fn, example_batch, single), self.output_dir)
+            plan_run(ctx, HostedLoop(ctx.models, loss_fn, example_batch, single))
         elif self.cfg.train.preflight:
             log.info("hosted: no preflight plan (pass loss_fn= and example_batch= to prepare() for one)")
         ctx.apply_setup_phases()
-        params = list(ctx.models.trainable_parameters())
-        if optimizer is None:
-            optimizer = build_optimizer(self.cfg.optimizer, params, notes=ctx.notes)
-        elif isinstance(optimizer, torch.optim.Optimizer):
-            if _optimizer_configured(self.cfg, self.overrides):
-                raise UserError(
-                    f"optimizer={self.cfg.optimizer.name} is configured, but the loop passed its own "
-                    f"{type(optimizer).__name__} to prepare(); one of them would be ignored. Pass None to use "
-                    "the configured optimizer, or drop optimizer= from the overrides (and the preset).")
-        else:
-            optimizer = optimizer(params)
-        ctx.optimizer = optimizer
-        ctx.run_phase("wrap_optimizer")
-        ctx.optimizer = fuse_into_backward(ctx.optimizer, self.cfg.optimizer, self.run, ctx.models.named_trainable_parameters())
-        ctx.ema = build_ema(ctx)  # ema.enabled: averaged by log() after each step
-        for name, m in ctx.models.items():
-            m.train(name in ctx.models.trained)
+        refused = (f"optimizer={self.cfg.optimizer.name} is configured, but the loop passed its own "
+                   f"{type(optimizer).__name__} to prepare(); one of them would be ignored. Pass None to use "
+                   "the configured optimizer, or drop optimizer= from the overrides (and the preset)."
+                   ) if _optimizer_configured(self.cfg, self.overrides) else None
+        attach_optimizer(ctx, optimizer, own_optimizer_refused=refused)
+        attach_ema(ctx)  # ema.enabled: averaged by log() after each step
         out_models = ctx.models["model"] if single else ctx.models.modules
         return out_models, ctx.optimizer, DeviceLoader(dataloader, self.run.device) if dataloader is not None else None
 

@@ -21,35 +21,25 @@ import math
 import signal
 import time
 from collections.abc import Iterator
-from contextlib import closing, contextmanager
+from contextlib import ExitStack, closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from accelerate import Accelerator
 from diffusers.optimization import get_scheduler
 
 from runner.context import RunContext
 from runner.data import BatchOrder, collate, describe_dataset, visit_samples
-from runner.data.order import SampleOrder  # noqa: F401  (the one-stream order, importable from here as before)
-from runner.dist.runtime import accelerator_options
-from runner.ema.average import build_ema
-from runner.errors import Interrupted
+from runner.errors import Interrupted, ResumableStop
 from runner.guards.nonfinite import NonFiniteGuard, NonFiniteStop, grad_norm
 from runner.guards.oom import MicroBatchRecovery, OutOfMemoryGiveUp
 from runner.memory.profile import NullProfiler, build_profiler
 from runner.memory.stats import MemoryMonitor
-from runner.optim.build import build_optimizer
-from runner.optim.fused import fuse_into_backward, fusion_of
+from runner.optim.fused import fusion_of
 from runner.output.progress import build_progress
-from runner.output.report import (  # noqa: F401  (read_metrics: re-exported)
-    MetricsWriter,
-    NullMetrics,
-    drop_metrics_after,
-    read_metrics,
-)
+from runner.output.report import MetricsWriter, NullMetrics, drop_metrics_after
 from runner.output.trackers import start_tracking
-from runner.resolved import ResolvedRun
+from runner.session import attach_ema, attach_optimizer
 from runner.state.checkpoint import TrainState, find_checkpoint, remove_leftovers
 from runner.state.resume import saved_config_text
 from runner.trainer import batch_len, encode, move_batch, slice_batch
@@ -122,145 +112,169 @@ class TrainResult:
     notes: dict[str, Any] = field(default_factory=dict)  # ctx.notes at the end (optimizer state bytes, ...)
 
 
-def make_accelerator(run: ResolvedRun, **tracking: Any) -> Accelerator:
-    """A fresh Accelerator for this job, with the resolved precision (runner/resolved.py decides it)
-    and the tracker's ``log_with``/``project_dir`` (runner/output/trackers.py:accelerator_kwargs).
+class Loop:
+    """Everything the managed loop holds for one run, built once by :func:`start_loop`; its methods
+    are the parts of one step, so :func:`train` reads as the step itself."""
 
-    accelerate keeps a process-wide singleton state; Hydra's ``-m`` runs jobs one after another
-    in the same process, and jobs may differ in mixed precision, so the state is reset first.
-    """
-    from accelerate.state import AcceleratorState, GradientState
+    def __init__(self, ctx: RunContext) -> None:
+        cfg, run = ctx.cfg, ctx.run
+        self.ctx, self.cfg, self.out = ctx, cfg, ctx.output_dir
+        self.dataset = ctx.validation.training_view(ctx.trainer.dataset())  # data.val_fraction: held-out samples never trained
+        log.info("data: %s%s", describe_dataset(self.dataset), ctx.flip.describe())  # what is used, skipped or upscaled, and why
+        self.order = BatchOrder(self.dataset, run.batch_size, run.seed)  # step -> (indices, seeds): runner/data/order.py
+        self.dist = ctx.dist  # one process: a no-op; dist=ddp|fsdp: runner/dist/runtime.py
+        attach_optimizer(ctx)  # DDP/FSDP, optimizer, wrap_optimizer, fused backward (runner/session.py)
+        self.fused = fusion_of(ctx.optimizer)  # optimizer.fused_backward: steps inside backward; else a no-op view
+        self.scheduler = get_scheduler(cfg.train.lr_scheduler, ctx.optimizer, num_warmup_steps=cfg.train.lr_warmup_steps,
+                                       num_training_steps=cfg.train.steps)
+        self.state, micro, resumed = self._resume(run.micro_batch)
+        self.optimizer, self.scheduler = ctx.accelerator.prepare(ctx.optimizer, self.scheduler)
+        attach_ema(ctx, resumed)  # ema.enabled only; continues a resumed average (runner/session.py)
+        self.params = list(ctx.models.trainable_parameters())
+        self.metrics = (MetricsWriter(self.out / "metrics.jsonl", append=bool(cfg.train.resume)) if self.dist.is_main
+                        else NullMetrics())
+        self.result = TrainResult(steps_done=self.state.step)
+        self.recovery = MicroBatchRecovery(ctx, micro, run.rank_batch, self.params,  # OOM: discard the step, halve, retry
+                                           unsplittable_because=self.fused.unsplittable_because)
+        self.memory = MemoryMonitor(ctx.device, run.budget_gb)  # per-step memory columns and pressure warnings
+        self.profiler = build_profiler(cfg, ctx) if self.dist.is_main else NullProfiler()  # a no-op unless profile.enabled
+        self.guard = NonFiniteGuard(cfg.train.on_nonfinite, cfg.train.nonfinite_patience, lr=cfg.optimizer.get("lr"),
+                                    scaler_active=ctx.accelerator.scaler is not None, precision=run.precision)
+        self.progress = build_progress(cfg, self.state.step, self.dist.is_main)  # tqdm on a terminal, else a log line
+        self.step_times: list[float] = []
+        self.tracking = ctx.tracking = start_tracking(ctx.accelerator, cfg)  # a no-op unless log.tracker
 
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    return Accelerator(mixed_precision=run.precision, cpu=run.device.type == "cpu", **accelerator_options(run),
-                       **tracking)
+    def _resume(self, micro: int) -> tuple[TrainState, int, Path | None]:
+        """The train state to start from: fresh, or ``train.resume``'s checkpoint loaded into the
+        models, optimizer and scheduler; the micro-batch size to start with; the checkpoint."""
+        ctx, cfg = self.ctx, self.cfg
+        state = TrainState(micro_batch_size=micro)
+        if self.dist.is_main:
+            remove_leftovers(self.out / "checkpoints")  # hidden folders of a save or prune that was killed
+        ckpt = None
+        if cfg.train.resume:
+            ckpt = find_checkpoint(cfg.train.resume)
+            state = self.dist.load_checkpoint(ckpt, ctx.models, ctx.optimizer, self.scheduler,
+                                              optimizer_name=cfg.optimizer.get("name"))
+            micro = min(state.micro_batch_size or micro, ctx.run.rank_batch)  # another world size: this rank's share
+            log.info("resumed from %s at step %d (%d samples seen)", ckpt, state.step, state.samples_seen)
+            if self.dist.is_main:
+                drop_metrics_after(self.out / "metrics.jsonl", state.step)  # one curve: no step twice
+            self.order.resume(state.step, state.samples_seen)
+        if self.order.describe():
+            log.info("%s", self.order.describe())
+        return state, micro, ckpt
+
+    def closing(self) -> ExitStack:
+        """The loop's outputs, closed however it ends."""
+        stack = ExitStack()
+        for thing in (self.progress, self.metrics, self.profiler, self.tracking):
+            stack.enter_context(closing(thing))
+        return stack
+
+    def save(self) -> Path:
+        self.state.micro_batch_size = self.recovery.micro_batch_size
+        ctx, cfg = self.ctx, self.cfg
+        return self.dist.save_checkpoint(self.out / "checkpoints", self.state, ctx.models, ctx.optimizer, self.scheduler,
+                                         cfg.train.keep_saved, config_text=saved_config_text(cfg, ctx.overrides),
+                                         optimizer_name=cfg.optimizer.get("name"), more_files=ctx.ema.write_checkpoint)
+
+    def stop_resumably(self, error: ResumableStop) -> None:
+        """Before a stop that loses no completed step: save the last completed step (when there is
+        one and fused backward left the weights intact) and name it in ``error``'s message."""
+        step = self.state.step
+        error.add_checkpoint(self.save() if step and self.fused.intact else None, step,
+                             self.fused.unsaved_reason(self.result.checkpoint))
+
+    def passes(self) -> float:
+        """This step's forward and backward passes (OOM: retried with smaller micro-batches); its loss."""
+        ctx, step = self.ctx, self.state.step
+        batch = self.order.batch(step)  # the global batch; this rank's share of it (all of it in one process)
+        indices, seeds = self.dist.shard(batch.indices, batch.seeds)
+        raw = collate(visit_samples(self.dataset, indices, seeds))
+        raw["sample_seed"] = seeds
+        raw = ctx.flip.apply(raw)  # data.random_flip: a coin per visit, from sample_seed (runner/data/flip.py)
+        try:  # dist.attempts: every rank agrees on each attempt (runner/dist/agree.py); the global mean loss
+            return self.recovery.run(step + 1, self.dist.attempts(lambda m: forward_backward(ctx, raw, m, self.profiler)))
+        except OutOfMemoryGiveUp as e:  # already at micro-batch 1: keep the last completed step, stop
+            self.stop_resumably(e)
+            raise
+
+    def update(self, step_loss: float) -> None:
+        """Clip, check for non-finite values and apply the optimizer step (or skip it, or stop)."""
+        run, params, step = self.ctx.run, self.params, self.state.step + 1
+
+        def apply() -> None:
+            norm = None
+            if run.max_grad_norm > 0:
+                norm = self.ctx.accelerator.clip_grad_norm_(params, run.max_grad_norm)
+            elif self.guard.needs_grad_norm and math.isfinite(step_loss):
+                norm = grad_norm(params)
+            if self.guard.allow_update(step, step_loss, self.fused.guard_norm(norm)):  # NaN/inf: skip or stop
+                self.optimizer.step()
+
+        try:
+            with self.profiler.phase("optimizer"):
+                self.recovery.update(step, apply, self.result.checkpoint)
+        except NonFiniteStop as e:  # the update was not applied: the weights are the last good step's
+            self.stop_resumably(e)
+            self.optimizer.zero_grad(set_to_none=True)
+            raise
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=self.dist.grads_to_none)
+        self.state.step += 1
+        self.state.samples_seen += self.ctx.run.batch_size
+        self.ctx.ema.update(self.state.step, applied=self.guard.applied and not self.ctx.accelerator.optimizer_step_was_skipped)
+
+    def record(self, step_loss: float, dt: float) -> None:
+        """The step's metrics row (loss, lr, time, memory, val_loss), the tracker and the progress line."""
+        step = self.state.step
+        self.step_times.append(dt)
+        mem = self.memory.sample(step)
+        row = {"step": step, "loss": step_loss, "lr": self.scheduler.get_last_lr()[0], "s_per_step": dt,
+               "samples_seen": self.state.samples_seen, "micro_batch_size": self.recovery.micro_batch_size,
+               "oom_retries": self.recovery.retries_this_step, "nonfinite_skips": self.guard.total, **mem}
+        row.update(self.ctx.validation.maybe_evaluate(step))  # val_loss every val.every steps
+        self.metrics.write(row)
+        self.tracking.log_metrics(step, row)
+        self.result.losses.append(step_loss)
+        self.progress.update(step, step_loss, row["lr"], dt, self.memory.postfix(mem))
+
+    def finish(self) -> TrainResult:
+        result = self.result
+        result.steps_done = self.state.step
+        result.notes = dict(self.ctx.notes)
+        if self.step_times:
+            tail = self.step_times[1:] or self.step_times  # the first step includes one-off warm-up
+            result.seconds_per_step = sum(tail) / len(tail)
+        return result
 
 
 def train(ctx: RunContext) -> TrainResult:
-    """Run ``cfg.train.steps`` optimizer steps of ``ctx.trainer`` on ``ctx.models``."""
-    cfg, models, trainer, run = ctx.cfg, ctx.models, ctx.trainer, ctx.run
-    out = ctx.output_dir
-    accelerator = ctx.accelerator
-    batch_size, micro = run.batch_size, run.micro_batch
-    dataset = ctx.validation.training_view(trainer.dataset())  # data.val_fraction: held-out samples never trained
-    log.info("data: %s%s", describe_dataset(dataset), ctx.flip.describe())  # what is used, skipped or upscaled, and why
-    order = BatchOrder(dataset, batch_size, run.seed)  # step -> (indices, seeds): runner/data/order.py
-
-    dist = ctx.dist  # one process: a no-op; dist=ddp|fsdp: runner/dist/runtime.py
-    dist.prepare_models(ctx)  # DDP or FSDP2 around the trained modules, before the optimizer takes their parameters
-    ctx.optimizer = build_optimizer(cfg.optimizer, list(models.trainable_parameters()), notes=ctx.notes)
-    ctx.run_phase("wrap_optimizer")
-    ctx.optimizer = fuse_into_backward(ctx.optimizer, cfg.optimizer, run, models.named_trainable_parameters())
-    fused = fusion_of(ctx.optimizer)  # optimizer.fused_backward: steps inside backward (runner/optim/fused.py); else a no-op view
-    scheduler = get_scheduler(
-        cfg.train.lr_scheduler, ctx.optimizer, num_warmup_steps=cfg.train.lr_warmup_steps, num_training_steps=cfg.train.steps
-    )
-    state = TrainState(micro_batch_size=micro)
-    if dist.is_main:
-        remove_leftovers(out / "checkpoints")  # hidden folders of a save or prune that was killed
-    if cfg.train.resume:
-        ckpt = find_checkpoint(cfg.train.resume)
-        state = dist.load_checkpoint(ckpt, models, ctx.optimizer, scheduler, optimizer_name=cfg.optimizer.get("name"))
-        micro = min(state.micro_batch_size or micro, run.rank_batch)  # saved by another world size: this rank's share
-        log.info("resumed from %s at step %d (%d samples seen)", ckpt, state.step, state.samples_seen)
-        if dist.is_main:
-            drop_metrics_after(out / "metrics.jsonl", state.step)  # one curve: no step twice
-        order.resume(state.step, state.samples_seen)
-    if order.describe():
-        log.info("%s", order.describe())
-    optimizer, scheduler = accelerator.prepare(ctx.optimizer, scheduler)
-    ctx.ema = build_ema(ctx, find_checkpoint(cfg.train.resume) if cfg.train.resume else None)  # ema.enabled only
-    params = list(models.trainable_parameters())
-    for name, m in models.items():
-        m.train(name in models.trained)
-
-    metrics = MetricsWriter(out / "metrics.jsonl", append=bool(cfg.train.resume)) if dist.is_main else NullMetrics()
-    ckpt_root = out / "checkpoints"
-    result = TrainResult(steps_done=state.step)
-    recovery = MicroBatchRecovery(ctx, micro, run.rank_batch, params,  # OOM: discard the step, halve, retry
-                                  unsplittable_because=fused.unsplittable_because)
-    memory = MemoryMonitor(ctx.device, run.budget_gb)  # per-step memory columns and pressure warnings
-    profiler = build_profiler(cfg, ctx) if dist.is_main else NullProfiler()  # a no-op unless profile.enabled
-    guard = NonFiniteGuard(cfg.train.on_nonfinite, cfg.train.nonfinite_patience, lr=cfg.optimizer.get("lr"),
-                           scaler_active=accelerator.scaler is not None, precision=run.precision)
-    progress = build_progress(cfg, state.step, dist.is_main)  # tqdm on a terminal, else a log line every log.every steps
-    step_times: list[float] = []
-    tracking = ctx.tracking = start_tracking(accelerator, cfg)  # a no-op unless log.tracker; samplers log images here
-
-    def update(step_loss: float) -> None:
-        norm = None
-        if run.max_grad_norm > 0:
-            norm = accelerator.clip_grad_norm_(params, run.max_grad_norm)
-        elif guard.needs_grad_norm and math.isfinite(step_loss):
-            norm = grad_norm(params)
-        if guard.allow_update(state.step + 1, step_loss, fused.guard_norm(norm)):  # NaN/inf: skip, or stop (runner/guards/nonfinite.py)
-            optimizer.step()
-
-    def save() -> Path:
-        state.micro_batch_size = recovery.micro_batch_size
-        return dist.save_checkpoint(ckpt_root, state, models, ctx.optimizer, scheduler, cfg.train.keep_saved,
-                                    config_text=saved_config_text(cfg, ctx.overrides),
-                                    optimizer_name=cfg.optimizer.get("name"), more_files=ctx.ema.write_checkpoint)
-
-    with StopRequest() as stop, closing(progress), closing(metrics), closing(profiler), closing(tracking):
+    """Run ``cfg.train.steps`` optimizer steps of ``ctx.trainer`` on ``ctx.models``: the loop itself."""
+    loop = Loop(ctx)
+    steps, save_every, state = ctx.cfg.train.steps, ctx.cfg.train.save_every, loop.state
+    with StopRequest() as stop, loop.closing():
         ctx.sampler.maybe_sample(state.step)  # samples at the start (step 0, or the resumed step)
-        while state.step < cfg.train.steps:
+        while state.step < steps:
             t0 = time.perf_counter()
-            profiler.begin_step(state.step + 1)
+            loop.profiler.begin_step(state.step + 1)
             ctx.run_phase("on_step_start", state.step)
-            batch = order.batch(state.step)  # the global batch; this rank's share of it (all of it in one process)
-            indices, seeds = dist.shard(batch.indices, batch.seeds)
-            raw = collate(visit_samples(dataset, indices, seeds))
-            raw["sample_seed"] = seeds
-            raw = ctx.flip.apply(raw)  # data.random_flip: a coin per visit, from sample_seed (runner/data/flip.py)
-            try:  # dist.attempts: every rank agrees on each attempt (runner/dist/agree.py); the global mean loss
-                step_loss = recovery.run(state.step + 1, dist.attempts(lambda m: forward_backward(ctx, raw, m, profiler)))
-            except OutOfMemoryGiveUp as e:  # already at micro-batch 1: keep the last completed step, stop
-                e.add_checkpoint(save() if state.step and fused.intact else None, state.step,
-                                 fused.unsaved_reason(result.checkpoint))
-                raise
-            try:
-                with profiler.phase("optimizer"):
-                    recovery.update(state.step + 1, lambda: update(step_loss), result.checkpoint)
-            except NonFiniteStop as e:  # the update was not applied: the weights are the last good step's
-                e.add_checkpoint(save() if state.step and fused.intact else None, state.step,
-                                 fused.unsaved_reason(result.checkpoint))
-                optimizer.zero_grad(set_to_none=True)
-                raise
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=dist.grads_to_none)
-            state.step += 1
-            state.samples_seen += batch_size
-            ctx.ema.update(state.step, applied=guard.applied and not accelerator.optimizer_step_was_skipped)
+            step_loss = loop.passes()
+            loop.update(step_loss)
             ctx.run_phase("on_step_end", state.step)
             dt = time.perf_counter() - t0
-            profiler.end_step()  # after dt: writing the profile's files is not step time
-            step_times.append(dt)
-            mem = memory.sample(state.step)
-            row = {"step": state.step, "loss": step_loss, "lr": scheduler.get_last_lr()[0], "s_per_step": dt,
-                   "samples_seen": state.samples_seen, "micro_batch_size": recovery.micro_batch_size,
-                   "oom_retries": recovery.retries_this_step, "nonfinite_skips": guard.total, **mem}
-            row.update(ctx.validation.maybe_evaluate(state.step))  # val_loss every val.every steps
-            metrics.write(row)
-            tracking.log_metrics(state.step, row)
-            result.losses.append(step_loss)
-            progress.update(state.step, step_loss, row["lr"], dt, memory.postfix(mem))
-            stop.signum = dist.agree_stop(stop.signum)  # a signal on any rank stops every rank after this step
-            due = cfg.train.save_every and state.step % cfg.train.save_every == 0
-            if due or state.step == cfg.train.steps or stop.signum is not None:
+            loop.profiler.end_step()  # after dt: writing the profile's files is not step time
+            loop.record(step_loss, dt)
+            stop.signum = loop.dist.agree_stop(stop.signum)  # a signal on any rank stops every rank after this step
+            if (save_every and state.step % save_every == 0) or state.step == steps or stop.signum is not None:
                 with stop.deferred():  # a second Ctrl-C waits for the save; a third forces the exit
-                    result.checkpoint = stop.last_saved = save()
+                    loop.result.checkpoint = stop.last_saved = loop.save()
             ctx.sampler.maybe_sample(state.step)  # every sample.every steps and at the end (runner/sampling/)
             if stop.signum is not None:
-                result.interrupted_by = stop.signum
+                loop.result.interrupted_by = stop.signum
                 break
-    result.steps_done = state.step
-    result.notes = dict(ctx.notes)
-    if step_times:
-        tail = step_times[1:] or step_times  # the first step includes one-off warm-up
-        result.seconds_per_step = sum(tail) / len(tail)
-    return result
+    return loop.finish()
 
 
 def forward_backward(ctx: RunContext, raw: dict[str, Any], micro: int, profiler: Any) -> float:

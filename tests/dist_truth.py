@@ -38,10 +38,11 @@ def one(out: Path, overrides: list[str], label: str) -> None:
     from runner.cli.compose import compose_config
     from runner.config.checks import validate
     from runner.dist.launch import join_process_group
-    from runner.loop import forward_backward, make_accelerator
+    from runner.loop import forward_backward
     from runner.optim.build import build_optimizer
     from runner.plan import plan_step
     from runner.resolved import resolve
+    from runner.session import make_accelerator
 
     torch.set_num_threads(1)
     world = join_process_group()

@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from runner.build import build_plugins, build_trainer, make_context, prepare_models
-from runner.loop import forward_backward, make_accelerator
+from runner.loop import forward_backward
 from runner.memory.live_bytes import LiveBytesTracker
 from runner.optim.build import build_optimizer
 from runner.plan import plan_step
 from runner.resolved import resolve
+from runner.session import make_accelerator
 
 
 class _Phases:

@@ -14,8 +14,8 @@ from runner.build import build_plugins, build_trainer, make_context, prepare_mod
 from runner.cli.compose import compose_config
 from runner.config.checks import validate
 from runner.context import RunContext
-from runner.loop import make_accelerator
 from runner.resolved import resolve
+from runner.session import make_accelerator
 
 
 def prepared_context(out: Path, *overrides: str, trainer: Any = None) -> RunContext:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,13 +40,14 @@ from runner.ema.config import check_ema_config
 from runner.errors import UserError, valid_list
 from runner.export.config import validate_export
 from runner.fit.config import check_fit_config
-from runner.loss.config import validate_loss
+from runner.loss.config import check_objective, loss_config, validate_loss
 from runner.optim.config import check_optimizer_config
 from runner.output.config import validate_log_config
 from runner.sampling.config import check_sample_config
 from runner.val.config import check_val_config, check_val_path
 
 if TYPE_CHECKING:
+    from runner.plugin import Plugin
     from runner.resolved import ResolvedRun
 
 
@@ -62,10 +64,36 @@ def _positive(cfg: DictConfig, key: str, allow_zero: bool = False) -> None:
         raise UserError(f"{key}={value!r} is not valid: it must be a number {bound}.")
 
 
-def validate(cfg: DictConfig) -> None:
-    """Semantic checks that schemas cannot express; each names the key and the valid values."""
+@dataclass
+class CheckedRun:
+    """What :func:`check_run` built to check a job, kept for the job itself: the resolved run (as
+    its mode sees it) and every selected plugin, built from its node and that run and validated.
+    The run opens with these (runner/session.py), so one job resolves once and builds each plugin
+    once, however many stages looked at it."""
+
+    run: ResolvedRun
+    plugins: list[Plugin] = field(default_factory=list)
+
+
+# check_run's results by the config's text. The command line checks every job of a sweep before
+# Hydra starts any (runner/cli/launch.py); the job then gets a config Hydra composed again, equal
+# in content, and takes its checked run from here instead of validating a second time. A config
+# that differs (a resume composed it again on the checkpoint's command line) is checked anew.
+_CHECKED: dict[str, CheckedRun] = {}
+
+
+def _config_key(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=False)
+
+
+def validate(cfg: DictConfig) -> CheckedRun:
+    """Both stages of checks for one job, once: a config already checked with this content (by the
+    command line's pre-check) is not checked again. Returns what :func:`check_run` built."""
+    checked = _CHECKED.pop(_config_key(cfg), None)
+    if checked is not None:
+        return checked
     check_config(cfg)
-    check_run(cfg)
+    return check_run(cfg, keep=False)
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -110,6 +138,7 @@ def check_config(cfg: DictConfig) -> None:
     check_ema_config(cfg)
     check_val_config(cfg)
     validate_loss(cfg)
+    _check_loss_objective(cfg)
     if cfg.mode == "train":
         _check_data_path(cfg)
     validate_export(cfg)
@@ -120,9 +149,10 @@ def check_config(cfg: DictConfig) -> None:
     check_plugin_settings(cfg)
 
 
-def check_run(cfg: DictConfig) -> None:
+def check_run(cfg: DictConfig, keep: bool = True) -> CheckedRun:
     """What depends on this machine and the resolved run, and the data folder's contents (imports
-    torch; still before anything is built or planned)."""
+    torch; still before anything is built or planned). ``keep``: hold the result for this config's
+    job (:func:`validate` hands it over) rather than only returning it."""
     from runner.data import check_cache_compatible, check_dataset, check_options
     from runner.data.video import check_video_keys, trainer_video_defaults
     from runner.optim.build import validate_optimizer
@@ -138,7 +168,22 @@ def check_run(cfg: DictConfig) -> None:
     validate_dist(cfg, run.dist)  # dist=ddp|fsdp: batch split, refused combinations (runner/dist/config.py)
     validate_optimizer(cfg, run)
     check_fused_backward(cfg, run, [(k, n) for k, n, _ in registry.selected(cfg)])
-    validate_plugins(cfg, run)
+    checked = CheckedRun(run, validate_plugins(cfg, run))
+    if keep:
+        _CHECKED[_config_key(cfg)] = checked
+    return checked
+
+
+def _check_loss_objective(cfg: DictConfig) -> None:
+    """``loss.*`` options of the other objective than the run's trainer trains with, refused before
+    any trainer module is imported: a built-in or entry-point trainer registered its objective. A
+    user's ``trainer._target_`` is not imported here; its own constructor checks the options."""
+    target = cfg.trainer.get("_target_") if cfg.get("trainer") is not None else None
+    for name, entry in registry.trainers().items():
+        if entry.target == target:
+            if entry.objective:
+                check_objective(loss_config(cfg), entry.objective, f"trainer={name}")
+            return
 
 
 def _check_data_path(cfg: DictConfig) -> None:
@@ -179,12 +224,17 @@ def check_plugin_settings(cfg: DictConfig) -> None:
             entry.check(node, f"{kind}.{name}")
 
 
-def validate_plugins(cfg: DictConfig, run: ResolvedRun) -> None:
-    """Each selected plugin's own ``validate()``, given its node and the resolved run (after the
-    settings' own checks, for a caller that skipped :func:`check_config`)."""
+def validate_plugins(cfg: DictConfig, run: ResolvedRun) -> list[Plugin]:
+    """Each selected plugin built from its node and the resolved run, and its own ``validate()``
+    (after the settings' own checks, for a caller that skipped :func:`check_config`); the built
+    plugins, in the config's order."""
     check_plugin_settings(cfg)
+    plugins = []
     for kind, name, node in registry.selected(cfg):
-        registry.get_plugin(kind, name)(node, run).validate()
+        plugin = registry.get_plugin(kind, name)(node, run)
+        plugin.validate()
+        plugins.append(plugin)
+    return plugins
 
 
 def _spelling(names: list[str]) -> str:

@@ -25,12 +25,11 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable
-from pathlib import Path
 
 import torch
 
 from runner.config import NONFINITE_POLICIES
-from runner.errors import UserError
+from runner.errors import ResumableStop
 
 log = logging.getLogger("runner")
 
@@ -38,26 +37,13 @@ NONFINITE_EXIT_CODE = 4
 POLICIES = NONFINITE_POLICIES  # train.on_nonfinite (listed in runner/config/__init__.py: validation reads it without torch)
 
 
-class NonFiniteStop(UserError):
+class NonFiniteStop(ResumableStop):
     """The run stopped on a non-finite loss, gradient or weight; exit status 4."""
 
     exit_code = NONFINITE_EXIT_CODE
     status = "nonfinite"
-
-    def __init__(self, message: str, step: int) -> None:
-        super().__init__(message)
-        self.step = step
-
-    def add_checkpoint(self, checkpoint: Path | None, completed_steps: int, unsaved_reason: str | None = None) -> None:
-        """Append where the last good weights were saved; ``unsaved_reason``: why they could not be (fused backward)."""
-        if checkpoint is not None:
-            tail = (f" The weights at step {completed_steps} (finite: no non-finite update was applied) are saved in "
-                    f"{checkpoint}; after fixing the cause, continue with train.resume={checkpoint}.")
-        elif unsaved_reason:
-            tail = f" {unsaved_reason}"
-        else:
-            tail = " No good step had completed, so nothing was saved."
-        self.args = (self.args[0] + tail,)
+    kept = "The weights at step {steps} (finite: no non-finite update was applied) are saved in {checkpoint}"
+    nothing_saved = "No good step had completed, so nothing was saved."
 
 
 def likely_causes(lr: float | None, precision: str) -> str:

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from runner.errors import UserError
+from runner.errors import ResumableStop
 
 if TYPE_CHECKING:
     from runner.context import RunContext
@@ -71,7 +71,7 @@ def is_out_of_memory(error: BaseException) -> bool:
     return False
 
 
-class OutOfMemoryGiveUp(UserError):
+class OutOfMemoryGiveUp(ResumableStop):
     """Out of memory at micro-batch 1: the run cannot go on without using less memory.
 
     Exit status 3 (not 2) so scripts can tell "does not fit" from "bad input".
@@ -79,24 +79,11 @@ class OutOfMemoryGiveUp(UserError):
 
     exit_code = GIVE_UP_EXIT_CODE
     status = "oom"
+    advice = "after lowering memory"
 
     def __init__(self, message: str, step: int, device: str) -> None:
-        super().__init__(message)
-        self.step = step
+        super().__init__(message, step)
         self.device = device
-        self.checkpoint: Path | None = None
-
-    def add_checkpoint(self, checkpoint: Path | None, completed_steps: int, unsaved_reason: str | None = None) -> None:
-        """Append where the last completed step was saved (or why nothing was: ``unsaved_reason``)."""
-        self.checkpoint = checkpoint
-        if checkpoint is not None:
-            tail = (f" The last completed step ({completed_steps}) is saved in {checkpoint}; after lowering memory, "
-                    f"continue with train.resume={checkpoint}.")
-        elif unsaved_reason:
-            tail = f" {unsaved_reason}"
-        else:
-            tail = " No step had completed, so there is no checkpoint to resume from."
-        self.args = (self.args[0] + tail,)
 
 
 def first_line(error: BaseException) -> str:

@@ -82,24 +82,6 @@ def validate_loss(cfg: Any) -> None:
     _number("loss.shift", c.shift, "> 0", c.shift > 0, "e.g. 3.0; 1.0 shifts nothing")
     for key, value in (("loss.base_shift", c.base_shift), ("loss.max_shift", c.max_shift)):
         _number(key, value, "finite", math.isfinite(value), "Flux uses 0.5 and 1.15")
-    registered = _registered_trainer(cfg)
-    if registered is not None:  # a built-in or entry-point trainer: its objective is known without building it
-        name, objective = registered
-        if objective:
-            check_objective(c, objective, f"trainer={name}")
-
-
-def _registered_trainer(cfg: Any) -> tuple[str, str | None] | None:
-    """(name, objective) of the run's trainer when it is a registered one: the registry knows its
-    objective without importing it (a user's ``trainer._target_`` is not imported here, its own
-    constructor checks the options)."""
-    from runner import registry
-
-    target = cfg.trainer.get("_target_") if hasattr(cfg, "trainer") and cfg.trainer is not None else None
-    for name, entry in registry.trainers().items():
-        if entry.target == target:
-            return name, entry.objective
-    return None
 
 
 def _choice(key: str, value: str, valid: tuple[str, ...]) -> None:

@@ -1,7 +1,7 @@
 """The same loop, hosted: the README's "after" (plain_loop.py is the "before")."""
+import torch
 
 from toy_model import batches, make_unet, my_loss
-
 from runner.hosted import hosted
 
 

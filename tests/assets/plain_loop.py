@@ -1,5 +1,6 @@
 """A plain PyTorch training loop: the README's "before" (hosted_loop.py is the "after")."""
 import torch
+
 from toy_model import batches, make_unet, my_loss
 
 

@@ -22,11 +22,11 @@ from typing import Any
 import pytest
 from planner_truth import assert_plan_matches_a_real_cpu_step
 
-from runner.__main__ import run
+from runner.__main__ import task
 from runner.cli.compose import compose_config
 from runner.config.checks import validate
 from runner.files import conf_dir
-from runner.loop import read_metrics
+from runner.output.report import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 ASSETS = ROOT / "tests" / "assets"
@@ -45,7 +45,7 @@ def _assets_on_path(monkeypatch, tmp_path):
 
 def train_dit(out: Path, *overrides: str) -> list[dict[str, Any]]:
     """Three optimizer steps of the DiT trainer in-process; the rows of metrics.jsonl."""
-    run(compose_config([*DIT, "train.steps=3", "train.progress=false", f"output_dir={out}", *overrides]))
+    task(compose_config([*DIT, "train.steps=3", "train.progress=false", f"output_dir={out}", *overrides]))
     return read_metrics(out / "metrics.jsonl")
 
 
@@ -72,7 +72,7 @@ def test_micro_batches_give_the_losses_of_whole_batches(tmp_path):
 
 
 def test_mode_plan_plans_the_dit_trainer_without_a_preset(tmp_path):
-    assert run(compose_config([*DIT, "mode=plan", f"output_dir={tmp_path}"])) is None
+    assert task(compose_config([*DIT, "mode=plan", f"output_dir={tmp_path}"])) is None
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["run"]["modules"] == ["denoiser"] and plan["run"]["trained"] == "denoiser"
     from dit_trainer import ClassConditionalDiT

@@ -163,13 +163,13 @@ def test_config_errors_and_runner_run(tmp_path):
                             ("offload.activations.ram_warn_pct=0", r"offload\.activations\.ram_warn_pct")):
         with pytest.raises(UserError, match=match):
             validate(compose_config(["offload=activations", override]))
-    from runner.__main__ import run
-    from runner.loop import read_metrics
+    from runner.__main__ import task
+    from runner.output.report import read_metrics
 
     losses = {}
     for name in ("none", "activations"):
         out = tmp_path / name
-        run(compose_config([f"output_dir={out}", "train.progress=false", "train.steps=2", "checkpoint=blocks",
+        task(compose_config([f"output_dir={out}", "train.progress=false", "train.steps=2", "checkpoint=blocks",
                             f"offload={name}"]))
         losses[name] = [r["loss"] for r in read_metrics(out / "metrics.jsonl")]
     assert losses["activations"] == losses["none"]
@@ -184,16 +184,17 @@ def test_plugin_on_a_cpu_target_is_a_no_op_and_the_cpu_plan_equals_the_run(tmp_p
     train.device=cpu) is the run's own preflight plan and the plan without the plugin, byte for byte."""
     import json
 
-    from runner.__main__ import run as run_main
+    from runner.__main__ import task as run_main
     from runner.build import (
         build_plugins,
         build_trainer,
         make_context,
         prepare_models,
     )
-    from runner.loop import make_accelerator, read_metrics
+    from runner.output.report import read_metrics
     from runner.plan import plan_step
     from runner.resolved import resolve
+    from runner.session import make_accelerator
 
     common = ["train.device=cpu", "checkpoint=blocks", "train.progress=false"]
     cfg = compose_config([*common, "offload=activations"])

@@ -170,15 +170,15 @@ def test_runner_runs_with_every_offload_option_and_resumes(tmp_path):
     """The loop (clipping, 2 micro-batches, LR schedule, checkpoints): identical losses for
     offload=optimizer (both modes) and every offload plugin composed (park, stream, activations,
     optimizer); a run resumed from a checkpoint of the wrapper continues with the same losses."""
-    from runner.__main__ import run
-    from runner.loop import read_metrics
+    from runner.__main__ import task
+    from runner.output.report import read_metrics
 
     common = ["train.progress=false", "train.steps=4", "train.grad_accum=2", "checkpoint=blocks",
               "train.lr_scheduler=linear", "train.lr_warmup_steps=1", "train.save_every=2"]
 
     def losses(name, *extra):
         out = tmp_path / name
-        run(compose_config([f"output_dir={out}", *common, *extra]))
+        task(compose_config([f"output_dir={out}", *common, *extra]))
         return [r["loss"] for r in read_metrics(out / "metrics.jsonl")], out
 
     base, _ = losses("none")

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from runner.__main__ import run
+from runner.__main__ import task
 from runner.cli.compose import compose_config
 from runner.errors import UserError
-from runner.loop import read_metrics
+from runner.output.report import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 ASSETS = ROOT / "tests" / "assets"
@@ -22,7 +22,7 @@ ASSETS = ROOT / "tests" / "assets"
 
 def run_cfg(tmp: Path, *overrides: str):
     cfg = compose_config([f"output_dir={tmp}", "train.progress=false", *overrides])
-    return run(cfg), read_metrics(tmp / "metrics.jsonl")
+    return task(cfg), read_metrics(tmp / "metrics.jsonl")
 
 
 def cli(*args: str, cwd: Path = ROOT, env_extra: dict | None = None, **kw) -> subprocess.CompletedProcess:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.__main__ import run
+from runner.__main__ import task
 from runner.cli.compose import compose_config
 from runner.errors import UserError
 from runner.hooks import marked
@@ -65,7 +65,7 @@ def test_a_failing_run_still_undoes_every_plugin_change(tmp_path, monkeypatch, o
                           "checkpoint=blocks", "train.device=cpu", "train.steps=5", "train.progress=false",
                           f"output_dir={tmp_path}"])
     with pytest.raises(RuntimeError, match="a bug in the user's loss"):
-        run(cfg)
+        task(cfg)
     blocks = [m for m in BUILT["unet"].modules() if "forward" in m.__dict__ or marked(m, "checkpoint") is not None]
     assert blocks == [], "checkpoint wrappers left on the model after a failed run"
 

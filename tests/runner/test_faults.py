@@ -19,7 +19,7 @@ import torch
 from faults import faults_supported, with_faults
 from safetensors.torch import load_file
 
-from runner.__main__ import run
+from runner.__main__ import task
 from runner.cli.compose import compose_config
 from runner.cli.launch import run_job
 from runner.errors import Interrupted
@@ -46,7 +46,7 @@ def job(out: Path, *overrides: str) -> int:
     """One job as `python -m runner` runs it (run_job: summary, status, exit code); its exit code."""
     sys.path.insert(0, str(ASSETS))
     try:
-        run_job(run, compose_config([f"output_dir={out}", *COMMON, *overrides]))
+        run_job(task, compose_config([f"output_dir={out}", *COMMON, *overrides]))
         return 0
     except SystemExit as e:
         return int(e.code)

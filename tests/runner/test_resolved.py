@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from runner.__main__ import run
+from runner.__main__ import task
 from runner.cli.compose import compose_config
 from runner.resolved import GiB, resolve
 
@@ -38,6 +38,6 @@ def test_cpu_run_preflight_and_cpu_plan_are_the_same_plan(tmp_path, overrides, o
     common = [*overrides, "train.device=cpu", "train.progress=false"]
     if any("preset" in o for o in overrides):
         common.append(f"offload.park.cache_dir={tmp_path / 'cache'}")
-    run(compose_config([*common, f"output_dir={tmp_path / 'run'}", "train.steps=1"]))
-    run(compose_config([*common, f"output_dir={tmp_path / 'plan'}", "mode=plan"]))
+    task(compose_config([*common, f"output_dir={tmp_path / 'run'}", "train.steps=1"]))
+    task(compose_config([*common, f"output_dir={tmp_path / 'plan'}", "mode=plan"]))
     assert _plan(tmp_path / "run") == _plan(tmp_path / "plan")

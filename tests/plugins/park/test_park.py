@@ -22,9 +22,10 @@ from runner.cli.compose import compose_config
 from runner.config.checks import validate
 from runner.context import RunContext
 from runner.data import FolderDataset, collate
+from runner.data.order import SampleOrder
 from runner.errors import UserError
 from runner.hooks import marked
-from runner.loop import SampleOrder, make_accelerator, train
+from runner.loop import train
 from runner.memory.live_bytes import LiveBytesTracker
 from runner.plugin import PluginSchedule
 from runner.plugins.park import (
@@ -42,6 +43,7 @@ from runner.plugins.park.cache import (
     plan_cache,
 )
 from runner.resolved import resolve
+from runner.session import make_accelerator
 from runner.trainer import ModelSet, encode
 
 ASSETS = Path(__file__).resolve().parents[3] / "tests" / "assets"

@@ -24,7 +24,7 @@ from runner.cli.compose import compose_config
 from runner.config.checks import validate
 from runner.context import RunContext
 from runner.errors import UserError
-from runner.loop import make_accelerator, train
+from runner.loop import train
 from runner.memory.live_bytes import LiveBytesTracker
 from runner.output.report import summary
 from runner.plugin import PluginSchedule
@@ -50,6 +50,7 @@ from runner.plugins.quantization.fp8 import (
     apply_fp8_storage,
 )
 from runner.resolved import resolve
+from runner.session import make_accelerator
 from runner.trainer import ModelSet
 
 METHODS = ("nf4", "int8", "fp8")

@@ -361,11 +361,11 @@ def test_planner_full_size_sdxl_peak_drops_by_the_streamed_weights(train, capsys
 
 # ---- the runner -------------------------------------------------------------------------------
 def run_losses(tmp, *overrides):
-    from runner.__main__ import run
-    from runner.loop import read_metrics
+    from runner.__main__ import task
+    from runner.output.report import read_metrics
 
     cfg = compose_config([f"output_dir={tmp}", "train.progress=false", *overrides])
-    run(cfg)
+    task(cfg)
     return [r["loss"] for r in read_metrics(tmp / "metrics.jsonl")]
 
 

@@ -18,7 +18,8 @@ import torch
 from runner.cli.compose import compose_config
 from runner.data import DemoDataset, collate
 from runner.data.flip import NO_FLIP, VisitFlip, flip_rows, flips_on_visit, visit_flip
-from runner.loop import SampleOrder, read_metrics
+from runner.data.order import SampleOrder
+from runner.output.report import read_metrics
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
 
@@ -87,12 +88,12 @@ def pixel_trainer_path():
 
 
 def _losses(out: Path, *overrides: str) -> list[float]:
-    from runner.__main__ import run
+    from runner.__main__ import task
 
     base = ["trainer=custom", "trainer._target_=custom_trainer.PixelDiffusionTrainer", "data.resolution=16",
             "train.batch_size=4", "train.steps=4", "train.progress=false", "train.preflight=false",
             "train.save_every=1", "train.keep_saved=5", "data.demo_size=6"]
-    run(compose_config([*base, f"output_dir={out}", *overrides]))
+    task(compose_config([*base, f"output_dir={out}", *overrides]))
     return [r["loss"] for r in read_metrics(out / "metrics.jsonl")]
 
 

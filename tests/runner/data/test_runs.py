@@ -19,9 +19,9 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from runner.__main__ import run
+from runner.__main__ import task
 from runner.cli.compose import compose_config
-from runner.loop import read_metrics
+from runner.output.report import read_metrics
 from runner.plugin import Plugin, PluginConfig
 from runner.registry import register_plugin
 
@@ -48,7 +48,7 @@ def common(images: Path) -> list[str]:
 
 
 def train(out: Path, *overrides: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    run(compose_config([f"output_dir={out}", *overrides]))
+    task(compose_config([f"output_dir={out}", *overrides]))
     rows = read_metrics(out / "metrics.jsonl")
     step = rows[-1]["step"]
     weights = load_file(str(out / "checkpoints" / f"step-{step:08d}" / "trainable.safetensors"))
@@ -163,7 +163,7 @@ def test_a_users_trainer_that_uses_runner_data_gets_buckets_and_sets(images, tmp
         custom_trainer.PixelDiffusionTrainer.loss = recording
         caplog.set_level("INFO", logger="runner")
         sets = f"data.sets=[{{path:{images},repeats:2}},{{path:{images},resolution:32}}]"
-        run(compose_config([f"output_dir={tmp_path}", "trainer=custom", "train.device=cpu", "train.progress=false",
+        task(compose_config([f"output_dir={tmp_path}", "trainer=custom", "train.device=cpu", "train.progress=false",
                             "trainer._target_=custom_trainer.PixelDiffusionTrainer", "data.resolution=16",
                             "data.buckets=true", "data.bucket_step=8", sets, "data.caption_dropout=0.5",
                             "train.steps=6", "train.batch_size=2", "export.enabled=false", "train.preflight=false"]))

@@ -107,7 +107,7 @@ def test_submitit_tasks_become_ranks(monkeypatch):
 
 
 def _shards(world: int, batch: int, step: int) -> list[tuple[list[int], list[int]]]:
-    from runner.loop import SampleOrder
+    from runner.data.order import SampleOrder
 
     order = SampleOrder(16, seed=7)
     start = step * batch

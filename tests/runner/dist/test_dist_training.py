@@ -34,8 +34,8 @@ from pathlib import Path
 
 import pytest
 
-from runner.__main__ import run
-from runner.loop import read_metrics
+from runner.__main__ import task
+from runner.output.report import read_metrics
 from runner.cli.compose import compose_config
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -78,7 +78,7 @@ def launch(launcher: str, cwd: Path, *overrides: str, env: dict[str, str] | None
 def one_process(out: Path, *overrides: str) -> list[dict]:
     sys.path.insert(0, str(ASSETS))
     try:
-        run(compose_config([f"output_dir={out}", *COMMON, *overrides]))
+        task(compose_config([f"output_dir={out}", *COMMON, *overrides]))
     finally:
         sys.path.remove(str(ASSETS))
     return read_metrics(out / "metrics.jsonl")

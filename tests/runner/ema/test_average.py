@@ -17,13 +17,13 @@ from accelerate.utils import set_seed
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from runner.__main__ import run
+from runner.__main__ import task
 from runner.build import build_trainer, prepare_models
 from runner.cli.compose import compose_config
 from runner.config.checks import validate
 from runner.ema.average import EMA, FILE, NoEMA, build_ema
 from runner.errors import UserError
-from runner.loop import read_metrics
+from runner.output.report import read_metrics
 from runner.resolved import resolve
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -44,7 +44,7 @@ def overrides(out: Path, *extra: str) -> list[str]:
 
 
 def train(out: Path, *extra: str) -> list[dict]:
-    run(compose_config(overrides(out, *extra)))
+    task(compose_config(overrides(out, *extra)))
     return read_metrics(out / "metrics.jsonl")
 
 

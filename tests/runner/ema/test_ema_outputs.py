@@ -19,14 +19,14 @@ from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from runner.__main__ import run
+from runner.__main__ import task
 from runner.build import build_trainer, prepare_models
 from runner.cli.compose import compose_config
 from runner.ema.average import FILE
 from runner.export.checkpoint import EXPORT_DIR, FULL_DIR
 from runner.export.ema import FULL_EMA_DIR
 from runner.export.lora import DIFFUSERS_EMA_FILE, DIFFUSERS_FILE, KOHYA_EMA_FILE
-from runner.loop import read_metrics
+from runner.output.report import read_metrics
 from runner.resolved import resolve
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -38,7 +38,7 @@ CKPT = Path("checkpoints") / "step-00000002"
 
 
 def train(out: Path, *overrides: str) -> list[dict]:
-    run(compose_config([f"output_dir={out}", *COMMON, *overrides]))
+    task(compose_config([f"output_dir={out}", *COMMON, *overrides]))
     return read_metrics(out / "metrics.jsonl")
 
 
@@ -107,7 +107,7 @@ def test_mode_export_of_the_checkpoint_writes_the_same_ema_files(lora_run, tmp_p
     copy = tmp_path / "run"
     shutil.copytree(lora_run.parent.parent, copy)
     shutil.rmtree(copy / CKPT / EXPORT_DIR)
-    run(compose_config([f"output_dir={tmp_path / 'job'}", "mode=export", f"train.resume={copy}", "train.device=cpu"]))
+    task(compose_config([f"output_dir={tmp_path / 'job'}", "mode=export", f"train.resume={copy}", "train.device=cpu"]))
     for name in (DIFFUSERS_EMA_FILE, KOHYA_EMA_FILE):
         again, first = load_file(str(copy / CKPT / EXPORT_DIR / name)), load_file(str(lora_run / EXPORT_DIR / name))
         assert again.keys() == first.keys() and all(torch.equal(again[k], first[k]) for k in first)

@@ -23,7 +23,7 @@ from accelerate.utils import set_seed
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from runner.__main__ import run
+from runner.__main__ import task
 from runner.build import build_trainer, prepare_models
 from runner.cli.compose import compose_config
 from runner.errors import UserError
@@ -42,7 +42,7 @@ LORA = ["model.train=lora", "model.lora_rank=4", "model.lora_alpha=8"]
 
 
 def train_run(out: Path, family: str, *overrides: str) -> Path:
-    run(compose_config([f"output_dir={out}", f"trainer={family}", *COMMON, *overrides]))
+    task(compose_config([f"output_dir={out}", f"trainer={family}", *COMMON, *overrides]))
     return out / CKPT
 
 
@@ -160,7 +160,7 @@ def test_mode_export_rewrites_the_same_files(lora_runs, tmp_path):
     shutil.rmtree(exported)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     (copy / CKPT / f".tmp-export-{int(dead.stdout)}").mkdir()  # what an export killed mid-write leaves
-    run(compose_config([f"output_dir={tmp_path / 'export-job'}", "mode=export", f"train.resume={copy}",
+    task(compose_config([f"output_dir={tmp_path / 'export-job'}", "mode=export", f"train.resume={copy}",
                         "train.device=cpu"]))
     for name in (DIFFUSERS_FILE, KOHYA_FILE):  # safetensors orders a header's metadata at random: compare contents
         again, first = load_file(str(exported / name)), load_file(str(ckpt / EXPORT_DIR / name))
@@ -207,9 +207,9 @@ def test_export_disabled_and_bad_values(tmp_path):
     ckpt = tmp_path / "checkpoints" / "step-00000001"
     assert (ckpt / "trainable.safetensors").is_file() and not (ckpt / EXPORT_DIR).exists()
     with pytest.raises(UserError, match="export.lora_format='kohy'.*kohya"):
-        run(compose_config([f"output_dir={tmp_path}", "export.lora_format=kohy"]))
+        task(compose_config([f"output_dir={tmp_path}", "export.lora_format=kohy"]))
     with pytest.raises(UserError, match="mode=export needs train.resume"):
-        run(compose_config([f"output_dir={tmp_path}", "mode=export"]))
+        task(compose_config([f"output_dir={tmp_path}", "mode=export"]))
 
 
 def test_a_trainer_without_a_pipeline_keeps_only_trainable_safetensors(tmp_path, caplog, monkeypatch):
@@ -217,7 +217,7 @@ def test_a_trainer_without_a_pipeline_keeps_only_trainable_safetensors(tmp_path,
     the log says why no export is written."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "assets"))
     with caplog.at_level(logging.INFO, logger="runner"):
-        run(compose_config([f"output_dir={tmp_path}", "trainer=custom", "trainer._target_=dit_trainer.ClassConditionalDiT",
+        task(compose_config([f"output_dir={tmp_path}", "trainer=custom", "trainer._target_=dit_trainer.ClassConditionalDiT",
                             "model.train=lora", "train.steps=1", "train.device=cpu", "train.progress=false"]))
     ckpt = tmp_path / "checkpoints" / "step-00000001"
     assert (ckpt / "trainable.safetensors").is_file() and not (ckpt / EXPORT_DIR).exists()

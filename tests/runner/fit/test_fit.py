@@ -17,7 +17,7 @@ from runner.cli.compose import compose_config
 from runner.config.checks import validate
 from runner.fit.search import fitted_overrides
 from runner.fit.space import Knobs, overrides_for
-from runner.loop import read_metrics
+from runner.output.report import read_metrics
 from runner.plan import plan_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")

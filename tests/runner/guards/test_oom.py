@@ -36,7 +36,7 @@ from safetensors.torch import load_file
 from runner.cli.compose import compose_config
 from runner.errors import UserError
 from runner.guards.oom import GIVE_UP_EXIT_CODE, OutOfMemoryGiveUp, is_out_of_memory
-from runner.loop import read_metrics
+from runner.output.report import read_metrics
 from runner.plugin import Plugin, PluginConfig
 from runner.registry import register_plugin
 
@@ -145,11 +145,11 @@ def one_thread():
 
 
 def train_run(out: Path, *overrides: str):
-    from runner.__main__ import run
+    from runner.__main__ import task
 
     cfg = compose_config([*BASE, f"output_dir={out}", *overrides])
     RECORD.clear()
-    run(cfg)
+    task(cfg)
     return read_metrics(out / "metrics.jsonl"), RECORD.get("last")
 
 
@@ -283,7 +283,7 @@ def test_split_mid_run_keeps_the_smaller_micro_batch_and_resume_honours_it(tmp_p
 
 
 def test_give_up_at_micro_batch_one_saves_the_last_completed_step(tmp_path, references, capsys):
-    from runner.__main__ import run
+    from runner.__main__ import task
     from runner.cli.launch import run_job
 
     out = tmp_path / "run"
@@ -291,7 +291,7 @@ def test_give_up_at_micro_batch_one_saves_the_last_completed_step(tmp_path, refe
                           "tiling.test_oom_injector.steps=[2]", "tiling.test_oom_injector.max_batch=0"])
     RECORD.clear()
     with pytest.raises(SystemExit) as e:
-        run_job(run, cfg)  # what the CLI runs for a single (non -m) run (runner.cli.launch.launch)
+        run_job(task, cfg)  # what the CLI runs for a single (non -m) run (runner.cli.launch.launch)
     assert e.value.code == GIVE_UP_EXIT_CODE == 3
     err = capsys.readouterr().err
     assert "Traceback" not in err

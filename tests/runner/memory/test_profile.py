@@ -61,9 +61,9 @@ def assets_on_path():
 
 
 def profiled_run(out: Path, *overrides: str) -> dict:
-    from runner.__main__ import run
+    from runner.__main__ import task
 
-    run(compose_config([*PIXEL, f"output_dir={out}", "profile.enabled=true", *overrides]))
+    task(compose_config([*PIXEL, f"output_dir={out}", "profile.enabled=true", *overrides]))
     return json.loads((out / TIMELINE_JSON).read_text())
 
 

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from runner.cli.compose import compose_config
-from runner.loop import read_metrics
 from runner.memory.stats import (
     GIB,
     MemoryMonitor,
@@ -18,6 +17,7 @@ from runner.memory.stats import (
     fragmentation,
     pressure_level,
 )
+from runner.output.report import read_metrics
 
 ASSETS = Path(__file__).resolve().parents[3] / "tests" / "assets"
 COLUMNS = ("memory_in_use_gb", "memory_peak_gb", "host_rss_gb", "mem_allocated_gb", "mem_reserved_gb",
@@ -77,12 +77,12 @@ def test_postfix_on_cuda_rows():
 
 def test_run_writes_the_columns_and_warns_once(tmp_path, caplog):
     """A 3-step CPU run with a budget far below the process's RSS: critical every step, one warning."""
-    from runner.__main__ import run
+    from runner.__main__ import task
 
     caplog.set_level(logging.WARNING, logger="runner")
     sys.path.insert(0, str(ASSETS))
     try:
-        run(compose_config(["trainer=custom", "trainer._target_=custom_trainer.PixelDiffusionTrainer",
+        task(compose_config(["trainer=custom", "trainer._target_=custom_trainer.PixelDiffusionTrainer",
                             "data.resolution=16", "train.steps=3", "train.progress=false", "budget_gb=0.01",
                             f"output_dir={tmp_path}"]))
     finally:

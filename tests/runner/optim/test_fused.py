@@ -17,14 +17,14 @@ import torch
 from planner_truth import _Phases, prepared_step
 from safetensors.torch import load_file
 
-from runner.__main__ import run
+from runner.__main__ import task
 from runner.cli.compose import compose_config
 from runner.cli.launch import run_job
 from runner.config.checks import validate
 from runner.errors import UserError
-from runner.loop import read_metrics
 from runner.memory.live_bytes import LiveBytesTracker
 from runner.optim.fused import FusedBackward, NotFused, fusion_of
+from runner.output.report import read_metrics
 from runner.plan import plan_step
 from runner.plugin import Plugin, PluginConfig
 from runner.registry import register_plugin
@@ -46,7 +46,7 @@ def _assets_on_path(monkeypatch):
 def train_job(out: Path, *overrides: str) -> int:
     """One job as `python -m runner` runs it; its exit code."""
     try:
-        run_job(run, compose_config([f"output_dir={out}", *COMMON, *overrides]))
+        run_job(task, compose_config([f"output_dir={out}", *COMMON, *overrides]))
         return 0
     except SystemExit as e:
         return int(e.code)

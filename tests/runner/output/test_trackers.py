@@ -10,11 +10,11 @@ import tensorboard  # noqa: E402,F401  (the test extra installs it: a missing Te
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
-from runner.__main__ import run
+from runner.__main__ import task
 from runner.cli.compose import compose_config
 from runner.config.checks import validate
 from runner.errors import UserError
-from runner.loop import read_metrics
+from runner.output.report import read_metrics
 from runner.output.trackers import NoTracking, flat_hparams
 
 
@@ -29,7 +29,7 @@ def read_events(folder: Path) -> EventAccumulator:
 def test_tensorboard_gets_every_metrics_row_the_config_and_images(tmp_path):
     cfg = compose_config([f"output_dir={tmp_path}", "train.progress=false", "train.steps=3", "train.batch_size=1",
                           "log.tracker=tensorboard", "log.project=proj", "train.preflight=false"])
-    run(cfg)
+    task(cfg)
     rows = read_metrics(tmp_path / "metrics.jsonl")
     acc = read_events(tmp_path / "tracker" / "proj")
     losses = acc.Scalars("loss")
@@ -68,7 +68,7 @@ def test_flat_hparams_are_scalars():
 def test_no_tracker_is_a_no_op_and_writes_nothing(tmp_path):
     cfg = compose_config([f"output_dir={tmp_path}", "train.progress=false", "train.steps=1", "train.batch_size=1",
                           "train.preflight=false"])
-    run(cfg)
+    task(cfg)
     assert not (tmp_path / "tracker").exists()
     NoTracking().log_images(1, {"a": Image.new("RGB", (2, 2))})  # callable without a tracker
 

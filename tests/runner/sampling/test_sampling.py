@@ -13,11 +13,11 @@ from PIL import Image
 from runner_setup import prepared_context
 from safetensors.torch import load_file
 
-from runner.__main__ import run
+from runner.__main__ import task
 from runner.cli.compose import compose_config
 from runner.config.checks import validate
 from runner.errors import UserError
-from runner.loop import read_metrics
+from runner.output.report import read_metrics
 from runner.resolved import resolve
 from runner.sampling import NoSampler, Sampler, build_sampler, image_name, read_prompts
 from runner.trainers.sdxl import SDXLTrainer
@@ -29,7 +29,7 @@ FILES = ["00-a-photo-of-a-cat.png", "01-a-red-car.png"]
 def train(out: Path, *overrides: str) -> list[dict]:
     cfg = compose_config([f"output_dir={out}", "train.progress=false", "train.preflight=false", *overrides])
     validate(cfg)
-    run(cfg)
+    task(cfg)
     return read_metrics(out / "metrics.jsonl")
 
 

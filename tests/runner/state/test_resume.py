@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from runner.__main__ import run
+from runner.__main__ import task
 from runner.cli.compose import compose_config
 from runner.errors import UserError
-from runner.loop import read_metrics
+from runner.output.report import read_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -29,7 +29,7 @@ COMMON = ["train.device=cpu", "train.progress=false", "train.preflight=false", "
 
 
 def train(out: Path, *overrides: str) -> list[dict]:
-    run(compose_config([f"output_dir={out}", *COMMON, *overrides]))
+    task(compose_config([f"output_dir={out}", *COMMON, *overrides]))
     return read_metrics(out / "metrics.jsonl")
 
 

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from runner.__main__ import run
+from runner.__main__ import task
 from runner.cli.compose import compose_config
 from runner.errors import UserError
-from runner.loop import read_metrics
+from runner.output.report import read_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -28,7 +28,7 @@ CKPT = Path("checkpoints") / "step-00000002"
 
 
 def run_cfg(out: Path, *overrides: str) -> list[dict]:
-    run(compose_config([f"output_dir={out}", *COMMON, *overrides]))
+    task(compose_config([f"output_dir={out}", *COMMON, *overrides]))
     return read_metrics(out / "metrics.jsonl")
 
 

@@ -20,12 +20,13 @@ from accelerate.utils import set_seed
 from planner_truth import assert_plan_matches_a_real_cpu_step
 from runner_setup import prepared_context
 
-from runner.__main__ import run
+from runner.__main__ import task
 from runner.build import build_trainer, prepare_models
 from runner.cli.compose import compose_config
 from runner.config.checks import validate
 from runner.data import collate
-from runner.loop import read_metrics, train
+from runner.loop import train
+from runner.output.report import read_metrics
 from runner.resolved import resolve
 from runner.state.checkpoint import find_checkpoint, load_trainable_weights
 from runner.trainer import encode
@@ -45,7 +46,7 @@ def losses(out: Path, family: str, *overrides: str) -> list[float]:
     """The per-step losses of a run of ``family`` (in-process, as test_run.py runs the runner)."""
     cfg = compose_config([f"trainer={family}", *COMMON, f"output_dir={out}", *overrides])
     validate(cfg)
-    run(cfg)
+    task(cfg)
     return [r["loss"] for r in read_metrics(out / "metrics.jsonl")]
 
 

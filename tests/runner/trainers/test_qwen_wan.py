@@ -19,14 +19,14 @@ import torch
 from accelerate.utils import set_seed
 from planner_truth import assert_plan_matches_a_real_cpu_step
 
-from runner.__main__ import run
+from runner.__main__ import task
 from runner.build import build_trainer, prepare_models
 from runner.cli.compose import compose_config
 from runner.config.checks import validate
 from runner.errors import UserError
 from runner.export.checkpoint import EXPORT_DIR
 from runner.export.lora import DIFFUSERS_FILE
-from runner.loop import read_metrics
+from runner.output.report import read_metrics
 from runner.plugin import Plugin, PluginConfig
 from runner.registry import register_plugin
 from runner.resolved import resolve
@@ -48,7 +48,7 @@ def _private_cache(monkeypatch, tmp_path):
 
 
 def train(out: Path, family: str, *overrides: str) -> list[dict]:
-    run(compose_config([*FAMILIES[family], *COMMON, f"output_dir={out}", *overrides]))
+    task(compose_config([*FAMILIES[family], *COMMON, f"output_dir={out}", *overrides]))
     return read_metrics(out / "metrics.jsonl")
 
 
@@ -215,7 +215,7 @@ def test_wan_samples_are_clips_and_qwen_samples_are_images(tmp_path):
 def test_presets_train_their_family_at_tiny_size(tmp_path, preset, extra):
     """nf4 base + LoRA, park with both caches, block checkpointing (and Wan's activation offload,
     a no-op on a CPU run): finite losses, an exported LoRA."""
-    run(compose_config([f"+preset={preset}", *extra, *COMMON, "train.steps=2", f"output_dir={tmp_path}"]))
+    task(compose_config([f"+preset={preset}", *extra, *COMMON, "train.steps=2", f"output_dir={tmp_path}"]))
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
     assert (tmp_path / "checkpoints" / "step-00000002" / EXPORT_DIR / DIFFUSERS_FILE).is_file()

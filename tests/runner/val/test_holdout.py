@@ -20,11 +20,12 @@ from accelerate.utils import set_seed
 from PIL import Image
 from safetensors.torch import load_file
 
-from runner.__main__ import run
+from runner.__main__ import task
 from runner.build import build_trainer, prepare_models
 from runner.cli.compose import compose_config
 from runner.data import FolderDataset, build_dataset, collate
-from runner.loop import SampleOrder, read_metrics
+from runner.data.order import SampleOrder
+from runner.output.report import read_metrics
 from runner.resolved import resolve
 from runner.val.holdout import (
     COLUMN,
@@ -53,7 +54,7 @@ def assets_on_path(monkeypatch):
 
 
 def train(out: Path, *overrides: str) -> list[dict]:
-    run(compose_config([f"output_dir={out}", *COMMON, *overrides]))
+    task(compose_config([f"output_dir={out}", *COMMON, *overrides]))
     return read_metrics(out / "metrics.jsonl")
 
 
