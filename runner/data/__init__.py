@@ -153,7 +153,8 @@ def check_dataset(data_cfg: Any, video: Any = None) -> None:
     """Build the folder data set during validation, so that a broken image or caption fails before
     the plan and the model build, and hand it to the next :func:`build_dataset` of the same settings
     (the trainer's, seconds later) so the scan and header checks run once. Handed over once only:
-    later builds read the folder again, so edits between runs of one process are seen.
+    later builds read the folder again, so edits between runs of one process are seen. Every job
+    of a sweep is checked before the first starts, so each keeps its own hand-off until it builds.
 
     ``video``: a video trainer's ``(default_frames, default_fps)`` (its ``video_defaults``): the
     folder is read as clips (:func:`build_video_dataset`) instead of images."""
@@ -162,7 +163,6 @@ def check_dataset(data_cfg: Any, video: Any = None) -> None:
     check_video_keys(data_cfg)
     if _get(data_cfg, "path", None) is None and not _get(data_cfg, "sets", None):
         return
-    _CHECKED.clear()
     if video is not None:
         _CHECKED[_folder_key(data_cfg, video)] = build_video_dataset(data_cfg, *video)
     else:
