@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 import torch
 from torch import nn
 
+from runner.accel import is_real_accelerator, record_stream, stream_api
 from runner.compat import current_graph_task_id, is_fake, queue_engine_callback
 from runner.context import Transfer
 from runner.hooks import composable
@@ -99,6 +100,8 @@ class ActivationStats:
     waited: int = 0  # brought back on demand
 
 
+DEFAULT_STREAMS: Any = object()  # "the device's own stream API" (none on meta or the CPU)
+
 def _dense(t: torch.Tensor) -> bool:
     """Non-overlapping and dense (any dimension order): a host copy with the same strides holds
     exactly its elements. Expanded or strided views are left on the device."""
@@ -122,7 +125,8 @@ class ActivationOffloader:
 
     def __init__(self, device: torch.device | str, host: torch.device | str = "cpu", *, min_bytes: int = 1024,
                  use_streams: bool = True, max_fwd_stash: int = 5, prefetch: int = 2, pin_memory: bool = True,
-                 ram_warn_pct: float = 60.0, skip: Iterable[torch.Tensor] = (), always_copy: bool = False) -> None:
+                 ram_warn_pct: float = 60.0, skip: Iterable[torch.Tensor] = (), always_copy: bool = False,
+                 streams: Any = DEFAULT_STREAMS) -> None:
         self.device = torch.device(device)
         self.host = torch.device(host)
         self.min_bytes = int(min_bytes)
@@ -132,10 +136,12 @@ class ActivationOffloader:
         self.always_copy = always_copy
         self.stats = ActivationStats()
         self._skip = {id(t) for t in skip}
-        real_accel = self.device.type not in ("cpu", "meta")
-        self.pin = bool(pin_memory) and real_accel and torch.cuda.is_available()
-        self.use_streams = bool(use_streams) and real_accel
-        self._api = torch.get_device_module(self.device) if real_accel else None
+        # The stream API of the target (runner/accel.py): the GPU's, the in-order simulation of a CUDA
+        # target on meta or the CPU (the planner, tests), or None for the synchronous path.
+        api = stream_api(self.device, cuda_like=False) if streams is DEFAULT_STREAMS else streams
+        self.pin = bool(pin_memory) and is_real_accelerator(self.device) and torch.cuda.is_available()
+        self.use_streams = bool(use_streams) and api is not None
+        self._api = api if self.use_streams else None
         self._stream = self._api.Stream(device=self.device) if self.use_streams else None
         self._next_id = 0
         self._live: weakref.WeakValueDictionary[int, _Region] = weakref.WeakValueDictionary()
@@ -236,19 +242,24 @@ class ActivationOffloader:
         if event is not None:
             current = self._api.current_stream(self.device)
             current.wait_event(event)
-            dev.record_stream(current)  # allocated on the copy stream, used on this one
+            record_stream(dev, current)  # allocated on the copy stream, used on this one
         self._prefetch_below(rid)
         return x.view(dev)
 
     def _prefetch_below(self, rid: int) -> None:
+        """Start copying back the regions backward needs next, so that at most ``prefetch`` are on the
+        device (in flight or ready) beyond the one in use. Regions already prefetched count toward
+        the window: counting only new ones let the window grow by one region per unpack (every
+        unpack used one and started ``prefetch`` more), which held ~23 block inputs of Wan at once."""
         if not self.prefetch or not self.use_streams:
             return
-        found, probe = 0, rid - 1
-        while found < self.prefetch and probe > 0 and rid - probe <= 256:
+        window = sum(1 for r in self._ready if r < rid)
+        probe = rid - 1
+        while window < self.prefetch and probe > 0 and rid - probe <= 256:
             region = self._live.get(probe)
             if region is not None and probe not in self._ready and probe not in self._fwd_stash:
                 self._ready[probe] = self._bring_back(region)
-                found += 1
+                window += 1
             probe -= 1
 
     def _first_backward_call(self) -> None:
@@ -317,16 +328,18 @@ def _forget(stats_ref: Any, nbytes: int) -> None:
 def offload_activations(device: torch.device | str, host: torch.device | str = "cpu", *, min_bytes: int = 1024,
                         use_streams: bool = True, max_fwd_stash: int = 5, prefetch: int = 2, pin_memory: bool = True,
                         ram_warn_pct: float = 60.0, skip_modules: Iterable[nn.Module] = (),
-                        always_copy: bool = False) -> ActivationOffloader:
+                        always_copy: bool = False, streams: Any = DEFAULT_STREAMS) -> ActivationOffloader:
     """The twin: an :class:`ActivationOffloader`; ``with it(): forward and backward``.
 
     ``skip_modules``: their buffers are never offloaded (they are not activations).
     ``always_copy`` makes a CPU run copy saved tensors anyway (tests exercise the paths).
+    ``streams``: the stream API (runner/accel.py:stream_api); by default the device's own, so
+    ``meta`` and the CPU take the synchronous path unless a CUDA target's simulation is passed.
     """
     skip = [b for m in skip_modules for b in m.buffers()]
     return ActivationOffloader(device, host, min_bytes=min_bytes, use_streams=use_streams, max_fwd_stash=max_fwd_stash,
                                prefetch=prefetch, pin_memory=pin_memory, ram_warn_pct=ram_warn_pct, skip=skip,
-                               always_copy=always_copy)
+                               always_copy=always_copy, streams=streams)
 
 
 @register_plugin
@@ -348,6 +361,7 @@ class ActivationOffload(Plugin):
             ctx.device, ctx.host, min_bytes=int(c.min_bytes), use_streams=bool(c.use_streams),
             max_fwd_stash=int(c.max_fwd_stash), prefetch=int(c.prefetch), pin_memory=bool(c.pin_memory),
             ram_warn_pct=float(c.ram_warn_pct), skip_modules=[m for _, m in ctx.models.items()],
+            streams=stream_api(ctx.device, cuda_like=self.run.on_cuda),  # the planner takes the GPU's branch too
         )
         ctx.step_contexts.append(self.offloader)
 

@@ -263,3 +263,94 @@ def test_cuda_activation_offload_with_streams_lowers_the_peak():
     for n in g_a:
         torch.testing.assert_close(g_b[n], g_a[n], rtol=1e-4, atol=1e-6, msg=n)
     assert peak_b < 0.8 * peak_a
+
+
+# ---- the GPU's branch (side stream, stash, prefetch), run in order on the CPU (runner/accel.py) ------
+def deep_blocks(n: int = 16, width: int = 64) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(n)])
+
+
+def stream_step(model: nn.Module, offloader, x: torch.Tensor):
+    ctx = offloader() if offloader is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    with ctx:
+        loss = model(x).square().mean()
+        loss.backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2, 3])
+def test_prefetch_window_is_bounded_on_the_stream_branch(prefetch):
+    """16 blocks, the side-stream branch: at every unpack at most ``prefetch`` regions are prefetched
+    (in flight or ready) beyond the one in use; the old window grew by one region per unpack."""
+    from runner.accel import SIMULATED
+
+    model, x = deep_blocks(), torch.randn(8, 64)
+    want_loss, want_grads = stream_step(model, None, x)
+    off = offload_activations("cpu", "cpu", always_copy=True, min_bytes=0, prefetch=prefetch, max_fwd_stash=2,
+                              streams=SIMULATED)
+    assert off.use_streams
+    windows = []
+    unpack = off._unpack
+
+    def watched(packed):
+        out = unpack(packed)
+        windows.append(len(off._ready))
+        return out
+
+    off._unpack = watched
+    loss, grads = stream_step(model, off, x)
+    assert torch.equal(loss, want_loss) and all(torch.equal(grads[k], want_grads[k]) for k in want_grads)
+    assert len(windows) >= 16 and off.stats.offloaded >= 32
+    assert max(windows) <= prefetch, windows
+    if prefetch:
+        assert off.stats.prefetched > 0 and max(windows) == prefetch  # the window is used, not just bounded
+    assert not off._ready and not off._fwd_stash  # nothing left on the device after backward
+
+
+def test_the_planner_counts_the_stream_branchs_stash_and_window():
+    """On fake tensors (device ``meta``) with the CUDA target's simulated streams, the forward stash
+    and the backward prefetch window hold device bytes the synchronous path frees at once: the
+    planner's tracker counts them. At every unpack the window adds at most ``prefetch`` regions."""
+    from runner.accel import SIMULATED
+    from runner.plan import fake_module, simulation_mode
+
+    width, rows = 256, 64
+    region = rows * width * 4  # one block's saved input (Linear) or pre-activation (GELU)
+
+    def run(streams, prefetch):
+        mode = simulation_mode()
+        with torch.device("meta"):
+            model = deep_blocks(12, width)
+        with mode:
+            fake_module(model, torch.device("meta"), {})
+            x = torch.randn(rows, width, device="meta")
+        off = offload_activations("meta", "cpu", min_bytes=0, prefetch=prefetch, max_fwd_stash=3, streams=streams,
+                                  skip_modules=[model])
+        tracker = LiveBytesTracker(count_inputs=False)
+        tracker.track(model, "weights")
+        levels = []
+        unpack = off._unpack
+
+        def watched(packed):
+            out = unpack(packed)
+            levels.append(tracker.current_bytes("meta"))
+            return out
+
+        off._unpack = watched
+        with mode, tracker:
+            with off():
+                loss = model(x).square().mean()
+                forward = tracker.take_max_since_mark()["meta"]
+                loss.backward()
+        return forward, levels, off
+
+    sync_fwd, _, _ = run(None, 2)
+    stash_fwd, no_window, off0 = run(SIMULATED, 0)
+    _, window, off2 = run(SIMULATED, 2)
+    assert off0.use_streams and off2.stats.prefetched > 0 and len(window) == len(no_window) >= 24
+    assert stash_fwd > sync_fwd  # the forward stash keeps block inputs on the device while their copies run
+    extra = [w - n for w, n in zip(window, no_window)]
+    assert max(extra) > 0 and all(e <= 2 * region for e in extra), extra  # bounded by the window of 2
