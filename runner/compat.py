@@ -19,7 +19,7 @@ Fake tensors (no fallback: importing this module fails with :class:`MissingTorch
     ``torch.utils._python_dispatch.TorchDispatchMode``: the base class of the live-bytes tracker;
     ``_disable_current_modes`` (as ``without_dispatch_modes``): work inside a plan that must run
     as if outside it (runner/plan/simulate.py).
-    ``torch.utils._pytree``: ``tree_flatten`` (offload=stream finds a block's output tensors,
+    ``torch.utils._pytree``: ``tree_flatten`` and ``tree_map`` (the planner's known values, runner/plan/values.py; offload=stream finds a block's output tensors,
     including diffusers' output classes, which register themselves as pytree nodes) and
     ``tree_iter`` (the tracker's per-op walk; fallback: iterate ``tree_flatten``'s leaves).
 
@@ -97,7 +97,7 @@ __all__ = [
     "FakeTensorConverter", "FakeTensorMode", "MissingTorchInternal", "TorchDispatchMode", "active_fake_mode",
     "current_graph_task_id", "engine_run_backward", "foreach_lerp_", "foreach_mul_", "foreach_norm",
     "get_default_device", "get_proxy_mode", "has_compatible_shallow_copy_type", "is_fake", "outer_saved_tensors_hooks",
-    "queue_engine_callback", "sdp_priority_order", "tree_flatten", "tree_iter", "unset_fake_temporarily",
+    "queue_engine_callback", "sdp_priority_order", "tree_flatten", "tree_iter", "tree_map", "unset_fake_temporarily",
     "without_dispatch_modes",
     "FSDP_COMMS", "FSDPDefaultAllGather", "FSDPDefaultReduceScatter", "DTensor", "dtensor_local",
 ]
@@ -144,7 +144,7 @@ try:
     from torch.utils._python_dispatch import (
         _disable_current_modes as without_dispatch_modes,
     )
-    from torch.utils._pytree import tree_flatten
+    from torch.utils._pytree import tree_flatten, tree_map
 except ImportError as e:  # pragma: no cover - outside the tested range
     raise MissingTorchInternal("torch._subclasses.fake_tensor / torch.utils._python_dispatch / torch.utils._pytree",
                                "the planner's fake tensors and the live-bytes tracker", e) from e

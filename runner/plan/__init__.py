@@ -54,6 +54,7 @@ Contract for plugins (what ``ctx.simulate`` means)
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,8 @@ from typing import Any
 from runner.cli.compose import compose_config
 from runner.config.checks import validate
 from runner.errors import UserError
+from runner.guards.oom import is_out_of_memory
+from runner.plan.failure import OPT_OUT, planner_failure
 from runner.plan.fake import SimulationMode, fake_module, simulation_mode
 from runner.plan.result import PhasePeak, Plan, format_plan, format_size
 from runner.plan.semantics import DeviceSemantics, SimulatedAccelerator
@@ -90,7 +93,14 @@ class PlanDoesNotFit(UserError):
 # ---- entry points for the CLI ------------------------------------------------------------------
 def plan_command(cfg: Any, out: Path) -> Plan:
     """``mode=plan``: simulate, print the table, write plan.json; PlanDoesNotFit when over budget."""
-    plan = plan_step(cfg)
+    try:
+        plan = plan_step(cfg)
+    except (UserError, KeyboardInterrupt):
+        raise
+    except Exception as e:  # noqa: BLE001 - a trainer's step the planner cannot run: one paragraph
+        if os.environ.get("RUNNER_DEBUG"):
+            raise
+        raise planner_failure(e, _trainer_of(cfg), "mode=plan") from None
     print(plan.format_table())
     path = plan.write_json(out / PLAN_FILE)
     log.info("plan written to %s", path)
@@ -99,24 +109,41 @@ def plan_command(cfg: Any, out: Path) -> Plan:
     return plan
 
 
+def _trainer_of(cfg: Any) -> Any:
+    """The run's trainer class (not built), for naming its line in a planner failure."""
+    try:
+        from hydra.utils import get_class
+
+        return get_class(str(cfg.trainer._target_))
+    except Exception:  # noqa: BLE001 - naming the line is a courtesy; the failure is reported anyway
+        return None
+
+
 def preflight(cfg: Any, run: ResolvedRun, trainer: Any, out: Path) -> Plan | None:
     """Plan the run about to start (``run``, as resolved), at its configured size.
 
     Refuses (PlanDoesNotFit, exit 3) when the plan is over ``budget_gb``; without a budget it
-    only logs the predicted peak. ``train.preflight=false`` skips it. A configuration the
-    planner cannot simulate is logged and the run starts without a plan: the planner must never
-    be the reason a run that would fit cannot start.
+    only logs the predicted peak. ``train.preflight=false`` skips it. A step the planner cannot
+    simulate stops the run with the failing call and the trainer's line (runner/plan/failure.py):
+    a run that started without its plan would train with no budget check. The one exception is a
+    step that runs out of memory in the simulation (a trainer that raises it itself): the loop's
+    OOM recovery is what answers that, so the run starts, and says it has no plan.
     """
     if not bool(cfg.train.get("preflight", True)):
         return None
     try:
         plan = plan_step(cfg, trainer, run=run)
-    except UserError:
+    except (UserError, KeyboardInterrupt):
         raise
     except Exception as e:  # noqa: BLE001 - see the docstring
-        log.warning("preflight: the planner could not simulate this run (%s: %s); starting without a plan "
-                    "(train.preflight=false skips it)", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-        return None
+        if is_out_of_memory(e):
+            log.warning("preflight: the simulated step ran out of memory (%s: %s); starting without a plan, the "
+                        "loop's OOM recovery takes smaller micro-batches (%s)", type(e).__name__,
+                        str(e).splitlines()[0] if str(e) else "", OPT_OUT)
+            return None
+        if os.environ.get("RUNNER_DEBUG"):
+            raise
+        raise planner_failure(e, trainer, "the preflight") from None
     path = plan.write_json(out / PLAN_FILE) if run.dist.is_main else out / PLAN_FILE  # rank 0 writes it
     log.info("preflight: predicted peak %s on %s in %s (%.1f s to plan)%s; %s", format_size(plan.required_bytes),
              plan.target, plan.peak_phase, plan.seconds,

@@ -15,6 +15,7 @@ import torch
 from runner.compat import unset_fake_temporarily
 from runner.plan.beside import Beside
 from runner.plan.target import DEVICE
+from runner.plan.values import known_values
 
 BOOKKEEPING_KEYS = ("sample_seed", "index")  # per-sample ints the protocol reads with tolist()
 
@@ -56,7 +57,7 @@ def encode_part_shapes(trainer: Any, models: Any, micro: int) -> dict[str, dict[
         return {}
     raw = trainer.example_raw_batch(micro, DEVICE)
     shapes: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]] = {}
-    with torch.no_grad():
+    with torch.no_grad(), known_values():  # token ids and masks keep their values (runner/plan/values.py)
         for part in trainer.encode_parts():
             out = trainer.encode_part(models, part, raw)
             shapes[part] = {k: (tuple(v.shape), v.dtype) for k, v in out.items() if isinstance(v, torch.Tensor)}
@@ -109,7 +110,16 @@ def cached_parts(trainer: Any, ctx: Any) -> set[str]:
 
 def encode_batch(trainer: Any, models: Any, batch: dict[str, Any], cached: set[str],
                  shapes: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]]) -> dict[str, Any]:
-    """``trainer.encode``, with cached parts arriving on the device as a cache read gives them."""
+    """``trainer.encode``, with cached parts arriving on the device as a cache read gives them.
+
+    Token ids and masks keep their values through the encoders (runner/plan/values.py), so an
+    encoder that reads one (transformers' masking) runs as it does for real."""
+    with known_values():
+        return _encode(trainer, models, batch, cached, shapes)
+
+
+def _encode(trainer: Any, models: Any, batch: dict[str, Any], cached: set[str],
+            shapes: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]]) -> dict[str, Any]:
     if not cached:
         return trainer.encode(models, batch)
     parts = {}

@@ -1,0 +1,129 @@
+"""Values the planner knows: small tensors that carry their real values through a simulated step.
+
+Why: the planner runs a trainer's encode step on tensors without values (real ``meta``, or fake
+tensors on it). Code that reads a value to decide what to do next stops there: transformers'
+masking asks ``padding_mask.all()`` (``tensor.sum() == tensor.numel()``, then ``bool()``) before it
+builds an attention mask, so a trainer whose T5 or CLIP encoder takes a mask could not be planned.
+Yet those values are known: token ids and masks come from the tokenizer as real CPU tensors and
+only then move to the device. :class:`KnownValues` keeps them:
+
+* a real CPU tensor of at most :data:`LIMIT` elements moved onto the simulated device keeps a copy
+  of itself as its value;
+* an op whose tensor inputs all have values (or are small real tensors) computes its outputs'
+  values from them, on the CPU, with the simulation's modes off (nothing it makes is counted);
+* a read of a value (``.item()``, ``bool()``, ``torch.equal``) is answered from it;
+* an in-place op on a tensor with a value, given an input without one, forgets the value.
+
+A read of a tensor with no value still fails as before, and the planner reports the call and the
+trainer's line (runner/plan/__init__.py). The trade-off: a few microseconds an op while values are
+alive; the mode is active only around encode steps, where they live.
+"""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from runner.compat import TorchDispatchMode, is_fake, tree_flatten, tree_map, without_dispatch_modes
+
+LIMIT = 1 << 16  # elements: ids, masks and the scalars made from them; never activations
+_ATTR = "_runner_known_value"
+_MOVES = {torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype_layout, torch.ops.aten.to.device,
+          torch.ops.aten.to.dtype, torch.ops.aten.to.other}
+_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default}
+
+
+def value_of(t: Any) -> torch.Tensor | None:
+    """The real value the planner knows for ``t`` (a small real tensor is its own), else None."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    known = getattr(t, _ATTR, None)
+    if known is not None:
+        return known
+    if t.device.type == "cpu" and not is_fake(t) and t.numel() <= LIMIT:
+        return t
+    return None
+
+
+def _simulated(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and (t.device.type == "meta" or is_fake(t))
+
+
+class KnownValues(TorchDispatchMode):
+    """The mode of the module docstring: values of small tensors kept through the simulated ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alive = 0  # simulated tensors holding a value: none, and only moves can make one
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _READS:
+            values = self._values(args, kwargs) if any(_simulated(a) for a in tree_flatten(args)[0]) else None
+            if values is not None:
+                with without_dispatch_modes():
+                    return func(*values[0], **values[1])
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if func in _MOVES or self.alive:
+            self._follow(func, args, kwargs, out)
+        return out
+
+    def _values(self, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+        """``(args, kwargs)`` with every simulated tensor replaced by its value and every simulated
+        device by the CPU, where the values are computed; None if a simulated tensor has none."""
+        missing = False
+
+        def real(a: Any) -> Any:
+            nonlocal missing
+            if isinstance(a, torch.device) and a.type == "meta":
+                return torch.device("cpu")
+            if not isinstance(a, torch.Tensor):
+                return a
+            v = value_of(a)
+            if v is None:
+                missing = True
+                return a
+            return v
+
+        swapped = tree_map(real, (args, kwargs))
+        return None if missing else swapped
+
+    def _follow(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        """Give ``out`` values computed from the inputs' (or forget a stale one, in place)."""
+        outs = [o for o in tree_flatten(out)[0] if _simulated(o)]
+        if not outs:
+            return
+        values = None
+        if all(o.numel() <= LIMIT for o in outs) and torch.Tag.nondeterministic_seeded not in func.tags:
+            values = self._values(args, kwargs)
+        if values is None:
+            for o in outs:  # an in-place op with an unknown input: the old value is stale
+                if getattr(o, _ATTR, None) is not None:
+                    delattr(o, _ATTR)
+            return
+        with without_dispatch_modes():
+            result = func(*values[0], **values[1])
+        reals = [r for r in tree_flatten(result)[0] if isinstance(r, torch.Tensor)]
+        if len(reals) != len(outs):
+            return
+        for o, r in zip(outs, reals):
+            if tuple(o.shape) == tuple(r.shape) and o.dtype == r.dtype:
+                if getattr(o, _ATTR, None) is None:
+                    self.alive += 1
+                    weakref.finalize(o, self._gone)
+                setattr(o, _ATTR, r)
+
+    def _gone(self) -> None:
+        self.alive -= 1
+
+
+@contextmanager
+def known_values() -> Iterator[KnownValues]:
+    """Keep the values of small tensors through the ops run inside (module docstring)."""
+    mode = KnownValues()
+    with mode:
+        yield mode
