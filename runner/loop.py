@@ -158,12 +158,34 @@ class Loop:
                                               optimizer_name=cfg.optimizer.get("name"))
             micro = min(state.micro_batch_size or micro, ctx.run.rank_batch)  # another world size: this rank's share
             log.info("resumed from %s at step %d (%d samples seen)", ckpt, state.step, state.samples_seen)
+            self._take_configured_lr()
             if self.dist.is_main:
                 drop_metrics_after(self.out / "metrics.jsonl", state.step)  # one curve: no step twice
             self.order.resume(state.step, state.samples_seen)
         if self.order.describe():
             log.info("%s", self.order.describe())
         return state, micro, ckpt
+
+    def _take_configured_lr(self) -> None:
+        """A resume continues the saved optimizer state and schedule, with this run's ``optimizer.lr``.
+
+        The saved optimizer and scheduler hold the learning rate they were built with, so loading
+        them silently kept it: a lower ``optimizer.lr`` after a divergence (what the non-finite
+        stop advises) was logged as a change and then not used. Here the schedule's base becomes the
+        configured rate and the current rate follows the schedule at the resumed step."""
+        lr = float(self.cfg.optimizer.lr)
+        groups = self.ctx.optimizer.param_groups
+        saved = [float(g.get("initial_lr", g["lr"])) for g in groups]
+        if all(math.isclose(s, lr, rel_tol=1e-9) for s in saved):
+            return
+        factors = getattr(self.scheduler, "lr_lambdas", None)  # LambdaLR: diffusers' schedules
+        for i, g in enumerate(groups):
+            g["initial_lr"] = lr
+            g["lr"] = lr * (factors[i](self.scheduler.last_epoch) if factors else g["lr"] / saved[i])
+        self.scheduler.base_lrs = [lr] * len(groups)
+        self.scheduler._last_lr = [g["lr"] for g in groups]  # get_last_lr(): the metrics' lr column
+        log.info("optimizer.lr=%g (the checkpoint's was %g): the schedule continues from step %d with the new base rate",
+                 lr, saved[0], self.state.step if hasattr(self, "state") else 0)
 
     def closing(self) -> ExitStack:
         """The loop's outputs, closed however it ends."""

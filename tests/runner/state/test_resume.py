@@ -121,3 +121,24 @@ def test_resume_from_the_command_line_needs_no_preset_and_may_change_steps(tmp_p
     bad = cli(f"train.resume={tmp_path / 'a'}", "optimizer=adamw", f"output_dir={tmp_path / 'c'}")
     assert bad.returncode == 2 and "optimizer.name: 'adamw8bit' -> 'adamw'" in bad.stderr
     assert "Traceback" not in bad.stdout + bad.stderr
+
+
+def test_a_resume_trains_with_the_configured_learning_rate(tmp_path):
+    """optimizer.lr changed on resume (the advice after a divergence) is the rate the resumed steps use,
+    on the same schedule: the saved optimizer and scheduler no longer keep the old one. As typed on
+    the command line, so that the resume composes on the checkpoint's saved command line."""
+    from bad_input import run_main
+
+    def cli(name: str, *overrides: str) -> list[dict]:
+        r = run_main([*COMMON, f"output_dir={tmp_path / name}", f"hydra.run.dir={tmp_path / 'h' / name}", *overrides])
+        assert r.code == 0, r.err
+        return read_metrics(tmp_path / name / "metrics.jsonl")
+
+    first = cli("run", "train.steps=2", "optimizer.lr=1e-3", "train.lr_scheduler=linear", "train.lr_warmup_steps=0")
+    resumed = f"train.resume={ckpt(tmp_path / 'run', 2)}"
+    same = cli("same", resumed, "train.steps=4")
+    lower = cli("lower", resumed, "train.steps=4", "optimizer.lr=5e-4")
+    assert [r["step"] for r in same] == [r["step"] for r in lower] == [3, 4]
+    # linear decay over the 2 steps first planned, continued: the same factor at each step, half the base
+    assert [r["lr"] for r in lower] == pytest.approx([r["lr"] / 2 for r in same], rel=1e-12)
+    assert len(first) == 2 and same[0]["lr"] > 0 and lower[0]["lr"] > 0
