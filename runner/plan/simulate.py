@@ -43,8 +43,8 @@ from runner.context import RunContext
 from runner.data import planned_size
 from runner.devices import reference_spec
 from runner.hostmem import collector_paused
-from runner.memory.live_bytes import CATEGORIES, NO_MODULE, LiveBytesTracker
-from runner.memory.live_bytes_views import OPTIONAL_CATEGORIES
+from runner.memory.live_bytes import LiveBytesTracker
+from runner.memory.live_bytes_views import CATEGORIES, NO_MODULE, OPTIONAL_CATEGORIES
 from runner.optim.build import build_optimizer
 from runner.optim.fused import FusedBackward, fuse_into_backward
 from runner.plan.batch import (
