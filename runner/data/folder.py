@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import Dataset
 
 from runner.data.buckets import BucketSpec, Size, cover_geometry, describe_buckets
-from runner.data.checks import _check_missing_caption, _check_resolution
+from runner.data.checks import _check_missing_caption, _check_resolution, check_index
 from runner.data.images import (
     _ACCEPTED,
     IMAGE_EXTENSIONS,
@@ -126,13 +126,6 @@ class FolderDataset(Dataset):
     def __len__(self) -> int:
         return len(self.paths)
 
-    def _check_index(self, index: int) -> int:
-        if index < 0:
-            index += len(self.paths)
-        if not 0 <= index < len(self.paths):
-            raise IndexError(f"index {index} out of range for {len(self.paths)} images")
-        return index
-
     def _geometry(self, index: int) -> tuple[tuple[int, int], tuple[int, int]]:
         """Bucket path: (resized width and height, crop offset left and top) of image ``index``."""
         w, h = self.original_sizes[index]
@@ -142,7 +135,7 @@ class FolderDataset(Dataset):
 
     def light(self, index: int) -> dict[str, Any]:
         """Sample ``index`` without its pixels: what a run whose latents are all cached needs."""
-        index = self._check_index(index)
+        index = check_index(index, len(self.paths), "images")
         out: dict[str, Any] = {"caption": self.captions[index], "index": index}
         if self.buckets is not None:
             (w, h), (left, top) = self.original_sizes[index], self._geometry(index)[1]
@@ -151,7 +144,7 @@ class FolderDataset(Dataset):
         return out
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        index = self._check_index(index)
+        index = check_index(index, len(self.paths), "images")
         img = _load_rgb(self.paths[index], self._shown, self.key)
         if self.buckets is None:
             img = _resize_crop(img, self.resolution, self.center_crop, index)
