@@ -48,7 +48,7 @@ import torch
 from runner.blocks import find_repeated_blocks
 from runner.context import Transfer
 from runner.errors import UserError
-from runner.plugin import Plugin
+from runner.plugin import ClaimsModules
 from runner.plugins.host_buffers import GiB, tensor_bytes
 from runner.plugins.schemas import StreamConfig, check_stream
 from runner.plugins.stream.handle import MARK, StreamHandle, apply_stream_offload
@@ -80,9 +80,10 @@ def check_config(c: Any, key: str = "offload.stream") -> None:
 
 
 @register_plugin
-class StreamOffload(Plugin):
+class StreamOffload(ClaimsModules):
     kind = "offload"
     name = "stream"
+    claim_as = "stream"
     Config = StreamConfig
     # offload=[park,stream]: park's encode pre-pass runs while the denoiser is still on the host.
     after = ("offload/park",)
@@ -96,16 +97,9 @@ class StreamOffload(Plugin):
                 "Use train.mixed_precision=bf16 (or no), or model.train=lora."
             )
 
-    def _targets(self, ctx: RunContext) -> list[str]:
-        return self.known_modules(ctx.models, list(self.config.modules) or sorted(ctx.models.trained))
-
-    def claim_modules(self, ctx: RunContext) -> None:
-        for name in self._targets(ctx):
-            ctx.claim(name, "stream", self.key)
-
     def place_models(self, ctx: RunContext) -> None:
         c = self.config
-        names = self._targets(ctx)
+        names = self.targets(ctx)
         sizes = {n: sum(tensor_bytes(p) for p in ctx.models[n].parameters())
                  + sum(tensor_bytes(b) for b in ctx.models[n].buffers()) for n in names}
         total = sum(sizes.values()) or 1
