@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from runner.blocks import find_repeated_blocks
 from runner.hooks import mark, marked, unmark
-from runner.plugin import Plugin
+from runner.plugin import ClaimsModules
 from runner.plugins.schemas import CHECKPOINT_MODES as MODES  # noqa: F401
 from runner.plugins.schemas import CheckpointConfig, check_checkpoint
 from runner.registry import register_plugin
@@ -116,9 +116,10 @@ def check_config(config: Any) -> None:
 
 # ---- the plugin --------------------------------------------------------------------------------
 @register_plugin
-class BlockCheckpointing(Plugin):
+class BlockCheckpointing(ClaimsModules):
     kind = "checkpoint"
     name = "blocks"
+    claim_as = "checkpoint"
     Config = CheckpointConfig
     # Wrap after placement decisions and offload hooks exist, so our forward is the outer one
     # and is restored first at teardown.
@@ -127,16 +128,9 @@ class BlockCheckpointing(Plugin):
     def validate(self) -> None:
         check_config(self.config)
 
-    def _targets(self, ctx: RunContext) -> list[str]:
-        return self.known_modules(ctx.models, list(self.config.modules) or sorted(ctx.models.trained))
-
-    def claim_modules(self, ctx: RunContext) -> None:
-        for name in self._targets(ctx):
-            ctx.claim(name, "checkpoint", self.key)
-
     def wrap_execution(self, ctx: RunContext) -> None:
         models = ctx.models
-        names = self._targets(ctx)
+        names = self.targets(ctx)
         every_n = 1 if self.config.mode == "full" else int(self.config.every_n)
         done: dict[str, list[nn.Module]] = {}
         for name in names:

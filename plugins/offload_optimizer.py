@@ -44,6 +44,7 @@ import torch
 from runner.context import Transfer
 from runner.errors import UserError
 from runner.plugin import Plugin
+from runner.plugins.host_buffers import tensor_bytes
 from runner.plugins.optimizer_wrappers import (
     HostStateOptimizer,
     HostStepOptimizer,
@@ -165,7 +166,7 @@ class OptimizerOffload(Plugin):
         optimizer = getattr(self, "optimizer", None)
         if isinstance(optimizer, HostStepOptimizer):
             moved = [p for p, m in optimizer.pairs if p is not m]
-            nbytes = sum(p.numel() * p.element_size() for p in moved)
+            nbytes = sum(tensor_bytes(p) for p in moved)
             elements = sum(p.numel() for p in moved)
             # Gradients out (during backward, on a side stream, with offload_gradients), weights back after the host step.
             ctx.facts.transfers[self.key] = Transfer(h2d_bytes=nbytes, host_step_elements=elements,
@@ -177,7 +178,7 @@ class OptimizerOffload(Plugin):
             ctx.facts.transfers[self.key] = Transfer(h2d_bytes=state, d2h_bytes=state)
         elif optimizer is not None:  # torchao: gradients out during backward, weights back after its host step
             params = [p for g in optimizer.param_groups for p in g["params"]]
-            nbytes = sum(p.numel() * p.element_size() for p in params)
+            nbytes = sum(tensor_bytes(p) for p in params)
             ctx.facts.transfers[self.key] = Transfer(h2d_bytes=nbytes, d2h_bytes=nbytes, overlapped=True,
                                                      host_step_elements=sum(p.numel() for p in params))
 

@@ -36,7 +36,7 @@ from torch import nn
 
 from runner.compat import is_fake
 from runner.optim.build import ForwardsToInner
-from runner.plugins.stream.host import HostRegion, _nbytes, host_copy
+from runner.plugins.host_buffers import HostRegion, host_copy, tensor_bytes
 
 
 def _torchao_class() -> type | None:
@@ -145,7 +145,7 @@ class HostStepOptimizer(ForwardsToInner):
         buf = store.get(id(master))
         if buf is None:
             if self.pin:
-                region = HostRegion(_nbytes(master), pin=True)
+                region = HostRegion(tensor_bytes(master), pin=True)
                 self.regions.append(region)
                 buf = region.view(0, master)
             else:
@@ -241,7 +241,7 @@ class HostStepOptimizer(ForwardsToInner):
 
     def host_bytes(self) -> int:
         """Host bytes of masters and gradient buffers this wrapper keeps (page-locked on CUDA)."""
-        n = sum(_nbytes(m) for p, m in self.pairs if p is not m)
+        n = sum(tensor_bytes(m) for p, m in self.pairs if p is not m)
         return 2 * n
 
     def remove(self) -> None:
@@ -301,7 +301,7 @@ class HostStateOptimizer(ForwardsToInner):
             buf = self._host_state.get((id(p), k))
             if buf is None or buf.shape != v.shape or buf.dtype != v.dtype:
                 if self.pin and not is_fake(v):
-                    region = HostRegion(_nbytes(v), pin=True)
+                    region = HostRegion(tensor_bytes(v), pin=True)
                     self.regions.append(region)
                     buf = region.view(0, v)
                 else:
@@ -317,11 +317,11 @@ class HostStateOptimizer(ForwardsToInner):
             for p in g["params"]:
                 if p.grad is None:
                     continue
-                if chunks[-1] and size + _nbytes(p) > self.chunk_bytes:
+                if chunks[-1] and size + tensor_bytes(p) > self.chunk_bytes:
                     chunks.append([])
                     size = 0
                 chunks[-1].append(p)
-                size += _nbytes(p)
+                size += tensor_bytes(p)
         return [c for c in chunks if c]
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
@@ -365,7 +365,7 @@ class HostStateOptimizer(ForwardsToInner):
 
     def host_bytes(self) -> int:
         """Host bytes of the state buffers (page-locked on CUDA); known after the first step."""
-        return sum(_nbytes(t) for t in self._host_state.values())
+        return sum(tensor_bytes(t) for t in self._host_state.values())
 
     def remove(self) -> None:
         for r in self.regions:

@@ -12,7 +12,6 @@ runner/resolved.py resolves the spec once per run.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,10 +131,6 @@ def device_spec(node: Any) -> Optional[DeviceSpec]:
 def reference_spec() -> DeviceSpec:
     """The card a plan's s/step is given for when no device is named (:data:`REFERENCE`)."""
     return DeviceSpec(name=REFERENCE, **{k: (float(v) if k in FIELDS else v) for k, v in device_table()[REFERENCE].items()})
-
-
-def with_fields(spec: DeviceSpec, **changes: float) -> DeviceSpec:
-    return dataclasses.replace(spec, **changes)
 
 
 def check_device_config(cfg: Any) -> None:

@@ -120,6 +120,26 @@ class Plugin:
         return f"<{self.key}>"
 
 
+class ClaimsModules(Plugin):
+    """A plugin that works on the modules its ``modules`` setting names (the trained modules when
+    it is empty) and claims each of them as :attr:`claim_as` (``checkpoint=blocks``,
+    ``offload=stream``).
+
+    One implementation so that such plugins choose, check and claim their modules alike: an unknown
+    name gets the same message, and two plugins that cannot share a module are stopped in
+    ``claim_modules`` before anything is built.
+    """
+
+    claim_as: ClassVar[str] = ""
+
+    def targets(self, ctx: RunContext) -> list[str]:
+        """The modules this plugin works on: its ``modules`` setting, else every trained module."""
+        return self.known_modules(ctx.models, list(self.config.modules) or sorted(ctx.models.trained))
+
+    def claim_modules(self, ctx: RunContext) -> None:
+        for name in self.targets(ctx):
+            ctx.claim(name, self.claim_as, self.key)
+
 def _matches(ref: str, plugin: Plugin) -> bool:
     return ref == plugin.kind or ref == plugin.key
 

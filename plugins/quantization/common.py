@@ -65,6 +65,7 @@ from torch import nn
 
 from runner.compat import is_fake
 from runner.errors import UserError, valid_list
+from runner.float32_rules import keep_unquantized
 from runner.plugin import Plugin
 from runner.plugins.schemas import (  # noqa: F401
     DEFAULT_SKIP,
@@ -112,9 +113,7 @@ def logical_name(name: str) -> str:
 
 def keep_patterns(module: nn.Module, compute_dtype: torch.dtype) -> list[str]:
     """Names the model itself keeps in float32 (transformers' and diffusers' rules,
-    ``runner.trainers.loading.keep_unquantized``: Wan's time embedder stays unquantized)."""
-    from runner.trainers.loading import keep_unquantized
-
+    :func:`runner.float32_rules.keep_unquantized`: Wan's time embedder stays unquantized)."""
     return sorted(keep_unquantized(module, compute_dtype))
 
 

@@ -12,8 +12,8 @@ The package, by responsibility (each module's docstring has the details):
   buffers, copies, lifecycle; parameter identity through device twins); ``hooks``: when blocks
   are loaded and released (forward, saved tensors, backward order, gradients to the host);
   ``state``: the runtime records.
-* ``host``: page-locked host memory (:class:`HostRegion`, :func:`host_copy`), also used by
-  ``offload=optimizer``.
+* host memory (page-locked regions, host copies, byte counts) is :mod:`runner.plugins.host_buffers`,
+  which ``offload=optimizer`` uses too.
 * here: the config (``offload.*``) and the plugin.
 
 It composes with the other offload plugins, each with its own node: ``offload=[park,stream]``
@@ -48,10 +48,10 @@ import torch
 from runner.blocks import find_repeated_blocks
 from runner.context import Transfer
 from runner.errors import UserError
-from runner.plugin import Plugin
+from runner.plugin import ClaimsModules
+from runner.plugins.host_buffers import GiB, tensor_bytes
 from runner.plugins.schemas import StreamConfig, check_stream
 from runner.plugins.stream.handle import MARK, StreamHandle, apply_stream_offload
-from runner.plugins.stream.host import GiB, HostRegion, _nbytes, fmt_bytes, host_copy
 from runner.plugins.stream.schedule import (
     BlockPlan,
     StreamPlan,
@@ -66,9 +66,8 @@ if TYPE_CHECKING:
     from runner.context import RunContext
 
 __all__ = [
-    "BlockPlan", "GiB", "HostRegion", "StreamConfig", "StreamHandle", "StreamOffload", "StreamPlan", "StreamStats",
-    "apply_stream_offload", "check_config", "fmt_bytes", "guess_execution_order", "host_copy",
-    "minimum_device_bytes", "plan_stream",
+    "BlockPlan", "StreamConfig", "StreamHandle", "StreamOffload", "StreamPlan", "StreamStats",
+    "apply_stream_offload", "check_config", "guess_execution_order", "minimum_device_bytes", "plan_stream",
 ]
 
 log = logging.getLogger("runner")
@@ -81,9 +80,10 @@ def check_config(c: Any, key: str = "offload.stream") -> None:
 
 
 @register_plugin
-class StreamOffload(Plugin):
+class StreamOffload(ClaimsModules):
     kind = "offload"
     name = "stream"
+    claim_as = "stream"
     Config = StreamConfig
     # offload=[park,stream]: park's encode pre-pass runs while the denoiser is still on the host.
     after = ("offload/park",)
@@ -97,18 +97,11 @@ class StreamOffload(Plugin):
                 "Use train.mixed_precision=bf16 (or no), or model.train=lora."
             )
 
-    def _targets(self, ctx: RunContext) -> list[str]:
-        return self.known_modules(ctx.models, list(self.config.modules) or sorted(ctx.models.trained))
-
-    def claim_modules(self, ctx: RunContext) -> None:
-        for name in self._targets(ctx):
-            ctx.claim(name, "stream", self.key)
-
     def place_models(self, ctx: RunContext) -> None:
         c = self.config
-        names = self._targets(ctx)
-        sizes = {n: sum(_nbytes(p) for p in ctx.models[n].parameters()) + sum(_nbytes(b) for b in ctx.models[n].buffers())
-                 for n in names}
+        names = self.targets(ctx)
+        sizes = {n: sum(tensor_bytes(p) for p in ctx.models[n].parameters())
+                 + sum(tensor_bytes(b) for b in ctx.models[n].buffers()) for n in names}
         total = sum(sizes.values()) or 1
         handles: dict[str, StreamHandle] = {}
         for n in names:

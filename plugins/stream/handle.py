@@ -27,11 +27,12 @@ from torch import nn
 
 from runner.compat import has_compatible_shallow_copy_type, is_fake
 from runner.hooks import mark, marked, unmark
+from runner.plugins.host_buffers import HostRegion, host_copy
 from runner.plugins.stream.hooks import _StreamHooks
-from runner.plugins.stream.host import HostRegion, _align, host_copy
 from runner.plugins.stream.schedule import (
     StreamPlan,
     _streamable,
+    align,
     guess_execution_order,
     plan_stream,
 )
@@ -110,7 +111,7 @@ class StreamHandle(_StreamHooks):
             for owner, name, p in params:
                 dev = nn.Parameter(self._empty(p.dtype), requires_grad=p.requires_grad)
                 s = _Slot(b, owner, name, p, dev, offset)
-                offset += _align(s.nbytes)
+                offset += align(s.nbytes)
                 b.slots.append(s)
                 self._owners[id(dev)] = s
                 streamed_slots.add(id(p))
@@ -139,7 +140,7 @@ class StreamHandle(_StreamHooks):
     def _host_layout(self, b: _Block) -> None:
         """Move the block's host parameters to (pinned) host memory; frozen ones share one region."""
         frozen = [s for s in b.slots if not s.trainable]
-        frozen_bytes = (frozen[-1].offset + _align(frozen[-1].nbytes)) if frozen else 0
+        frozen_bytes = (frozen[-1].offset + align(frozen[-1].nbytes)) if frozen else 0
         if self.pin and frozen:
             region = HostRegion(frozen_bytes, pin=True)
             self.regions.append(region)

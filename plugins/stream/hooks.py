@@ -52,7 +52,7 @@ from runner.compat import (
     tree_flatten,
 )
 from runner.hooks import composable, is_composable
-from runner.plugins.stream.host import HostRegion, _nbytes
+from runner.plugins.host_buffers import HostRegion, tensor_bytes
 from runner.plugins.stream.state import RELEASED, _Block, _Slot
 
 log = logging.getLogger("runner")
@@ -313,18 +313,18 @@ class _StreamHooks:
         host buffer (``staging`` when it must be added to an existing gradient)."""
         if self.same_storage:
             return g
-        self.stats.d2h_bytes += _nbytes(g)
+        self.stats.d2h_bytes += tensor_bytes(g)
         if not self.async_copies:
             return g.detach().to(self.host, copy=True)
         if staging:
             if s.staging_region is None:
-                s.staging_region = HostRegion(_nbytes(g), self.pin)
+                s.staging_region = HostRegion(tensor_bytes(g), self.pin)
                 self.regions.append(s.staging_region)
                 s.staging = s.staging_region.view(0, s.host)
             buf = s.staging
         else:
             if s.grad_region is None:
-                s.grad_region = HostRegion(_nbytes(g), self.pin)
+                s.grad_region = HostRegion(tensor_bytes(g), self.pin)
                 self.regions.append(s.grad_region)
             buf = s.grad_region.view(0, s.host)
         current = self._api.current_stream(self.device)
@@ -338,7 +338,7 @@ class _StreamHooks:
             end = self._d2h.record_event(self._api.Event(enable_timing=True) if timing else None)
             self._pending.append((end, None))
             if timing:
-                self._timing.append(("d2h", start, end, _nbytes(g)))
+                self._timing.append(("d2h", start, end, tensor_bytes(g)))
         return buf
 
     def _finish_backward(self) -> None:

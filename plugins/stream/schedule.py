@@ -22,7 +22,14 @@ from torch import nn
 
 from runner.compat import is_fake
 from runner.errors import UserError
-from runner.plugins.stream.host import GiB, _align, _nbytes, fmt_bytes
+from runner.plugins.host_buffers import GiB, fmt_bytes, tensor_bytes
+
+ALIGN = 256  # byte alignment of each parameter inside a block's device buffer (CUDA's own granularity)
+
+
+def align(n: int) -> int:
+    """``n`` rounded up to :data:`ALIGN`: a parameter's share of a block's device buffer."""
+    return -(-n // ALIGN) * ALIGN
 
 
 @dataclass
@@ -101,18 +108,18 @@ def _block_members(block: nn.Module) -> tuple[list[tuple[nn.Module, str, nn.Para
 def _streamable(block: nn.Module, shared: set[int]) -> tuple[list[tuple[nn.Module, str, nn.Parameter]], int, str]:
     """(parameters to stream, bytes that stay resident, reason the block must stay resident)."""
     params, buffers = _block_members(block)
-    fixed = sum(_nbytes(b) for b in buffers)
+    fixed = sum(tensor_bytes(b) for b in buffers)
     odd = [p for _, _, p in params if type(p) is not nn.Parameter and not is_fake(p)]  # fake: the planner
     if odd:
         kinds = sorted({type(p).__name__ for p in odd})
-        return [], fixed + sum(_nbytes(p) for _, _, p in params), f"holds {', '.join(kinds)} parameters (quantized)"
+        return [], fixed + sum(tensor_bytes(p) for _, _, p in params), f"holds {', '.join(kinds)} parameters (quantized)"
     if any(id(p) in shared for _, _, p in params):
-        return [], fixed + sum(_nbytes(p) for _, _, p in params), "shares parameters with another module"
+        return [], fixed + sum(tensor_bytes(p) for _, _, p in params), "shares parameters with another module"
     has_frozen = any(not p.requires_grad for _, _, p in params)
     chosen, kept = [], 0
     for owner, name, p in params:
         if p.requires_grad and has_frozen:  # adapters (LoRA) in a frozen block: keep resident
-            kept += _nbytes(p)
+            kept += tensor_bytes(p)
         else:
             chosen.append((owner, name, p))
     return chosen, fixed + kept, ""
@@ -133,14 +140,14 @@ def _all_resident_plan(module: nn.Module, blocks: list[nn.Module], budget_bytes:
     # A parameter reachable from outside its block (tied weights) must not move under it.
     block_ids = {id(m) for blk in blocks for m in blk.modules()}
     shared = {pid for pid, where in owners.items() if pid in in_blocks and any(id(m) not in block_ids for m, _ in where)}
-    total = sum(_nbytes(p) for p in module.parameters()) + sum(_nbytes(b) for b in module.buffers())
+    total = sum(tensor_bytes(p) for p in module.parameters()) + sum(tensor_bytes(b) for b in module.buffers())
     inside = 0
     plans = []
     names = {id(m): n for n, m in module.named_modules()}
     for bi, blk in enumerate(blocks):
         params, fixed, why = _streamable(blk, shared)
-        nbytes = sum(_align(_nbytes(p)) for _, _, p in params)
-        raw = sum(_nbytes(p) for _, _, p in params)
+        nbytes = sum(align(tensor_bytes(p)) for _, _, p in params)
+        raw = sum(tensor_bytes(p) for _, _, p in params)
         inside += raw + fixed
         plans.append(BlockPlan(bi, names.get(id(blk), f"block{bi}"), nbytes, fixed, False, why, raw))
     return StreamPlan(name, plans, total, total - inside, int(budget_bytes), int(prefetch))

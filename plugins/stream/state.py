@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from runner.plugins.stream.host import HostRegion, _nbytes
+from runner.plugins.host_buffers import HostRegion, tensor_bytes
 
 RELEASED, INFLIGHT, LOADED = 0, 1, 2
 
@@ -27,7 +27,7 @@ class _Slot:
         self.dev = dev
         self.trainable = host.requires_grad
         self.offset = offset
-        self.nbytes = _nbytes(host)
+        self.nbytes = tensor_bytes(host)
         self.installed = False
         self.staging: torch.Tensor | None = None
         self.grad_region: HostRegion | None = None

@@ -18,6 +18,17 @@ def _get(cfg: Any, key: str, default: Any) -> Any:
     return getattr(cfg, key, default)
 
 
+def check_index(index: int, size: int, what: str) -> int:
+    """``index`` into a data set of ``size`` ``what`` ("images", "samples"), a negative one
+    counted from the end as for a list; out of range is an IndexError, which also ends a plain
+    ``for sample in dataset`` loop."""
+    if index < 0:
+        index += size
+    if not 0 <= index < size:
+        raise IndexError(f"index {index} out of range for {size} {what}")
+    return index
+
+
 def _check_resolution(resolution: Any) -> int:
     ok = isinstance(resolution, int) and not isinstance(resolution, bool) and resolution > 0
     if ok and resolution % 8 == 0:

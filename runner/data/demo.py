@@ -6,13 +6,14 @@ Every image and caption is a pure function of its index (see :mod:`runner.data`)
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from PIL import Image, ImageDraw
 from torch.utils.data import Dataset
 
-from runner.data.checks import _check_resolution
+from runner.data.checks import _check_resolution, check_index
 from runner.data.images import _SALT_DEMO, _mix, _to_tensor
 
 # Saturated, well-separated colours. A (shape, background) pair is used only if the two are far
@@ -78,6 +79,22 @@ def demo_caption(index: int) -> str:
     return f"{thing} on {_article(bg)} {bg} background"
 
 
+def draw_solid_shape(draw: ImageDraw.ImageDraw, shape: str, cx: float, cy: float, half: float,
+                     colour: tuple[int, int, int]) -> bool:
+    """Draw a circle, square or triangle of half-side ``half`` centred at (cx, cy) and return True;
+    False for the stripes, which the image and the clip demo each draw their own way."""
+    box = (cx - half, cy - half, cx + half, cy + half)
+    if shape == "circle":
+        draw.ellipse(box, fill=colour)
+    elif shape == "square":
+        draw.rectangle(box, fill=colour)
+    elif shape == "triangle":
+        draw.polygon([(cx, cy - half), (cx + half, cy + half), (cx - half, cy + half)], fill=colour)
+    else:
+        return False
+    return True
+
+
 def demo_image(index: int, resolution: int) -> Image.Image:
     """Draw demo image ``index`` at ``resolution`` (RGB), deterministically.
 
@@ -95,15 +112,9 @@ def demo_image(index: int, resolution: int) -> Image.Image:
     cx = n / 2 + (((h >> 8) & 0xFF) / 255 - 0.5) * (n - size) * 0.8
     cy = n / 2 + (((h >> 16) & 0xFF) / 255 - 0.5) * (n - size) * 0.8
     half = size / 2
-    box = (cx - half, cy - half, cx + half, cy + half)
     colour = _COLOURS[fg]
-    if shape == "circle":
-        draw.ellipse(box, fill=colour)
-    elif shape == "square":
-        draw.rectangle(box, fill=colour)
-    elif shape == "triangle":
-        draw.polygon([(cx, cy - half), (cx + half, cy + half), (cx - half, cy + half)], fill=colour)
-    else:  # vertical stripes across the whole image, 4 periods
+    if not draw_solid_shape(draw, shape, cx, cy, half, colour):
+        # vertical stripes across the whole image, 4 periods
         period = n / 4
         phase = ((h >> 24) & 0xFF) / 255 * period
         x = -period + phase
@@ -111,6 +122,19 @@ def demo_image(index: int, resolution: int) -> Image.Image:
             draw.rectangle((x, 0, x + period / 2 - 1, n), fill=colour)
             x += period
     return img.resize((resolution, resolution), Image.Resampling.LANCZOS)
+
+
+def cached_copy(cache: dict[int, torch.Tensor], index: int, draw: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """A copy of sample ``index``'s pixels from ``cache``, drawn with ``draw(index)`` on first use.
+
+    Shared by the demo sets, which draw each sample on first access and keep it as a tensor; a
+    copy goes out because callers may modify the batch in place, and the cache must stay pristine.
+    """
+    t = cache.get(index)
+    if t is None:
+        t = draw(index)
+        cache[index] = t
+    return t.clone()
 
 
 class DemoDataset(Dataset):
@@ -133,15 +157,8 @@ class DemoDataset(Dataset):
         return self.size
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        if index < 0:
-            index += self.size
-        if not 0 <= index < self.size:
-            raise IndexError(f"index {index} out of range for {self.size} demo images")
-        t = self._cache.get(index)
-        if t is None:
-            t = _to_tensor(demo_image(index, self.resolution))
-            self._cache[index] = t
-        t = t.clone()  # callers may modify the batch in place; keep the cache pristine
+        index = check_index(index, self.size, "demo images")
+        t = cached_copy(self._cache, index, lambda i: _to_tensor(demo_image(i, self.resolution)))
         return {"pixel_values": t, "caption": demo_caption(index), "index": index}
 
     def caption(self, index: int) -> str:

@@ -13,7 +13,8 @@ import torch
 from PIL import Image, ImageDraw
 from torch.utils.data import Dataset
 
-from runner.data.demo import _COLOURS, _article, demo_spec
+from runner.data.checks import check_index
+from runner.data.demo import _COLOURS, _article, cached_copy, demo_spec, draw_solid_shape
 from runner.data.images import _mix
 from runner.data.video import ClipSettings, frames_to_tensor
 
@@ -56,14 +57,8 @@ def demo_frame(index: int, frame: int, frames: int, width: int, height: int) -> 
     else:
         cy += travel * (h - size)
     colour = _COLOURS[fg]
-    box = (cx - half, cy - half, cx + half, cy + half)
-    if shape == "circle":
-        draw.ellipse(box, fill=colour)
-    elif shape == "square":
-        draw.rectangle(box, fill=colour)
-    elif shape == "triangle":
-        draw.polygon([(cx, cy - half), (cx + half, cy + half), (cx - half, cy + half)], fill=colour)
-    else:  # stripes across the frame, perpendicular to the motion, shifting with it
+    if not draw_solid_shape(draw, shape, cx, cy, half, colour):
+        # stripes across the frame, perpendicular to the motion, shifting with it
         vertical = direction in ("right", "left")
         extent = w if vertical else h
         period = extent / 4
@@ -96,18 +91,14 @@ class DemoClips(Dataset):
         return demo_clip_caption(index)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        if index < 0:
-            index += self.size
-        if not 0 <= index < self.size:
-            raise IndexError(f"index {index} out of range for {self.size} demo clips")
-        t = self._cache.get(index)
-        if t is None:
-            s = self.settings
-            frames = [demo_frame(index, f, s.frames, s.width, s.height) for f in range(s.frames)]
-            t = frames_to_tensor(frames, False)
-            self._cache[index] = t
-        t = t.clone()  # callers may modify the batch in place; keep the cache pristine
+        index = check_index(index, self.size, "demo clips")
+        t = cached_copy(self._cache, index, self._draw)
         return {"pixel_values": t, "caption": self.caption(index), "index": index}
+
+    def _draw(self, index: int) -> torch.Tensor:
+        s = self.settings
+        frames = [demo_frame(index, f, s.frames, s.width, s.height) for f in range(s.frames)]
+        return frames_to_tensor(frames, False)
 
     def describe(self) -> str:
         s = self.settings

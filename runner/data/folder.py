@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import Dataset
 
 from runner.data.buckets import BucketSpec, Size, cover_geometry, describe_buckets
-from runner.data.checks import _check_missing_caption, _check_resolution
+from runner.data.checks import _check_missing_caption, _check_resolution, check_index
 from runner.data.images import (
     _ACCEPTED,
     IMAGE_EXTENSIONS,
@@ -105,47 +105,12 @@ class FolderDataset(Dataset):
                 f"are skipped). {_path_hint(key, caption_ext)}"
             )
 
-        captions: list[str] = []
-        missing: list[Path] = []
-        for img in images:
-            cap = _caption_path(img, caption_ext)
-            if cap is None:
-                missing.append(img)
-                captions.append("")
-            else:
-                captions.append(_read_caption(cap, shown, key))
-        if missing:
-            if missing_caption == "error":
-                examples = ", ".join(
-                    f"{str(p)!r} needs {str(p.with_suffix(caption_ext))!r}" for p in missing[:3]
-                )
-                more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
-                other = _other_caption_ext(missing[0], caption_ext)
-                raise UserError(
-                    f"{key}={shown!r}: {len(missing)} of {len(images)} images have no caption "
-                    f"file: {examples}{more}. Each image needs a same-named {caption_ext} file beside it "
-                    f"holding its caption (UTF-8){other}; or set data.missing_caption=empty to train "
-                    "those images with an empty caption instead."
-                )
-            log.warning(
-                "%s=%r: %d of %d images have no %s caption; using an empty caption for "
-                "them (data.missing_caption=empty). First: %s",
-                key, shown, len(missing), len(images), caption_ext, missing[0],
-            )
-        self.missing_captions = len(missing)
+        captions, self.missing_captions = _read_captions(images, caption_ext, missing_caption, shown, key)
 
         self.verified = len(images) <= verify_limit
-        self.upscaled: list[tuple[Path, tuple[int, int]]] = []  # short side < resolution / UPSCALE_WARN
-        if self.verified:
-            for img in images:
-                w, h = _verify_header(img, shown, key)
-                if min(w, h) * UPSCALE_WARN < self.resolution:
-                    self.upscaled.append((img, (w, h)))
-        if self.upscaled:
-            p, (w, h) = self.upscaled[0]
-            log.warning("%s=%r: %d images are upscaled more than %dx to %d px and will look blurry (first: "
-                        "%s, %dx%d); remove them or lower data.resolution", key, shown, len(self.upscaled), UPSCALE_WARN,
-                        self.resolution, p, w, h)
+        # Short side < resolution / UPSCALE_WARN; found by the eager header check only.
+        self.upscaled: list[tuple[Path, tuple[int, int]]] = (
+            _verify_images(images, self.resolution, shown, key) if self.verified else [])
 
         self.paths: list[Path] = images
         self.captions: list[str] = captions
@@ -161,13 +126,6 @@ class FolderDataset(Dataset):
     def __len__(self) -> int:
         return len(self.paths)
 
-    def _check_index(self, index: int) -> int:
-        if index < 0:
-            index += len(self.paths)
-        if not 0 <= index < len(self.paths):
-            raise IndexError(f"index {index} out of range for {len(self.paths)} images")
-        return index
-
     def _geometry(self, index: int) -> tuple[tuple[int, int], tuple[int, int]]:
         """Bucket path: (resized width and height, crop offset left and top) of image ``index``."""
         w, h = self.original_sizes[index]
@@ -177,7 +135,7 @@ class FolderDataset(Dataset):
 
     def light(self, index: int) -> dict[str, Any]:
         """Sample ``index`` without its pixels: what a run whose latents are all cached needs."""
-        index = self._check_index(index)
+        index = check_index(index, len(self.paths), "images")
         out: dict[str, Any] = {"caption": self.captions[index], "index": index}
         if self.buckets is not None:
             (w, h), (left, top) = self.original_sizes[index], self._geometry(index)[1]
@@ -186,7 +144,7 @@ class FolderDataset(Dataset):
         return out
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        index = self._check_index(index)
+        index = check_index(index, len(self.paths), "images")
         img = _load_rgb(self.paths[index], self._shown, self.key)
         if self.buckets is None:
             img = _resize_crop(img, self.resolution, self.center_crop, index)
@@ -300,6 +258,59 @@ def _find_images(root: Path, caption_ext: str = CAPTION_EXTENSION) -> tuple[list
         kinds = ", ".join(sorted(other_types)[:4]) + (", ..." if len(other_types) > 4 else "")
         skipped[f"files that are not {_ACCEPTED} images ({kinds})"] = sum(other_types.values())
     return [p for _, p in found], skipped
+
+
+def _read_captions(images: list[Path], caption_ext: str, missing_caption: str, shown: str,
+                   key: str) -> tuple[list[str], int]:
+    """Every image's caption, read eagerly so that a bad one fails before training, and how many
+    images have none. A missing caption is an error naming the first few (and a caption file with
+    another usual extension, if one is there), or under ``data.missing_caption=empty`` an empty
+    caption and one warning."""
+    captions: list[str] = []
+    missing: list[Path] = []
+    for img in images:
+        cap = _caption_path(img, caption_ext)
+        if cap is None:
+            missing.append(img)
+            captions.append("")
+        else:
+            captions.append(_read_caption(cap, shown, key))
+    if missing:
+        if missing_caption == "error":
+            examples = ", ".join(
+                f"{str(p)!r} needs {str(p.with_suffix(caption_ext))!r}" for p in missing[:3]
+            )
+            more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+            other = _other_caption_ext(missing[0], caption_ext)
+            raise UserError(
+                f"{key}={shown!r}: {len(missing)} of {len(images)} images have no caption "
+                f"file: {examples}{more}. Each image needs a same-named {caption_ext} file beside it "
+                f"holding its caption (UTF-8){other}; or set data.missing_caption=empty to train "
+                "those images with an empty caption instead."
+            )
+        log.warning(
+            "%s=%r: %d of %d images have no %s caption; using an empty caption for "
+            "them (data.missing_caption=empty). First: %s",
+            key, shown, len(missing), len(images), caption_ext, missing[0],
+        )
+    return captions, len(missing)
+
+
+def _verify_images(images: list[Path], resolution: int, shown: str, key: str) -> list[tuple[Path, tuple[int, int]]]:
+    """Check every image's header (see VERIFY_LIMIT) and return the images whose short side is
+    less than ``resolution / UPSCALE_WARN``, with their (width, height), warning once about them:
+    blown up that far they teach the model blur."""
+    upscaled: list[tuple[Path, tuple[int, int]]] = []
+    for img in images:
+        w, h = _verify_header(img, shown, key)
+        if min(w, h) * UPSCALE_WARN < resolution:
+            upscaled.append((img, (w, h)))
+    if upscaled:
+        p, (w, h) = upscaled[0]
+        log.warning("%s=%r: %d images are upscaled more than %dx to %d px and will look blurry (first: "
+                    "%s, %dx%d); remove them or lower data.resolution", key, shown, len(upscaled), UPSCALE_WARN,
+                    resolution, p, w, h)
+    return upscaled
 
 
 def _caption_path(image: Path, caption_ext: str = CAPTION_EXTENSION) -> Path | None:

@@ -34,6 +34,7 @@ from typing import Any
 from torch.utils.data import Dataset
 
 from runner.data.captions import CaptionRules
+from runner.data.checks import check_index
 
 
 @dataclass(frozen=True)
@@ -75,10 +76,7 @@ class TrainingData(Dataset):
 
     def locate(self, index: int) -> tuple[int, int]:
         """(set number, index within the set) of global ``index``."""
-        if index < 0:
-            index += self.n
-        if not 0 <= index < self.n:
-            raise IndexError(f"index {index} out of range for {self.n} samples")
+        index = check_index(index, self.n, "samples")
         s = bisect.bisect_right(self._starts, index) - 1
         return s, index - self.sets[s].start
 

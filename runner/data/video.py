@@ -40,7 +40,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from runner.data.checks import _check_missing_caption, _get
+from runner.data.checks import _check_missing_caption, _get, check_index
 from runner.data.clips import Clip, count_frames, decode_frames, find_clips
 from runner.data.folder import _check_root, _read_caption
 from runner.data.images import _SALT_CROP_X, _SALT_CROP_Y, _mix, _to_tensor
@@ -232,10 +232,7 @@ class ClipFolderDataset(Dataset):
         return self.clips[self.samples[index][0]].caption
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        if index < 0:
-            index += len(self.samples)
-        if not 0 <= index < len(self.samples):
-            raise IndexError(f"index {index} out of range for {len(self.samples)} clips")
+        index = check_index(index, len(self.samples), "clips")
         clip_i, frame_indices = self.samples[index]
         clip, s = self.clips[clip_i], self.settings
         frames = fit_frames(decode_frames(clip, frame_indices, self._shown), s.width, s.height, s.center_crop, index)

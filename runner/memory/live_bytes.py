@@ -56,16 +56,10 @@ gradients; recomputed activations and activation gradients die inside backward a
 temporaries); "optimizer_state" = born in the optimizer step and surviving it (Adam moments).
 Temporaries freed *inside* one aten op (workspace of a kernel) are not visible at this level.
 
-Modules
--------
-``module(name)`` (or forward pre/post hooks installed by :meth:`attach_module_hooks`) tags
-births with the innermost open module and records, per call, how much the live total grew
-(retained, i.e. activations kept for backward) and how far it peaked above the entry level.
-Attribution happens at module boundaries only: nothing is scanned per op. Backward is not
-attributed to modules (only to the ``backward`` phase). Module figures are summed over devices.
-``track(x, category, module=name)`` labels pre-existing tensors (weights, gradients, optimizer
-state) with a module too, so the breakdown *at the peak* (``peak_by_module``: module ->
-category -> bytes, per device) covers every byte; unlabelled bytes are under ``"(none)"``.
+Phases and module calls (``phase``, ``module``, the module hooks, and how births are attributed
+to modules) are :mod:`runner.memory.live_bytes_scopes`; the read side (bytes now and at the
+peak, snapshots, reports) is :mod:`runner.memory.live_bytes_views`. Both are mixins of the
+tracker, so this file keeps only the per-op counting.
 
 The breakdown at the peak is materialised lazily: while the live total sits at its peak it is
 the current breakdown, and it is copied only when the first free after the peak happens. A
@@ -83,8 +77,7 @@ from __future__ import annotations
 
 import collections
 import weakref
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -98,7 +91,8 @@ from runner.compat import (
     dtensor_local,
     tree_iter,
 )
-from runner.memory.live_bytes_views import CATEGORIES, NO_MODULE, NO_PHASE, TrackerViews  # noqa: F401 (re-exported)
+from runner.memory.live_bytes_scopes import Frame, TrackerScopes
+from runner.memory.live_bytes_views import NO_PHASE, TrackerViews
 
 PHASE_CATEGORIES: dict[str, str] = {
     "forward": "activations",
@@ -131,20 +125,6 @@ class _Rec(weakref.ref):
         self.module = module
 
 
-class _Frame:
-    """One open phase or module call: the highest live level seen while it was open."""
-
-    __slots__ = ("name", "serial", "category", "maxes", "enter_total", "max_total")
-
-    def __init__(self, name: str, serial: int, category: str | None, maxes: dict[str, int], total: int) -> None:
-        self.name = name
-        self.serial = serial
-        self.category = category
-        self.maxes = maxes
-        self.enter_total = total
-        self.max_total = total
-
-
 def _storage_of(t: torch.Tensor) -> Any:
     if isinstance(t, DTensor):  # a sharded tensor (FSDP2): its bytes are its local shard's
         t = dtensor_local(t)
@@ -166,7 +146,7 @@ def _int(n: Any) -> int:
         return 0
 
 
-class LiveBytesTracker(TrackerViews, TorchDispatchMode):
+class LiveBytesTracker(TrackerViews, TrackerScopes, TorchDispatchMode):
     """Counts live storage bytes per device; peaks per phase, per category and per module.
 
     Usage::
@@ -196,8 +176,8 @@ class LiveBytesTracker(TrackerViews, TorchDispatchMode):
         self._seq = 0
         self._serial_counter = 0
         self._serial_names: dict[int, str] = {}
-        self._phases: list[_Frame] = []
-        self._modules: list[_Frame] = []
+        self._phases: list[Frame] = []
+        self._modules: list[Frame] = []
         self._hooks: list[Any] = []
         self.current: dict[str, int] = {}
         self.peak: dict[str, int] = {}
@@ -460,91 +440,3 @@ class LiveBytesTracker(TrackerViews, TorchDispatchMode):
         if isinstance(params, nn.Module):
             params = params.parameters()
         return self.track([p.grad for p in params if p.grad is not None], "gradients", module)
-
-    # ---- phases and modules -----------------------------------------------------------------
-    @contextmanager
-    def phase(self, name: str, category: str | None = None) -> Iterator[None]:
-        """Everything allocated inside belongs to phase ``name`` ("forward", "backward", ...).
-
-        ``category`` overrides what survivors of this phase are called (default from
-        ``PHASE_CATEGORIES``, else "other").
-        """
-        self._drain()
-        self._serial_counter += 1
-        self._serial_names[self._serial_counter] = name
-        frame = _Frame(name, self._serial_counter, category, dict(self.current), self._total)
-        self._phases.append(frame)
-        try:
-            yield
-        finally:
-            self._drain()  # frees inside the phase are still attributed to it
-            self._phases.pop()
-            peaks = self.phase_peaks.setdefault(name, {})
-            for dev, v in frame.maxes.items():
-                if v > peaks.get(dev, 0):
-                    peaks[dev] = v
-                if self._phases:
-                    pm = self._phases[-1].maxes
-                    if v > pm.get(dev, 0):
-                        pm[dev] = v
-
-    def _module_enter(self, name: str) -> None:
-        self._drain()
-        self._module_stats.setdefault(
-            name, {"calls": 0, "allocated_bytes": 0, "retained_bytes": 0, "max_increase_bytes": 0}
-        )
-        self._modules.append(_Frame(name, 0, None, {}, self._total))
-
-    def _module_exit(self) -> None:
-        self._drain()
-        f = self._modules.pop()
-        st = self._module_stats[f.name]
-        st["calls"] += 1
-        st["retained_bytes"] += self._total - f.enter_total
-        st["max_increase_bytes"] = max(st["max_increase_bytes"], f.max_total - f.enter_total)
-        if self._modules and f.max_total > self._modules[-1].max_total:
-            self._modules[-1].max_total = f.max_total
-
-    @contextmanager
-    def module(self, name: str) -> Iterator[None]:
-        """Attribute births inside to module ``name`` (innermost open module wins)."""
-        self._module_enter(name)
-        try:
-            yield
-        finally:
-            self._module_exit()
-
-    def attach_module_hooks(self, model: nn.Module, depth: int = 1, prefix: str = "") -> list[Any]:
-        """Forward pre/post hooks on the submodules ``depth`` levels below ``model``.
-
-        Containers that are never called (ModuleList, ModuleDict) do not count as a level:
-        their children are used instead (``down_blocks.0``). Returns the hook handles; they are
-        also removed by :meth:`detach_module_hooks`.
-        """
-        handles: list[Any] = []
-
-        def pre(name: str) -> Any:
-            return lambda mod, args: self._module_enter(name)
-
-        def post(name: str) -> Any:
-            return lambda mod, args, out: self._module_exit()
-
-        def visit(mod: nn.Module, path: str, level: int) -> None:
-            for cname, child in mod.named_children():
-                full = f"{path}.{cname}" if path else cname
-                if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-                    visit(child, full, level)
-                elif level + 1 >= depth:
-                    handles.append(child.register_forward_pre_hook(pre(full)))
-                    handles.append(child.register_forward_hook(post(full), always_call=True))
-                else:
-                    visit(child, full, level + 1)
-
-        visit(model, prefix, 0)
-        self._hooks.extend(handles)
-        return handles
-
-    def detach_module_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()

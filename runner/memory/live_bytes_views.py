@@ -1,7 +1,7 @@
 """The read side of :class:`runner.memory.live_bytes.LiveBytesTracker`: bytes now and at the peak,
 by category and module, peak resets and JSON snapshots.
 
-Kept apart from the dispatch-side bookkeeping (tracker.py) so that each file has one job: the
+Kept apart from the dispatch-side bookkeeping (live_bytes.py) so that each file has one job: the
 counting there is on the hot path of every simulated op; these views run a few times per step.
 """
 from __future__ import annotations

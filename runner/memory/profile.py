@@ -55,8 +55,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from runner.errors import UserError
-from runner.memory.live_bytes import CATEGORIES, LiveBytesTracker
-from runner.memory.live_bytes_views import OPTIONAL_CATEGORIES
+from runner.memory.live_bytes import LiveBytesTracker
+from runner.memory.live_bytes_views import CATEGORIES, OPTIONAL_CATEGORIES
 from runner.memory.stats import host_rss
 
 if TYPE_CHECKING:

@@ -94,10 +94,6 @@ def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def _gb(n: int | None) -> float | None:
-    return None if n is None else n / GIB
-
-
 @dataclass
 class PressureMonitor:
     """Turns ``used / budget`` into a level and logs level changes (not every step)."""

@@ -12,6 +12,8 @@ The package, by responsibility (each module's docstring has the details):
 * ``fake``: the fake-tensor mode (:class:`SimulationMode`, the fast paths that keep a plan
   quick) and fake modules; ``batch``: the example batches and the encode step's cached parts;
   ``beside``: work done in a forked child on the second core while setup runs (encoder shapes).
+* ``process``: what planning does to its own process to stay quick (one intra-op thread, the
+  garbage collector kept off the objects that existed before the plan).
 * ``semantics``: :class:`DeviceSemantics`, which gives ``meta`` the target's autocast and
   attention kernels, and the simulated accelerator.
 * ``target``: the simulated device pair, the target and its precision, and what is not counted

@@ -6,8 +6,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runner.memory.live_bytes import CATEGORIES
-from runner.memory.live_bytes_views import OPTIONAL_CATEGORIES
+from runner.memory.live_bytes_views import CATEGORIES, OPTIONAL_CATEGORIES
 from runner.plan.target import DEVICE, HOST, GiB
 
 

@@ -27,10 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import gc
 import logging
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -42,9 +40,8 @@ from runner.compat import without_dispatch_modes
 from runner.context import RunContext
 from runner.data import planned_size
 from runner.devices import reference_spec
-from runner.hostmem import collector_paused
-from runner.memory.live_bytes import CATEGORIES, NO_MODULE, LiveBytesTracker
-from runner.memory.live_bytes_views import OPTIONAL_CATEGORIES
+from runner.memory.live_bytes import LiveBytesTracker
+from runner.memory.live_bytes_views import CATEGORIES, NO_MODULE, OPTIONAL_CATEGORIES
 from runner.optim.build import build_optimizer
 from runner.optim.fused import FusedBackward, fuse_into_backward
 from runner.plan.batch import (
@@ -62,6 +59,7 @@ from runner.plan.dist import measure as measure_rank
 from runner.plan.dist import rank_phase, rank_state_bytes
 from runner.plan.ema import plan_ema
 from runner.plan.fake import fake_module, simulation_mode, weights_left_uninitialised
+from runner.plan.process import import_model_classes, old_objects_frozen, one_thread
 from runner.plan.result import PhasePeak, Plan
 from runner.plan.sampling import plan_sampling
 from runner.plan.semantics import DeviceSemantics, SimulatedAccelerator
@@ -147,12 +145,12 @@ def plan_step(
         run = resolve(cfg, target=target or planned_target(cfg), device=DEVICE)
     run = run.simulated()
     t0 = time.perf_counter()
-    timing = step_time_target(run)  # before _one_thread: a CPU is measured with the run's own threads
+    timing = step_time_target(run)  # before one_thread: a CPU is measured with the run's own threads
     calibrated_s = time.perf_counter() - t0
     started = time.perf_counter()
     trainer = _isolated(trainer if trainer is not None else build_trainer(cfg, run))
-    _import_model_classes(trainer)  # before the freeze: see the function
-    with _one_thread(), _old_objects_frozen():
+    import_model_classes(trainer)  # before the freeze: see the function
+    with one_thread(), old_objects_frozen():
         sim = _Simulation(cfg, run, trainer, schedule if schedule is not None else build_plugins(cfg, run))
         with contextlib.closing(sim.part_shapes_job):  # no child left running if the plan fails
             counter = timing.counter()
@@ -203,56 +201,6 @@ def _step_time(sim: _Simulation, counter: CostCounter, timing: Target) -> StepTi
     return predict(counter, timing, micro_batches=sim.run.grad_accum, simulated_micro=sim.n_micro,
                    transfers=sim.ctx.facts.transfers, optimizer=str(sim.cfg.optimizer.get("name", "adamw")),
                    trained=trained, fused=sim.fused)
-
-
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """No intra-op threads while planning: nothing is computed, and on a busy machine the thread
-    pool's barriers made the few real CPU ops (LoRA init) take milliseconds each."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def _import_model_classes(trainer: Any) -> None:
-    """Import the trainer's model classes now, so that the freeze below covers them.
-
-    Why: the first plan in a process imports the model families (diffusers' model packages,
-    transformers' text encoders, and through them peft, bitsandbytes and parts of torch._dynamo
-    and torch._inductor): about a million objects that live as long as the process. Imported
-    inside the plan, they are young objects that every full collection of the plan walks: 8-9
-    of them, ~1 s of a full-size plan. Imported first (with the collector paused: it would only
-    walk the growing heap), they are frozen with the rest. A trainer without ``module_classes``
-    (the built-in families have it) imports inside the plan as before.
-    """
-    module_classes = getattr(trainer, "module_classes", None)
-    if not callable(module_classes):
-        return
-    with collector_paused():  # an import makes long-lived objects, not garbage (runner/hostmem.py)
-        module_classes()
-
-
-@contextlib.contextmanager
-def _old_objects_frozen() -> Iterator[None]:
-    """Keep the garbage collector off the objects that existed before the plan.
-
-    A full collection walks every tracked object: after importing torch, diffusers and
-    transformers that is millions, ~0.3 s a pass, and a plan triggers several (imports of the
-    model classes, the park plugin's collect after dropping modules). Frozen objects are
-    skipped, not leaked: they return to the collector when the plan ends. Objects the plan
-    creates are collected as usual, so a dropped module is still freed when a plugin asks.
-    """
-    if gc.get_freeze_count():  # the application froze objects itself: leave its choice alone
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 class _Simulation:
@@ -399,23 +347,28 @@ def _label_optimizer_state(tracker: LiveBytesTracker, optimizer: Any, owner: dic
             tracker.track(tensors, "optimizer_state", module=owner.get(id(p)))
 
 
-def _assemble(sim: _Simulation, seconds: float) -> Plan:
-    cfg, trainer, ctx, recorder = sim.cfg, sim.trainer, sim.ctx, sim.recorder
-    target, precision, micro, n_micro = sim.target, sim.precision, sim.micro, sim.n_micro
-    state_by_dev, host_steady = sim.state_by_dev, sim.host_steady
-    notes = dict(sim.notes)
-    notes.update({k: v for k, v in ctx.notes.items() if isinstance(v, (int, float, str, bool))})
-    # Optimizer state per device and top-level module, as it stands after the step.
+def _optimizer_state(sim: _Simulation) -> dict[str, dict[str, int]]:
+    """Optimizer state per device and top-level module, as it stands after the step."""
     state: dict[str, dict[str, int]] = {}
-    for dev, mods in state_by_dev.items():
+    for dev, mods in sim.state_by_dev.items():
         for label, cats in mods.items():
             n = cats.get("optimizer_state", 0)
             if n:
                 per = state.setdefault(dev, {})
-                per[recorder.top(label)] = per.get(recorder.top(label), 0) + n
+                per[sim.recorder.top(label)] = per.get(sim.recorder.top(label), 0) + n
+    return state
+
+
+def _steady_peaks(sim: _Simulation, state: dict[str, dict[str, int]]) -> tuple[dict[str, PhasePeak], dict[str, int]]:
+    """The highest phase per device, and each phase's device peak, in the steady state.
+
+    Forward and backward get the optimizer state added (it lives through them from the second
+    step on) unless the optimizer steps inside backward; with ``dist`` the bytes are one rank's.
+    The device comes first in each phase: ``rank_phase`` carries what it moved to the host over.
+    """
     best: dict[str, PhasePeak] = {}
     phases: dict[str, int] = {}
-    for name, per_dev in recorder.phases:
+    for name, per_dev in sim.recorder.phases:
         moved = 0  # dist.cpu_offload: this rank's shards on the host (runner/plan/dist.py)
         for dev, pk in sorted(per_dev.items(), key=lambda kv: kv[0] != DEVICE.type):
             if name.startswith(("forward", "backward")) and not sim.fused:  # steady state: the state lives through them
@@ -430,17 +383,26 @@ def _assemble(sim: _Simulation, seconds: float) -> Plan:
                 phases[name] = pk.peak_bytes
             if dev not in best or pk.peak_bytes > best[dev].peak_bytes:
                 best[dev] = pk
-    empty = PhasePeak("setup", "setup", 0, {})
-    dev_peak, host_peak = best.get(DEVICE.type, empty), best.get(HOST.type, empty)
-    by_category = {c: sum(per.get(c, 0) for per in dev_peak.by_module.values()) for c in CATEGORIES}
-    for c in OPTIONAL_CATEGORIES:  # listed only when present, so plans without them stay as they were
-        n = sum(per.get(c, 0) for per in dev_peak.by_module.values())
+    return best, phases
+
+
+def _by_category(peak: PhasePeak) -> dict[str, int]:
+    """Bytes per category at the peak; optional categories listed only when present, so plans
+    without them keep the keys they had."""
+    by_category = {c: sum(per.get(c, 0) for per in peak.by_module.values()) for c in CATEGORIES}
+    for c in OPTIONAL_CATEGORIES:
+        n = sum(per.get(c, 0) for per in peak.by_module.values())
         if n:
             by_category[c] = n
-    where = dev_peak.name if dev_peak.where in (dev_peak.name.split(" ")[0], "(reset)") else f"{dev_peak.name}, in {dev_peak.where}"
-    c = cfg
+    return by_category
+
+
+def _run_description(sim: _Simulation) -> dict[str, Any]:
+    """What was planned, for the plan's header and its JSON: trainer, sizes, batch, precision,
+    plugins, optimizer, dtypes, modules (and the rank, for a distributed plan)."""
+    c, trainer, ctx, precision = sim.cfg, sim.trainer, sim.ctx, sim.precision
     chosen: dict[str, list[str]] = {}
-    for kind, name, _ in registry.selected(cfg):
+    for kind, name, _ in registry.selected(c):
         chosen.setdefault(kind, []).append(name)
     plugins = ", ".join(f"{k}={v[0]}" if len(v) == 1 else f"{k}=[{','.join(v)}]" for k, v in chosen.items())
     (height, width), size_note = planned_size(c.data)  # buckets / per-set resolutions: the largest size
@@ -451,9 +413,9 @@ def _assemble(sim: _Simulation, seconds: float) -> Plan:
         "planned_size": [height, width],  # (height, width) of the planned batch
         "planned_size_note": size_note,  # why, when it is not data.resolution square
         "batch_size": sim.run.batch_size,
-        "micro_batch_size": micro,
+        "micro_batch_size": sim.micro,
         "micro_batches": sim.run.grad_accum,
-        "micro_batches_simulated": n_micro,
+        "micro_batches_simulated": sim.n_micro,
         "precision": precision,
         "precision_text": f"{precision} autocast" if precision != "no" else "float32 (no autocast)",
         "plugins": plugins or "none",
@@ -469,22 +431,36 @@ def _assemble(sim: _Simulation, seconds: float) -> Plan:
         run["sample"] = str(describe())
     if sim.run.dist.active:  # the plan is one rank's (runner/plan/dist.py)
         run.update(dist=sim.run.dist.name, world_size=sim.run.dist.world_size, rank_text=sim.run.dist.describe())
+    return run
+
+
+def _assemble(sim: _Simulation, seconds: float) -> Plan:
+    """The plan of a simulated step: the steady-state peaks on the device and the host, the
+    breakdown at the device peak, what was planned, and suggestions when it does not fit."""
+    cfg, ctx, target = sim.cfg, sim.ctx, sim.target
+    notes = dict(sim.notes)
+    notes.update({k: v for k, v in ctx.notes.items() if isinstance(v, (int, float, str, bool))})
+    state = _optimizer_state(sim)
+    best, phases = _steady_peaks(sim, state)
+    empty = PhasePeak("setup", "setup", 0, {})
+    dev_peak, host_peak = best.get(DEVICE.type, empty), best.get(HOST.type, empty)
+    where = dev_peak.name if dev_peak.where in (dev_peak.name.split(" ")[0], "(reset)") else f"{dev_peak.name}, in {dev_peak.where}"
     plan = Plan(
         target=target,
         peak_bytes=dev_peak.peak_bytes,
         peak_phase=where,
         margin_bytes=CUDA_WORKSPACE_MARGIN_BYTES if target == "cuda" else 0,
         budget_bytes=sim.run.budget_bytes,
-        by_category=by_category,
+        by_category=_by_category(dev_peak),
         by_module={m: {k: v for k, v in cats.items() if v} for m, cats in dev_peak.by_module.items()
                    if any(cats.values())},
         phases=phases,
         host_peak_bytes=host_peak.peak_bytes,
         host_peak_phase=host_peak.name,
-        host_steady_bytes=host_steady,
+        host_steady_bytes=sim.host_steady,
         host_pinned_bytes=ctx.facts.pinned_host_bytes,
         optimizer_state_bytes=rank_state_bytes(sim.rank_layout, {dev: sum(v.values()) for dev, v in state.items()}),
-        run=run,
+        run=_run_description(sim),
         notes=notes,
         seconds=seconds,
     )

@@ -1,4 +1,4 @@
-"""The shared skeleton of the built-in trainers, and the latent helpers every family uses.
+"""The shared skeleton of the built-in trainers.
 
 Three layers, so that a model family is one small file (docs/adding-a-family.md):
 
@@ -13,14 +13,16 @@ Three layers, so that a model family is one small file (docs/adding-a-family.md)
   call (``predict``), latent packing and its pipeline class.
 
 Building and loading the modules is :mod:`runner.trainers.loading`, the tokenizers are
-:mod:`runner.trainers.tokenizers`, the repeated blocks :mod:`runner.blocks`.
+:mod:`runner.trainers.tokenizers`, the repeated blocks :mod:`runner.blocks`; the per-sample latent
+draws and the VAE's geometry :mod:`runner.trainers.latents`, and the encode parts' cache keys
+:mod:`runner.trainers.cache_keys` (a mixin of :class:`DiffusersTrainer`).
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,7 +30,9 @@ from torch import nn
 from runner.blocks import find_repeated_blocks
 from runner.errors import UserError, valid_list
 from runner.loss.objectives import check_objective, loss_config
-from runner.trainer import Batch, EncodePart, ModelSet, salted
+from runner.trainer import Batch, EncodePart, ModelSet
+from runner.trainers.cache_keys import CacheKeys
+from runner.trainers.latents import VAE_SALT, LatentMoments, sample_latents, vae_scale_factor
 from runner.trainers.loading import (
     SAFETENSORS_ACCEPTED,
     attach_lora,
@@ -46,53 +50,10 @@ from runner.trainers.tokenizers import load_folder_tokenizer
 log = logging.getLogger("runner")
 
 TRAIN_MODES = ("full", "lora")
-# Salts of the per-sample draws (see salted / per_sample_rand), shared by every family so that a
-# sample's VAE draw and timestep never coincide with its noise. runner/loss/objectives.py uses 3.
-VAE_SALT = 1
-TIMESTEP_SALT = 2
-
-
-# ---- per-sample randomness ----------------------------------------------------------------------
-def sample_latents(dist: Any, seeds: torch.Tensor, salt: int) -> torch.Tensor:
-    """``mean + std * eps`` of a VAE posterior in float32, with eps drawn per sample.
-
-    ``latent_dist.sample(generator)`` takes one generator for the whole batch, so the result
-    would depend on how the batch is split; the mean/std form reproduces it per sample.
-    """
-    from runner.trainer import per_sample_randn
-
-    mean, std = dist.mean.float(), dist.std.float()
-    eps = per_sample_randn(salted(seeds, salt), tuple(mean.shape[1:]), mean.device, torch.float32)
-    return mean + std * eps
-
-
-class LatentMoments(NamedTuple):
-    """A VAE posterior reduced to what sampling needs: what ``encode_part`` returns and a cache stores.
-
-    Has the ``mean``/``std`` attributes of diffusers' ``DiagonalGaussianDistribution``, so
-    :func:`sample_latents` takes either.
-    """
-
-    mean: torch.Tensor
-    std: torch.Tensor
-
-
-def file_stats(folder: str) -> list[tuple[str, int, int]]:
-    """(relative path, size, mtime_ns) of every file under ``folder``, sorted: a cheap identity
-    of local weights for cache keys (reading and hashing gigabytes of weights on every start would
-    cost more than the cache saves)."""
-    out = []
-    for root, dirs, files in os.walk(folder):
-        dirs.sort()
-        for name in sorted(files):
-            full = os.path.join(root, name)
-            st = os.stat(full)
-            out.append((os.path.relpath(full, folder), st.st_size, st.st_mtime_ns))
-    return out
 
 
 # ---- shared trainer skeleton ------------------------------------------------------------------
-class DiffusersTrainer:
+class DiffusersTrainer(CacheKeys):
     """The parts of a trainer that do not depend on the model family.
 
     A loss-family base (ddpm.py, flow.py) adds ``loss``; a family sets ``denoiser`` (the trained
@@ -323,9 +284,6 @@ class DiffusersTrainer:
         return {self.denoiser: find_repeated_blocks(models[self.denoiser])}
 
     # -- encoding (see "Cacheable encoding" in runner/trainer.py) ------------------------------
-    # Bump when encode_part computes something different, so that old cache entries miss.
-    cache_format: int = 2  # 2: the flip is per visit, both orientations keyed apart (format 1 entries: never read)
-
     def encode_parts(self) -> dict[str, EncodePart]:
         """Both built-in families: VAE latents from pixels, two text encoders' outputs from captions."""
         return {
@@ -381,61 +339,6 @@ class DiffusersTrainer:
         if key in cfg:
             return cfg[key]
         return inspect.signature(self.module_classes()["vae"].__init__).parameters[key].default
-
-    def module_source(self, name: str) -> dict[str, Any]:
-        """Where a module's weights come from, for cache keys: its folder's files (path, size,
-        mtime), or, when randomly initialised, what that init depends on (the runner seeds the
-        RNG with ``train.seed`` right before ``build_models``)."""
-        if self._folder_has(name):
-            folder = os.path.join(self.source[1], name)
-            return {"folder": folder, "files": file_stats(folder)}
-        if self.file_provides(name):
-            st = os.stat(self.source[1])
-            return {"file": self.source[1], "size": st.st_size, "mtime_ns": st.st_mtime_ns, "module": name}
-        seed = self.cfg.get("train", {}).get("seed") if hasattr(self.cfg, "get") else None
-        return {
-            "random_init": True,
-            "seed": seed,
-            "size": self.size,
-            "model_path": self.source[1] if self.source else None,
-            "config": self.size_configs()[name],
-        }
-
-    def tokenizer_source(self, name: str) -> dict[str, Any]:
-        tok = self.tokenizer(name)
-        info: dict[str, Any] = {"class": type(tok).__name__, "model_max_length": int(tok.model_max_length)}
-        if self._folder_has(name):
-            folder = os.path.join(self.source[1], name)
-            info["files"] = file_stats(folder)
-        else:
-            info["vocab_size"] = int(tok.vocab_size)
-        return info
-
-    def cache_signature(self, part: str) -> dict[str, Any]:
-        """Every setting that changes ``encode_part(part)`` besides the sample itself."""
-        spec = self.encode_parts()[part]
-        sig: dict[str, Any] = {
-            "format": self.cache_format,
-            "trainer": f"{type(self).__module__}.{type(self).__qualname__}",
-            "part": part,
-            "modules": {
-                name: {"dtype": str(self.module_dtype(name, False)).replace("torch.", ""), "source": self.module_source(name)}
-                for name in spec.modules
-            },
-        }
-        if "pixel_values" in spec.inputs:
-            data = self.cfg.data
-            sig["data"] = {
-                "resolution": int(data.resolution),
-                "center_crop": bool(data.get("center_crop", True)),
-            }  # not random_flip: the orientation is per entry (plugins/park/cache.py, runner/data/flip.py)
-        if "caption" in spec.inputs:
-            sig["tokenizers"] = {
-                m.replace("text_encoder", "tokenizer"): self.tokenizer_source(m.replace("text_encoder", "tokenizer"))
-                for m in spec.modules
-                if m.startswith("text_encoder")
-            }
-        return sig
 
     def dataset(self) -> Any:
         from runner.data import (
@@ -544,7 +447,3 @@ class DiffusersTrainer:
             "sample_seed": self.example_seeds(batch_size, device),
         }
 
-
-def vae_scale_factor(vae_config: dict[str, Any]) -> int:
-    """Downsampling factor of an AutoencoderKL: one halving per block but the last (8 for 4 blocks)."""
-    return 2 ** (len(vae_config["block_out_channels"]) - 1)

@@ -18,7 +18,8 @@ import torch
 from runner.errors import UserError, valid_list
 from runner.loss.objectives import DDPM, ddpm_noise, diffusion_loss, min_snr_weights
 from runner.trainer import Batch, ModelSet, per_sample_rand
-from runner.trainers.base import TIMESTEP_SALT, DiffusersTrainer
+from runner.trainers.base import DiffusersTrainer
+from runner.trainers.latents import TIMESTEP_SALT
 
 PREDICTION_TYPES = ("epsilon", "v_prediction")
 NUM_TRAIN_TIMESTEPS = 1000

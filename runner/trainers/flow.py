@@ -16,7 +16,8 @@ import torch
 
 from runner.loss.objectives import FLOW, diffusion_loss, shifted_flow_timesteps
 from runner.trainer import Batch, ModelSet, per_sample_rand, per_sample_randn
-from runner.trainers.base import TIMESTEP_SALT, DiffusersTrainer
+from runner.trainers.base import DiffusersTrainer
+from runner.trainers.latents import TIMESTEP_SALT
 
 
 class FlowMatchTrainer(DiffusersTrainer):

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from runner.errors import UserError, valid_list
+from runner.float32_rules import is_transformers_model, keep_in_fp32
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -54,16 +55,8 @@ def compute_dtype(module: nn.Module) -> torch.dtype:
     return torch.float32
 
 
-def _is_transformers_model(cls: type) -> bool:
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        return False
-    return issubclass(cls, PreTrainedModel)
-
-
 def _instantiate(cls: type, config: dict[str, Any] | Any) -> nn.Module:
-    if _is_transformers_model(cls):
+    if is_transformers_model(cls):
         cfg = config if not isinstance(config, dict) else cls.config_class(**config)
         return cls(cfg)
     return cls.from_config(config)
@@ -84,34 +77,6 @@ def build_module(
     with torch.device("meta") if is_meta else contextlib.nullcontext():
         module = _instantiate(cls, config)
     return cast_module(module, dtype)
-
-
-def keep_in_fp32(module: nn.Module, dtype: torch.dtype) -> set[str]:
-    """Name parts whose weights ``module`` keeps in float32 when stored in ``dtype``.
-
-    transformers' rule: ``_keep_in_fp32_modules`` (T5's ``wo``, which overflows in float16) under
-    float16, ``_keep_in_fp32_modules_strict`` under bf16 too. diffusers' rule (``from_pretrained``
-    with any ``torch_dtype``): ``_keep_in_fp32_modules`` under float16 and bfloat16 alike (Wan's
-    rope tables, time embedder, modulation tables and norms).
-    """
-    keep: set[str] = set()
-    diffusers_model = not _is_transformers_model(type(module))
-    if dtype == torch.float16 or (diffusers_model and dtype == torch.bfloat16):
-        keep |= set(getattr(module, "_keep_in_fp32_modules", None) or [])
-    if dtype in (torch.float16, torch.bfloat16):
-        keep |= set(getattr(module, "_keep_in_fp32_modules_strict", None) or [])
-    return keep
-
-
-def keep_unquantized(module: nn.Module, compute_dtype: torch.dtype) -> set[str]:
-    """Name parts whose layers a quantization plugin leaves alone: :func:`keep_in_fp32` at the
-    compute dtype, plus a diffusers model's ``_keep_in_fp32_modules`` at any dtype, as diffusers'
-    own quantizers skip them (Wan's time embedder: its forward casts the timestep to its first
-    weight's dtype, which a 4-bit layer would make uint8)."""
-    keep = keep_in_fp32(module, compute_dtype)
-    if not _is_transformers_model(type(module)):
-        keep |= set(getattr(module, "_keep_in_fp32_modules", None) or [])
-    return keep
 
 
 def cast_module(module: nn.Module, dtype: torch.dtype) -> nn.Module:
@@ -263,7 +228,7 @@ def load_folder_component(
     if torch.device(device).type == "meta":
         return build_module(cls, read_folder_config(cls, folder, subfolder), "meta", dtype)
     try:
-        if _is_transformers_model(cls):
+        if is_transformers_model(cls):
             return cls.from_pretrained(sub, local_files_only=True, **{_transformers_dtype_kwarg(): dtype})
         return cls.from_pretrained(folder, subfolder=subfolder, local_files_only=True, torch_dtype=dtype)
     except (OSError, ValueError, EnvironmentError) as e:
@@ -285,7 +250,7 @@ def _transformers_dtype_kwarg() -> str:
 def read_folder_config(cls: type, folder: str, subfolder: str) -> Any:
     """The config of one component of a diffusers folder (a dict, or a transformers config)."""
     sub = os.path.join(folder, subfolder)
-    if _is_transformers_model(cls):
+    if is_transformers_model(cls):
         return cls.config_class.from_pretrained(sub, local_files_only=True)
     with open(os.path.join(sub, "config.json")) as f:
         return json.load(f)

@@ -17,9 +17,9 @@ import torch
 
 from runner.trainer import Batch, ModelSet, batch_device
 from runner.trainers import model_configs
-from runner.trainers.base import vae_scale_factor
 from runner.trainers.configs import SDXLTrainerConfig
 from runner.trainers.ddpm import NUM_TRAIN_TIMESTEPS, SD_NOISE_SCHEDULE, DDPMTrainer
+from runner.trainers.latents import vae_scale_factor
 from runner.trainers.loading import compute_dtype
 from runner.trainers.tokenizers import clip_tokenizer, tokenize
 

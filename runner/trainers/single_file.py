@@ -232,11 +232,6 @@ LAYOUTS: list[Layout] = [
 ]
 
 
-def register_layout(layout: Layout) -> None:
-    """Add a layout (another family's original single files); checked before the built-in ones."""
-    LAYOUTS.insert(0, layout)
-
-
 def detect_layout(keys: list[str]) -> Layout | None:
     """The original layout of a file with these keys, or None (diffusers' own key layout)."""
     for layout in LAYOUTS:

@@ -24,12 +24,10 @@ from runner.config.checks import validate
 from runner.errors import UserError
 from runner.memory.live_bytes import LiveBytesTracker
 from runner.plugins.checkpoint import apply_activation_checkpointing
+from runner.plugins.host_buffers import GiB, HostRegion, host_copy
 from runner.plugins.stream import (
-    GiB,
-    HostRegion,
     apply_stream_offload,
     guess_execution_order,
-    host_copy,
     minimum_device_bytes,
     plan_stream,
 )

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from runner.memory.live_bytes import CATEGORIES, LiveBytesTracker
+from runner.memory.live_bytes import LiveBytesTracker
+from runner.memory.live_bytes_views import CATEGORIES
 
 
 def test_torch_preserves_the_python_storage_object():

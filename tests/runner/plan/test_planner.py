@@ -447,16 +447,16 @@ def test_planning_leaves_the_garbage_collector_as_it_found_it():
     """Plans freeze the objects that existed before them (speed), and unfreeze only what they froze."""
     import gc
 
-    from runner.plan.simulate import _old_objects_frozen
+    from runner.plan.process import old_objects_frozen
 
     assert gc.get_freeze_count() == 0
-    with _old_objects_frozen():
+    with old_objects_frozen():
         assert gc.get_freeze_count() > 0
     assert gc.get_freeze_count() == 0
     gc.freeze()
     frozen = gc.get_freeze_count()
     try:
-        with _old_objects_frozen():
+        with old_objects_frozen():
             pass
         # The application's own freeze is kept: an unfreeze would make the count 0. (It may drop by a few
         # meanwhile: a frozen object whose last reference goes away, e.g. in another thread, is freed.)

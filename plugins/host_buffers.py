@@ -1,13 +1,18 @@
-"""Host memory for streamed weights: page-aligned, page-locked regions, and byte helpers.
+"""Host memory the offload plugins share: page-aligned, page-locked regions, host copies, byte counts.
+
+Both ``offload=stream`` (streamed weights, their gradients and staging buffers; plugins/stream/)
+and ``offload=optimizer`` (host masters, gradients and optimizer state; plugins/optimizer_wrappers.py)
+keep long-lived tensors in host memory that the device copies to and from. They share this module
+rather than one reaching into the other's internals.
 
 Pinned memory
 -------------
 Host copies are page-locked with ``cudaHostRegister`` on page-aligned anonymous mappings rather
 than ``pin_memory()``: PyTorch's pinned allocator rounds every allocation up to a power of two
-(up to 2x the host RAM for a 12 B model). The frozen weights of a block share one region (one
-copy per block, so host->device copies run at full bandwidth); each trained parameter gets its
-own region (its own storage, so safetensors can save it). Pinning only happens when CUDA is
-available; on CPU and under the planner's fake tensors everything is synchronous and nothing is
+(up to 2x the host RAM for a 12 B model). The stream plugin's frozen weights of a block share one
+region (one copy per block, so host->device copies run at full bandwidth); each trained parameter
+gets its own region (its own storage, so safetensors can save it). Pinning only happens when CUDA
+is available; on CPU and under the planner's fake tensors everything is synchronous and nothing is
 pinned, with the same code path otherwise (``always_copy`` lets CPU tests exercise real copies).
 """
 from __future__ import annotations
@@ -22,7 +27,6 @@ from runner.compat import is_fake
 log = logging.getLogger("runner")
 
 GiB = 2**30
-ALIGN = 256  # byte alignment of each parameter inside a block's device buffer (CUDA's own granularity)
 PAGE = mmap.PAGESIZE
 
 
@@ -53,33 +57,35 @@ class HostRegion:
 
     def view(self, offset: int, like: torch.Tensor) -> torch.Tensor:
         """A tensor shaped like ``like`` at byte ``offset`` of this region (not yet filled)."""
-        n = like.numel() * like.element_size()
+        n = tensor_bytes(like)
         return self.tensor[offset:offset + n].view(like.dtype).view(like.shape)
 
     def close(self) -> None:
+        """Unregister the pages; tensors viewing the region keep working, pageable."""
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
             self.pinned = False
 
 
 def host_copy(t: torch.Tensor, pin: bool) -> tuple[torch.Tensor, HostRegion | None]:
-    """A host copy of ``t`` in its own (optionally page-locked) region; other modules reuse this
-    for long-lived host buffers (optimizer masters and gradients)."""
+    """A host copy of ``t`` in its own (optionally page-locked) region: streamed trained weights,
+    and the optimizer offload's long-lived host buffers (masters and gradients).
+
+    Returns the copy and its region (to ``close()`` when done), or a plain pageable copy and None
+    when nothing is pinned: no CUDA, ``pin=False``, or a fake tensor under the planner."""
     if not pin or not torch.cuda.is_available() or is_fake(t):
         return t.detach().to("cpu", copy=True), None
-    region = HostRegion(t.numel() * t.element_size(), pin=True)
+    region = HostRegion(tensor_bytes(t), pin=True)
     out = region.view(0, t)
     out.copy_(t.detach())
     return out, region
 
 
 def fmt_bytes(n: int) -> str:
+    """Bytes for messages: GiB from one GiB up, MiB below."""
     return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / 2**20:.1f} MiB"
 
 
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-def _nbytes(t: torch.Tensor) -> int:
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s elements (not of its storage: a view counts only what it shows)."""
     return t.numel() * t.element_size()
