@@ -79,7 +79,7 @@ class RecordingTrainer(PixelDiffusionTrainer):
         return super().loss(models, batch) + 1e-3 * torch.rand(())
 
 
-RECORDING = ["trainer=custom", "trainer._target_=test_validation.RecordingTrainer", "data.resolution=16"]
+RECORDING = ["trainer=custom", "trainer._target_=test_holdout.RecordingTrainer", "data.resolution=16"]
 
 
 # ---- the split ----------------------------------------------------------------------------------
