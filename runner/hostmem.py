@@ -12,6 +12,14 @@ between steps; the per-step memory columns (host_rss_gb) show it.
 Only for runs whose device is the CPU, and only with glibc (a no-op elsewhere): a GPU run's
 tensors live in the CUDA caching allocator, which already keeps its blocks.
 
+Also for CPU runs, :func:`cpu_threads`: how many threads torch's kernels use. torch starts one
+OpenMP thread per core, and each spins while it waits for the others; on a machine whose cores are
+busy with other processes the spinning threads wait for each other's time slices, and the tiny
+default step took 2.2-5.4 s instead of 0.17-0.25 s with one thread (same losses) on a 2-core
+machine at load 4.5-5.5. So a CPU run takes the cores other processes leave free (the one-minute
+load average when it starts), at least one and never more than it already had (``OMP_NUM_THREADS``
+or the caller's ``torch.set_num_threads``); ``train.cpu_threads`` sets the number.
+
 Also here, :func:`collector_paused`: Python's garbage collector held off while the libraries load.
 """
 from __future__ import annotations
@@ -21,6 +29,7 @@ import ctypes
 import ctypes.util
 import gc
 import logging
+import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -47,6 +56,36 @@ def keep_freed_host_memory(run: ResolvedRun) -> bool:
     if ok:
         log.info("CPU run: freed host memory stays in the heap for the next step (glibc trim threshold 1 GiB)")
     return ok
+
+
+def free_cores() -> tuple[int, int, float]:
+    """(cores this process may use, cores other processes leave free (at least 1), load average)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # no load average on this platform: assume idle
+        load = 0.0
+    return cores, max(1, min(cores, cores - int(load + 0.5))), load
+
+
+def cpu_threads(run: ResolvedRun, configured: int | None) -> int | None:
+    """Set torch's thread count for a run on the CPU (module docstring); the count, or None when
+    the run's device is not the CPU. ``configured``: ``train.cpu_threads`` (None: auto)."""
+    if run.device.type != "cpu" or run.simulate:
+        return None
+    import torch
+
+    cores, free, load = free_cores()
+    # auto never raises the count the process already has (OMP_NUM_THREADS, or a caller's own setting)
+    threads = int(configured) if configured is not None else min(free, torch.get_num_threads())
+    torch.set_num_threads(threads)
+    why = ("train.cpu_threads" if configured is not None
+           else f"{cores} cores, load {load:.1f} from other processes; train.cpu_threads=N sets it")
+    log.info("CPU run: %d torch thread%s (%s)", threads, "" if threads == 1 else "s", why)
+    return threads
 
 
 @contextlib.contextmanager

@@ -32,7 +32,7 @@ from runner.context import RunContext
 from runner.dist.runtime import accelerator_options
 from runner.ema.average import build_ema
 from runner.errors import UserError
-from runner.hostmem import keep_freed_host_memory
+from runner.hostmem import cpu_threads, keep_freed_host_memory
 from runner.optim.build import build_optimizer
 from runner.optim.fused import fuse_into_backward
 from runner.output.trackers import accelerator_kwargs
@@ -58,6 +58,7 @@ def open_run(cfg: Any, out: Path, overrides: list[str] | None, checked: CheckedR
     run = checked.run if checked is not None else resolve(cfg)  # resolve: device, precision, dtypes, budget, once
     log.info("%s", run.describe())
     keep_freed_host_memory(run)  # CPU runs: no page-fault churn between steps
+    cpu_threads(run, cfg.train.get("cpu_threads"))  # CPU runs: no OpenMP threads spinning on busy cores
     schedule = PluginSchedule.build(checked.plugins) if checked is not None else build_plugins(cfg, run)
     log.info("plugin order:\n%s", schedule.describe())
     ctx = make_context(cfg, run, schedule, out, overrides)

@@ -89,6 +89,8 @@ class TrainConfig:
     mixed_precision: str = "no"  # no | bf16 | fp16
     cpu_autocast: bool = False  # keep bf16/fp16 autocast and bf16 trained weights on CPU (emulated, slow); default: float32
     device: str = "auto"  # auto | cpu | cuda
+    # torch threads of a run on the CPU; None = auto: the cores other processes leave free (at least 1)
+    cpu_threads: Optional[int] = None
     seed: int = 0
     max_grad_norm: float = 1.0  # 0 disables clipping
     lr_scheduler: str = "constant"  # any name diffusers.optimization.get_scheduler accepts

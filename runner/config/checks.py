@@ -111,6 +111,8 @@ def check_config(cfg: DictConfig) -> None:
         _positive(cfg, key, allow_zero=True)
     if cfg.budget_gb is not None:
         _positive(cfg, "budget_gb")
+    if cfg.train.get("cpu_threads") is not None:
+        _positive(cfg, "train.cpu_threads")
     _one_of(cfg, "train.lr_scheduler", LR_SCHEDULERS)
     _one_of(cfg, "train.on_nonfinite", NONFINITE_POLICIES)
     _positive(cfg, "train.nonfinite_patience")

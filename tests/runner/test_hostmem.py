@@ -52,3 +52,43 @@ def test_cpu_runs_keep_freed_host_memory_and_simulated_ones_do_not():
     validate(cfg)
     assert keep_freed_host_memory(resolve(cfg)) is True
     assert keep_freed_host_memory(resolve(cfg, device=torch.device("meta"))) is False
+
+
+def test_a_cpu_run_takes_the_cores_other_processes_leave(monkeypatch):
+    """train.cpu_threads=None: the free cores (load average), at least one, never more than the process
+    had; a set value is taken as it is; a run whose device is not the CPU changes nothing."""
+    import os
+
+    import torch
+
+    from runner import hostmem
+
+    before = torch.get_num_threads()
+    cpu = type("Run", (), {"device": torch.device("cpu"), "simulate": False})()
+    meta = type("Run", (), {"device": torch.device("meta"), "simulate": True})()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    try:
+        torch.set_num_threads(4)
+        monkeypatch.setattr(os, "getloadavg", lambda: (4.6, 0.0, 0.0))  # a busy machine
+        assert hostmem.cpu_threads(cpu, None) == 1 == torch.get_num_threads()
+        torch.set_num_threads(4)
+        monkeypatch.setattr(os, "getloadavg", lambda: (1.2, 0.0, 0.0))
+        assert hostmem.cpu_threads(cpu, None) == 3 == torch.get_num_threads()
+        torch.set_num_threads(2)  # OMP_NUM_THREADS=2, or a caller's own: auto never raises it
+        monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+        assert hostmem.cpu_threads(cpu, None) == 2
+        assert hostmem.cpu_threads(cpu, 3) == 3 == torch.get_num_threads()  # train.cpu_threads=3
+        assert hostmem.cpu_threads(meta, None) is None and torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_cpu_threads_must_be_positive():
+    import pytest
+
+    from runner.cli.compose import compose_config
+    from runner.config.checks import check_config
+    from runner.errors import UserError
+
+    with pytest.raises(UserError, match=r"train.cpu_threads=0 is not valid: it must be a number > 0"):
+        check_config(compose_config(["train.cpu_threads=0"]))
