@@ -37,7 +37,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -69,8 +69,18 @@ class HostedLoop:
     """The protocol view of a hosted loop, for the planner: its modules cloned on ``meta``, its
     example batch, its loss. Nothing is copied but shapes."""
 
-    def __init__(self, models: ModelSet, loss_fn: Callable[..., torch.Tensor], example: dict[str, Any], single: bool):
-        self.models, self.loss_fn, self.example, self.single = models, loss_fn, example, single
+    def __init__(self, models: ModelSet, loss_fn: Callable[..., torch.Tensor], example: Any, single: bool):
+        self.models, self.loss_fn, self.single = models, loss_fn, single
+        # A DataLoader over a TensorDataset yields tuples (or lists): the planner's batch is a dict,
+        # so the positions become keys here and the loss gets the loop's own structure back.
+        self.sequence: type | None = type(example) if isinstance(example, (tuple, list)) else None
+        if self.sequence is not None:
+            example = {f"_{i}": v for i, v in enumerate(example)}
+        elif not isinstance(example, Mapping):
+            raise UserError(
+                f"prepare(example_batch=...) got a {type(example).__name__}; give one batch as the loop's data loader "
+                "yields it: a dict of tensors, or a tuple or list of tensors (a TensorDataset's batches).")
+        self.example: dict[str, Any] = dict(example)
 
     def build_models(self, device: Any = "meta") -> ModelSet:
         clones = {}
@@ -93,7 +103,11 @@ class HostedLoop:
 
     def loss(self, models: ModelSet, batch: dict[str, Any]) -> torch.Tensor:
         batch = {k: v for k, v in batch.items() if k in self.example}  # without the planner's sample_seed
-        return self.loss_fn(models["model"] if self.single else models.modules, batch)
+        given: Any = batch
+        if self.sequence is not None:
+            items = [batch[f"_{i}"] for i in range(len(self.example))]
+            given = self.sequence(*items) if hasattr(self.sequence, "_fields") else self.sequence(items)
+        return self.loss_fn(models["model"] if self.single else models.modules, given)
 
 
 class DeviceLoader:

@@ -108,6 +108,7 @@ def attach_optimizer(ctx: RunContext, optimizer: OptimizerArg = None, *, own_opt
     elif isinstance(optimizer, torch.optim.Optimizer):
         if own_optimizer_refused:
             raise UserError(own_optimizer_refused)
+        _check_holds_trained(optimizer, params, ctx.cfg.model.get("train"))
     else:
         optimizer = optimizer(params)
     ctx.optimizer = optimizer
@@ -121,3 +122,23 @@ def attach_ema(ctx: RunContext, resumed_from: Path | None = None) -> None:
     ctx.ema = build_ema(ctx, resumed_from)
     for name, m in ctx.models.items():
         m.train(name in ctx.models.trained)
+
+
+def _check_holds_trained(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], train: Any) -> None:
+    """Refuse an optimizer instance that does not hold every tensor the run trains.
+
+    A loop builds its optimizer before ``prepare()``; with ``model.train=lora`` the adapters are
+    attached in ``prepare()``, and a plugin may replace a trained tensor by its device copy. Such
+    an optimizer steps the frozen base and never the trained tensors: the run would end "ok"
+    having trained nothing."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    missing = [p for p in params if id(p) not in held]
+    if not missing:
+        return
+    why = ("model.train=lora attached LoRA adapters in prepare(), after the optimizer was built"
+           if str(train) == "lora" else "prepare() placed or replaced the trained tensors after it was built")
+    raise UserError(
+        f"The optimizer the loop passed to prepare() ({type(optimizer).__name__}) does not hold {len(missing)} of the "
+        f"{len(params)} tensors this run trains ({why}): they would never be updated. Pass None to use the "
+        "configured optimizer (optimizer=..., optimizer.lr=...), or a factory that prepare() calls with the trained "
+        "tensors: run.prepare(model, lambda params: torch.optim.AdamW(params, lr=1e-4), loader).")

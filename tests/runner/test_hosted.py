@@ -139,3 +139,36 @@ def test_hosted_script_takes_overrides_and_sweeps(tmp_path):
     bad = subprocess.run([sys.executable, str(ASSETS / "hosted_loop.py"), "train.devise=cpu"], env=env,
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "Did you mean 'device'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_an_optimizer_built_before_lora_is_refused_not_left_training_nothing(tmp_path):
+    """model.train=lora attaches adapters in prepare(): an optimizer the loop built before holds the
+    frozen base and none of them, so it is refused with what to pass instead; a factory works."""
+    run = session(["train.device=cpu", "model.train=lora", "model.lora_targets=[conv1,conv2]"], output_dir=tmp_path)
+    unet = make_unet()
+    with pytest.raises(UserError, match=r"does not hold \d+ of the \d+ tensors this run trains \(model.train=lora"):
+        run.prepare(unet, torch.optim.AdamW(unet.parameters()), batches(1))
+    run.finish()
+    run = session(["train.device=cpu", "model.train=lora", "model.lora_targets=[conv1,conv2]"],
+                  output_dir=tmp_path / "factory")
+    unet, opt, _ = run.prepare(make_unet(), lambda params: torch.optim.AdamW(params, lr=1e-3), batches(1))
+    trained = {id(p) for p in unet.parameters() if p.requires_grad}
+    assert trained and {id(p) for g in opt.param_groups for p in g["params"]} == trained
+    run.finish()
+
+
+def test_a_tuple_batch_is_planned_like_a_dict(tmp_path):
+    """A DataLoader over a TensorDataset yields tuples: the preflight plans them (it read only dicts)."""
+    def tuple_loss(unet, batch):
+        x, t = batch
+        return my_loss(unet, {"x": x, "t": t})
+
+    example = batches(1)[0]
+    run = session(["train.device=cpu"], output_dir=tmp_path)
+    run.prepare(make_unet(), None, None, loss_fn=tuple_loss, example_batch=(example["x"], example["t"]))
+    run.finish()
+    assert json.loads((tmp_path / "plan.json").read_text())["peak_bytes"] > 0
+    run = session(["train.device=cpu"], output_dir=tmp_path / "str")
+    with pytest.raises(UserError, match=r"prepare\(example_batch=...\) got a str"):
+        run.prepare(make_unet(), None, None, loss_fn=tuple_loss, example_batch="x")
+    run.finish()
