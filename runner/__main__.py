@@ -1,12 +1,12 @@
 """``python -m runner +preset=sdxl_24gb train.steps=200``
 
-One run, top to bottom: compose -> validate -> resolve -> build trainer -> plan -> apply plugins
--> loop -> report. Each step is a function in runner/ that tests call on its own;
-docs/architecture.md maps each one to its file.
+One run, top to bottom: compose -> validate (and resolve, once) -> open the run (runner/session.py,
+the setup hosted mode shares) -> build trainer -> plan -> models -> apply plugins -> loop -> report.
+Each step is a function that tests call on its own; docs/architecture.md maps each one to its file.
 
 Nothing heavy is imported at the top of this module: ``--help``, ``--version``, ``mode=plugins``
 and every config error are answered before torch, diffusers or accelerate load (runner/cli/launch.py
-:func:`~runner.launch.launch`); :func:`run` imports them once the config is valid.
+:func:`~runner.cli.launch.launch`); :func:`task` imports them once the config is valid.
 """
 from __future__ import annotations
 
