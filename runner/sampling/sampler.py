@@ -204,6 +204,9 @@ class Sampler:
             path = out / image_name(i, prompt)
             image.save(path)
             paths.append(path)
+        # log.tracker: the samples beside the loss curve (a clip by its first frame); a no-op without a tracker
+        self.ctx.tracking.log_images(step, {f"sample/{path.stem}": getattr(image, "frames", [image])[0]
+                                            for path, image in zip(paths, images)})
         log.info("sample: step %d, %d image(s) in %s (%.1f s)", step, len(paths), out, time.perf_counter() - t0)
         return paths
 

@@ -86,3 +86,19 @@ def test_missing_tracker_package_is_a_user_error(name, package):
         pytest.skip(f"{name} is installed here")
     with pytest.raises(UserError, match=rf"log.tracker={name} needs the Python package '{package}'.*pip install {package}"):
         validate(compose_config([f"log.tracker={name}"]))
+
+
+def test_samples_reach_the_tracker(tmp_path):
+    """sample.every with log.tracker: each sample image is logged at its step, as written to samples/."""
+    cfg = compose_config([f"output_dir={tmp_path}", "train.progress=false", "train.steps=2", "train.batch_size=1",
+                          "log.tracker=tensorboard", "log.project=proj", "train.preflight=false", "sample.every=2",
+                          "sample.steps=2", "sample.resolution=32", "sample.prompts=[a red square]"])
+    task(cfg)
+    acc = read_events(tmp_path / "tracker" / "proj")
+    (tag,) = [t for t in acc.Tags()["images"] if t.startswith("sample/")]
+    assert tag == "sample/00-a-red-square"
+    images = acc.Images(tag)
+    assert [i.step for i in images] == [0, 2]  # the start and the end, as in samples/step-0 and step-2
+    written = Image.open(tmp_path / "samples" / "step-2" / "00-a-red-square.png").convert("RGB")
+    logged = Image.open(__import__("io").BytesIO(images[-1].encoded_image_string)).convert("RGB")
+    assert np.array_equal(np.asarray(logged), np.asarray(written))
