@@ -31,6 +31,7 @@ from diffusers.optimization import get_scheduler
 from runner.context import RunContext
 from runner.data import BatchOrder, collate, describe_dataset, visit_samples
 from runner.errors import Interrupted, ResumableStop
+from runner.export.checkpoint import EXPORT_DIR, INFO_FILE
 from runner.guards.nonfinite import NonFiniteGuard, NonFiniteStop, grad_norm
 from runner.guards.oom import MicroBatchRecovery, OutOfMemoryGiveUp
 from runner.memory.profile import NullProfiler, build_profiler
@@ -123,6 +124,7 @@ class Loop:
         log.info("data: %s%s", describe_dataset(self.dataset), ctx.flip.describe())  # what is used, skipped or upscaled, and why
         self.order = BatchOrder(self.dataset, run.batch_size, run.seed)  # step -> (indices, seeds): runner/data/order.py
         self.dist = ctx.dist  # one process: a no-op; dist=ddp|fsdp: runner/dist/runtime.py
+        self.unexported: Path | None = None  # a resumed final checkpoint whose export is missing
         attach_optimizer(ctx)  # DDP/FSDP, optimizer, wrap_optimizer, fused backward (runner/session.py)
         self.fused = fusion_of(ctx.optimizer)  # optimizer.fused_backward: steps inside backward; else a no-op view
         self.scheduler = get_scheduler(cfg.train.lr_scheduler, ctx.optimizer, num_warmup_steps=cfg.train.lr_warmup_steps,
@@ -162,6 +164,10 @@ class Loop:
             if self.dist.is_main:
                 drop_metrics_after(self.out / "metrics.jsonl", state.step)  # one curve: no step twice
             self.order.resume(state.step, state.samples_seen)
+            if state.step >= cfg.train.steps and not (ckpt / EXPORT_DIR / INFO_FILE).is_file():
+                # Stopped during the final export (a kill, a full disk): nothing is left to train, and
+                # the result names this checkpoint so that its export is written now.
+                self.unexported = ckpt
         if self.order.describe():
             log.info("%s", self.order.describe())
         return state, micro, ckpt
@@ -264,6 +270,10 @@ class Loop:
 
     def finish(self) -> TrainResult:
         result = self.result
+        if result.checkpoint is None and self.unexported is not None:
+            log.info("resume: %s is the final step and has no export (the run stopped while writing it); "
+                     "exporting it now", self.unexported)
+            result.checkpoint = self.unexported
         result.steps_done = self.state.step
         result.notes = dict(self.ctx.notes)
         if self.step_times:

@@ -100,11 +100,39 @@ def export_models(trainer: Any, models: ModelSet, ckpt: Path, cfg: Any, step: in
             trainer.pipeline(models).save_pretrained(str(tmp / FULL_DIR), safe_serialization=True)
             files.append(FULL_DIR)
         files += write_ema_exports(trainer, models, ckpt, tmp, info, cfg, _denoiser(trainer, models), FULL_DIR)  # ema.*
+        files += _keep_earlier(ckpt / EXPORT_DIR, tmp, files)  # another export.lora_format adds, never deletes
         info["files"] = files
         (tmp / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
     dest = ckpt / EXPORT_DIR
     log.info("export: %s", ", ".join(str(dest / f) for f in files))
     return dest
+
+
+def _keep_earlier(dest: Path, tmp: Path, files: list[str]) -> list[str]:
+    """The files of an earlier export of this checkpoint that this one does not write, copied into it.
+
+    Why: ``mode=export export.lora_format=kohya`` after training replaced the whole folder, so the
+    diffusers file written at the end of training was deleted. Both come from the same checkpoint's
+    weights (the folder lives inside it), so keeping the other format's files is exact."""
+    try:
+        earlier = json.loads((dest / INFO_FILE).read_text()).get("files", [])
+    except (OSError, ValueError):
+        return []
+    kept = []
+    for name in earlier:
+        src = dest / str(name)
+        if name in files or "/" in str(name) or str(name).startswith("."):
+            continue
+        if src.is_dir():
+            shutil.copytree(src, tmp / name)
+        elif src.is_file():
+            shutil.copy2(src, tmp / name)
+        else:
+            continue
+        kept.append(str(name))
+    if kept:
+        log.info("export: kept from the earlier export of this checkpoint: %s", ", ".join(kept))
+    return kept
 
 
 def _pid_alive(pid: int) -> bool:

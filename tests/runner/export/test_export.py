@@ -170,6 +170,35 @@ def test_mode_export_rewrites_the_same_files(lora_runs, tmp_path):
     assert not list((copy / CKPT).glob(".*export*"))  # the dead writer's folder removed, no staging folder left
 
 
+def test_exporting_one_format_again_keeps_the_other(lora_runs, tmp_path):
+    """``mode=export export.lora_format=kohya`` after training rewrites the kohya file and keeps the
+    diffusers one written at the end of training (it deleted the whole folder)."""
+    ckpt = lora_runs("sdxl")
+    copy = tmp_path / "run"
+    shutil.copytree(ckpt.parent.parent, copy)
+    exported = copy / CKPT / EXPORT_DIR
+    task(compose_config([f"output_dir={tmp_path / 'export-job'}", "mode=export", f"train.resume={copy}",
+                        "train.device=cpu", "export.lora_format=kohya"]))
+    for name in (DIFFUSERS_FILE, KOHYA_FILE):
+        again, first = load_file(str(exported / name)), load_file(str(ckpt / EXPORT_DIR / name))
+        assert set(again) == set(first) and all(torch.equal(again[k], first[k]) for k in first)
+    assert set(json.loads((exported / INFO_FILE).read_text())["files"]) == {DIFFUSERS_FILE, KOHYA_FILE}
+
+
+def test_a_resume_after_a_stop_during_the_final_export_writes_it(lora_runs, tmp_path):
+    """Killed while exporting the last step: a resume has no step left to train, and exports that step."""
+    ckpt = lora_runs("sdxl")
+    copy = tmp_path / "run"
+    shutil.copytree(ckpt.parent.parent, copy)
+    shutil.rmtree(copy / CKPT / EXPORT_DIR)
+    task(compose_config([f"output_dir={tmp_path / 'again'}", "trainer=sdxl", *COMMON, *LORA,
+                        f"train.resume={copy / CKPT}"]))
+    exported = copy / CKPT / EXPORT_DIR
+    for name in (DIFFUSERS_FILE, KOHYA_FILE):
+        again, first = load_file(str(exported / name)), load_file(str(ckpt / EXPORT_DIR / name))
+        assert set(again) == set(first) and all(torch.equal(again[k], first[k]) for k in first)
+
+
 @pytest.mark.parametrize("family,plugins", [("sdxl", []), ("flux", []), ("sdxl", ["offload=park"]), ("sd15", []),
                                             ("sd35", ["offload=park"])],
                          ids=["sdxl", "flux", "sdxl-park", "sd15", "sd35-park"])
