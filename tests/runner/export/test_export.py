@@ -177,8 +177,11 @@ def test_exporting_one_format_again_keeps_the_other(lora_runs, tmp_path):
     copy = tmp_path / "run"
     shutil.copytree(ckpt.parent.parent, copy)
     exported = copy / CKPT / EXPORT_DIR
-    task(compose_config([f"output_dir={tmp_path / 'export-job'}", "mode=export", f"train.resume={copy}",
-                        "train.device=cpu", "export.lora_format=kohya"]))
+    from bad_input import run_main  # as typed: the resume composes on the checkpoint's command line plus this one
+
+    r = run_main([f"output_dir={tmp_path / 'export-job'}", f"hydra.run.dir={tmp_path / 'h'}", "mode=export",
+                  f"train.resume={copy}", "trainer=sdxl", *COMMON, *LORA, "export.lora_format=kohya"])
+    assert r.code == 0, r.err
     for name in (DIFFUSERS_FILE, KOHYA_FILE):
         again, first = load_file(str(exported / name)), load_file(str(ckpt / EXPORT_DIR / name))
         assert set(again) == set(first) and all(torch.equal(again[k], first[k]) for k in first)
