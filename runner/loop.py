@@ -29,7 +29,7 @@ from typing import Any
 from diffusers.optimization import get_scheduler
 
 from runner.context import RunContext
-from runner.data import BatchOrder, collate, describe_dataset, visit_samples
+from runner.data import BatchOrder, collate, describe_dataset, describe_sample, visit_samples
 from runner.errors import Interrupted, ResumableStop
 from runner.export.checkpoint import EXPORT_DIR, INFO_FILE
 from runner.guards.nonfinite import NonFiniteGuard, NonFiniteStop, grad_norm
@@ -110,6 +110,7 @@ class TrainResult:
     interrupted_by: int | None = None
     checkpoint: Path | None = None
     seconds_per_step: float = math.nan
+    nonfinite_skips: int = 0  # steps whose update was skipped on a non-finite loss or gradient
     notes: dict[str, Any] = field(default_factory=dict)  # ctx.notes at the end (optimizer state bytes, ...)
 
 
@@ -241,6 +242,7 @@ class Loop:
             if self.guard.allow_update(step, step_loss, self.fused.guard_norm(norm)):  # NaN/inf: skip or stop
                 self.optimizer.step()
 
+        skipped_before = self.guard.total
         try:
             with self.profiler.phase("optimizer"):
                 self.recovery.update(step, apply, self.result.checkpoint)
@@ -248,6 +250,10 @@ class Loop:
             self.stop_resumably(e)
             self.optimizer.zero_grad(set_to_none=True)
             raise
+        if self.guard.total > skipped_before:  # a skipped step: name what it trained on, so bad data can be found
+            indices = self.order.batch(self.state.step).indices
+            log.warning("step %d was skipped; its samples: %s", step,
+                        ", ".join(describe_sample(self.dataset, i) for i in indices))
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=self.dist.grads_to_none)
         self.state.step += 1
@@ -275,6 +281,7 @@ class Loop:
                      "exporting it now", self.unexported)
             result.checkpoint = self.unexported
         result.steps_done = self.state.step
+        result.nonfinite_skips = self.guard.total
         result.notes = dict(self.ctx.notes)
         if self.step_times:
             tail = self.step_times[1:] or self.step_times  # the first step includes one-off warm-up

@@ -296,3 +296,22 @@ def describe_dataset(ds: Any) -> str:
     except TypeError:
         n = "?"
     return f"{n} samples from {type(ds).__name__}"
+
+
+def describe_sample(dataset: Any, index: int) -> str:
+    """Where sample ``index`` comes from, for a message: its file for a folder (through sets, the
+    held-out split and a cache's view, which keep the folder's indices), else its index."""
+    for _ in range(8):  # wrappers nest a few deep at most
+        paths = getattr(dataset, "paths", None)
+        if isinstance(paths, list) and 0 <= index < len(paths):
+            return str(paths[index])
+        if callable(getattr(dataset, "locate", None)) and isinstance(getattr(dataset, "datasets", None), list):
+            part, index = dataset.locate(index)
+            dataset = dataset.datasets[part]
+            continue
+        inner = next((getattr(dataset, a) for a in ("source", "dataset", "base") if getattr(dataset, a, None) is not None),
+                     None)
+        if inner is None or inner is dataset:
+            break
+        dataset = inner
+    return f"sample {index}"

@@ -43,7 +43,8 @@ STATUSES = ("ok", "oom", "failed", "interrupted", "nonfinite", "io_error")
 
 
 COLUMNS = ("job", "status", "overrides", "steps_done", "final_loss", "final_loss_steps", "s_per_step", "peak_memory_gb",
-           "peak_memory_source", "planned_peak_gb", "host_rss_peak_gb", "micro_batch_size", "exit_code", "error", "dir")
+           "peak_memory_source", "planned_peak_gb", "host_rss_peak_gb", "micro_batch_size", "nonfinite_skips", "exit_code",
+           "error", "dir")
 
 
 FINAL_LOSS_SHARE = 0.1  # final_loss: the mean loss of the last 10% of steps
@@ -92,7 +93,7 @@ def summarize_metrics(out: Path) -> dict[str, Any]:
     if not rows:
         return {"steps_done": 0, "final_loss": None, "final_loss_steps": 0, "s_per_step": None, "peak_memory_gb": None,
                 "peak_memory_source": None, "planned_peak_gb": planned_gb, "host_rss_peak_gb": None,
-                "micro_batch_size": None}
+                "micro_batch_size": None, "nonfinite_skips": None}
     times = [r["s_per_step"] for r in rows]
     tail = times[1:] or times
     loss, k = final_loss([r.get("loss") for r in rows])
@@ -100,7 +101,8 @@ def summarize_metrics(out: Path) -> dict[str, Any]:
     rss = [r["host_rss_gb"] for r in rows if r.get("host_rss_gb") is not None]
     return {"steps_done": rows[-1]["step"], "final_loss": loss, "final_loss_steps": k, "s_per_step": sum(tail) / len(tail),
             "peak_memory_gb": peak, "peak_memory_source": source, "planned_peak_gb": planned_gb,
-            "host_rss_peak_gb": max(rss) if rss else None, "micro_batch_size": rows[-1].get("micro_batch_size")}
+            "host_rss_peak_gb": max(rss) if rss else None, "micro_batch_size": rows[-1].get("micro_batch_size"),
+            "nonfinite_skips": rows[-1].get("nonfinite_skips")}
 
 
 def plot_job(cfg: DictConfig) -> None:

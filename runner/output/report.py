@@ -144,8 +144,12 @@ def summary(result: Any, out: Path) -> str:
     lines = [
         f"steps: {result.steps_done}   loss: {first:.4f} (first {k}) -> {last:.4f} (last {k})   "
         f"s/step: {result.seconds_per_step:.3f}",
-        f"outputs: {out}  (metrics.jsonl, resolved_config.yaml, versions.json, checkpoints/)",
+        f"outputs: {out}  (metrics.jsonl, resolved_config.yaml, versions.json{', checkpoints/' if result.checkpoint else ''})",
     ]
+    skipped = getattr(result, "nonfinite_skips", 0)
+    if skipped:
+        lines.append(f"warning: {skipped} step(s) skipped on a non-finite loss or gradient; their samples are named in "
+                     "the log (a corrupt image or caption, or a learning rate too high)")
     if result.checkpoint:
         lines.append(f"checkpoint: {result.checkpoint}  (resume with train.resume={result.checkpoint})")
     state_bytes = getattr(result, "notes", {}).get("optimizer state bytes")

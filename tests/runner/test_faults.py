@@ -87,7 +87,7 @@ def test_a_transient_nan_skips_one_update_and_training_goes_on(tmp_path):
     rows = metrics(tmp_path)
     assert [r["loss"] is None for r in rows] == [False, False, True, False]
     assert [r["nonfinite_skips"] for r in rows] == [0, 0, 1, 1]
-    assert summary(tmp_path)["status"] == "ok"
+    assert summary(tmp_path)["status"] == "ok" and summary(tmp_path)["nonfinite_skips"] == 1  # not silent: counted
     before, skipped, after = weights(tmp_path, 2), weights(tmp_path, 3), weights(tmp_path, 4)
     assert all(torch.equal(before[k], skipped[k]) for k in before)  # step 3's update was not applied
     assert not all(torch.equal(skipped[k], after[k]) for k in before)  # step 4's was
@@ -257,3 +257,25 @@ def test_a_full_cache_disk_is_one_message(tmp_path):
     assert r.returncode == 5, r.stderr[-3000:]
     assert "Traceback" not in r.stdout + r.stderr
     assert "Writing an encoder cache entry failed: the disk is full" in r.stderr and str(cache) in r.stderr
+
+
+def test_a_skipped_step_names_its_samples_and_the_summary_warns(tmp_path, caplog, capsys):
+    """Training goes on past a non-finite step, and says so: the log names the step's image files,
+    job_summary.json counts the skipped steps, the final summary warns."""
+    from PIL import Image
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(4):
+        Image.new("RGB", (16, 16), (60 * i, 0, 0)).save(data / f"img{i}.png")
+        (data / f"img{i}.txt").write_text(f"image {i}")
+    out = tmp_path / "run"
+    code = job(out, *FLAKY, "+trainer.options.nan_positions=[4]", "train.steps=4", "train.batch_size=2",
+               f"data.path={data}")
+    assert code == 0
+    assert summary(out)["nonfinite_skips"] == 1
+    warned = [r.getMessage() for r in caplog.records if "was skipped; its samples" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("step 3 was skipped")
+    named = warned[0].split("its samples: ")[1].split(", ")
+    assert len(named) == 2 and all(Path(n).parent == data and Path(n).suffix == ".png" for n in named)
+    assert "warning: 1 step(s) skipped on a non-finite loss or gradient" in capsys.readouterr().out
