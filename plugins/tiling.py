@@ -248,8 +248,12 @@ class VaeTiling(Plugin):
     def validate(self) -> None:
         check_config(self.config, self.run)
 
-    def encoder_signature(self) -> dict[str, Any] | None:
-        c = self.config  # a tiled VAE encodes slightly different latents (blended tile seams)
+    def encoder_signature(self, modules: frozenset[str] | None = None) -> dict[str, Any] | None:
+        """A tiled VAE encodes slightly different latents (blended tile seams): its tile settings key
+        the parts the VAE computes, and no other part."""
+        c = self.config
+        if modules is not None and not (set(getattr(self, "tiled", ())) & modules):
+            return None
         return {"vae_tiling": bool(c.vae_tiling), "tile": int(c.vae_tile_size), "overlap": int(c.vae_tile_overlap)}
 
     def transform_models(self, ctx: RunContext) -> None:
@@ -263,6 +267,7 @@ class VaeTiling(Plugin):
             if not vaes:
                 log.warning("tiling: no tileable VAE among %s; tiling.vae_tiling/vae_slicing do nothing",
                             ", ".join(models.modules) or "no modules")
+            self.tiled = [name for name, _ in vaes] if c.vae_tiling else []  # the VAEs whose latents change
             for name, vae in vaes:
                 if c.vae_tiling:
                     record(vae, apply_vae_tiling(vae, int(c.vae_tile_size), int(c.vae_tile_overlap), bool(c.vae_slicing)))

@@ -17,6 +17,7 @@ What plugins know about each other goes through typed fields, never string keys:
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,12 +161,14 @@ class RunContext:
         """Host bytes page-locked by this run (or that would be, on the target GPU)."""
         self.facts.pinned_host_bytes += int(nbytes)
 
-    def encoder_signature(self) -> dict[str, Any]:
-        """Every plugin's settings that change what the frozen encoders compute (cache keys)."""
+    def encoder_signature(self, modules: Collection[str] | None = None) -> dict[str, Any]:
+        """Every plugin's settings that change what the frozen modules ``modules`` compute (cache
+        keys; None: any module). A plugin that leaves those modules alone is not part of the key,
+        so switching a preset's quantization of the denoiser does not re-encode every caption."""
         sig: dict[str, Any] = {"device_type": self.run.target if self.simulate else self.device.type,
                                "autocast": self.run.precision}
         for p in self.schedule.plugins:
-            s = p.encoder_signature()
+            s = p.encoder_signature(None if modules is None else frozenset(modules))
             if s:
                 sig[p.key] = s
         return sig

@@ -97,8 +97,9 @@ class Plugin:
     def validate(self) -> None:
         """Check this plugin's settings against ``self.run``; raise UserError naming the key."""
 
-    def encoder_signature(self) -> dict[str, Any] | None:
-        """Settings of this plugin that change what the frozen encoders compute (for cache keys)."""
+    def encoder_signature(self, modules: frozenset[str] | None = None) -> dict[str, Any] | None:
+        """Settings of this plugin that change what the frozen ``modules`` compute (cache keys);
+        None when it changes nothing of theirs. ``modules=None``: any module of the run."""
         return None
 
     def setting(self, field: str) -> str:

@@ -286,7 +286,7 @@ def park_and_cache(
     cache_text: bool = True,
     encode_batch_size: int = 1,
     pin_memory: bool = True,
-    extra_signature: dict[str, Any] | None = None,
+    extra_signature: dict[str, Any] | Callable[[str], dict[str, Any]] | None = None,
     autocast: Callable[[], Any] | None = None,
     simulate: bool = False,
     cache_setting: str = "offload.park.cache_dir",
@@ -402,6 +402,13 @@ class Park(Plugin):
             log.info("park: %s has no cacheable encode step (encode_parts); frozen modules are parked, nothing is cached",
                      type(ctx.trainer).__name__)
 
+    @staticmethod
+    def _signature(ctx: RunContext) -> Callable[[str], dict[str, Any]]:
+        """Each part's entries are keyed by the plugin settings that change what *its* modules
+        compute: a text embedding by the text encoders' quantization, not by the VAE's tiling."""
+        specs = ctx.trainer.encode_parts() if callable(getattr(ctx.trainer, "encode_parts", None)) else {}
+        return lambda part: ctx.encoder_signature(specs[part].modules if part in specs else None)
+
     def place_models(self, ctx: RunContext) -> None:
         c, models, run = self.config, ctx.models, self.run
         parts = self._parts(ctx)
@@ -413,7 +420,7 @@ class Park(Plugin):
             result = park_and_cache(
                 ctx.trainer if parts else None, models, ctx.device, host=ctx.host, cache_dir=c.cache_dir,
                 cache_latents=c.cache_latents, cache_text=c.cache_text, encode_batch_size=batch,
-                pin_memory=c.pin_memory, extra_signature=ctx.encoder_signature(), autocast=autocast,
+                pin_memory=c.pin_memory, extra_signature=self._signature(ctx), autocast=autocast,
                 simulate=ctx.simulate, cache_setting=self.setting("cache_dir"), random_flip=ctx.flip.enabled,
             )
         self.result = result

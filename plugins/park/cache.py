@@ -298,11 +298,12 @@ def plan_cache(
     dataset: Any,
     parts: Sequence[str],
     cache: EncoderCache,
-    extra_signature: dict[str, Any] | None = None,
+    extra_signature: dict[str, Any] | Callable[[str], dict[str, Any]] | None = None,
     random_flip: bool = False,
 ) -> CachePlan:
     """Key every sample of ``dataset`` for each of ``parts`` (both orientations with ``random_flip``)
-    and list the entries to encode.
+    and list the entries to encode. ``extra_signature``: the runner's settings in every key, one
+    dict for all parts or a function of the part (``ctx.encoder_signature`` of its modules).
 
     Every entry the run will read is verified here (:mod:`runner.plugins.park.entry`), so an entry that
     is absent, empty, truncated, of an older format or fails its checksum is planned as missing
@@ -314,7 +315,10 @@ def plan_cache(
     fps = SampleFingerprints(dataset)
     n = len(dataset)
     plan = CachePlan(keys={p: [] for p in parts}, missing={p: [] for p in parts}, samples=n)
-    signatures = {p: {**trainer.cache_signature(p), "runner": dict(extra_signature or {})} for p in parts}
+    def runner_settings(part: str) -> dict[str, Any]:  # one dict for every part, or each part's own
+        return dict((extra_signature(part) if callable(extra_signature) else extra_signature) or {})
+
+    signatures = {p: {**trainer.cache_signature(p), "runner": runner_settings(p)} for p in parts}
     extra_fn = getattr(dataset, "extra_captions", None)
     extra = extra_fn() if callable(extra_fn) else set()
     first_index: dict[tuple[str, str], int] = {}  # (part, key) -> first view with it

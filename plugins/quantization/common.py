@@ -327,8 +327,12 @@ class LinearQuantization(Plugin):
                     f"risking overflow. Set {self.setting('compute_dtype')}={want} (float32 is also accepted)."
                 )
 
-    def encoder_signature(self) -> dict[str, Any] | None:
-        return plain_config(self.config)  # quantized encoders compute other embeddings
+    def encoder_signature(self, modules: frozenset[str] | None = None) -> dict[str, Any] | None:
+        """Its settings, for parts computed by a module it quantized (those compute other values)."""
+        quantized = set(getattr(self, "results", {}) or {})
+        if modules is not None and not (quantized & modules):
+            return None
+        return plain_config(self.config)
 
     # -- the phases -----------------------------------------------------------------------------
     def target_modules(self, models: ModelSet, dropped: set[str] = frozenset()) -> list[str]:

@@ -430,3 +430,26 @@ def test_park_on_cuda_holds_weights_only_during_the_call():
     assert all(p.device.type == "cpu" for p in vae.parameters())
     assert [p.data_ptr() for p in vae.parameters()] == host_ptrs  # swapped back, not copied back
     parked.remove()
+
+
+def test_cache_keys_name_only_the_settings_that_touch_their_modules(tmp_path):
+    """A text embedding's key does not hold the denoiser's quantization or the VAE's tiling (switching
+    presets re-encoded every caption); the latents' key holds the VAE's tiling."""
+    text, latents = ["text_encoder", "text_encoder_2"], ["vae"]
+    plain = start(tmp_path / "plain", "model.train=lora")
+    other = start(tmp_path / "other", "model.train=lora", "tiling=vae", "tiling.vae.vae_tiling=true",
+                  "quantization=nf4", "quantization.nf4.modules=[unet]")
+    try:
+        assert other.facts.quantized.keys() == {"unet"}
+        assert other.encoder_signature(text) == plain.encoder_signature(text)
+        assert other.encoder_signature(latents) != plain.encoder_signature(latents)
+        assert "tiling/vae" in other.encoder_signature(latents) and "quantization/nf4" not in other.encoder_signature(latents)
+        assert {"tiling/vae", "quantization/nf4"} <= set(other.encoder_signature())  # the whole run's
+        te = start(tmp_path / "te", "model.train=lora", "quantization=nf4", "quantization.nf4.modules=[text_encoder]")
+        try:
+            assert "quantization/nf4" in te.encoder_signature(text)  # a quantized encoder computes other embeddings
+        finally:
+            te.teardown()
+    finally:
+        plain.teardown()
+        other.teardown()
