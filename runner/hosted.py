@@ -114,15 +114,19 @@ class DeviceLoader:
     """The loop's data loader, with every batch's tensors moved to the run's device (as
     accelerate's prepared loader does): a CPU run and a GPU run need the same loop."""
 
-    def __init__(self, loader: Any, device: torch.device) -> None:
-        self.loader, self.device = loader, device
+    def __init__(self, loader: Any, device: torch.device, steps_left: Callable[[], int | None] = lambda: None) -> None:
+        self.loader, self.device, self.steps_left = loader, device, steps_left
 
     def __iter__(self) -> Iterator[Any]:
         for batch in self.loader:
+            left = self.steps_left()
+            if left is not None and left <= 0:  # train.steps given: the loop ends there, as the runner's does
+                return
             yield _to_device(batch, self.device)
 
     def __len__(self) -> int:
-        return len(self.loader)
+        left = self.steps_left()
+        return len(self.loader) if left is None else min(len(self.loader), max(0, left))
 
 
 def _to_device(x: Any, device: torch.device) -> Any:
@@ -147,6 +151,7 @@ class HostedRun:
             raise UserError(
                 f"dist={self.run.dist.name} with {self.run.dist.world_size} processes is for the runner's own loop "
                 "(python -m runner). A hosted loop runs one process; distribute it with accelerate in the loop itself.")
+        self._steps = _typed_steps(cfg, self.overrides)
         self.output_dir = Path(output_dir) if output_dir else _default_output_dir(cfg)
         write_run_info(self.output_dir, cfg)
         # resolve, plugins, context, configure_process, accelerator: the same setup as managed mode
@@ -198,7 +203,15 @@ class HostedRun:
         attach_optimizer(ctx, optimizer, own_optimizer_refused=refused)
         attach_ema(ctx)  # ema.enabled: averaged by log() after each step
         out_models = ctx.models["model"] if single else ctx.models.modules
-        return out_models, ctx.optimizer, DeviceLoader(dataloader, self.run.device) if dataloader is not None else None
+        loader = DeviceLoader(dataloader, self.run.device, self._steps_left) if dataloader is not None else None
+        return out_models, ctx.optimizer, loader
+
+    def _steps_left(self) -> int | None:
+        """``train.steps`` typed for this run, less the steps logged: the prepared loader stops there.
+        None when not typed (the loop runs as many steps as its loader yields)."""
+        if self._steps is None:
+            return None
+        return self._steps - self.result.steps_done
 
     @contextmanager
     def step(self) -> Iterator[None]:
@@ -257,6 +270,23 @@ class HostedRun:
 
         safely(LOSS_PNG, lambda: write_loss_plot(self.output_dir, self.cfg))
         return text
+
+
+LOOP_BATCH_KEYS = ("train.batch_size", "train.grad_accum")
+
+
+def _typed_steps(cfg: DictConfig, overrides: Sequence[str]) -> int | None:
+    """``train.steps`` when the command line (or the session's overrides) sets it, else None; a
+    typed batch size is refused: a hosted loop's batches are its loader's, and the setting would be
+    accepted and then do nothing."""
+    typed = {str(o).lstrip("+~").split("=", 1)[0] for o in overrides}
+    batch = [k for k in LOOP_BATCH_KEYS if k in typed]
+    if batch:
+        raise UserError(
+            f"{', '.join(batch)} set for a hosted loop: its batches are the ones its data loader yields, so the "
+            "setting would do nothing. Set the batch size in the loop's DataLoader; train.batch_size and "
+            "train.grad_accum are for the runner's own loop (python -m runner).")
+    return int(cfg.train.steps) if "train.steps" in typed else None
 
 
 def _optimizer_configured(cfg: DictConfig, overrides: Sequence[str]) -> bool:

@@ -172,3 +172,14 @@ def test_a_tuple_batch_is_planned_like_a_dict(tmp_path):
     with pytest.raises(UserError, match=r"prepare\(example_batch=...\) got a str"):
         run.prepare(make_unet(), None, None, loss_fn=tuple_loss, example_batch="x")
     run.finish()
+
+
+def test_typed_train_steps_ends_the_loop_and_a_typed_batch_size_is_refused(tmp_path):
+    """train.steps typed for a hosted loop is honoured (the prepared loader stops there); a typed
+    train.batch_size would do nothing (the loop's loader makes its batches), so it is refused."""
+    losses, _, _ = hosted_losses(tmp_path / "two", "train.steps=2", steps=3)
+    assert len(losses) == 2
+    losses, _, _ = hosted_losses(tmp_path / "all", steps=3)  # not typed: every batch the loader yields
+    assert len(losses) == 3
+    with pytest.raises(UserError, match=r"train.batch_size set for a hosted loop"):
+        session(["train.device=cpu", "train.batch_size=8"], output_dir=tmp_path / "batch")
