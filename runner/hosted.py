@@ -310,9 +310,13 @@ def session(overrides: Sequence[str] = (), output_dir: str | Path | None = None)
     return HostedRun(cfg, Path(output_dir) if output_dir else None, overrides)
 
 
-def hosted(fn: Callable[[HostedRun], Any]) -> Callable[[], None]:
+def hosted(fn: Callable[[HostedRun], Any]) -> Callable[[], Any]:
     """Decorator: ``fn(run)`` becomes a script that takes Hydra overrides and ``-m`` sweeps like
-    ``python -m runner`` (same config tree, same friendly errors, a sweep summary at the end)."""
+    ``python -m runner`` (same config tree, same friendly errors, a sweep summary at the end).
+
+    ``main()`` returns what ``fn`` returned (a ``-m`` sweep: the list of every job's, in order); a
+    job that failed exits with its status, as the command line does."""
+    returned: list[Any] = []
 
     def task(cfg: DictConfig) -> Any:
         run = HostedRun(cfg, overrides=list(HydraConfig.get().overrides.task))
@@ -320,10 +324,17 @@ def hosted(fn: Callable[[HostedRun], Any]) -> Callable[[], None]:
             value = fn(run)
         finally:
             run.finish()
+        returned.append(value)
         return value if value is not None else (run.result.losses[-1] if run.result.losses else None)
 
     @functools.wraps(fn)
-    def main() -> None:
-        launch.launch(task)
+    def main() -> Any:
+        returned.clear()
+        try:
+            launch.launch(task)
+        except SystemExit as e:
+            if e.code not in (0, None):
+                raise
+        return returned[0] if len(returned) == 1 else list(returned)
 
     return main

@@ -183,3 +183,23 @@ def test_typed_train_steps_ends_the_loop_and_a_typed_batch_size_is_refused(tmp_p
     assert len(losses) == 3
     with pytest.raises(UserError, match=r"train.batch_size set for a hosted loop"):
         session(["train.device=cpu", "train.batch_size=8"], output_dir=tmp_path / "batch")
+
+
+def test_a_hosted_main_returns_what_the_loop_returned(tmp_path, monkeypatch):
+    from hydra.core.global_hydra import GlobalHydra
+
+    from runner.hosted import hosted
+
+    @hosted
+    def main(run):
+        unet, opt, loader = run.prepare(make_unet(), None, batches(1))
+        return {"device": str(run.device), "params": sum(p.numel() for p in unet.parameters())}
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["loop.py", "train.device=cpu", f"hydra.run.dir={tmp_path / 'h'}",
+                                      f"output_dir={tmp_path / 'o'}"])
+    try:
+        value = main()
+    finally:
+        GlobalHydra.instance().clear()
+    assert value == {"device": "cpu", "params": sum(p.numel() for p in make_unet().parameters())}
