@@ -155,7 +155,7 @@ class HostedRun:
         self.output_dir = Path(output_dir) if output_dir else _default_output_dir(cfg)
         write_run_info(self.output_dir, cfg)
         # resolve, plugins, context, configure_process, accelerator: the same setup as managed mode
-        self.ctx: RunContext = open_run(cfg, self.output_dir, None, checked, tracked=False)
+        self.ctx: RunContext = open_run(cfg, self.output_dir, None, checked, hosted=True)
         self.result = TrainResult(steps_done=0)
         self._metrics = MetricsWriter(self.output_dir / "metrics.jsonl")
         self._memory = MemoryMonitor(self.run.device, self.run.budget_gb)

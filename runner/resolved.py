@@ -94,8 +94,9 @@ class ResolvedRun:
         """The same run as the planner simulates it: fake tensors on ``meta``, host on fake ``cpu``."""
         return dataclasses.replace(self, device=torch.device("meta"), host=torch.device("cpu"), simulate=True)
 
-    def describe(self) -> str:
-        """One log line: what was decided."""
+    def describe(self, own_batches: bool = False) -> str:
+        """One log line: what was decided. ``own_batches``: a hosted loop's batches are its loader's,
+        so the line names no batch geometry of the runner's."""
         budget = "no budget" if self.budget_bytes is None else f"budget {self.budget_bytes / GiB:g} GiB"
         if self.gpu is not None:
             budget += f" ({self.gpu.label})"
@@ -104,6 +105,8 @@ class ResolvedRun:
         ema = f", EMA in {name(self.ema_dtype)}" if self.ema_dtype is not None else ""
         batch = (f"batch {self.batch_size} as {self.grad_accum} x {self.micro_batch}" if not self.dist.active else
                  f"global batch {self.batch_size}, {self.rank_batch} per rank as {self.grad_accum} x {self.micro_batch}")
+        if own_batches:
+            batch = "the loop's own batches"
         return (f"run: on {self.device} for {self.target}, {autocast}, frozen weights {name(self.frozen_dtype)}, "
                 f"trained ({self.train_mode}) {name(self.train_dtype)}{ema}, {batch}, {budget}"
                 + ("" if not self.dist.active else f"; {self.dist.describe()}"))

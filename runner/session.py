@@ -49,21 +49,22 @@ OptimizerArg = Any | Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
 
 def open_run(cfg: Any, out: Path, overrides: list[str] | None, checked: CheckedRun | None = None, *,
-             tracked: bool = True) -> RunContext:
+             hosted: bool = False) -> RunContext:
     """The context of one run, with its plugins built, ``configure_process`` run and the accelerator.
 
     ``checked``: what the job's checks built (:func:`runner.config.checks.validate`); None resolves
-    and builds here (a caller that validated nothing else). ``tracked``: the accelerator gets the
-    ``log.tracker`` settings (managed mode starts the tracker; a hosted loop logs its own way)."""
+    and builds here (a caller that validated nothing else). ``hosted``: the loop is the user's, so
+    the accelerator gets no ``log.tracker`` settings (managed mode starts the tracker; a hosted loop
+    logs its own way) and the run line names no batch geometry (the loop's loader makes its batches)."""
     run = checked.run if checked is not None else resolve(cfg)  # resolve: device, precision, dtypes, budget, once
-    log.info("%s", run.describe())
+    log.info("%s", run.describe(own_batches=hosted))
     keep_freed_host_memory(run)  # CPU runs: no page-fault churn between steps
     cpu_threads(run, cfg.train.get("cpu_threads"))  # CPU runs: no OpenMP threads spinning on busy cores
     schedule = PluginSchedule.build(checked.plugins) if checked is not None else build_plugins(cfg, run)
     log.info("plugin order:\n%s", schedule.describe())
     ctx = make_context(cfg, run, schedule, out, overrides)
     ctx.run_phase("configure_process")  # before anything touches CUDA
-    ctx.accelerator = make_accelerator(run, **(accelerator_kwargs(cfg.log, out) if tracked else {}))
+    ctx.accelerator = make_accelerator(run, **({} if hosted else accelerator_kwargs(cfg.log, out)))
     return ctx
 
 

@@ -92,7 +92,8 @@ def test_hosted_mode_validates_and_resolves_once(tmp_path, counts, monkeypatch):
     import runner.hosted
 
     monkeypatch.setattr(runner.hosted, "validate", runner.config.checks.validate)
-    run = runner.hosted.session([*COMMON, "offload=[park]"], output_dir=tmp_path / "hosted")
+    common = [o for o in COMMON if not o.startswith("train.batch_size")]  # a hosted loop's batches are its own
+    run = runner.hosted.session([*common, "offload=[park]"], output_dir=tmp_path / "hosted")
     try:
         assert run.ctx.run is run.run
     finally:
