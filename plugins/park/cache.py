@@ -440,7 +440,9 @@ def fill_cache(
                 out = trainer.encode_part(models, part, batch)
             for row, item in enumerate(items):
                 key = plan.keys[part][item] if chunk is not None else plan.captions[part][item]
-                cache.save(part, key, {k: v[row] for k, v in out.items()})
+                entry = {k: v[row] for k, v in out.items()}
+                _refuse_nonfinite(entry, part, dataset, plan.index_and_flip(item)[0] if chunk is not None else None, item)
+                cache.save(part, key, entry)
             done += len(items)
             now = time.perf_counter()
             if now - last >= log_every_s or done == total:
@@ -448,3 +450,22 @@ def fill_cache(
                 rate = done / max(now - t0, 1e-9)
                 log.info("encoder cache: %d/%d entries encoded (%.1f/s)", done, total, rate)
     return done
+
+
+def _refuse_nonfinite(entry: dict[str, Any], part: str, dataset: Any, index: int | None, caption: Any) -> None:
+    """An encoded entry holding NaN or inf is refused, naming its sample, before it is cached.
+
+    Why: a NaN latent (an image whose pixels are NaN: a float TIFF, a broken decoder) was written
+    with a valid checksum, so every later run read it as sound, and each step that drew the sample
+    was skipped as non-finite without ever naming it."""
+    bad = [k for k, v in entry.items() if isinstance(v, torch.Tensor) and v.is_floating_point()
+           and not bool(torch.isfinite(v).all())]
+    if not bad:
+        return
+    from runner.data import describe_sample
+
+    what = describe_sample(dataset, index) if index is not None else f"the caption {caption!r}"
+    raise UserError(
+        f"The encoder cache's '{part}' entry of {what} holds NaN or inf ({', '.join(bad)}): the sample itself is "
+        "broken (pixels that are not finite, or a caption the encoder cannot take). Nothing was cached for it; "
+        "fix or remove the file, then run again.")

@@ -453,3 +453,33 @@ def test_cache_keys_name_only_the_settings_that_touch_their_modules(tmp_path):
     finally:
         plain.teardown()
         other.teardown()
+
+
+def test_a_sample_that_encodes_to_nan_is_refused_by_name_not_cached(tmp_path):
+    """A latent holding NaN (a broken image) was cached with a valid checksum and then skipped as a
+    non-finite step on every visit, never named: it is refused when encoded, naming its file."""
+    from PIL import Image
+
+    data = tmp_path / "data"
+    write_folder(data, {"a": "a cat", "b": "a dog", "c": "a cow"})
+    Image.new("RGB", (40, 48), (255, 255, 255)).save(data / "b.png")  # the "broken" one: all white here
+
+    def broken_pixels(ctx):
+        encode = ctx.trainer.encode_part
+
+        def encode_part(models, part, batch):
+            out = encode(models, part, batch)
+            if part == "latents":
+                white = batch["pixel_values"].flatten(1).amin(1) > 0.99  # the all-white sample encodes to NaN
+                out = {k: torch.where(white.view(-1, *[1] * (v.dim() - 1)), torch.nan, v) for k, v in out.items()}
+            return out
+
+        ctx.trainer.encode_part = encode_part
+
+    with pytest.raises(UserError, match=r"The encoder cache's 'latents' entry of .*b\.png holds NaN or inf"):
+        start(tmp_path / "run", f"data.path={data}", "data.resolution=32", "offload=park",
+              f"offload.park.cache_dir={tmp_path / 'cache'}", before_apply=broken_pixels)
+    from safetensors.torch import load_file
+
+    for entry in (tmp_path / "cache").rglob("*.safetensors"):  # what was cached before the refusal is finite
+        assert all(bool(torch.isfinite(v).all()) for v in load_file(str(entry)).values() if v.is_floating_point())
