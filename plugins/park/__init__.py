@@ -333,7 +333,10 @@ def park_and_cache(
                     "it" if len(plan.bad) == 1 else "them")
     if plan.missing_count():
         park_frozen()  # the pre-pass runs the encoders parked: one on the device at a time
-        result.encoded = fill_cache(trainer, models, dataset, plan, cache, encode_batch_size, device, autocast)
+        with cache.filling() as waited:  # another run filling the same cache: wait, then encode what it did not
+            if waited:
+                plan = result.plan = plan_cache(trainer, dataset, parts, cache, extra_signature, random_flip)
+            result.encoded = fill_cache(trainer, models, dataset, plan, cache, encode_batch_size, device, autocast)
     # A complete cache: the modules that only compute cached parts are freed before they are
     # ever parked (no pinned copy of weights that will not be used).
     _drop_modules(models, droppable, result)

@@ -43,9 +43,9 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -189,6 +189,34 @@ class EncoderCache:
 
     def path(self, part: str, key: str) -> Path:
         return self.root / part / key[:2] / f"{key}.safetensors"
+
+    @contextmanager
+    def filling(self) -> Iterator[bool]:
+        """Held while this process encodes missing entries: a second run sharing the cache waits here
+        and then plans again, finding what the first wrote, instead of encoding the same entries twice.
+
+        An advisory ``flock`` on ``<root>/.filling.lock`` (released when the process ends, however it
+        ends); where the platform has none, runs fill side by side as before (entries are written
+        atomically either way). Yields whether it waited (then the caller plans again)."""
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: no lock, the atomic writes keep the cache sound
+            yield False
+            return
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / ".filling.lock", "a+") as f:
+            waited = False
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log.info("encoder cache: another run is filling %s; waiting for it, then encoding what it left",
+                         self.root)
+                fcntl.flock(f, fcntl.LOCK_EX)
+                waited = True
+            try:
+                yield waited
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
 
     def has(self, part: str, key: str) -> bool:
         """Whether a file exists for the entry (not whether it is intact: see :meth:`verify`)."""

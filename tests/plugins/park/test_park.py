@@ -483,3 +483,58 @@ def test_a_sample_that_encodes_to_nan_is_refused_by_name_not_cached(tmp_path):
 
     for entry in (tmp_path / "cache").rglob("*.safetensors"):  # what was cached before the refusal is finite
         assert all(bool(torch.isfinite(v).all()) for v in load_file(str(entry)).values() if v.is_floating_point())
+
+
+def test_a_run_waits_for_another_filling_the_same_cache_and_encodes_only_what_is_left(tmp_path, caplog):
+    """Two runs sharing one cache encoded most entries twice: the second now waits for the first's fill
+    (a lock on the cache) and plans again, finding its entries."""
+    import fcntl
+    import shutil
+    import threading
+    import time
+
+    cache = tmp_path / "cache"
+    args = ("data.demo_size=4", "offload=park", f"offload.park.cache_dir={cache}")
+    first = start(tmp_path / "first", *args)
+    park = next(p for p in first.schedule.plugins if p.key == "offload/park")
+    assert park.result.encoded > 0
+    first.teardown()
+    saved = tmp_path / "saved"
+    shutil.copytree(cache, saved, ignore=shutil.ignore_patterns(".filling.lock"))
+    for part in [d for d in cache.iterdir() if d.is_dir()]:
+        shutil.rmtree(part)  # as if the other run had not written them yet
+
+    held, planned = threading.Event(), threading.Event()
+    import runner.plugins.park as park_module
+
+    plan_cache = park_module.plan_cache
+
+    def planning(*a, **k):  # the second run found the entries missing: the other run may now finish
+        out = plan_cache(*a, **k)
+        planned.set()
+        return out
+
+    def other_run() -> None:  # holds the lock while it "encodes", writes the entries, releases
+        with open(cache / ".filling.lock", "a+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            held.set()
+            planned.wait(60)
+            time.sleep(0.3)
+            shutil.copytree(saved, cache, dirs_exist_ok=True)
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+    caplog.set_level("INFO", logger="runner")
+    thread = threading.Thread(target=other_run)
+    thread.start()
+    held.wait(10)
+    try:
+        park_module.plan_cache = planning
+        second = start(tmp_path / "second", *args)
+    finally:
+        park_module.plan_cache = plan_cache
+        planned.set()
+        thread.join()
+    park = next(p for p in second.schedule.plugins if p.key == "offload/park")
+    assert park.result.encoded == 0  # everything came from the other run
+    assert any("another run is filling" in r.getMessage() for r in caplog.records)
+    second.teardown()
