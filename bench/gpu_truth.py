@@ -4,7 +4,11 @@ On the lent GPU machine (torch with CUDA, no diffusers/hydra/omegaconf/bitsandby
 ``bash bench/gpu_wheels.sh`` here, with the device tool carrying ``.whl``::
 
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \\
+      && ln -sfn ../plugins runner/plugins \\
       && PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 python3 bench/gpu_truth.py --out $OUT --work /tmp/gpu_truth
+
+(the link: plugins/ is installed as runner.plugins, and nothing is installed there; ``--out $OUT``
+gets only rows.jsonl, meta.json, table.md and failures.log, within the device tool's 8 files)
 
 and then here, from the files that came back (rows.jsonl, meta.json): ``python bench/gpu_truth.py
 --render <that folder> --write`` replaces this script's section of docs/benchmarks.md (``--write`` on
@@ -67,8 +71,9 @@ from gpu_truth_table import BEGIN, END, section
 STEPS = 3
 MIN_ROW_S = 10.0  # default --min-row-s: a row is not started with less left (no run gets through 3 steps that fast)
 RESERVE_S = 2.0  # kept back from each timeout for writing the table
-PROBE = ("import json, torch\n"
+PROBE = ("import importlib.util, json, torch\n"
          "d = {'torch': torch.__version__, 'cuda_version': torch.version.cuda, 'cuda': torch.cuda.is_available()}\n"
+         "d['runner_plugins'] = importlib.util.find_spec('runner.plugins') is not None\n"
          "if d['cuda']:\n"
          "    p = torch.cuda.get_device_properties(0)\n"
          "    d.update(name=p.name, total_bytes=p.total_memory, count=torch.cuda.device_count())\n"
@@ -150,6 +155,11 @@ def probe(dry: bool) -> dict[str, Any]:
         raise SystemExit(f"bench/gpu_truth.py: {sys.executable} cannot import torch: "
                          f"{last_line(proc.stderr) or 'exit ' + str(proc.returncode)}")
     info = json.loads(proc.stdout.strip().splitlines()[-1])
+    if not info["runner_plugins"]:  # plugins/ ships as runner.plugins: a checkout that was never installed lacks it
+        print("bench/gpu_truth.py: runner.plugins is not importable from this checkout (it is installed as "
+              "runner/plugins); install it (make setup, or pip install -e .) or, where nothing can be installed, "
+              "link it: ln -sfn ../plugins runner/plugins", file=sys.stderr)
+        raise SystemExit(2)
     if not dry and not info["cuda"]:
         print(f"bench/gpu_truth.py: no CUDA device (torch {info['torch']}: torch.cuda.is_available() is False); "
               "it measures GPU memory and needs one. On a CPU, --dry-run checks the script.", file=sys.stderr)
