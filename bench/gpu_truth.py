@@ -20,13 +20,15 @@ train.device=cuda train.steps=3 allocator.default.cap_to_budget=true ...``; rand
 nothing downloads): every preset in conf/preset/ capped at its own budget_gb (24 GiB for the
 *_24gb presets), plus offload=stream on vs off (sd35_24gb), fused backward on vs off (sdxl_24gb)
 and an injected OOM that the runner must recover from (sd15_8gb). Each row's plan is ``mode=plan``
-with the row's exact overrides, made for all rows first and in parallel on the CPU cores: the rows
-then run longest predicted step first, skip their identical preflight (``train.preflight=false``),
-and a row the budget cuts still has its plan. The runner's final checkpoint (up to 48 GB at full
-size) is not written: a file named ``checkpoints`` in the run's folder makes that save fail at once,
-after the measured steps (``--save-checkpoints`` lets it write). Per row: CUDA max allocated and max reserved against
-the plan's peak and required bytes, measured s/step (mean of steps 2-3) against the plan's for this
-card (conf/devices.yaml key from torch.cuda.get_device_name, passed as ``device.name``), status.
+with the row's exact overrides, made for all rows first and in parallel on the CPU cores; so the
+rows run longest predicted step first (``--order shortest`` reverses it), skip their identical
+preflight (``train.preflight=false``), a row whose predicted steps alone exceed what is left is
+not started (a shorter one after it may be), and a row the budget cuts still has its plan. The
+runner's final checkpoint (up to 48 GB at full size) is not written: a file named ``checkpoints``
+in the run's folder makes that save fail at once, after the measured steps (``--save-checkpoints``
+lets it write). Per row: CUDA max allocated and max reserved against the plan's peak and required
+bytes, measured s/step (mean of steps 2-3) against the plan's for this card (conf/devices.yaml key
+from torch.cuda.get_device_name, passed as ``device.name``), and the status.
 
 ``--budget-s`` (default 480) bounds the wall time: each process gets what is left as its timeout;
 when it is spent the script stops, writes the partial table and names the missing rows. Every row
@@ -39,19 +41,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from docs_section import DOC, replace_section  # bench/ is on sys.path as the script's folder
+from gpu_truth_proc import cpu_model, kill_all, probe, run_command
 from gpu_truth_rows import (
     GIB,
     ROOT,
@@ -71,17 +71,6 @@ from gpu_truth_table import BEGIN, END, section
 STEPS = 3
 MIN_ROW_S = 10.0  # default --min-row-s: a row is not started with less left (no run gets through 3 steps that fast)
 RESERVE_S = 2.0  # kept back from each timeout for writing the table
-PROBE = ("import importlib.util, json, torch\n"
-         "d = {'torch': torch.__version__, 'cuda_version': torch.version.cuda, 'cuda': torch.cuda.is_available()}\n"
-         "d['runner_plugins'] = importlib.util.find_spec('runner.plugins') is not None\n"
-         "if d['cuda']:\n"
-         "    p = torch.cuda.get_device_properties(0)\n"
-         "    d.update(name=p.name, total_bytes=p.total_memory, count=torch.cuda.device_count())\n"
-         "print(json.dumps(d))\n")
-LIVE: set[subprocess.Popen] = set()  # children still running: killed if this script is stopped
-LIVE_LOCK = threading.Lock()
-
-
 class Stopped(Exception):
     """SIGTERM: stop like Ctrl-C (children killed, the table as far as it got)."""
 
@@ -97,6 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                              "(default outputs/gpu_truth/<time>)")
     ap.add_argument("--work", type=Path, help="the runs' folders (default <out>/runs); keep it out of $OUT")
     ap.add_argument("--only", help="comma-separated row names (default: every row)")
+    ap.add_argument("--order", choices=("longest", "shortest"), default="longest",
+                    help="run the rows by predicted s/step, longest first (default) or shortest first")
     ap.add_argument("--cap-gb", type=float, help="cap every preset at this budget_gb instead of its own")
     ap.add_argument("--device-name", help="conf/devices.yaml key of this card, when it is not recognised")
     ap.add_argument("--min-row-s", type=float, default=MIN_ROW_S,
@@ -110,88 +101,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--docs", type=Path, default=DOC, help="the file --write updates (default docs/benchmarks.md)")
     ap.add_argument("--render", type=Path, help="no runs: the section from <folder>'s rows.jsonl and meta.json")
     return ap.parse_args(argv)
-
-
-# ---- processes -----------------------------------------------------------------------------------
-def run_command(cmd: list[str], log: Path, timeout_s: float, env: dict[str, str]) -> int | None:
-    """Run ``cmd`` in its own process group, output to ``log``; its exit status, or None when it was
-    killed at ``timeout_s`` (the whole group: the runner's own children too)."""
-    with open(log, "w") as f:
-        f.write("$ " + shlex.join(cmd) + "\n")
-        f.flush()
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        with LIVE_LOCK:
-            LIVE.add(proc)
-        try:
-            return proc.wait(timeout=max(timeout_s, 0.1))
-        except subprocess.TimeoutExpired:
-            return None
-        finally:
-            kill(proc)
-
-
-def kill(proc: subprocess.Popen) -> None:
-    with LIVE_LOCK:
-        LIVE.discard(proc)
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # the group we started (start_new_session); gone already is fine
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait()
-
-
-def kill_all() -> None:
-    with LIVE_LOCK:
-        procs = list(LIVE)
-    for proc in procs:
-        kill(proc)
-
-
-def probe(dry: bool) -> dict[str, Any]:
-    """torch's view of the machine, asked in a child process: this one never initialises CUDA, so no
-    context of ours sits on the card the runs measure."""
-    proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    if proc.returncode != 0:
-        raise SystemExit(f"bench/gpu_truth.py: {sys.executable} cannot import torch: "
-                         f"{last_line(proc.stderr) or 'exit ' + str(proc.returncode)}")
-    info = json.loads(proc.stdout.strip().splitlines()[-1])
-    if not info["runner_plugins"]:  # plugins/ ships as runner.plugins: a checkout that was never installed lacks it
-        print("bench/gpu_truth.py: runner.plugins is not importable from this checkout (it is installed as "
-              "runner/plugins); install it (make setup, or pip install -e .) or, where nothing can be installed, "
-              "link it: ln -sfn ../plugins runner/plugins", file=sys.stderr)
-        raise SystemExit(2)
-    if not dry and not info["cuda"]:
-        print(f"bench/gpu_truth.py: no CUDA device (torch {info['torch']}: torch.cuda.is_available() is False); "
-              "it measures GPU memory and needs one. On a CPU, --dry-run checks the script.", file=sys.stderr)
-        raise SystemExit(2)
-    info["driver"] = nvidia_driver() if not dry else None
-    return info
-
-
-def last_line(text: str) -> str | None:
-    lines = [t for t in text.splitlines() if t.strip()]
-    return lines[-1].strip() if lines else None
-
-
-def nvidia_driver() -> str:
-    if shutil.which("nvidia-smi") is None:
-        return "unknown (no nvidia-smi)"
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown (nvidia-smi failed)"
-    return (out.strip().splitlines() or ["unknown"])[0]
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 # ---- the run -------------------------------------------------------------------------------------
@@ -221,7 +130,8 @@ class Truth:
                           "predicted s/step: the plan's, measured on this CPU")
         table, key = device_table(), self.args.device_name
         if key is not None and key not in table:
-            raise SystemExit(f"bench/gpu_truth.py: --device-name {key} is not in conf/devices.yaml ({', '.join(table)})")
+            raise SystemExit(f"bench/gpu_truth.py: --device-name {key} is not in conf/devices.yaml "
+                             f"({', '.join(table)})")
         if self.plan_only:
             return key, (f"plans only (no run), for {table[key]['label'] if key else 'the reference card'}, "
                          f"torch {info['torch']}")
@@ -252,7 +162,7 @@ class Truth:
                 "date": time.strftime("%Y-%m-%d %H:%M %Z"), "budget_s": self.args.budget_s, "common": self.common,
                 "run_only": self.run_only, "torch": self.info["torch"], "cuda_version": self.info.get("cuda_version"),
                 "driver": self.info.get("driver"), "order": [r.name for r in self.rows], "complete": False,
-                "save_blocked": not self.args.save_checkpoints}
+                "save_blocked": not self.args.save_checkpoints, "order_rule": self.args.order}
 
     def row_overrides(self, row: Row, *more: str) -> list[str]:
         return merge_overrides([f"+preset={row.preset}"], self.common, row.settings,
@@ -335,7 +245,7 @@ class Truth:
         return plans
 
     def order(self, rows: list[Row], plans: dict[str, tuple[int | None, dict[str, Any] | None]]) -> list[Row]:
-        """The rows to run, longest predicted step first. A row without a usable plan is recorded now:
+        """The rows to run, by predicted step (``--order``). A row without a usable plan is recorded now:
         missing when the budget ran out while planning, failed when the planner failed or the plan is
         over budget (the runner's preflight would refuse it; the OOM row is over its cap on purpose)."""
         runnable = []
@@ -355,7 +265,8 @@ class Truth:
                                                    f"{fig['plan_budget_gb']:g}: the runner's preflight refuses it"))
             else:
                 runnable.append(r)
-        runnable.sort(key=lambda r: -(plan_figures(plans[r.name][1])["predicted_s"] or 0.0))
+        sign = 1.0 if self.args.order == "shortest" else -1.0
+        runnable.sort(key=lambda r: sign * (plan_figures(plans[r.name][1])["predicted_s"] or 0.0))
         self.meta["order"] = [rec["row"] for rec in self.recs] + [r.name for r in runnable]
         return runnable
 
@@ -391,6 +302,30 @@ class Truth:
                    overrides=overrides)
         return rec, log
 
+    def time_needed(self, row: Row, plans: dict[str, tuple[int | None, dict[str, Any] | None]]) -> float:
+        """A lower bound of a row's time: its predicted steps (when predicted for this card), at least --min-row-s."""
+        predicted = plan_figures(plans[row.name][1])["predicted_s"] if (self.dry or self.key) else None
+        return max(self.args.min_row_s, STEPS * (predicted or 0.0))
+
+    def run_rows(self, order: list[Row], plans: dict[str, tuple[int | None, dict[str, Any] | None]]) -> None:
+        """Each row in turn. One that cannot finish in what is left (by its predicted steps alone) is not
+        started, and a shorter one after it may still be; one killed by the budget ends the runs."""
+        for i, row in enumerate(order):
+            if self.plan_only:
+                self.add({**self.not_run(row, "planned", None), **plan_figures(plans[row.name][1]),
+                          **(self.oom_cap(row, plans) if row.kind == "oom" else {}), "predicted_ok": True})
+                continue
+            need = self.time_needed(row, plans)
+            if self.left() < need:
+                self.add(self.not_run(row, "missing", f"not started: {max(self.left(), 0):.0f} s of the budget "
+                                                      f"left, it needs at least {need:.0f} s"))
+                continue
+            rec, log = self.run_row(row, plans)
+            if rec is None:
+                self.stop(order[i:], f"killed after {self.args.budget_s:g} s: the budget ran out while it ran")
+                return
+            self.add(rec, log)
+
     def stop(self, rows: list[Row], why: str) -> None:
         for i, r in enumerate(rows):
             self.add(self.not_run(r, "missing", why if i == 0 else "not started: the budget was spent"))
@@ -406,20 +341,7 @@ class Truth:
         plans = self.plan_all(runnable) if runnable and self.left() > self.args.min_row_s else {}
         if runnable:
             print(f"[{time.monotonic() - self.t0:5.0f} s] planned {len(plans)} runs", flush=True)
-        order = self.order(runnable, plans)
-        for i, row in enumerate(order):
-            if self.plan_only:
-                self.add({**self.not_run(row, "planned", None), **plan_figures(plans[row.name][1]),
-                          **(self.oom_cap(row, plans) if row.kind == "oom" else {}), "predicted_ok": True})
-                continue
-            if self.left() < self.args.min_row_s:
-                self.stop(order[i:], f"not started: {max(self.left(), 0):.0f} s of the budget left")
-                break
-            rec, log = self.run_row(row, plans)
-            if rec is None:
-                self.stop(order[i:], f"killed after {self.args.budget_s:g} s: the budget ran out while it ran")
-                break
-            self.add(rec, log)
+        self.run_rows(self.order(runnable, plans), plans)
         self.meta["complete"] = True
         self.publish()
         print("\n" + (self.out / "table.md").read_text(), flush=True)

@@ -46,9 +46,9 @@ def extra_rows(presets: list[str]) -> list[Row]:
         Row("sd35_24gb__stream", "sd35_24gb", ["offload=[park,stream]"], "stream", "sd35_24gb",
             "offload=stream on vs off on a DiT: SD3.5 Large LoRA keeps its 8.1 B bf16 base on the device as shipped; "
             "with offload=[park,stream] half of the base's block weights live in pinned host memory (the default "
-            "device_fraction). Both plan inside 24 GiB, and a LoRA checkpoint is small. flux_24gb_full cannot run without "
-            "stream at any resolution (its 12 B float32 weights alone are 48 GB), and a second run of it would write "
-            "another 48 GB checkpoint.",
+            "device_fraction). Both plan inside 24 GiB, and a LoRA checkpoint is small. flux_24gb_full cannot run "
+            "without stream at any resolution (its 12 B float32 weights alone are 48 GB), and a second run of it "
+            "(the 12 B float32 build, ~40 GB pinned, copy-bound steps) would take much of the budget.",
             # the tiny model has 2 blocks: with prefetch 1 the window is every block and nothing can stream
             dry_settings=["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"]),
         Row("sdxl_24gb__fused_backward", "sdxl_24gb", ["optimizer.fused_backward=true"], "fused", "sdxl_24gb",

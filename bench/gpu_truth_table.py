@@ -44,13 +44,15 @@ def row_line(rec: dict[str, Any]) -> str:
     measured = _is_measured(rec)
     peak_text = f"{_f(peak, '.3f')}" + (f" ({what})" if what and what != "cuda" else "")
     predicted = _f(rec.get("predicted_s"), ".3g") if rec.get("predicted_ok", True) else "n/a"
-    micro = rec.get("micro_batches") or []
-    return (f"| `{rec['row']}` | {' '.join(rec['settings']) or '-'} | {status_cell(rec)} | {peak_text} | "
-            f"{_f(rec.get('reserved_peak_gb'), '.3f')} | {_f(rec.get('plan_peak_gb'), '.3f')} / "
-            f"{_f(rec.get('plan_required_gb'), '.3f')} | {_ratio(peak, rec.get('plan_peak_gb')) if measured else '-'} | "
-            f"{_ratio(rec.get('reserved_peak_gb'), rec.get('plan_required_gb'))} | {_f(rec.get('s_per_step'), '.3g')} | "
-            f"{predicted} | {_ratio(rec.get('s_per_step'), rec.get('predicted_s')) if predicted != 'n/a' else '-'} | "
-            f"{micro if micro else '-'} | {_f(rec.get('wall_s'), '.0f')} |")
+    speed = _ratio(rec.get("s_per_step"), rec.get("predicted_s")) if predicted != "n/a" else "-"
+    get = rec.get
+    cells = [f"`{rec['row']}`", " ".join(rec["settings"]) or "-", status_cell(rec), peak_text,
+             _f(get("reserved_peak_gb"), ".3f"),
+             f"{_f(get('plan_peak_gb'), '.3f')} / {_f(get('plan_required_gb'), '.3f')}",
+             _ratio(peak, get("plan_peak_gb")) if measured else "-",
+             _ratio(get("reserved_peak_gb"), get("plan_required_gb")),
+             _f(get("s_per_step"), ".3g"), predicted, speed, str(get("micro_batches") or "-"), _f(get("wall_s"), ".0f")]
+    return "| " + " | ".join(cells) + " |"
 
 
 TABLE_HEAD = [
@@ -65,7 +67,17 @@ def _saving(base: dict[str, Any] | None, var: dict[str, Any], key: str) -> str:
     a, b = (None if base is None else base.get(key)), var.get(key)
     if a is None or b is None:
         return "-"
-    return f"{a:.3f} -> {b:.3f} ({a - b:+.3f} saved)".replace("+", "")
+    return f"{a:.3f} -> {b:.3f} ({a - b:.3f} saved)"
+
+
+def _versus(name: str | None, base: dict[str, Any] | None, rec: dict[str, Any]) -> str:
+    """A variant against its baseline row: peaks measured and planned, and s/step."""
+    ok = base is not None and base.get("status") == "ok"
+    state = "" if ok else f" (its row is {(base or {}).get('status', 'missing')})"
+    base_s = _f(base.get("s_per_step") if base else None, ".3g")
+    return (f"Against `{name}`{state}: device peak GiB {_saving(base, rec, 'alloc_peak_gb')}, max reserved GiB "
+            f"{_saving(base, rec, 'reserved_peak_gb')}, planned peak GiB {_saving(base, rec, 'plan_peak_gb')}; "
+            f"s/step {base_s} -> {_f(rec.get('s_per_step'), '.3g')}.")
 
 
 def comparison_lines(recs: dict[str, dict[str, Any]], rows: list[Any]) -> list[str]:
@@ -80,18 +92,14 @@ def comparison_lines(recs: dict[str, dict[str, Any]], rows: list[Any]) -> list[s
             out.append(head)
             continue
         if row.kind in ("stream", "fused"):
-            base = recs.get(row.baseline or "")
-            base_ok = base is not None and base.get("status") == "ok"
-            out.append(head + f" Against `{row.baseline}`"
-                       + ("" if base_ok else f" (its row is {base['status'] if base else 'missing'})")
-                       + f": device peak GiB {_saving(base, rec, 'alloc_peak_gb')}, max reserved GiB "
-                         f"{_saving(base, rec, 'reserved_peak_gb')}, planned peak GiB {_saving(base, rec, 'plan_peak_gb')}; "
-                         f"s/step {_f(base.get('s_per_step') if base else None, '.3g')} -> {_f(rec.get('s_per_step'), '.3g')}.")
+            out.append(head + " " + _versus(row.baseline, recs.get(row.baseline or ""), rec))
         elif row.kind == "oom":
-            out.append(head + f" Planned need at micro-batch {rec.get('batch')}: {_f(rec.get('plan_required_gb'), '.3f')} GiB, "
-                       f"at micro-batch {rec.get('half_batch')}: {_f(rec.get('half_required_gb'), '.3f')} GiB; cap "
-                       f"{_f(rec.get('cap_gb'), '.3f')} GiB. Micro-batch per step {rec.get('micro_batches')}, OOM retries "
-                       f"per step {rec.get('oom_retries')}, max reserved {_f(rec.get('reserved_peak_gb'), '.3f')} GiB.")
+            def g(key: str) -> str:
+                return _f(rec.get(key), ".3f")
+            out.append(f"{head} Planned need at micro-batch {rec.get('batch')}: {g('plan_required_gb')} GiB, at "
+                       f"micro-batch {rec.get('half_batch')}: {g('half_required_gb')} GiB; cap {g('cap_gb')} GiB. "
+                       f"Micro-batch per step {rec.get('micro_batches')}, OOM retries per step "
+                       f"{rec.get('oom_retries')}, max reserved {g('reserved_peak_gb')} GiB.")
     return out
 
 
@@ -102,7 +110,8 @@ def header_lines(meta: dict[str, Any]) -> list[str]:
         meta["mode"], f"### GPU truth: every preset measured on {meta['device']}")
     lines = [title, "", f"Command: `{meta['command']}` ({meta['date']}); {meta['device_line']}.",
              f"Every row is `python -m runner +preset=<preset> {' '.join(meta['common'])} <settings> "
-             f"{' '.join(meta['run_only'])}`, each in its own process, longest predicted step first. Its plan is "
+             f"{' '.join(meta['run_only'])}`, each in its own process, {meta.get('order_rule', 'longest')} "
+             "predicted step first. Its plan is "
              "`mode=plan` with the same overrides, made for every row before the runs (in parallel), so the runs "
              "skip their identical preflight.",
              f"Budget {meta['budget_s']:.0f} s, used {_f(meta.get('used_s'), '.0f')} s (plans: "

@@ -18,9 +18,16 @@ SCRIPT = BENCH / "gpu_truth.py"
 DOCS = ROOT / "docs" / "benchmarks.md"
 sys.path.insert(0, str(BENCH))  # the script's sibling modules, as the script itself finds them
 
-import gpu_truth  # noqa: E402
-from gpu_truth_rows import all_rows, device_key, device_table, merge_overrides, shipped_presets  # noqa: E402
-from gpu_truth_table import BEGIN, END  # noqa: E402
+import gpu_truth_proc  # noqa: E402
+from gpu_truth_rows import (  # noqa: E402
+    all_rows,
+    device_key,
+    device_table,
+    merge_overrides,
+    read_row,
+    shipped_presets,
+)
+from gpu_truth_table import BEGIN, END, section  # noqa: E402
 
 GIB = 2**30
 
@@ -147,10 +154,11 @@ def test_no_gpu_is_one_line_not_a_traceback(tmp_path: Path) -> None:
 def test_a_timed_out_row_is_killed_with_its_children(tmp_path: Path) -> None:
     """The runner may start processes of its own: the whole group goes, none is left on the card."""
     pid_file = tmp_path / "grandchild.pid"
-    code = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+    code = ("import subprocess, sys, time; "
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
             f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)")
     started = time.monotonic()
-    rc = gpu_truth.run_command([sys.executable, "-c", code], tmp_path / "log", 3.0, _env())
+    rc = gpu_truth_proc.run_command([sys.executable, "-c", code], tmp_path / "log", 3.0, _env())
     assert rc is None and time.monotonic() - started < 30
     pid = int(pid_file.read_text())
     for _ in range(50):  # reparented to init, which reaps it; a zombie counts as gone
@@ -181,3 +189,36 @@ def test_card_to_devices_yaml_key(name: str, gib: float, key: str | None) -> Non
 def test_later_overrides_replace_earlier_ones() -> None:
     assert merge_overrides(["+preset=a", "data.demo_size=4"], ["data.demo_size=8", "x=[1,2]"]) == [
         "+preset=a", "data.demo_size=8", "x=[1,2]"]
+
+
+def _cuda_run(folder: Path, micro: list[int], retries: list[int]) -> None:
+    """The files a CUDA run of the OOM row leaves (metrics as runner/memory/stats.py writes them on CUDA)."""
+    folder.mkdir()
+    (folder / "plan.json").write_text(json.dumps({"peak_bytes": 12 * GIB, "required_bytes": 12 * GIB + 2**27,
+                                                  "budget_bytes": 8 * GIB, "fits": False, "peak_phase": "forward",
+                                                  "step_time": {"seconds": 0.08, "device": "NVIDIA H100 SXM5 80GB"}}))
+    steps = [{"step": i + 1, "s_per_step": 0.2 if i else 1.0, "micro_batch_size": m, "oom_retries": r,
+              "memory_peak_gb": 10.5, "mem_peak_reserved_gb": 11.0} for i, (m, r) in enumerate(zip(micro, retries))]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    (folder / "job_summary.json").write_text(json.dumps({"status": "io_error", "peak_memory_gb": 10.5,
+                                                         "peak_memory_source": "cuda max allocated",
+                                                         "error": "Saving the checkpoint of step 3 into x failed"}))
+
+
+def test_the_oom_row_is_ok_only_when_the_cap_bit_and_gpu_figures_reach_the_table(tmp_path: Path) -> None:
+    row = next(r for r in all_rows() if r.kind == "oom")
+    _cuda_run(tmp_path / "recovered", [4, 4, 4], [1, 0, 0])
+    rec = read_row(row, tmp_path / "recovered", tmp_path / "log", 5, 3, 8, save_blocked=True)
+    assert rec["status"] == "ok" and rec["runner_status"].startswith("io_error")
+    assert rec["alloc_peak_gb"] == 10.5 and rec["reserved_peak_gb"] == 11.0 and rec["s_per_step"] == 0.2
+    _cuda_run(tmp_path / "never_ran_out", [8, 8, 8], [0, 0, 0])
+    bad = read_row(row, tmp_path / "never_ran_out", tmp_path / "log", 5, 3, 8, save_blocked=True)
+    assert bad["status"] == "failed" and "did not bite" in bad["error"]
+    unblocked = read_row(row, tmp_path / "recovered", tmp_path / "log", 5, 3, 8, save_blocked=False)
+    assert unblocked["status"] == "io_error"  # a save that failed by itself is not hidden
+    meta = {"mode": "gpu", "device": "NVIDIA H100 80GB HBM3", "device_line": "x", "command": "c", "date": "d",
+            "common": [], "run_only": [], "budget_s": 480, "order": [row.name], "complete": True}
+    text = section(meta, [{**rec, "wall_s": 30.0, "cap_gb": 11.2, "batch": 8, "half_batch": 4}], all_rows())
+    line = next(t for t in text.splitlines() if t.startswith(f"| `{row.name}`"))
+    assert "| 10.500 | 11.000 | 12.000 / 12.125 | 0.88 | 0.91 | 0.2 | 0.08 | 2.50 | [4, 4, 4] | 30 |" in line
+    assert "cap 11.200 GiB" in text and "OOM retries per step [1, 0, 0]" in text
