@@ -253,7 +253,9 @@ class Truth:
             rc, plan = plans.get(r.name, (None, None))
             half = plans.get(r.name + "__half", (0, {}))[1] if r.kind == "oom" else {}
             log = self.work / "plans" / r.name / "plan.log"
-            if plan is None or half is None:
+            if r.name not in plans:
+                self.add(self.not_run(r, "missing", f"not planned: under {self.args.min_row_s:g} s of the budget left"))
+            elif plan is None or half is None:
                 if rc is None:
                     self.add(self.not_run(r, "missing", "the budget ran out while planning"))
                 else:
@@ -322,7 +324,7 @@ class Truth:
                 continue
             rec, log = self.run_row(row, plans)
             if rec is None:
-                self.stop(order[i:], f"killed after {self.args.budget_s:g} s: the budget ran out while it ran")
+                self.stop(order[i:], f"killed when the {self.args.budget_s:g} s budget ran out, while it ran")
                 return
             self.add(rec, log)
 
