@@ -1,0 +1,226 @@
+"""bench/gpu_truth.py, kept from rotting: its --dry-run (the GPU command's code at model.size=tiny on
+the CPU) runs every preset and the extra rows, the budget stops it cleanly, and a machine without a
+GPU gets one line, not a traceback. The GPU figures themselves come from a lent GPU (issue 33)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "bench"
+SCRIPT = BENCH / "gpu_truth.py"
+DOCS = ROOT / "docs" / "benchmarks.md"
+sys.path.insert(0, str(BENCH))  # the script's sibling modules, as the script itself finds them
+
+import gpu_truth_proc  # noqa: E402
+from gpu_truth_rows import (  # noqa: E402
+    all_rows,
+    device_key,
+    device_table,
+    merge_overrides,
+    read_row,
+    shipped_presets,
+)
+from gpu_truth_table import BEGIN, END, section  # noqa: E402
+
+GIB = 2**30
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _rows(out: Path) -> dict[str, dict]:
+    path = out / "rows.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return {r["row"]: r for r in map(json.loads, filter(None, lines))}
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One full dry run, watched while it runs: rows must reach rows.jsonl one by one, not at the end."""
+    out = tmp_path_factory.mktemp("gpu_truth")
+    docs_before = DOCS.read_bytes()
+    started = time.monotonic()
+    with open(out / "stdout.txt", "w") as stdout:
+        proc = subprocess.Popen([sys.executable, str(SCRIPT), "--dry-run", "--out", str(out), "--budget-s", "900"],
+                                cwd=ROOT, env=_env(), stdout=stdout, stderr=subprocess.STDOUT)
+        ran_while_running = 0
+        while proc.poll() is None:
+            if time.monotonic() - started > 1200:
+                proc.kill()
+                pytest.fail("the dry run outlived its budget")
+            ran = sum(r["status"] == "ok" for r in _rows(out).values())
+            if proc.poll() is None:
+                ran_while_running = max(ran_while_running, ran)
+            time.sleep(0.5)
+    return {"out": out, "rc": proc.returncode, "rows": _rows(out), "stdout": (out / "stdout.txt").read_text(),
+            "ran_while_running": ran_while_running, "docs_changed": DOCS.read_bytes() != docs_before,
+            "seconds": time.monotonic() - started}
+
+
+@pytest.mark.slow
+def test_dry_run_every_preset_ok_with_plan_and_measured_figures(dry_run: dict) -> None:
+    assert dry_run["rc"] == 0, dry_run["stdout"][-3000:]
+    rows = dry_run["rows"]
+    for preset in shipped_presets():
+        r = rows[preset]
+        assert r["status"] == "ok", r
+        assert r["steps_done"] == 3 and len(r["micro_batches"]) == 3, r
+        assert 0 < r["plan_peak_gb"] <= r["plan_required_gb"], r
+        assert r["predicted_s"] > 0 and r["s_per_step"] > 0, r
+        # On a CPU the job's device peak is the preflight plan's figure (runner/output/jobs.py), never the RSS
+        assert r["alloc_peak_gb"] is None and r["peak_source"].startswith("planned device peak"), r
+        assert r["peak_gb"] == pytest.approx(r["plan_peak_gb"]), r
+
+
+@pytest.mark.slow
+def test_dry_run_extra_rows(dry_run: dict) -> None:
+    rows = dry_run["rows"]
+    assert rows["sd35_24gb__stream"]["status"] == "ok"
+    assert "offload=[park,stream]" in rows["sd35_24gb__stream"]["settings"]
+    assert rows["sdxl_24gb__fused_backward"]["status"] == "ok"
+    # fused backward frees the gradients as backward goes: its plan must show it even at tiny size
+    assert rows["sdxl_24gb__fused_backward"]["plan_peak_gb"] < rows["sdxl_24gb"]["plan_peak_gb"]
+    oom = rows["sd15_8gb__oom_recovery"]
+    assert oom["status"] == "skipped" and "needs CUDA" in oom["error"]
+    table = (dry_run["out"] / "table.md").read_text()
+    assert all(f"`{r.name}`" in table for r in all_rows()) and "Comparisons:" in table and "Missing" not in table
+
+
+@pytest.mark.slow
+def test_dry_run_writes_each_row_when_it_finishes_and_leaves_the_docs_alone(dry_run: dict) -> None:
+    assert 1 <= dry_run["ran_while_running"] < len(dry_run["rows"])
+    assert not dry_run["docs_changed"]
+    meta = json.loads((dry_run["out"] / "meta.json").read_text())
+    assert meta["mode"] == "dry-run" and meta["complete"] and meta["used_s"] < meta["budget_s"]
+    # longest predicted step first
+    ran = [n for n in meta["order"] if dry_run["rows"][n]["status"] == "ok"]
+    predicted = [dry_run["rows"][n]["predicted_s"] for n in ran]
+    assert predicted == sorted(predicted, reverse=True)
+
+
+@pytest.mark.slow
+def test_render_writes_the_docs_section(dry_run: dict, tmp_path: Path) -> None:
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n\nhand-written\n")
+    for _ in range(2):  # the second time replaces the section, it does not add one
+        proc = subprocess.run([sys.executable, str(SCRIPT), "--render", str(dry_run["out"]), "--write", "--docs",
+                               str(doc)], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+    text = doc.read_text()
+    assert text.startswith("# Benchmarks\n\nhand-written\n") and text.count(BEGIN) == 1 and text.count(END) == 1
+    assert "`sdxl_24gb`" in text
+
+
+def test_budget_spent_stops_cleanly_and_names_the_missing_rows(tmp_path: Path) -> None:
+    """A budget too small for any run (the plans, or the first run, are killed at its end; no row is
+    refused for too little time left, --min-row-s 1): the rows already decided (the CUDA-only row,
+    skipped) are written, every other row is named as missing, and the script ends within its budget
+    with status 0."""
+    budget = 15
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path), "--budget-s", str(budget),
+                           "--min-row-s", "1", "--only", "sd15_8gb,constrained,sd15_8gb__oom_recovery"],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    wall = time.monotonic() - started
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert wall < budget + 25  # the budget, plus the interpreter and torch's import in the probe
+    rows = _rows(tmp_path)
+    assert rows["sd15_8gb__oom_recovery"]["status"] == "skipped"
+    assert {rows[n]["status"] for n in ("sd15_8gb", "constrained")} == {"missing"}
+    assert "missing rows: " in proc.stdout and "sd15_8gb" in proc.stdout.split("missing rows: ")[1]
+    table = (tmp_path / "table.md").read_text()
+    assert "Missing (the budget was spent before they finished): " in table
+    assert all(n in table.split("Missing")[1] for n in ("sd15_8gb", "constrained"))
+
+
+def test_no_gpu_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path)], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "no CUDA device" in proc.stderr and "--dry-run" in proc.stderr
+
+
+def test_a_timed_out_row_is_killed_with_its_children(tmp_path: Path) -> None:
+    """The runner may start processes of its own: the whole group goes, none is left on the card."""
+    pid_file = tmp_path / "grandchild.pid"
+    code = ("import subprocess, sys, time; "
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+            f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    started = time.monotonic()
+    rc = gpu_truth_proc.run_command([sys.executable, "-c", code], tmp_path / "log", 3.0, _env())
+    assert rc is None and time.monotonic() - started < 30
+    pid = int(pid_file.read_text())
+    for _ in range(50):  # reparented to init, which reaps it; a zombie counts as gone
+        status = Path(f"/proc/{pid}/status")
+        if not status.exists() or "\nState:\tZ" in status.read_text():
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"process {pid} outlived the timeout")
+
+
+@pytest.mark.parametrize("name, gib, key", [
+    ("NVIDIA H100 80GB HBM3", 79.1, "h100_sxm"),
+    ("NVIDIA H100 PCIe", 79.2, "h100_pcie"),
+    ("NVIDIA A100-SXM4-40GB", 39.4, "a100_40gb"),
+    ("NVIDIA A100 80GB PCIe", 79.1, "a100_80gb"),
+    ("NVIDIA GeForce RTX 4090", 23.6, "rtx4090"),
+    ("NVIDIA H100 NVL", 93.1, None),  # an H100, but not the 80 GB card the table describes
+    ("NVIDIA H200", 139.8, None),
+    ("NVIDIA GeForce RTX 4080 SUPER", 15.6, None),
+])
+def test_card_to_devices_yaml_key(name: str, gib: float, key: str | None) -> None:
+    got, why = device_key(name, int(gib * GIB), device_table())
+    assert got == key, why
+    assert name in why
+
+
+def test_later_overrides_replace_earlier_ones() -> None:
+    assert merge_overrides(["+preset=a", "data.demo_size=4"], ["data.demo_size=8", "x=[1,2]"]) == [
+        "+preset=a", "data.demo_size=8", "x=[1,2]"]
+
+
+def _cuda_run(folder: Path, micro: list[int], retries: list[int]) -> None:
+    """The files a CUDA run of the OOM row leaves (metrics as runner/memory/stats.py writes them on CUDA)."""
+    folder.mkdir()
+    (folder / "plan.json").write_text(json.dumps({"peak_bytes": 12 * GIB, "required_bytes": 12 * GIB + 2**27,
+                                                  "budget_bytes": 8 * GIB, "fits": False, "peak_phase": "forward",
+                                                  "step_time": {"seconds": 0.08, "device": "NVIDIA H100 SXM5 80GB"}}))
+    steps = [{"step": i + 1, "s_per_step": 0.2 if i else 1.0, "micro_batch_size": m, "oom_retries": r,
+              "memory_peak_gb": 10.5, "mem_peak_reserved_gb": 11.0} for i, (m, r) in enumerate(zip(micro, retries))]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    (folder / "job_summary.json").write_text(json.dumps({"status": "io_error", "peak_memory_gb": 10.5,
+                                                         "peak_memory_source": "cuda max allocated",
+                                                         "error": "Saving the checkpoint of step 3 into x failed"}))
+
+
+def test_the_oom_row_is_ok_only_when_the_cap_bit_and_gpu_figures_reach_the_table(tmp_path: Path) -> None:
+    row = next(r for r in all_rows() if r.kind == "oom")
+    _cuda_run(tmp_path / "recovered", [4, 4, 4], [1, 0, 0])
+    rec = read_row(row, tmp_path / "recovered", tmp_path / "log", 5, 3, 8, save_blocked=True)
+    assert rec["status"] == "ok" and rec["runner_status"].startswith("io_error")
+    assert rec["alloc_peak_gb"] == 10.5 and rec["reserved_peak_gb"] == 11.0 and rec["s_per_step"] == 0.2
+    _cuda_run(tmp_path / "never_ran_out", [8, 8, 8], [0, 0, 0])
+    bad = read_row(row, tmp_path / "never_ran_out", tmp_path / "log", 5, 3, 8, save_blocked=True)
+    assert bad["status"] == "failed" and "did not bite" in bad["error"]
+    unblocked = read_row(row, tmp_path / "recovered", tmp_path / "log", 5, 3, 8, save_blocked=False)
+    assert unblocked["status"] == "io_error"  # a save that failed by itself is not hidden
+    meta = {"mode": "gpu", "device": "NVIDIA H100 80GB HBM3", "device_line": "x", "command": "c", "date": "d",
+            "common": [], "run_only": [], "budget_s": 480, "order": [row.name], "complete": True}
+    text = section(meta, [{**rec, "wall_s": 30.0, "cap_gb": 11.2, "batch": 8, "half_batch": 4}], all_rows())
+    line = next(t for t in text.splitlines() if t.startswith(f"| `{row.name}`"))
+    assert "| 10.500 | 11.000 | 12.000 / 12.125 | 0.88 | 0.91 | 0.2 | 0.08 | 2.50 | [4, 4, 4] | 30 |" in line
+    assert "cap 11.200 GiB" in text and "OOM retries per step [1, 0, 0]" in text
