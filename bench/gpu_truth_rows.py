@@ -86,6 +86,7 @@ def merge_overrides(*groups: list[str]) -> list[str]:
 # (A100 40/80 GB), the memory decides; every match is also checked against the key's memory_gib, so
 # an H100 NVL (94 GB) or a 16 GB variant of a 24 GB card is "unknown", not mislabelled.
 NAME_PATTERNS = [
+    (r"H200", ["h200"]),
     (r"H100.*PCIe", ["h100_pcie"]),
     (r"H100", ["h100_sxm"]),
     (r"A100", ["a100_80gb", "a100_40gb"]),

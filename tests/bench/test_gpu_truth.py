@@ -179,7 +179,7 @@ def test_a_timed_out_row_is_killed_with_its_children(tmp_path: Path) -> None:
     ("NVIDIA A100 80GB PCIe", 79.1, "a100_80gb"),
     ("NVIDIA GeForce RTX 4090", 23.6, "rtx4090"),
     ("NVIDIA H100 NVL", 93.1, None),  # an H100, but not the 80 GB card the table describes
-    ("NVIDIA H200", 139.8, None),
+    ("NVIDIA H200", 139.8, "h200"),
     ("NVIDIA GeForce RTX 4080 SUPER", 15.6, None),
 ])
 def test_card_to_devices_yaml_key(name: str, gib: float, key: str | None) -> None:
