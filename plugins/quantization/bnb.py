@@ -43,6 +43,7 @@ return outputs of the real shape and dtype.
 """
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Optional
@@ -282,7 +283,30 @@ class Int8Quantization(LinearQuantization):
     Config = Int8Config
 
     def quantize(self, module: nn.Module, skip: Sequence[str], keep: Sequence[str], ctx: RunContext) -> QuantizationResult:
+        _say_casts_once()
         return apply_bnb_quantization(
             module, "int8", skip=skip, keep=keep, compute_dtype=self.compute_dtype(),
             threshold=float(self.config.threshold), device=quantize_device(ctx), simulate=ctx.simulate,
         )
+
+
+class _Once(logging.Filter):
+    """Each distinct message once: bitsandbytes' int8 matmul warns on every call that it casts its
+    input to float16 (36 identical lines in 3 tiny steps); the first says it, the repeats drown the log."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message in self.seen:
+            return False
+        self.seen.add(message)
+        return True
+
+
+def _say_casts_once() -> None:
+    logger = logging.getLogger("bitsandbytes.autograd._functions")
+    if not any(isinstance(f, _Once) for f in logger.filters):
+        logger.addFilter(_Once())

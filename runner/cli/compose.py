@@ -32,7 +32,7 @@ from omegaconf.errors import (
 )
 
 from runner import registry
-from runner.errors import UserError, did_you_mean, valid_list
+from runner.errors import UserError, closest, did_you_mean, valid_list
 from runner.plugin import KINDS
 
 if TYPE_CHECKING:
@@ -208,6 +208,15 @@ def _friendly(err: Exception, overrides: Sequence[str]) -> UserError:
                     f"Unknown config key '{full_key}': a plugin's settings live under its name. Did you mean "
                     + " or ".join(f"{kind}.{n}.{option}" for n in owners) + "?"
                 )
+            settings = {f"{kind}.{n}.{f}": f for (k, n), entry in registry.plugin_entries().items() if k == kind
+                        for f, _, _ in registry.describe_config(entry.config)}
+            near = closest(option, set(settings.values()), n=1)
+            if near and not closest(option, registry.plugin_names(kind), n=1):  # a misspelt setting, not a plugin
+                keys = [k for k, f in settings.items() if f == near[0]]
+                return UserError(
+                    f"Unknown config key '{full_key}': '{option}' is neither {'an' if kind[0] in 'aeiou' else 'a'} "
+                    f"{kind} plugin nor a setting of one. Did you mean {' or '.join(keys)}? (A plugin's settings live "
+                    f"under its name; the {kind} plugins are {', '.join(registry.plugin_names(kind))}.)")
             return UserError(
                 f"Unknown config key '{full_key}': '{option}' is not {'an' if kind[0] in 'aeiou' else 'a'} {kind} plugin. "
                 f"Valid names: {valid_list(option, registry.plugin_names(kind))}."

@@ -532,3 +532,15 @@ def test_quantize_on_cuda_returns_layers_to_the_host():
     apply_bnb_quantization(model, "nf4", skip=[], device="cuda")
     assert {str(t.device) for t in weight_tensors(model)} == {"cpu"}
     assert tracked_bytes(model)[0] == nf4_bytes(256, 256, True) + 4 * 256
+
+
+def test_int8s_cast_warning_is_said_once_not_every_call(tmp_path, caplog):
+    """bitsandbytes' int8 matmul warns on every call that it casts float32 inputs to float16 (48 lines in
+    2 tiny LoRA steps): the plugin lets the first through and drops the repeats."""
+    from runner.__main__ import task
+
+    caplog.set_level("WARNING", logger="bitsandbytes.autograd._functions")
+    task(compose_config([f"output_dir={tmp_path}", "quantization=int8", "model.train=lora", "train.steps=2",
+                         "train.progress=false", "train.preflight=false", "train.device=cpu"]))
+    casts = [r for r in caplog.records if "MatMul8bitLt: inputs will be cast" in r.getMessage()]
+    assert len(casts) == 1

@@ -80,6 +80,7 @@ CASES = [
     ("typo nested", ["train.stepz=3"], ["Did you mean 'steps'"]),
     ("typo top level", ["budgt_gb=12"], ["Did you mean 'budget_gb'"]),
     ("typo model key", ["model.lora_rnak=3"], ["Did you mean 'lora_rank'"]),
+    ("misspelt plugin setting", ["offload.cache_dri=/x"], ["Did you mean offload.park.cache_dir?"]),
     ("typo plugin key", ["offload=park", "offload.park.cache_latentz=true"], ["cache_latents"]),
     ("plugin key not selected", ["offload.park.cache_dir=/tmp/x"], ["offload=park", "not selected"]),
     ("steps not a number", ["train.steps=abc"], ["train.steps"]),
