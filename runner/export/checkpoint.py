@@ -212,6 +212,8 @@ def export_after_training(ctx: Any, result: Any) -> Path | None:
     cfg = ctx.cfg
     if not export_config(cfg).enabled or result.checkpoint is None or result.interrupted_by is not None:
         return None
+    if not callable(getattr(ctx.trainer, "pipeline_class", None)):  # before any rebuild: there is nothing to export
+        return export_models(ctx.trainer, ctx.models, result.checkpoint, cfg, result.steps_done)
     facts = ctx.facts
     if ctx.run.dist.sharded:  # dist=fsdp: no rank holds the whole weights; read them from the sharded checkpoint
         ctx.models = ctx.optimizer = None

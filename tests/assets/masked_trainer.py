@@ -44,3 +44,9 @@ class ValueReadingTrainer(SDXLTrainer):
         if part == "latents" and float(batch["pixel_values"].std()) > 1e6:  # a value only real data has
             raise ValueError("images out of range")
         return super().encode_part(models, part, batch)
+
+
+class NoPipelineSDXL(SDXLTrainer):
+    """The SDXL trainer as a user's trainer that names no diffusers pipeline (the export test)."""
+
+    pipeline_class = None

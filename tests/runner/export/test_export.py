@@ -254,3 +254,15 @@ def test_a_trainer_without_a_pipeline_keeps_only_trainable_safetensors(tmp_path,
     ckpt = tmp_path / "checkpoints" / "step-00000001"
     assert (ckpt / "trainable.safetensors").is_file() and not (ckpt / EXPORT_DIR).exists()
     assert "has no pipeline_class()/pipeline(models), so no diffusers/kohya export is written" in caplog.text
+
+
+def test_a_full_finetune_without_a_pipeline_rebuilds_nothing_to_export(tmp_path, caplog, monkeypatch):
+    """Plugins dropped the frozen encoders, and the trainer names no pipeline: the export says so at once
+    instead of rebuilding every model on the CPU first."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "assets"))
+    with caplog.at_level(logging.INFO, logger="runner"):
+        task(compose_config([f"output_dir={tmp_path}", "trainer=sdxl", "trainer._target_=masked_trainer.NoPipelineSDXL",
+                             "train.steps=1", "train.device=cpu", "train.progress=false", "offload=park",
+                             f"offload.park.cache_dir={tmp_path / 'cache'}", "data.demo_size=2"]))
+    assert "has no pipeline_class()/pipeline(models), so no diffusers/kohya export is written" in caplog.text
+    assert "rebuilding them on the CPU" not in caplog.text
