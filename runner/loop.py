@@ -161,7 +161,7 @@ class Loop:
                                               optimizer_name=cfg.optimizer.get("name"))
             micro = min(state.micro_batch_size or micro, ctx.run.rank_batch)  # another world size: this rank's share
             log.info("resumed from %s at step %d (%d samples seen)", ckpt, state.step, state.samples_seen)
-            self._take_configured_lr()
+            self._take_configured_lr(state.step)
             if self.dist.is_main:
                 drop_metrics_after(self.out / "metrics.jsonl", state.step)  # one curve: no step twice
             self.order.resume(state.step, state.samples_seen)
@@ -173,7 +173,7 @@ class Loop:
             log.info("%s", self.order.describe())
         return state, micro, ckpt
 
-    def _take_configured_lr(self) -> None:
+    def _take_configured_lr(self, step: int) -> None:
         """A resume continues the saved optimizer state and schedule, with this run's ``optimizer.lr``.
 
         The saved optimizer and scheduler hold the learning rate they were built with, so loading
@@ -192,7 +192,7 @@ class Loop:
         self.scheduler.base_lrs = [lr] * len(groups)
         self.scheduler._last_lr = [g["lr"] for g in groups]  # get_last_lr(): the metrics' lr column
         log.info("optimizer.lr=%g (the checkpoint's was %g): the schedule continues from step %d with the new base rate",
-                 lr, saved[0], self.state.step if hasattr(self, "state") else 0)
+                 lr, saved[0], step)
 
     def closing(self) -> ExitStack:
         """The loop's outputs, closed however it ends."""

@@ -201,15 +201,16 @@ def _friendly(err: Exception, overrides: Sequence[str]) -> UserError:
                 f"add it to a preset's choice with +{kind}={option}, or list several: {kind}=[{option},...]."
             )
         if kind in KINDS and option and "." not in option:
-            owners = [n for (k, n), entry in registry.plugin_entries().items()
-                      if k == kind and option in {f for f, _, _ in registry.describe_config(entry.config)}]
-            if owners:  # an old single-plugin spelling: checkpoint.every_n -> checkpoint.blocks.every_n
-                return UserError(
-                    f"Unknown config key '{full_key}': a plugin's settings live under its name. Did you mean "
-                    + " or ".join(f"{kind}.{n}.{option}" for n in owners) + "?"
-                )
+            # every setting of this kind's plugins, by its full key: an exact name under the wrong level is an
+            # old single-plugin spelling (checkpoint.every_n -> checkpoint.blocks.every_n), a close one a typo
             settings = {f"{kind}.{n}.{f}": f for (k, n), entry in registry.plugin_entries().items() if k == kind
                         for f, _, _ in registry.describe_config(entry.config)}
+            owners = [key for key, f in settings.items() if f == option]
+            if owners:
+                return UserError(
+                    f"Unknown config key '{full_key}': a plugin's settings live under its name. Did you mean "
+                    + " or ".join(owners) + "?"
+                )
             near = closest(option, set(settings.values()), n=1)
             if near and not closest(option, registry.plugin_names(kind), n=1):  # a misspelt setting, not a plugin
                 keys = [k for k, f in settings.items() if f == near[0]]
