@@ -63,6 +63,7 @@ class StopRequest:
         self.count = 0
         self.last_saved: Path | None = None
         self._saving = False
+        self._notes: list[str] = []
         self._old: dict[int, Any] = {}
 
     def __enter__(self) -> StopRequest:
@@ -74,20 +75,28 @@ class StopRequest:
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
+        # No logging here: the signal can land while the main thread is inside a log handler's
+        # write, and a second write to the same stream from the handler raises "reentrant call".
+        # The loop logs what was noted (announce) after the step and after a save.
         self.count += 1
         name = signal.Signals(signum).name
         if self.count == 1:
             self.signum = signum
-            log.warning("%s received: finishing this step, saving a checkpoint and stopping "
-                        "(again: stop at once)", name)
+            self._notes.append(f"{name} received: finishing this step, saving a checkpoint and stopping "
+                               "(again: stop at once)")
             return
         if self._saving and self.count == 2:
-            log.warning("%s received again: a checkpoint is being written; stopping right after it "
-                        "(a third signal forces the exit and discards that checkpoint)", name)
+            self._notes.append(f"{name} received again: a checkpoint is being written; stopping right after it "
+                               "(a third signal forces the exit and discards that checkpoint)")
             return
         kept = (f"The newest complete checkpoint is {self.last_saved} (train.resume={self.last_saved})."
                 if self.last_saved is not None else "No checkpoint was saved in this run.")
         raise Interrupted(signum, f"Stopped at once by a repeated {name}; the step in progress is lost. {kept}")
+
+    def announce(self) -> None:
+        """Log what the signal handler noted since the last call (outside the handler: see _handle)."""
+        while self._notes:
+            log.warning("%s", self._notes.pop(0))
 
     @contextmanager
     def deferred(self) -> Iterator[None]:
@@ -99,6 +108,7 @@ class StopRequest:
             self._saving = False
 
     def __exit__(self, *exc: Any) -> None:
+        self.announce()
         for s, h in self._old.items():
             signal.signal(s, h)
 
@@ -305,10 +315,12 @@ def train(ctx: RunContext) -> TrainResult:
             dt = time.perf_counter() - t0
             loop.profiler.end_step()  # after dt: writing the profile's files is not step time
             loop.record(step_loss, dt)
+            stop.announce()
             stop.signum = loop.dist.agree_stop(stop.signum)  # a signal on any rank stops every rank after this step
             if (save_every and state.step % save_every == 0) or state.step == steps or stop.signum is not None:
                 with stop.deferred():  # a second Ctrl-C waits for the save; a third forces the exit
                     loop.result.checkpoint = stop.last_saved = loop.save()
+                stop.announce()
             ctx.sampler.maybe_sample(state.step)  # every sample.every steps and at the end (runner/sampling/)
             if stop.signum is not None:
                 loop.result.interrupted_by = stop.signum
