@@ -99,7 +99,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "stops that save at once: a full-size one is up to 48 GB)")
     ap.add_argument("--write", action="store_true", help="replace this script's section of docs/benchmarks.md")
     ap.add_argument("--docs", type=Path, default=DOC, help="the file --write updates (default docs/benchmarks.md)")
-    ap.add_argument("--render", type=Path, help="no runs: the section from <folder>'s rows.jsonl and meta.json")
+    ap.add_argument("--render", type=Path, nargs="+",
+                    help="no runs: the section from <folder>'s rows.jsonl and meta.json; with several folders (a "
+                         "first run, then --only runs of the rows its budget missed), a later folder's finished row "
+                         "replaces an earlier one's")
     return ap.parse_args(argv)
 
 
@@ -366,11 +369,31 @@ def select(rows: list[Row], only: str | None) -> list[Row]:
     return [r for r in rows if r.name in names]
 
 
+def merge_runs(folders: list[Path]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One table from several runs on the same card: the first run's meta, each later command named in
+    ``meta["more"]``, and a row a later run finished replacing the first's missing one. Why: one command
+    rarely fits every full-size row in a lease's 10-minute call, and ``--only`` runs the rest."""
+    metas, rows = [], {}
+    for folder in folders:
+        meta = read_json(folder / "meta.json")
+        if meta is None:
+            raise SystemExit(f"bench/gpu_truth.py: no readable meta.json in {folder}")
+        if metas and meta.get("device_line") != metas[0].get("device_line"):
+            raise SystemExit(f"bench/gpu_truth.py: {folder} ran on {meta.get('device_line')}, not on "
+                             f"{metas[0].get('device_line')}: one table is one card's")
+        metas.append(meta)
+        for rec in read_jsonl(folder / "rows.jsonl"):
+            if rec["row"] not in rows or rec["status"] != "missing":
+                rows[rec["row"]] = rec
+    meta = dict(metas[0])
+    meta["more"] = [{k: m.get(k) for k in ("command", "date", "used_s", "budget_s")} for m in metas[1:]]
+    meta["complete"] = all(m.get("complete", False) for m in metas)
+    return meta, list(rows.values())
+
+
 def render(args: argparse.Namespace) -> int:
-    """The section from a finished (or cut) run's files, e.g. those a GPU machine sent back."""
-    meta, recs = read_json(args.render / "meta.json"), read_jsonl(args.render / "rows.jsonl")
-    if meta is None:
-        raise SystemExit(f"bench/gpu_truth.py: no readable meta.json in {args.render}")
+    """The section from finished (or cut) runs' files, e.g. those a GPU machine sent back."""
+    meta, recs = merge_runs(args.render)
     text = section(meta, recs, all_rows())
     print(text)
     if args.write:

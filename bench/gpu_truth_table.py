@@ -116,6 +116,10 @@ def header_lines(meta: dict[str, Any]) -> list[str]:
              "skip their identical preflight.",
              f"Budget {meta['budget_s']:.0f} s, used {_f(meta.get('used_s'), '.0f')} s (plans: "
              f"{_f(meta.get('prepass_s'), '.0f')} s)."]
+    for more in meta.get("more", []):
+        lines.append(f"Then, on the same card, for rows the first command's budget missed: `{more['command']}` "
+                     f"({more['date']}; budget {more['budget_s']:.0f} s, used {_f(more.get('used_s'), '.0f')} s); "
+                     "a row it finished replaces the first command's.")
     if meta.get("save_blocked"):
         lines.append("The runner's final checkpoint save is blocked (a file named `checkpoints` in the run's folder): "
                      "the runner ends with io_error after its steps, and such a row is ok (`runner_status` in "

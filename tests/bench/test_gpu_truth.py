@@ -224,3 +224,45 @@ def test_the_oom_row_is_ok_only_when_the_cap_bit_and_gpu_figures_reach_the_table
     line = next(t for t in text.splitlines() if t.startswith(f"| `{row.name}`"))
     assert "| 10.500 | 11.000 | 12.000 / 12.125 | 0.88 | 0.91 | 0.2 | 0.08 | 2.50 | [4, 4, 4] | 30 |" in line
     assert "cap 11.200 GiB" in text and "OOM retries per step [1, 0, 0]" in text
+
+
+H200 = BENCH / "results" / "gpu_truth_2026-11-27_h200"
+
+
+def test_committed_gpu_table_is_what_its_files_render() -> None:
+    """docs/benchmarks.md's GPU table is the render of the files the H200 run sent back (kept in
+    bench/results/): a hand edit of a figure, or a table from other files, fails here."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--render", str(H200 / "run1"), str(H200 / "run2")],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    text = DOCS.read_text()
+    committed = text[text.index(BEGIN):text.index(END) + len(END)]
+    assert proc.stdout.strip() == committed
+
+
+def test_render_merges_a_later_run_into_the_rows_the_first_missed(tmp_path: Path) -> None:
+    """The second command's finished row replaces the first's missing one; a later missing row
+    never replaces a finished one; runs from another card are refused (one table is one card's)."""
+    import gpu_truth  # the script's module, for merge_runs
+
+    first = [json.loads(line) for line in (H200 / "run1" / "rows.jsonl").read_text().splitlines()]
+    second = [json.loads(line) for line in (H200 / "run2" / "rows.jsonl").read_text().splitlines()]
+    meta, recs = gpu_truth.merge_runs([H200 / "run1", H200 / "run2"])
+    by = {r["row"]: r for r in recs}
+    assert {r["row"]: r["status"] for r in first}["sd35_24gb__stream"] == "missing"
+    assert by["sd35_24gb__stream"] == second[0]
+    assert by["sdxl_24gb"] == next(r for r in first if r["row"] == "sdxl_24gb")
+    assert [m["command"] for m in meta["more"]] == [json.loads((H200 / "run2" / "meta.json").read_text())["command"]]
+    late = tmp_path / "late"
+    late.mkdir()
+    (late / "meta.json").write_text((H200 / "run2" / "meta.json").read_text())
+    (late / "rows.jsonl").write_text(json.dumps({**by["sdxl_24gb"], "status": "missing"}) + "\n")
+    _, recs = gpu_truth.merge_runs([H200 / "run1", late])
+    assert next(r for r in recs if r["row"] == "sdxl_24gb")["status"] == "ok"
+    other = tmp_path / "other"
+    other.mkdir()
+    meta2 = json.loads((H200 / "run2" / "meta.json").read_text())
+    (other / "meta.json").write_text(json.dumps({**meta2, "device_line": "NVIDIA H100 80GB HBM3"}))
+    (other / "rows.jsonl").write_text("")
+    with pytest.raises(SystemExit, match="one table is one card's"):
+        gpu_truth.merge_runs([H200 / "run1", other])
