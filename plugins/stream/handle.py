@@ -25,7 +25,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from runner.compat import has_compatible_shallow_copy_type, is_fake
+from runner.accel import is_real_accelerator, record_stream, stream_api
+from runner.compat import has_compatible_shallow_copy_type
 from runner.hooks import mark, marked, unmark
 from runner.plugins.host_buffers import HostRegion, host_copy
 from runner.plugins.stream.hooks import _StreamHooks
@@ -53,7 +54,8 @@ class StreamHandle(_StreamHooks):
 
     def __init__(self, module: nn.Module, blocks: list[nn.Module], plan: StreamPlan, device: torch.device,
                  host: torch.device, prefetch: int, pin_memory: bool, always_copy: bool,
-                 clear_cast_cache: Callable[[], None] = torch.clear_autocast_cache) -> None:
+                 clear_cast_cache: Callable[[], None] = torch.clear_autocast_cache,
+                 cuda_like: bool | None = None) -> None:
         self.module = module
         self.clear_cast_cache = clear_cast_cache
         self.plan = plan
@@ -63,11 +65,14 @@ class StreamHandle(_StreamHooks):
         self.stats = StreamStats()
         self.regions: list[HostRegion] = []
         self._hooks: list[Any] = []
-        fake = any(is_fake(p) for p in module.parameters()) or device.type == "meta"
-        self.async_copies = device.type != "cpu" and device.type != "meta" and not fake and device.type != host.type
-        self.pin = bool(pin_memory) and self.async_copies and device.type == "cuda"
+        # The side-stream branch runs wherever the target is CUDA-like (runner/accel.py): on the GPU
+        # with its streams, in the planner (meta) and on the CPU with simulated ones, so what the
+        # plan counts is what the GPU keeps (the copy stream's own allocator pool included).
+        cuda_like = device.type == "cuda" if cuda_like is None else cuda_like
+        self._api = stream_api(device, cuda_like) if device.type != host.type else None
+        self.async_copies = self._api is not None
+        self.pin = bool(pin_memory) and self.async_copies and is_real_accelerator(device) and device.type == "cuda"
         self.same_storage = device == host and not always_copy
-        self._api = torch.get_device_module(device) if self.async_copies else None
         self._h2d = self._api.Stream(device=device) if self.async_copies else None
         self._d2h = self._api.Stream(device=device) if self.async_copies else None
         self._empties: dict[torch.dtype, torch.Tensor] = {}
@@ -221,7 +226,7 @@ class StreamHandle(_StreamHooks):
             self.stats.waited += int(not b.event.query())
             current = self._api.current_stream(self.device)
             current.wait_event(b.event)
-            b.flat.record_stream(current)  # allocated on the copy stream, used on this one
+            record_stream(b.flat, current)  # allocated on the copy stream, used on this one
             b.event = None
             b.state = LOADED
         for s in b.slots:
@@ -288,7 +293,7 @@ class StreamHandle(_StreamHooks):
 
     def time_copies(self, enabled: bool = True) -> None:
         """Record CUDA events around every copy (for benchmarks; costs two events per copy)."""
-        self._timing = [] if enabled and self.async_copies else None
+        self._timing = [] if enabled and self.async_copies and is_real_accelerator(self.device) else None
 
     def copy_seconds(self) -> dict[str, tuple[float, int]]:
         """{"h2d"|"d2h": (seconds the copy stream spent copying, bytes)} since :meth:`time_copies`.
@@ -366,6 +371,7 @@ def apply_stream_offload(
     name: str = "module",
     plan: StreamPlan | None = None,
     clear_cast_cache: Callable[[], None] = torch.clear_autocast_cache,
+    cuda_like: bool | None = None,
 ) -> StreamHandle:
     """Stream the weights of ``blocks`` (in execution order) of ``module`` within a byte budget.
 
@@ -378,7 +384,8 @@ def apply_stream_offload(
     if marked(module, MARK) is not None:
         raise ValueError("apply_stream_offload: this module is already streamed; call handle.remove() first")
     plan = plan or plan_stream(module, blocks, device_budget_bytes, prefetch, name)
-    handle = StreamHandle(module, blocks, plan, device, host, prefetch, pin_memory, always_copy, clear_cast_cache)
+    handle = StreamHandle(module, blocks, plan, device, host, prefetch, pin_memory, always_copy, clear_cast_cache,
+                          cuda_like)
     mark(module, MARK, handle)
     _orig_remove = handle.remove
 

@@ -51,6 +51,7 @@ from runner.compat import (
     queue_engine_callback,
     tree_flatten,
 )
+from runner.accel import record_stream
 from runner.hooks import composable, is_composable
 from runner.plugins.host_buffers import HostRegion, tensor_bytes
 from runner.plugins.stream.state import RELEASED, _Block, _Slot
@@ -334,7 +335,7 @@ class _StreamHooks:
             if timing:
                 start = self._d2h.record_event(self._api.Event(enable_timing=True))
             buf.copy_(g, non_blocking=True)
-            g.record_stream(self._d2h)  # its memory is not reused before the copy has read it
+            record_stream(g, self._d2h)  # its memory is not reused before the copy has read it
             end = self._d2h.record_event(self._api.Event(enable_timing=True) if timing else None)
             self._pending.append((end, None))
             if timing:

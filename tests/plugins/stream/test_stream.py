@@ -263,8 +263,10 @@ def fake_models(tr, mode, where: str):
     return models
 
 
-def fake_step(family: str, train: str, stream: bool, ckpt: bool):
-    """Forward + backward on fake tensors; (tracker snapshot per device, handle)."""
+def fake_step(family: str, train: str, stream: bool, ckpt: bool, cuda_like: bool | None = None):
+    """Forward + backward on fake tensors; (tracker snapshot per device, handle). ``cuda_like``: the
+    target the handle takes its branch for (None: the device's own, so meta takes the synchronous
+    one)."""
     from runner.plan import simulation_mode
 
     tr = tiny_trainer(family, train)
@@ -277,7 +279,7 @@ def fake_step(family: str, train: str, stream: bool, ckpt: bool):
     with mode:
         if stream:
             budget = int(0.5 * sum(p.numel() * p.element_size() for p in module.parameters()))
-            handle = apply_stream_offload(module, blocks, budget, 1, "meta", "cpu", name=name)
+            handle = apply_stream_offload(module, blocks, budget, 1, "meta", "cpu", name=name, cuda_like=cuda_like)
         if ckpt:
             apply_activation_checkpointing(blocks)
         dt = next(p.dtype for p in module.parameters() if p.is_floating_point())
@@ -292,6 +294,19 @@ def fake_step(family: str, train: str, stream: bool, ckpt: bool):
         with tracker.phase("backward"):
             loss.backward()
     return at_rest, tracker.snapshot()["devices"], handle
+
+
+def test_the_side_stream_branch_keeps_the_same_bytes_as_the_synchronous_one():
+    """A CUDA target takes the side-stream branch in the planner too (simulated streams, in order:
+    runner/accel.py), and the live bytes on the device, at the peak and after the step, are those
+    of the synchronous branch: what stays is decided by the handle's window in both."""
+    _, sync, h_sync = fake_step("sdxl", "full", stream=True, ckpt=True, cuda_like=False)
+    _, side, h_side = fake_step("sdxl", "full", stream=True, ckpt=True, cuda_like=True)
+    assert not h_sync.async_copies and h_side.async_copies
+    assert side["meta"]["peak_bytes"] == sync["meta"]["peak_bytes"]
+    assert side["meta"]["current_bytes"] == sync["meta"]["current_bytes"]
+    assert h_side.stats.h2d_bytes == h_sync.stats.h2d_bytes > 0
+    assert h_side.stats.d2h_bytes == h_sync.stats.d2h_bytes > 0  # full fine-tune: gradients go to the host
 
 
 @pytest.mark.parametrize("ckpt", [False, True])
