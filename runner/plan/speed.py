@@ -229,7 +229,11 @@ def predict(counter: CostCounter, target: Target, *, micro_batches: int, simulat
         utilisation=flops / (total * target.peak_flops) if total else 0.0,
         detail={"phases": {k: c.to_dict() for k, c in phases.items()},
                 "optimizer_update": {"device_bytes": dev_b, "host_bytes": host_b, "in": upd_phase,
-                                     "host_elements": trained.host_elements, "device_elements": trained.device_elements},
+                                     "host_elements": trained.host_elements, "device_elements": trained.device_elements,
+                                     "device_kernels": dev_k, "host_kernels": host_k, "device_s": upd_device_s,
+                                     "host_s": upd_host_s - host_k * target.update_op_s},
+                "rates": {"h2d_bytes_per_s": target.h2d_bytes_per_s, "host_op_s": target.host_op_s,
+                          "update_op_s": target.update_op_s, "serial": target.serial},
                 "copies_overlapped_share": share, "first_window_bytes": window,
                 "transfers": {k: asdict(t) if dataclasses.is_dataclass(t) else dict(t) for k, t in transfers.items()}},
     )
