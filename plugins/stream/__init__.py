@@ -115,7 +115,8 @@ class StreamOffload(ClaimsModules):
             else:
                 budget = int(c.device_fraction * sizes[n])
             handle = apply_stream_offload(module, blocks, budget, int(c.prefetch), ctx.device, ctx.host,
-                                          pin_memory=bool(c.pin_memory), name=n, clear_cast_cache=_cast_cache_clearer(ctx),
+                                          pin_memory=bool(c.pin_memory), name=n,
+                                          clear_cast_cache=_cast_cache_clearer(ctx),
                                           cuda_like=self.run.on_cuda)  # the planner takes the GPU's branch too
             ctx.hooks.add(module, MARK, self.key, handle=handle, undo=handle.remove)
             ctx.facts.placed.add(n)

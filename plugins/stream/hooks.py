@@ -45,13 +45,13 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from runner.accel import record_stream
 from runner.compat import (
     current_graph_task_id,
     outer_saved_tensors_hooks,
     queue_engine_callback,
     tree_flatten,
 )
-from runner.accel import record_stream
 from runner.hooks import composable, is_composable
 from runner.plugins.host_buffers import HostRegion, tensor_bytes
 from runner.plugins.stream.state import RELEASED, _Block, _Slot
