@@ -286,3 +286,24 @@ def test_a_run_exports_the_comfy_file_and_its_ema(tmp_path):
     assert any(not torch.equal(trained[k], ema[k]) for k in trained if k.endswith("lora_A.weight"))
     with safe_open(str(export / COMFY_EMA_FILE), framework="pt") as f:
         assert f.metadata()["weights"] == "ema"
+
+
+@pytest.mark.parametrize("family,fmt,written", [
+    ("sdxl", "comfy", [KOHYA_FILE]), ("flux", "kohya", [KOHYA_FILE]), ("sd35", "comfy", [COMFY_FILE]),
+    ("wan21", "diffusers", [DIFFUSERS_FILE]), ("qwen_image", "comfy", [COMFY_FILE]),
+])
+def test_each_lora_format_writes_its_files(exports, tmp_path, family, fmt, written):
+    trainer, module, _, _ = exports(family)
+    files = write_lora_files(trainer, trainer.pipeline_class(), trainer.denoiser, module, tmp_path, {"step": 1},
+                             ExportConfig(lora_format=fmt))
+    assert files == written and sorted(p.name for p in tmp_path.iterdir()) == sorted(written)
+
+
+def test_kohya_for_a_family_without_one_points_to_comfy(tmp_path):
+    from runner.__main__ import task
+
+    with pytest.raises(UserError, match=r"export.lora_format=kohya: .*Wan.*export.lora_format=comfy"):
+        task(compose_config([f"output_dir={tmp_path}", "trainer=wan", *LORA, "train.device=cpu",
+                             "export.lora_format=kohya"]))
+    with pytest.raises(UserError, match=r"export.lora_format='comfyui'.*comfy"):
+        task(compose_config([f"output_dir={tmp_path}", "export.lora_format=comfyui"]))
