@@ -1,4 +1,4 @@
-"""The LoRA file ComfyUI (and Forge, which shares its loader) applies at the trained strength.
+"""The LoRA file ComfyUI applies at the trained strength, for every family.
 
 ComfyUI ignores safetensors metadata: a LoRA's strength comes only from a ``<module>.alpha``
 tensor beside ``lora_up``/``lora_down`` (or ``lora_B``/``lora_A``), scale = alpha / rank. The
