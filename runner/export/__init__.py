@@ -6,7 +6,9 @@ ComfyUI and A1111 cannot use it. An export writes, beside it, in ``checkpoints/s
 
 * ``model.train=lora`` (``export.lora_format``): ``pytorch_lora_weights.safetensors`` in diffusers
   format (``pipe.load_lora_weights``), and/or ``lora_kohya.safetensors`` in the kohya layout
-  (``lora_unet_*``/``lora_transformer_*`` keys with ``.alpha``) that ComfyUI, Forge and A1111 load;
+  (``lora_unet_*``/``lora_transformer_*`` keys with ``.alpha``) that ComfyUI, Forge and A1111 load,
+  and/or, where the kohya file is not ComfyUI's layout of the family (SD3.5, Qwen-Image, Wan),
+  ``lora_comfy.safetensors`` (runner/export/comfy.py);
 * ``model.train=full``: ``diffusers/``, a pipeline folder (``DiffusionPipeline.from_pretrained``);
 * with an EMA of the weights (``ema.enabled``): the same files of the average, ``*_ema.safetensors``
   or ``diffusers_ema/`` (runner/export/ema.py);

@@ -31,7 +31,7 @@ from omegaconf import OmegaConf, open_dict
 from runner.errors import as_os_error, storage_error
 from runner.export.config import export_config
 from runner.export.ema import write_ema_exports
-from runner.export.lora import write_diffusers_lora, write_kohya_lora
+from runner.export.lora import write_lora_files
 from runner.files import fix_tree_modes, swap_in_folder
 from runner.trainer import ModelSet
 
@@ -88,14 +88,7 @@ def export_models(trainer: Any, models: ModelSet, ckpt: Path, cfg: Any, step: in
         files: list[str] = []
         if lora:
             name = _denoiser(trainer, models)
-            if ec.wants("diffusers"):
-                files.append(write_diffusers_lora(pipeline_class, name, models[name], tmp, info).name)
-            if ec.wants("kohya") and getattr(trainer, "kohya_lora", True):
-                files.append(write_kohya_lora(name, models[name], tmp, info).name)
-            elif ec.wants("kohya"):
-                log.info("export: no kohya-layout file for %s: diffusers has no converter that reads one back for "
-                         "%s, so it could not be checked to load; the diffusers file is the export",
-                         type(trainer).__qualname__, pipeline_class.__name__)
+            files += write_lora_files(trainer, pipeline_class, name, models[name], tmp, info, ec)
         else:
             trainer.pipeline(models).save_pretrained(str(tmp / FULL_DIR), safe_serialization=True)
             files.append(FULL_DIR)

@@ -6,18 +6,25 @@ from typing import Any
 
 from runner.errors import UserError, valid_list
 
-LORA_FORMATS = ("diffusers", "kohya", "both")
+LORA_FORMATS = ("diffusers", "kohya", "comfy", "both")
 FULL_FORMATS = ("diffusers",)
 
 
 @dataclass
 class ExportConfig:
     enabled: bool = True  # export the final checkpoint at the end of training (mode=export always exports)
-    lora_format: str = "both"  # model.train=lora: diffusers | kohya (ComfyUI, Forge, A1111) | both
+    # model.train=lora: diffusers | kohya (A1111, Forge, ComfyUI: U-Nets and Flux) | comfy (ComfyUI and Forge at
+    # the trained strength, every family: the kohya file where that is ComfyUI's layout, else lora_comfy.safetensors)
+    # | both (diffusers + comfy)
+    lora_format: str = "both"
     full_format: str = "diffusers"  # model.train=full: diffusers (a pipeline folder for from_pretrained)
 
     def wants(self, fmt: str) -> bool:
-        """Whether ``lora_format`` asks for the LoRA format ``fmt`` (diffusers or kohya)."""
+        """Whether ``lora_format`` asks for the LoRA format ``fmt`` (diffusers, kohya or comfy).
+
+        ``both`` (the default) is diffusers + comfy; for U-Nets and Flux the comfy file is the kohya
+        file, so the default writes what it wrote before ComfyUI files existed, and one ComfyUI
+        file more for SD3.5, Qwen-Image and Wan (runner/export/comfy.py)."""
         return self.lora_format in (fmt, "both")
 
 

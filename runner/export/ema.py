@@ -4,7 +4,8 @@ A checkpoint holding ``ema.safetensors`` gets, in ``checkpoints/step-N/export/``
 for the average as for the trained weights:
 
 * ``model.train=lora``: ``pytorch_lora_weights_ema.safetensors`` (diffusers) and/or
-  ``lora_kohya_ema.safetensors`` (ComfyUI, Forge, A1111), as ``export.lora_format`` asks;
+  ``lora_kohya_ema.safetensors`` (ComfyUI, Forge, A1111) and/or ``lora_comfy_ema.safetensors``
+  (ComfyUI's layout of SD3.5, Qwen-Image, Wan), as ``export.lora_format`` asks;
 * ``model.train=full``: ``diffusers_ema/``, a complete pipeline folder whose denoiser subfolder
   holds the EMA weights; every other file (VAE, text encoders, tokenizers, scheduler,
   ``model_index.json``) is a hard link to the file in ``diffusers/``, so it costs no disk (a copy
@@ -31,12 +32,7 @@ import torch
 
 from runner.ema.average import FILE, ema_info
 from runner.export.config import export_config
-from runner.export.lora import (
-    DIFFUSERS_EMA_FILE,
-    KOHYA_EMA_FILE,
-    write_diffusers_lora,
-    write_kohya_lora,
-)
+from runner.export.lora import write_lora_files
 from runner.trainer import ModelSet
 
 FULL_EMA_DIR = "diffusers_ema"
@@ -91,13 +87,8 @@ def write_ema_exports(trainer: Any, models: ModelSet, ckpt: Path, folder: Path, 
     files: list[str] = []
     with ema_weights_in(models, ckpt):
         if lora:
-            ema_info_for = {**info, "weights": "ema"}
-            if ec.wants("diffusers"):
-                files.append(write_diffusers_lora(trainer.pipeline_class(), denoiser, models[denoiser], folder,
-                                                  ema_info_for, file_name=DIFFUSERS_EMA_FILE).name)
-            if ec.wants("kohya"):
-                files.append(write_kohya_lora(denoiser, models[denoiser], folder, ema_info_for,
-                                              file_name=KOHYA_EMA_FILE).name)
+            files += write_lora_files(trainer, trainer.pipeline_class(), denoiser, models[denoiser], folder,
+                                      {**info, "weights": "ema"}, ec, ema=True)
         else:
             models[denoiser].save_pretrained(str(folder / FULL_EMA_DIR / denoiser), safe_serialization=True)
     if not lora:

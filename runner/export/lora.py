@@ -16,12 +16,17 @@ Two layouts of the same weights:
   (``lora_unet_double_blocks_*`` with fused qkv), whose diffusers reader assumes the full-size
   FLUX.1 widths, so it could not be checked on the tiny models the tests build.
 
-Both files carry the same plain metadata: rank, alpha, target modules, base model, preset, step
+* **comfy** (ComfyUI and Forge at the trained strength, every family): the kohya file where that is
+  the layout ComfyUI maps (U-Nets, Flux), else ``lora_comfy.safetensors`` in the family's ComfyUI
+  layout (SD3.5, Qwen-Image, Wan; runner/export/comfy.py).
+
+Every file carries the same plain metadata: rank, alpha, target modules, base model, preset, step
 (and kohya's ``ss_network_*`` keys, which the UIs show).
 """
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +34,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
+
+from runner.export.comfy import COMFY_EMA_FILE, COMFY_FILE, LAYOUTS, comfy_state_dict
+from runner.export.config import ExportConfig
+
+log = logging.getLogger(__name__)
 
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"
 KOHYA_FILE = "lora_kohya.safetensors"
@@ -138,3 +148,38 @@ def write_kohya_lora(denoiser: str, module: nn.Module, folder: Path, info: dict[
     path = folder / file_name
     save_file(state, str(path), metadata={"format": "pt", **lora_metadata(config, info)})
     return path
+
+
+def write_comfy_lora(layout_name: str, module: nn.Module, folder: Path, info: dict[str, Any],
+                     file_name: str = COMFY_FILE) -> Path:
+    """``folder/lora_comfy.safetensors``: the family's ComfyUI layout with ``.alpha`` (runner/export/comfy.py)."""
+    config = adapter_config(module)
+    state = comfy_state_dict(lora_state_dict(module), LAYOUTS[layout_name], float(config.lora_alpha))
+    path = folder / file_name
+    save_file(state, str(path), metadata={"format": "pt", **lora_metadata(config, info)})
+    return path
+
+
+def write_lora_files(trainer: Any, pipeline_class: type, denoiser: str, module: nn.Module, folder: Path,
+                     info: dict[str, Any], ec: ExportConfig, ema: bool = False) -> list[str]:
+    """The LoRA files ``export.lora_format`` asks for, of ``module``'s adapter (``ema``: the
+    ``*_ema`` names); the names written, diffusers, kohya, comfy in that order.
+
+    The comfy format is the kohya file where the family's ComfyUI layout is kohya's
+    (``trainer.comfy_layout``, default ``kohya``): one file, not two with the same bytes."""
+    names = (DIFFUSERS_EMA_FILE, KOHYA_EMA_FILE, COMFY_EMA_FILE) if ema else (DIFFUSERS_FILE, KOHYA_FILE, COMFY_FILE)
+    layout_name = str(getattr(trainer, "comfy_layout", "kohya"))
+    separate = LAYOUTS[layout_name].separate
+    kohya_ok = bool(getattr(trainer, "kohya_lora", True))
+    files: list[str] = []
+    if ec.wants("diffusers"):
+        files.append(write_diffusers_lora(pipeline_class, denoiser, module, folder, info, file_name=names[0]).name)
+    if kohya_ok and (ec.wants("kohya") or (ec.wants("comfy") and not separate)):
+        files.append(write_kohya_lora(denoiser, module, folder, info, file_name=names[1]).name)
+    if separate and ec.wants("comfy"):
+        files.append(write_comfy_lora(layout_name, module, folder, info, file_name=names[2]).name)
+    if not kohya_ok and not separate and (ec.wants("kohya") or ec.wants("comfy")):
+        log.info("export: no kohya-layout or ComfyUI file for %s: diffusers has no converter that reads one back "
+                 "for %s and it has no ComfyUI layout (comfy_layout), so it could not be checked to load; the "
+                 "diffusers file is the export", type(trainer).__qualname__, pipeline_class.__name__)
+    return files

@@ -29,6 +29,7 @@ from torch import nn
 
 from runner.blocks import find_repeated_blocks
 from runner.errors import UserError, valid_list
+from runner.export.comfy import check_comfy_targets
 from runner.loss.objectives import check_objective, loss_config
 from runner.trainer import Batch, EncodePart, ModelSet
 from runner.trainers.cache_keys import CacheKeys
@@ -91,6 +92,7 @@ class DiffusersTrainer(CacheKeys):
     resolution_multiple: int = 8  # data.resolution must be a multiple (VAE factor x latent packing)
     kohya_lora: bool = True  # whether diffusers reads a kohya-layout LoRA of this family back (runner/export/)
     kohya_base_model_version: str | None = None  # kohya's ss_base_model_version of this family's LoRAs
+    comfy_layout: str = "kohya"  # the LoRA key layout ComfyUI maps for this family (runner/export/comfy.py LAYOUTS)
 
     def __init__(self, cfg: Any, run: Any = None) -> None:
         """``run``: the :class:`~runner.resolved.ResolvedRun`, whose dtypes win over the config's
@@ -125,8 +127,9 @@ class DiffusersTrainer(CacheKeys):
         export = cfg.get("export") if hasattr(cfg, "get") else None
         if export is not None and str(export.get("lora_format", "both")) == "kohya" and not self.kohya_lora:
             raise UserError(f"export.lora_format=kohya: diffusers cannot read a kohya-layout {name} LoRA back, so the "
-                            "runner does not write one. Use export.lora_format=diffusers (or both: the diffusers "
-                            "file alone is written).")
+                            "runner does not write one. Use export.lora_format=comfy (lora_comfy.safetensors, the "
+                            "layout ComfyUI and Forge load at the trained strength), diffusers, or both (the "
+                            "default: diffusers + comfy).")
         res, k = self.resolution(), self.resolution_multiple
         if res <= 0 or res % k:
             raise UserError(f"data.resolution={res} is not usable for {name}: it must be a positive multiple of {k} "
@@ -274,6 +277,7 @@ class DiffusersTrainer(CacheKeys):
             modules[name] = module
         if not full:
             attach_lora(modules[self.denoiser], m.lora_rank, m.lora_alpha, list(m.lora_targets), self.train_dtype)
+            check_comfy_targets(self.cfg, self.comfy_layout, modules[self.denoiser], self.display_name or type(self).__name__)
             modules[self.denoiser].train()
         models = ModelSet(modules=modules, trained={self.denoiser}, dtypes_applied=True)
         models.blocks = self.repeated_blocks(models)

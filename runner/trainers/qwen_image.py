@@ -81,7 +81,8 @@ class QwenImageTrainer(FlowMatchTrainer):
     Config = QwenImageTrainerConfig
     denoiser = "transformer"
     display_name = "Qwen-Image"
-    kohya_lora = False  # diffusers reads back only its own layout for Qwen-Image: the diffusers file is exported
+    kohya_lora = False  # no kohya layout for Qwen-Image: the diffusers file, and the ComfyUI one below
+    comfy_layout = "qwen_image"  # ComfyUI's LoRA keys for the family: lora_comfy.safetensors (runner/export/comfy.py)
 
     def __init__(self, cfg: Any, run: Any = None) -> None:
         super().__init__(cfg, run)

@@ -47,9 +47,10 @@ class SD35Trainer(FlowMatchTrainer):
     display_name = "SD3.5"
     default_timestep_shift = "fixed"  # SD3's shift 3.0 (loss.shift), as its scheduler and diffusers' scripts
     # diffusers (0.42) reads no kohya-layout SD3 LoRA back (SD3LoraLoaderMixin has no converter), so
-    # only the diffusers file is exported; ComfyUI and Forge load that one for SD3.5.
+    # export.lora_format=kohya is refused; the same layout is written as the ComfyUI file instead.
     kohya_lora = False
     kohya_base_model_version = "sd3"
+    comfy_layout = "sd3"  # ComfyUI's LoRA keys for the family: lora_comfy.safetensors (runner/export/comfy.py)
 
     def __init__(self, cfg: Any, run: Any = None) -> None:
         self.variant = str(cfg.trainer.get("variant", "large"))

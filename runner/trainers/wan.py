@@ -63,7 +63,8 @@ class WanTrainer(FlowMatchTrainer):
     Config = WanTrainerConfig
     denoiser = "transformer"
     display_name = "Wan"
-    kohya_lora = False  # ComfyUI/musubi Wan LoRAs use the original module names; the diffusers file is exported
+    kohya_lora = False  # ComfyUI/musubi Wan LoRAs use the original module names: the ComfyUI file below has them
+    comfy_layout = "wan"  # ComfyUI's LoRA keys for the family: lora_comfy.safetensors (runner/export/comfy.py)
     default_timestep_shift = "fixed"
 
     def __init__(self, cfg: Any, run: Any = None) -> None:
