@@ -24,8 +24,10 @@ The model, per phase (encode, forward, backward, optimizer; times the micro-batc
   the device, or on the host for parameters whose step runs there (``offload=optimizer``,
   streamed full fine-tune). With fused backward the same update runs inside backward.
 
-What the GPU figures assume (no GPU was lent to calibrate them; bench/step_time.py compares on
-one when it is): the efficiencies below. The CPU figures are measured on the machine that plans.
+What the GPU figures assume: the efficiencies below (not calibrated: 3 steps of a whole run do not
+separate them), and a host cost per op fitted to an H200 machine's measured steps (HOST_OP_S;
+docs/benchmarks.md, "GPU truth", has the rows and their ratios). The CPU figures are measured on
+the machine that plans.
 """
 from __future__ import annotations
 
@@ -43,7 +45,11 @@ CONV_EFFICIENCY = 0.45  # cuDNN convolutions of a U-Net's shapes (NCHW, with nor
 MEMORY_EFFICIENCY = 0.80  # elementwise and normalisation kernels reach ~80 % of DRAM bandwidth
 PCIE_EFFICIENCY = 0.80  # pinned copies reach ~80 % of the link (25 of 31.5 GB/s on PCIe Gen4 x16)
 KERNEL_FLOOR_S = 3e-6  # launch and ramp of the smallest kernel
-HOST_OP_S = 12e-6  # eager PyTorch's host time per dispatched op (Python, dispatcher, autograd) on a desktop CPU
+# Eager PyTorch's host time per dispatched op (Python, dispatcher, autograd), fitted to the steps an
+# H200 machine measured (bench/gpu_calibrate.py over bench/results/gpu_truth_2026-11-27_h200: 12 us,
+# assumed before, predicted those steps 1.25-3.3x too fast; 27 us leaves 0.56-1.46x). A desktop CPU
+# with a faster core dispatches faster than that server's.
+HOST_OP_S = 27e-6
 HOST_GBPS = 20.0  # host memory bandwidth for host-side work on a GPU machine (optimizer steps on the CPU)
 HOST_GFLOPS = 200.0
 

@@ -215,3 +215,20 @@ def test_the_cpu_calibration_is_measured_once_and_cached(tmp_path, monkeypatch):
     assert all(first[k] > 0 for k in ("matmul_fp32_flops", "conv_fp32_flops", "bytes_per_s", "op_s"))
     plan = plan_step(compose("train.device=cpu"))
     assert plan.step_time["device"].startswith("this CPU") and "measured" in plan.step_time["source"]
+
+
+@pytest.mark.parametrize("overrides", [["device.name=h200"], ["device.name=h200", "offload=stream",
+                                                              "model.train=full"], ["train.device=cpu"]])
+def test_a_plans_detail_recomputes_its_own_prediction(overrides):
+    """bench/gpu_calibrate.py refits the host cost per op from a plan's step_time.detail alone: that
+    detail must hold everything the prediction used (GPU, streamed copies, and the CPU's serial
+    model), and a larger host cost can only lengthen the step."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from gpu_calibrate import phase_seconds
+
+    st = plan_step(compose("mode=plan", *overrides)).step_time
+    own = st["detail"]["rates"]["host_op_s"]
+    assert phase_seconds(st, own) == pytest.approx(st["seconds"], rel=1e-4)
+    assert phase_seconds(st, 2 * own) > phase_seconds(st, own)
