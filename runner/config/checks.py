@@ -16,6 +16,7 @@ Two stages, so that a config error answers at once:
 """
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -84,6 +85,9 @@ _CHECKED: dict[str, CheckedRun] = {}
 
 def _config_key(cfg: DictConfig) -> str:
     return OmegaConf.to_yaml(cfg, resolve=False)
+
+
+log = logging.getLogger("runner")
 
 
 def validate(cfg: DictConfig) -> CheckedRun:
@@ -167,6 +171,7 @@ def check_run(cfg: DictConfig, keep: bool = True) -> CheckedRun:
     if cfg.mode == "train":  # a data.path folder (or data.sets) is scanned and checked now, not after the model build
         check_dataset(cfg.data, video=trainer_video_defaults(cfg))  # a video trainer's folder is read as clips
     run = resolve_for_mode(cfg)
+    check_budget_fits_card(cfg, run)
     validate_dist(cfg, run.dist)  # dist=ddp|fsdp: batch split, refused combinations (runner/dist/config.py)
     validate_optimizer(cfg, run)
     check_fused_backward(cfg, run, [(k, n) for k, n, _ in registry.selected(cfg)])
@@ -174,6 +179,31 @@ def check_run(cfg: DictConfig, keep: bool = True) -> CheckedRun:
     if keep:
         _CHECKED[_config_key(cfg)] = checked
     return checked
+
+
+def check_budget_fits_card(cfg: DictConfig, run: ResolvedRun) -> None:
+    """``budget_gb`` above what the card gives a process is said once, here, before anything is
+    built: a named card (``device.name``) plans and caps at its usable memory instead (resolve), and
+    a real GPU cannot hold more than it has, whatever the budget says. A warning, not a refusal:
+    ``+preset=sdxl_24gb device.name=rtx4090`` (24 GB presets on a 24 GB card) is what users type."""
+    budget = cfg.get("budget_gb")
+    if budget is None:
+        return
+    asked, gib = float(budget), 2**30
+    if run.gpu is not None and asked > run.gpu.usable_gib:
+        log.warning("budget_gb=%g is more than %s gives a training process (device.name=%s: usable_gib %g of "
+                    "memory_gib %g in conf/devices.yaml): the plan and its fit check use %g GiB. Set budget_gb to "
+                    "at most %g, or leave it unset for the card's usable memory.", asked, run.gpu.label,
+                    run.gpu.name, run.gpu.usable_gib, run.gpu.memory_gib, run.gpu.usable_gib, run.gpu.usable_gib)
+    elif run.gpu is None and run.device.type == "cuda":
+        from runner.memory.stats import device_total_bytes
+
+        total = device_total_bytes(run.device) / gib
+        if asked > total:
+            log.warning("budget_gb=%g is more than this GPU has (%.1f GiB): the run can use at most that, and "
+                        "allocator.default.cap_to_budget caps at the whole card. Set budget_gb to at most %.1f, or "
+                        "name the card with device.name=<key of conf/devices.yaml> to plan for its usable memory.",
+                        asked, total, total)
 
 
 def _check_loss_objective(cfg: DictConfig) -> None:

@@ -166,6 +166,21 @@ def test_a_named_device_sets_and_caps_the_budget():
     assert resolve(compose("mode=plan"), target="cuda").gpu is None  # no name: no budget default, as before
 
 
+def test_a_budget_above_the_named_card_is_said_once_before_anything_is_built(caplog):
+    """budget_gb above the card's usable memory is capped (above) and the user is told, naming the
+    key and the largest valid value; a budget within the card says nothing."""
+    from runner.config.checks import check_run
+
+    with caplog.at_level("WARNING", logger="runner"):
+        validate(compose_config(["device.name=rtx4080", "budget_gb=24", "mode=plan"]))  # both stages, once
+    said = [r.getMessage() for r in caplog.records if "budget_gb=24" in r.getMessage()]
+    assert len(said) == 1 and "usable_gib 15.4" in said[0] and "at most 15.4" in said[0], said
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="runner"):
+        check_run(compose_config(["device.name=rtx4080", "budget_gb=10", "mode=plan"]), keep=False)
+    assert not [r for r in caplog.records if "budget_gb" in r.getMessage()]
+
+
 def test_a_users_own_gpu_from_a_yaml_file_and_single_field_overrides(tmp_path):
     mine = tmp_path / "my_gpu.yaml"
     mine.write_text(yaml.safe_dump({"name": "my_gpu", "label": "My GPU", **{f: 10.0 for f in FIELDS}}))
