@@ -55,9 +55,10 @@ Contract for plugins (what ``ctx.simulate`` means)
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +122,24 @@ def _trainer_of(cfg: Any) -> Any:
         return None
 
 
+class _DropInfo(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING
+
+
+@contextlib.contextmanager
+def _said_by_the_run() -> Iterator[None]:
+    """The plugins' INFO lines while the preflight applies them to the simulated step ("stream: ...",
+    "park: ...", "checkpoint: ..."): the run applies the same plugins right after and says the same
+    lines, so a log showed each twice. Warnings still pass (a refusal or a problem the plan found)."""
+    quiet = _DropInfo()
+    log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        log.removeFilter(quiet)
+
+
 def preflight(cfg: Any, run: ResolvedRun, trainer: Any, out: Path) -> Plan | None:
     """Plan the run about to start (``run``, as resolved), at its configured size.
 
@@ -134,7 +153,8 @@ def preflight(cfg: Any, run: ResolvedRun, trainer: Any, out: Path) -> Plan | Non
     if not bool(cfg.train.get("preflight", True)):
         return None
     try:
-        plan = plan_step(cfg, trainer, run=run)
+        with _said_by_the_run():
+            plan = plan_step(cfg, trainer, run=run)
     except (UserError, KeyboardInterrupt):
         raise
     except Exception as e:  # noqa: BLE001 - see the docstring

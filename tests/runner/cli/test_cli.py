@@ -216,3 +216,18 @@ def test_planning_commands_end_without_teardown_with_every_output_complete(tmp_p
     assert summary["exit_code"] == 3
     listed = cli("mode=plugins")
     assert listed.returncode == 0 and listed.stdout.rstrip().endswith("by its own norm")
+
+
+def test_a_run_says_each_plugin_line_once(tmp_path):
+    """The preflight applies the run's plugins to its simulated step, and the run applies them again:
+    the plugins' INFO lines ("park: ...", "stream: ...", "checkpoint: ...") come once, from the run."""
+    import collections
+
+    r = cli("+preset=sdxl_24gb", "model.size=tiny", "train.steps=1", "offload=[park,stream]",
+            f"output_dir={tmp_path}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = [line.split("] - ", 1)[1] for line in (r.stdout + r.stderr).splitlines() if "[runner][INFO] - " in line]
+    plugin_lines = [line for line in lines if line.startswith(("park:", "stream:", "checkpoint:"))]
+    assert {line.split(":")[0] for line in plugin_lines} == {"park", "stream", "checkpoint"}, lines
+    twice = [line for line, n in collections.Counter(lines).items() if n > 1]
+    assert not twice, twice
