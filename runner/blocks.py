@@ -54,7 +54,8 @@ def find_repeated_blocks(model: nn.Module) -> list[nn.Module]:
        ``BasicTransformerBlock``, which would leave the resnets (most of a U-Net's activation
        memory) outside every block;
     2. the class names the model declares in ``_repeated_blocks`` / ``_no_split_modules`` (Flux's
-       two block classes, SD3's, Wan's);
+       two block classes, SD3's, Wan's), where they sit in an ``nn.ModuleList`` (``_no_split_modules``
+       also names one-off modules, such as PixArt's ``PatchEmbed``);
     3. the children of its block lists (:data:`BLOCK_LISTS`: a diffusers ``DiTTransformer2DModel``
        declares nothing but has ``transformer_blocks``);
     4. the children of every ``nn.ModuleList`` (any other model).
@@ -76,6 +77,9 @@ def find_repeated_blocks(model: nn.Module) -> list[nn.Module]:
         return outermost(base, lambda m: id(m) in wanted)
     names = _declared_names(base)
     found = outermost(base, lambda m: type(m).__name__ in names) if names else []
+    # _no_split_modules also lists one-off modules (PixArt's PatchEmbed): a block sits in a list of blocks.
+    listed = {id(child) for m in base.modules() if isinstance(m, nn.ModuleList) for child in m}
+    found = [m for m in found if id(m) in listed]
     if found:
         return found
     lists = {id(child) for attr in BLOCK_LISTS

@@ -5,6 +5,7 @@ import torch
 from diffusers import (
     DiTTransformer2DModel,
     FluxTransformer2DModel,
+    PixArtTransformer2DModel,
     UNet2DConditionModel,
     WanTransformer3DModel,
 )
@@ -34,6 +35,16 @@ def test_dit_flux_and_wan_blocks_are_their_block_lists():
     assert find_repeated_blocks(dit) == list(dit.transformer_blocks)
     assert find_repeated_blocks(flux) == [*flux.transformer_blocks, *flux.single_transformer_blocks]
     assert find_repeated_blocks(wan) == list(wan.blocks)
+
+
+def test_a_one_off_module_the_model_declares_is_not_a_block():
+    """PixArt lists PatchEmbed beside BasicTransformerBlock in _no_split_modules; it occurs once."""
+    assert "PatchEmbed" in PixArtTransformer2DModel._no_split_modules
+    with torch.device("meta"):
+        pixart = PixArtTransformer2DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8,
+                                          num_layers=3, sample_size=8, patch_size=2, cross_attention_dim=16,
+                                          caption_channels=16)
+    assert find_repeated_blocks(pixart) == list(pixart.transformer_blocks)
 
 
 def test_any_model_falls_back_to_its_module_lists():
