@@ -131,7 +131,16 @@ def storage_error(error: OSError, what: str, path: str | os.PathLike[str] | None
     where = Path(error.filename if error.filename else path if path is not None else ".")
     reason = _REASONS.get(error.errno or -1, error.strerror or str(error))
     text = f"{what} failed: {reason} ({where})."
-    if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+    if error.errno == errno.EFBIG:  # the process's file-size limit, not the disk: free space would not help
+        import resource  # POSIX only, like EFBIG from a ulimit
+
+        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft / 2**20:.1f} MiB"
+        text += (f" This process may write files of at most {limit} (`ulimit -f`, in 1024-byte blocks)"
+                 + (f" and this one needs about {needed_bytes / 2**20:.1f} MiB" if needed_bytes is not None else "")
+                 + ". Raise the limit (`ulimit -f unlimited` in the shell that starts the run, or the job "
+                 "scheduler's file-size limit) and run again.")
+    elif error.errno in (errno.ENOSPC, errno.EDQUOT):
         free = _free_bytes(where)
         if needed_bytes is not None:
             text += f" It needs about {needed_bytes / 2**20:.1f} MiB"

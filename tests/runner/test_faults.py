@@ -172,6 +172,28 @@ def test_a_full_disk_while_saving_is_one_message_and_leaves_nothing_behind(tmp_p
     assert s["status"] == "io_error" and s["exit_code"] == 5 and s["steps_done"] == 2
 
 
+def test_a_file_size_limit_is_named_as_the_limit_not_a_full_disk(tmp_path):
+    """`ulimit -f` (a real RLIMIT_FSIZE on the child; Python ignores SIGXFSZ, so the write gets EFBIG):
+    the checkpoint save fails with one message that names the limit and how to raise it, not "free
+    some space", and the run's summary is still written (it is smaller than the limit)."""
+    import resource
+
+    out = tmp_path / "run"
+    limit = 2 * 2**20  # the tiny default's checkpoint is larger; its logs and summary are not
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    cmd = [sys.executable, "-m", "runner", f"output_dir={out}", *COMMON, "train.steps=1"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, preexec_fn=small_files)
+    assert r.returncode == 5, r.stderr[-3000:]
+    assert "Traceback" not in r.stdout + r.stderr
+    assert "the file grew past the size limit (ulimit -f)" in r.stderr and "at most 2.0 MiB" in r.stderr
+    assert "Raise the limit" in r.stderr and "Free some space" not in r.stderr
+    assert summary(out)["status"] == "io_error"
+
+
 @needs_faults
 def test_a_full_output_folder_still_ends_in_one_message(tmp_path):
     out = tmp_path / "tiny"  # too small for the checkpoint, and then for job_summary.json too
