@@ -194,54 +194,66 @@ def resolve_distribution(cfg: Any, planning: bool) -> DistSpec:
 
 
 def validate_dist(cfg: Any, spec: DistSpec) -> None:
-    """Value checks and refused combinations (module docstring), before anything is built."""
+    """Value checks and refused combinations (module docstring), before anything is built: every
+    conflict at once, so a command that breaks three rules is not refused three times."""
+    problems = _dist_problems(cfg, spec)
+    if len(problems) == 1:
+        raise UserError(problems[0])
+    if problems:
+        raise UserError(f"{len(problems)} settings cannot be combined with dist={spec.name} as given; all of them:\n"
+                        + "\n".join(f"  {i}. {p}" for i, p in enumerate(problems, 1)))
+
+
+def _dist_problems(cfg: Any, spec: DistSpec) -> list[str]:
+    """Every refusal of :func:`validate_dist`, in the order they were checked one by one before."""
+    problems: list[str] = []
     node = _node(cfg)
     get = (lambda k, d: node.get(k, d)) if hasattr(node, "get") else (lambda k, d: getattr(node, k, d))
     if spec.name == "fsdp":
         strategy = str(get("sharding_strategy", "full_shard"))
         if strategy not in SHARDING_STRATEGIES:
-            raise UserError(f"dist.sharding_strategy={strategy!r} is not valid. "
+            problems.append(f"dist.sharding_strategy={strategy!r} is not valid. "
                             f"Valid values: {valid_list(strategy, SHARDING_STRATEGIES)}.")
     if spec.name == "ddp" and float(get("bucket_mb", 25.0)) <= 0:
-        raise UserError(f"dist.bucket_mb={get('bucket_mb', 25.0)!r} is not valid: it must be a number > 0 (MiB).")
+        problems.append(f"dist.bucket_mb={get('bucket_mb', 25.0)!r} is not valid: it must be a number > 0 (MiB).")
     if spec.world_size <= 1 or spec.name == "none":
-        return
+        return problems
     train = cfg.train
     share = spec.world_size * int(train.grad_accum)
     if int(train.batch_size) % share:
-        raise UserError(
+        problems.append(
             f"train.batch_size={train.batch_size} does not split evenly over {spec.world_size} ranks x "
             f"train.grad_accum={train.grad_accum}: every rank takes the same share of each step's global batch. "
             f"Use a multiple of {share} (e.g. train.batch_size={share * max(1, int(train.batch_size) // share)}), "
             "or change train.grad_accum.")
-    _refuse_single_process_features(cfg, spec)
+    problems += _refuse_single_process_features(cfg, spec)
     offload = cfg.get("offload") or {}
     opt_offload = offload.get("optimizer") if hasattr(offload, "get") else None
     if opt_offload is not None and bool(opt_offload.get("offload_gradients", False)):
-        raise UserError(
+        problems.append(
             f"dist={spec.name} and offload.optimizer.offload_gradients=true cannot be combined: gradients would leave "
             "the device during backward, before the ranks have averaged them. Set "
             "offload.optimizer.offload_gradients=false (the optimizer step stays on the host).")
     if opt_offload is not None and str(opt_offload.get("implementation", "auto")) == "torchao":
-        raise UserError(
+        problems.append(
             f"dist={spec.name} and offload.optimizer.implementation=torchao cannot be combined: torchao copies each "
             "gradient to the host during backward, before the ranks have averaged them. Use "
             "offload.optimizer.implementation=builtin (or auto, which picks it with several processes).")
-    if "stream" in offload:
-        if spec.name == "fsdp":
-            raise UserError(
-                "dist=fsdp and offload=stream cannot be combined: offload=stream copies each block's weights in from "
-                "host memory per call, while FSDP shards the same weights across ranks and all-gathers them itself. "
-                "Use dist=fsdp dist.cpu_offload=true (sharded weights on the host): each GPU then holds only the "
-                "blocks being computed.")
-        raise UserError(
+    if "stream" in offload and spec.name == "fsdp":
+        problems.append(
+            "dist=fsdp and offload=stream cannot be combined: offload=stream copies each block's weights in from "
+            "host memory per call, while FSDP shards the same weights across ranks and all-gathers them itself. "
+            "Use dist=fsdp dist.cpu_offload=true (sharded weights on the host): each GPU then holds only the "
+            "blocks being computed.")
+    elif "stream" in offload:
+        problems.append(
             "dist=ddp and offload=stream cannot be combined yet: a streamed block's weights (and, in a full "
             "fine-tune, its gradients) live in host memory outside their calls, where DDP's gradient buckets cannot "
             "average them. Use dist=fsdp dist.cpu_offload=true, which keeps the shards on the host the same way.")
     if spec.name != "fsdp":
-        return
+        return problems
     if opt_offload is not None:
-        raise UserError(
+        problems.append(
             "dist=fsdp and offload=optimizer cannot be combined: offload=optimizer keeps full host copies of the "
             "weights it steps, FSDP keeps them sharded across ranks. Use dist.cpu_offload=true (FSDP steps its "
             "sharded weights on the host), or dist=ddp with offload=optimizer.")
@@ -249,34 +261,37 @@ def validate_dist(cfg: Any, spec: DistSpec) -> None:
     if optimizer not in FSDP_OPTIMIZERS:
         why = ("bitsandbytes' 8-bit kernels take whole tensors" if "8bit" in optimizer else
                "its update mixes FSDP's sharded parameters with plain tensors")
-        raise UserError(
+        problems.append(
             f"dist=fsdp and optimizer={optimizer} cannot be combined: {why}, not FSDP's sharded parameters. Use "
             "optimizer=adamw (its state is sharded too; model.train_dtype=bfloat16 halves it), or dist=ddp with "
             f"optimizer={optimizer}.")
+    return problems
 
 
-def _refuse_single_process_features(cfg: Any, spec: DistSpec) -> None:
+def _refuse_single_process_features(cfg: Any, spec: DistSpec) -> list[str]:
     """Features built for one process that no multi-process test covers yet: refused by name, not
     run untested (the EMA and the validation pass would run on every rank; fused backward steps
     each parameter before the ranks have averaged its gradient)."""
+    problems: list[str] = []
     opt = cfg.get("optimizer") or {}
     if bool(opt.get("fused_backward", False)):
-        raise UserError(
+        problems.append(
             f"dist={spec.name} and optimizer.fused_backward=true cannot be combined: fused backward steps each "
             "parameter as soon as its gradient exists, before the ranks have averaged it. Set "
             "optimizer.fused_backward=false (dist=fsdp already frees each rank's full gradients by sharding them).")
     if bool(cfg.train.get("auto_fit", False)):
-        raise UserError(
+        problems.append(
             f"dist={spec.name} and train.auto_fit=true cannot be combined: the settings search plans one process. "
             "Run mode=fit once (one process), then launch the ranks with +preset=fit.")
     ema = cfg.get("ema") or {}
     if bool(ema.get("enabled", False)):
-        raise UserError(
+        problems.append(
             f"dist={spec.name} and ema.enabled=true cannot be combined yet: the EMA copy is kept and saved by one "
             "process (runner/ema/average.py). Train with one process to keep an EMA, or set ema.enabled=false.")
     data = cfg.get("data") or {}
     if float(data.get("val_fraction", 0.0) or 0.0) > 0 or data.get("val_path") is not None:
-        raise UserError(
+        problems.append(
             f"dist={spec.name} and a validation loss (data.val_fraction / data.val_path) cannot be combined yet: the "
             "held-out pass is evaluated by one process (runner/val/holdout.py). Unset data.val_fraction and "
             "data.val_path for a multi-process run.")
+    return problems

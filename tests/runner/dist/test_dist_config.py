@@ -83,6 +83,19 @@ def test_one_process_features_are_refused_by_name_with_several(kind, extra, need
     validate(compose_config(["mode=plan", "train.batch_size=4", *extra]))  # one process: accepted
 
 
+def test_every_conflict_with_dist_is_listed_at_once():
+    """A dist=fsdp command that breaks three rules learns all three from one refusal, each with its fix."""
+    cfg = compose_config(["mode=plan", "dist=fsdp", "dist.world_size=2", "train.batch_size=3", "ema.enabled=true",
+                          "optimizer=adamw8bit"])
+    with pytest.raises(UserError) as e:
+        validate(cfg)
+    text = str(e.value)
+    assert text.startswith("3 settings cannot be combined with dist=fsdp as given; all of them:"), text
+    for n, needle in enumerate(["train.batch_size=3 does not split evenly", "ema.enabled=true cannot be combined",
+                                "optimizer=adamw8bit cannot be combined"], 1):
+        assert f"\n  {n}. " in text and needle in text.split(f"\n  {n}. ")[1].split("\n")[0], (n, text)
+
+
 def test_a_launch_with_another_world_size_than_configured_is_refused(launched):
     launched(world=2, rank=0)
     with pytest.raises(UserError, match=r"dist.world_size=4, but this run was launched with 2 processes"):
