@@ -20,7 +20,6 @@ CPU; we decode on the run's device, with the VAE brought there only for the deco
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from typing import Any, Callable
@@ -29,6 +28,7 @@ import torch
 from torch import nn
 
 from runner.trainer import ModelSet
+from runner.trainers.loading import pipeline_class
 
 VaeOnDevice = Callable[[], AbstractContextManager[None]]
 
@@ -38,24 +38,8 @@ FLUX_SCHEDULER = dict(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_
                       base_image_seq_len=256, max_image_seq_len=4096)
 
 
-@functools.lru_cache(maxsize=None)
-def quiet_import(name: str) -> type:
-    """A diffusers pipeline class, imported with transformers' logging at error level (the
-    pipelines import image processors that warn about a missing torchvision; sampling uses none)."""
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        import diffusers
-
-        return getattr(diffusers, name)
-    finally:
-        hf_logging.set_verbosity(level)
-
-
 def _quiet_pipelines() -> tuple[type, type]:
-    return quiet_import("StableDiffusionXLPipeline"), quiet_import("FluxPipeline")
+    return pipeline_class("StableDiffusionXLPipeline"), pipeline_class("FluxPipeline")
 
 
 def _folder_scheduler(trainer: Any, cls: type) -> Any | None:
@@ -186,7 +170,7 @@ class SD15Sampling(SDXLSampling):
                  steps: int, guidance: float, resolution: int, generator: torch.Generator,
                  device: torch.device, vae_on_device: VaeOnDevice) -> Any:
         vae = modules["vae"]
-        pipe = quiet_import("StableDiffusionPipeline")(
+        pipe = pipeline_class("StableDiffusionPipeline")(
             vae=vae, text_encoder=None, tokenizer=None, unet=modules["unet"], scheduler=self.scheduler(trainer),
             safety_checker=None, feature_extractor=None, requires_safety_checker=False)
         pipe.set_progress_bar_config(disable=True)
@@ -229,7 +213,7 @@ class SD3Sampling:
                  steps: int, guidance: float, resolution: int, generator: torch.Generator,
                  device: torch.device, vae_on_device: VaeOnDevice) -> Any:
         vae = modules["vae"]
-        pipe = quiet_import("StableDiffusion3Pipeline")(
+        pipe = pipeline_class("StableDiffusion3Pipeline")(
             transformer=modules["transformer"], scheduler=self.scheduler(trainer), vae=vae, text_encoder=None,
             tokenizer=None, text_encoder_2=None, tokenizer_2=None, text_encoder_3=None, tokenizer_3=None)
         latents = _pooled_embeds_latents(pipe, cond, negative, device, steps=steps, guidance=guidance,

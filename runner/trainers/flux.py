@@ -14,7 +14,6 @@ scripts train); ``loss.timestep_sampling``, ``loss.timestep_shift`` (``resolutio
 """
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -23,37 +22,18 @@ from runner.trainer import Batch, ModelSet, batch_device
 from runner.trainers import model_configs
 from runner.trainers.configs import FluxTrainerConfig
 from runner.trainers.flow import FlowMatchTrainer
-from runner.trainers.loading import compute_dtype
+from runner.trainers.loading import compute_dtype, pipeline_class
 from runner.trainers.tokenizers import clip_tokenizer, t5_tokenizer, tokenize
-
-
-@functools.lru_cache(maxsize=1)
-def _flux_pipeline() -> type:
-    """diffusers' FluxPipeline class, for its packing helpers (the layout the model was trained on).
-
-    Importing the pipeline module makes transformers import image processors that warn about a
-    missing torchvision; the Flux trainer uses none, so the import runs with transformers'
-    logging at error level.
-    """
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
-    finally:
-        hf_logging.set_verbosity(level)
-    return FluxPipeline
 
 
 def _pack_latents(latents: torch.Tensor) -> torch.Tensor:
     b, c, h, w = latents.shape
-    return _flux_pipeline()._pack_latents(latents, b, c, h, w)
+    return pipeline_class("FluxPipeline")._pack_latents(latents, b, c, h, w)
 
 
 def _image_ids(h: int, w: int, device: torch.device) -> torch.Tensor:
     """2-D (tokens, 3) ids, as recent diffusers expects; float32 so large grids stay exact."""
-    return _flux_pipeline()._prepare_latent_image_ids(1, h // 2, w // 2, device, torch.float32)
+    return pipeline_class("FluxPipeline")._prepare_latent_image_ids(1, h // 2, w // 2, device, torch.float32)
 
 
 class FluxTrainer(FlowMatchTrainer):
@@ -90,7 +70,7 @@ class FluxTrainer(FlowMatchTrainer):
         return t5_tokenizer(model_configs.FLUX_T5_MAX_LENGTH[self.size])
 
     def pipeline_class(self) -> type:
-        return _flux_pipeline()
+        return pipeline_class("FluxPipeline")
 
     def inference_scheduler(self) -> Any:
         """black-forest-labs/FLUX.1-dev's scheduler/scheduler_config.json (resolution-dependent shift)."""

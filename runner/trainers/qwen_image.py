@@ -31,7 +31,6 @@ The timestep goes to the transformer as ``t`` in (0, 1), the pipeline's ``timest
 """
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -41,7 +40,7 @@ from runner.trainer import Batch, EncodePart, ModelSet, batch_device
 from runner.trainers import qwen_image_configs
 from runner.trainers.configs import QwenImageTrainerConfig
 from runner.trainers.flow import FlowMatchTrainer
-from runner.trainers.loading import compute_dtype
+from runner.trainers.loading import compute_dtype, pipeline_class
 from runner.trainers.tokenizers import qwen2_tokenizer
 
 # QwenImagePipeline.prompt_template_encode (diffusers 0.35+): the template the model was trained with.
@@ -53,19 +52,6 @@ MAX_PIPELINE_SEQUENCE_LENGTH = 1024  # QwenImagePipeline refuses longer
 
 
 
-@functools.lru_cache(maxsize=1)
-def _qwen_pipeline() -> type:
-    """diffusers' QwenImagePipeline, imported with transformers' logging at error level (it
-    imports image processors that warn about a missing torchvision)."""
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        from diffusers import QwenImagePipeline
-    finally:
-        hf_logging.set_verbosity(level)
-    return QwenImagePipeline
 
 
 def text_model(text_encoder: Any) -> Any:
@@ -111,7 +97,7 @@ class QwenImageTrainer(FlowMatchTrainer):
         return qwen2_tokenizer(MAX_PIPELINE_SEQUENCE_LENGTH + 64)
 
     def pipeline_class(self) -> type:
-        return _qwen_pipeline()
+        return pipeline_class("QwenImagePipeline")
 
     def inference_scheduler(self) -> Any:
         """Qwen/Qwen-Image's scheduler/scheduler_config.json: dynamic exponential shift up to 8192 tokens."""
@@ -173,7 +159,7 @@ class QwenImageTrainer(FlowMatchTrainer):
     def pack(self, latents: torch.Tensor) -> torch.Tensor:
         """2x2 latent patches as 64-wide tokens (``QwenImagePipeline._pack_latents``)."""
         b, c, h, w = latents.shape
-        return _qwen_pipeline()._pack_latents(latents, b, c, h, w)
+        return pipeline_class("QwenImagePipeline")._pack_latents(latents, b, c, h, w)
 
     def predict(self, models: ModelSet, noisy: torch.Tensor, timesteps: torch.Tensor, batch: Batch) -> torch.Tensor:
         transformer = models["transformer"]

@@ -28,7 +28,7 @@ from runner.trainer import Batch, EncodePart, ModelSet, batch_device
 from runner.trainers import model_configs
 from runner.trainers.configs import SD15_NATIVE_RESOLUTION, SD15TrainerConfig
 from runner.trainers.ddpm import NUM_TRAIN_TIMESTEPS, SD_NOISE_SCHEDULE, DDPMTrainer
-from runner.trainers.loading import compute_dtype
+from runner.trainers.loading import compute_dtype, pipeline_class
 from runner.trainers.tokenizers import clip_tokenizer, tokenize
 
 VARIANTS = ("sd15", "sd21")
@@ -80,9 +80,7 @@ class SD15Trainer(DDPMTrainer):
         }
 
     def pipeline_class(self) -> type:
-        from diffusers import StableDiffusionPipeline
-
-        return StableDiffusionPipeline
+        return pipeline_class("StableDiffusionPipeline")
 
     def pipeline_kwargs(self) -> dict[str, Any]:
         """No safety checker: the published folders ship one, but it is not part of what is trained."""

@@ -28,7 +28,7 @@ from runner.trainer import Batch, EncodePart, ModelSet, batch_device
 from runner.trainers import model_configs
 from runner.trainers.configs import SD35TrainerConfig
 from runner.trainers.flow import FlowMatchTrainer
-from runner.trainers.loading import compute_dtype
+from runner.trainers.loading import compute_dtype, pipeline_class
 from runner.trainers.tokenizers import clip_tokenizer, t5_tokenizer, tokenize
 
 VARIANTS = ("large", "medium")
@@ -87,9 +87,7 @@ class SD35Trainer(FlowMatchTrainer):
         }
 
     def pipeline_class(self) -> type:
-        from runner.sampling.families import quiet_import
-
-        return quiet_import("StableDiffusion3Pipeline")
+        return pipeline_class("StableDiffusion3Pipeline")
 
     def inference_scheduler(self) -> Any:
         """The published scheduler/scheduler_config.json: FlowMatchEulerDiscreteScheduler, shift 3.0."""

@@ -20,7 +20,7 @@ from runner.trainers import model_configs
 from runner.trainers.configs import SDXLTrainerConfig
 from runner.trainers.ddpm import NUM_TRAIN_TIMESTEPS, SD_NOISE_SCHEDULE, DDPMTrainer
 from runner.trainers.latents import vae_scale_factor
-from runner.trainers.loading import compute_dtype
+from runner.trainers.loading import compute_dtype, pipeline_class
 from runner.trainers.tokenizers import clip_tokenizer, tokenize
 
 
@@ -52,9 +52,7 @@ class SDXLTrainer(DDPMTrainer):
         return clip_tokenizer(model_configs.CLIP_MAX_LENGTH)
 
     def pipeline_class(self) -> type:
-        from diffusers import StableDiffusionXLPipeline
-
-        return StableDiffusionXLPipeline
+        return pipeline_class("StableDiffusionXLPipeline")
 
     def inference_scheduler(self) -> Any:
         """stabilityai/stable-diffusion-xl-base-1.0's scheduler/scheduler_config.json, with this

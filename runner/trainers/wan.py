@@ -25,7 +25,6 @@ pipeline feeds it its scheduler's timesteps.
 """
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -35,7 +34,7 @@ from runner.trainer import Batch, EncodePart, ModelSet, batch_device
 from runner.trainers import wan_configs
 from runner.trainers.configs import WanTrainerConfig
 from runner.trainers.flow import FlowMatchTrainer
-from runner.trainers.loading import compute_dtype
+from runner.trainers.loading import compute_dtype, pipeline_class
 from runner.trainers.qwen_image import latent_factor, normalize_per_channel
 from runner.trainers.tokenizers import t5_tokenizer
 
@@ -44,17 +43,6 @@ DEFAULT_FRAMES = {"tiny": 9, "full": 81}  # data.frames unset: 81 is Wan's nativ
 
 
 
-@functools.lru_cache(maxsize=1)
-def _wan_pipeline() -> type:
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        from diffusers import WanPipeline
-    finally:
-        hf_logging.set_verbosity(level)
-    return WanPipeline
 
 
 class WanTrainer(FlowMatchTrainer):
@@ -116,7 +104,7 @@ class WanTrainer(FlowMatchTrainer):
         return t5_tokenizer(self.max_sequence_length if hasattr(self, "max_sequence_length") else 512)
 
     def pipeline_class(self) -> type:
-        return _wan_pipeline()
+        return pipeline_class("WanPipeline")
 
     def pipeline_kwargs(self) -> dict[str, Any]:
         return {"expand_timesteps": bool(wan_configs.WAN_PIPELINE[self.variant]["expand_timesteps"])}
