@@ -59,6 +59,7 @@ class DataConfig:
     resolution: int = 64
     center_crop: bool = True
     random_flip: bool = False
+    masks: bool = False  # a loss mask per image: masks/<stem>.png, else <stem>_mask.png beside it (runner/data/masks.py)
     missing_caption: str = "error"  # error | empty (use an empty caption)
     demo_size: int = 16  # number of images (clips, for a video trainer) in the built-in demo set
     caption_ext: str = ".txt"  # extension of the caption file beside each image (kohya: --caption_extension)

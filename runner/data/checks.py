@@ -55,6 +55,13 @@ def _check_missing_caption(value: Any) -> str:
     )
 
 
+def _check_masks(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise UserError(f"data.masks={value!r} is not valid: give true (a loss mask per image, masks/<stem>.png or "
+                    "<stem>_mask.png beside it; runner/data/masks.py) or false (the whole image is trained).")
+
+
 SET_KEYS: tuple[str, ...] = ("path", "repeats", "weight", "caption_ext", "resolution")
 
 

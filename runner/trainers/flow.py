@@ -52,4 +52,7 @@ class FlowMatchTrainer(DiffusersTrainer):
         x_t = (1.0 - tt) * x0 + tt * noise
         target = self.pack(noise - x0)
         pred = self.predict(models, x_t, t, batch)
-        return diffusion_loss(pred, target, self.loss_options)
+        mask = batch.get("loss_mask")  # data.masks: [B, 1, h, w] on the latent grid, packed as the target is
+        if mask is not None:
+            mask = self.pack(mask.to(device).expand_as(x0).contiguous())
+        return diffusion_loss(pred, target, self.loss_options, mask=mask)

@@ -133,7 +133,7 @@ class QwenImageTrainer(FlowMatchTrainer):
 
     # -- encoding --------------------------------------------------------------------------------
     def encode_parts(self) -> dict[str, EncodePart]:
-        return {"latents": EncodePart(("vae",), ("pixel_values",)), "text": EncodePart(("text_encoder",), ("caption",))}
+        return {"latents": EncodePart(("vae",), self.image_inputs()), "text": EncodePart(("text_encoder",), ("caption",))}
 
     def template_tokens(self) -> int:
         """Tokens of the template before the caption, which the pipeline drops (34 for Qwen's own
