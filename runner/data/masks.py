@@ -26,6 +26,7 @@ start: masks are small single-channel files, so this costs far less than one tra
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -63,13 +64,11 @@ def _read(path: Path, key: str) -> Image.Image:
         with Image.open(path) as im:
             im.load()
             img = im.copy()
-    except Exception as e:  # PIL raises many types (OSError, SyntaxError ...)
+    except Exception as e:  # noqa: BLE001 - PIL raises many types (OSError, SyntaxError ...)
         raise UserError(f"{key}: cannot read mask {str(path)!r} ({str(e) or type(e).__name__}). Re-save it as a "
                         "grayscale PNG (black: not trained, white: trained) or remove data.masks=true.") from None
-    try:
+    with contextlib.suppress(Exception):  # a malformed EXIF block: the image itself ignores it too
         img = ImageOps.exif_transpose(img)
-    except Exception:  # a malformed EXIF block: the image itself ignores it too
-        pass
     if img.mode in ("I", "F") or img.mode.startswith("I;16"):
         arr = np.asarray(img, dtype=np.float64)
         top = float(arr.max()) if arr.size else 0.0
