@@ -42,13 +42,14 @@ from runner.data.captions import CaptionRules, caption_rules, check_cache_compat
 from runner.data.checks import (
     _check_bucket_settings,
     _check_caption_ext,
+    _check_demo_prior,
     _check_masks,
     _check_missing_caption,
     _check_resolution,
     _check_sets,
     _get,
 )
-from runner.data.demo import DemoDataset
+from runner.data.demo import DemoDataset, DemoPrior
 from runner.data.folder import FolderDataset
 from runner.data.order import BatchOrder, StepBatch
 from runner.data.sets import TrainingData
@@ -75,6 +76,7 @@ class DataOptions:
     path: str | None
     demo_size: Any
     masks: bool = False
+    demo_prior: int = 0
 
     def bucket_spec(self, resolution: int) -> BucketSpec | None:
         if not self.buckets:
@@ -99,6 +101,7 @@ def check_options(data_cfg: Any) -> DataOptions:
         path=_get(data_cfg, "path", None),
         demo_size=_get(data_cfg, "demo_size", 16),
         masks=_check_masks(_get(data_cfg, "masks", False)),
+        demo_prior=_check_demo_prior(data_cfg),
     )
     if buckets:
         for res, key in [(resolution, "data.resolution")] + [
@@ -131,6 +134,10 @@ def build_dataset(data_cfg: Any) -> Dataset:
                 "of at least 1, e.g. data.demo_size=16."
             )
         base: Dataset = DemoDataset(demo_size, o.resolution, masks=o.masks)  # always square
+        if o.demo_prior:  # data.demo_prior: a built-in regularization (class) set beside it
+            prior = DemoPrior(o.demo_prior, o.resolution, masks=o.masks)
+            return TrainingData([(base, 1, None, "demo"), (prior, 1, None, "data.demo_prior")], o.rules,
+                                priors=frozenset({1}))
         return TrainingData([(base, 1, None, "demo")], o.rules) if o.rules.active else base
 
     handed_over = _CHECKED.pop(_folder_key(data_cfg), None)
@@ -149,7 +156,7 @@ def build_dataset(data_cfg: Any) -> Dataset:
                                buckets=o.bucket_spec(res), key=f"data.sets[{n}].path",
                                size_in_fingerprint=res != o.resolution, masks=o.masks)
         parts.append((folder, s["repeats"], s["weight"], f"data.sets[{n}]"))
-    return TrainingData(parts, o.rules)
+    return TrainingData(parts, o.rules, priors=frozenset(n for n, s in enumerate(o.sets) if s["role"] == "prior"))
 
 
 def check_dataset(data_cfg: Any, video: Any = None) -> None:
@@ -228,7 +235,7 @@ def _refuse_image_only_options(data_cfg: Any) -> None:
 _CHECKED: dict[tuple, Dataset] = {}
 _KEYED = ("path", "resolution", "center_crop", "missing_caption", "caption_ext", "caption_dropout",
           "shuffle_tags", "keep_tokens", "buckets", "bucket_step", "bucket_min_side", "bucket_max_side", "sets",
-          "masks")
+          "masks", "demo_prior")
 
 
 def _folder_key(data_cfg: Any, video: Any = None) -> tuple:

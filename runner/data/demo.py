@@ -187,3 +187,28 @@ class DemoDataset(Dataset):
         r = self.resolution
         masks = "; loss masks: each shape" if self.masks else ""
         return f"{self.size} images at {r}x{r} from the built-in demo set (coloured shapes){masks}"
+
+
+class DemoPrior(DemoDataset):
+    """A built-in prior (class) set for the demo (``data.demo_prior=N``): shapes drawn from other indices
+    than the demo set's, captioned with the class alone ("a circle", "stripes"), as DreamBooth's
+    class images carry the class prompt. With ``data.masks`` each carries its shape as mask too."""
+
+    OFFSET = 10_000  # draws from indices the demo set (16 by default) never reaches
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        index = check_index(index, self.size, "demo prior images")
+        i = index + self.OFFSET
+        t = cached_copy(self._cache, index, lambda _: _to_tensor(demo_image(i, self.resolution)))
+        out: dict[str, Any] = {"pixel_values": t}
+        if self.masks:
+            out["mask"] = cached_copy(self._masks, index, lambda _: demo_mask(i, self.resolution))
+        return {**out, "caption": self.caption(index), "index": index}
+
+    def caption(self, index: int) -> str:
+        shape = demo_spec(index + self.OFFSET)[0]
+        return "stripes" if shape == "stripes" else f"{_article(shape)} {shape}"
+
+    def describe(self) -> str:
+        r = self.resolution
+        return f"{self.size} class images at {r}x{r} from the built-in demo prior set (\"a circle\" ...)"

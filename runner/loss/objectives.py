@@ -118,6 +118,21 @@ def masked_mean(elem: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (elem * m).sum(dim=dims) / m.sum(dim=dims).clamp_min(torch.finfo(elem.dtype).tiny)
 
 
+def prior_weights(batch: dict, options: LossConfig, device: torch.device | str) -> torch.Tensor | None:
+    """Per-sample weights of prior preservation: ``loss.prior_weight`` for the samples of a prior (class)
+    set (the batch's ``prior`` flags, runner/data/sets.py), 1 for the others; None when the batch has no
+    flags (no prior set). DreamBooth adds ``prior_weight x`` the class images' mean loss to the instance
+    images' mean; here each sample's loss is multiplied by its weight before the batch mean, which is the
+    same up to the batch's split between the two (half and half: exactly half DreamBooth's sum), and
+    keeps the loss a mean over samples, so micro-batch splits stay invisible."""
+    prior = batch.get("prior")
+    if not isinstance(prior, torch.Tensor):
+        return None
+    flags = prior.to(device=device, dtype=torch.bool).reshape(-1)
+    one = torch.ones(flags.shape, device=device, dtype=torch.float32)
+    return torch.where(flags, one * float(options.prior_weight), one)
+
+
 # ---- DDPM: noise offset and Min-SNR ----------------------------------------------------------------
 def noise_offset(seeds: torch.Tensor, channels: int, spatial_dims: int, strength: float,
                  device: torch.device | str) -> torch.Tensor:

@@ -338,6 +338,8 @@ class DiffusersTrainer(CacheKeys):
         out = {"latents": latents, **parts["text"], **self.extra_conditioning(latents, batch), "sample_seed": seeds}
         if "latent_mask" in lat:  # data.masks: the loss averages over it (runner/loss/objectives.py)
             out["loss_mask"] = lat["latent_mask"].float()
+        if "prior" in batch:  # a sample of a prior (class) set: its loss x loss.prior_weight
+            out["prior"] = batch["prior"]
         return out
 
     def normalize_latents(self, latents: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from runner.errors import UserError, valid_list
-from runner.loss.objectives import DDPM, ddpm_noise, diffusion_loss, min_snr_weights
+from runner.loss.objectives import DDPM, ddpm_noise, diffusion_loss, min_snr_weights, prior_weights
 from runner.trainer import Batch, ModelSet, per_sample_rand
 from runner.trainers.base import DiffusersTrainer
 from runner.trainers.latents import TIMESTEP_SALT
@@ -79,7 +79,8 @@ class DDPMTrainer(DiffusersTrainer):
         noisy = sched.add_noise(latents, noise, timesteps)
         target = noise if self.prediction_type == "epsilon" else sched.get_velocity(latents, noise, timesteps)
         pred = self.predict(models, noisy, timesteps, batch)
-        weights = None
+        weights = prior_weights(batch, options, device)  # data.sets role: prior, x loss.prior_weight
         if options.min_snr_gamma > 0:
-            weights = min_snr_weights(sched.alphas_cumprod, timesteps, options.min_snr_gamma, self.prediction_type)
+            snr = min_snr_weights(sched.alphas_cumprod, timesteps, options.min_snr_gamma, self.prediction_type)
+            weights = snr if weights is None else weights * snr
         return diffusion_loss(pred, target, options, weights, batch.get("loss_mask"))

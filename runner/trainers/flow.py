@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from runner.loss.objectives import FLOW, diffusion_loss, shifted_flow_timesteps
+from runner.loss.objectives import FLOW, diffusion_loss, prior_weights, shifted_flow_timesteps
 from runner.trainer import Batch, ModelSet, per_sample_rand, per_sample_randn
 from runner.trainers.base import DiffusersTrainer
 from runner.trainers.latents import TIMESTEP_SALT
@@ -55,4 +55,5 @@ class FlowMatchTrainer(DiffusersTrainer):
         mask = batch.get("loss_mask")  # data.masks: [B, 1, h, w] on the latent grid, packed as the target is
         if mask is not None:
             mask = self.pack(mask.to(device).expand_as(x0).contiguous())
-        return diffusion_loss(pred, target, self.loss_options, mask=mask)
+        weights = prior_weights(batch, self.loss_options, device)  # data.sets role: prior, x loss.prior_weight
+        return diffusion_loss(pred, target, self.loss_options, weights, mask)

@@ -109,3 +109,19 @@ def test_cli_masked_runs_cached_and_not_give_the_same_losses(tmp_path):
     assert unmasked != plain  # the masks change what is trained
     entries = list((tmp_path / "cache" / "latents").rglob("*.safetensors"))
     assert len(entries) == 32  # 16 demo images x 2 orientations, each with its latent mask
+
+
+# ---- prior preservation: loss.prior_weight on the samples of a prior (class) set ---------------------
+@pytest.mark.parametrize("overrides", [["trainer=sd15"], ["trainer=sd15", "loss.min_snr_gamma=5"], ["trainer=flux"]],
+                         ids=["ddpm", "ddpm_min_snr", "flow"])
+def test_the_prior_weight_multiplies_exactly_the_prior_samples_loss(overrides):
+    tr, models = build(*overrides, "data.demo_prior=2", "loss.prior_weight=0.25")
+    plain, _ = build(*overrides)  # the same loss options, weight 1 (the models are the same: seed 0)
+    batch = tr.with_example_mask(tr.example_batch(3, "cpu"))
+    batch["prior"] = torch.tensor([False, True, False])
+    unflagged = {k: v for k, v in batch.items() if k != "prior"}
+    with torch.no_grad():
+        per_sample = [plain.loss(models, slice_batch(unflagged, i, i + 1)).item() for i in range(3)]
+        got = tr.loss(models, batch).item()
+        assert tr.loss(models, unflagged).item() == pytest.approx(sum(per_sample) / 3, rel=1e-5)  # no flags: weight 1
+    assert got == pytest.approx((per_sample[0] + 0.25 * per_sample[1] + per_sample[2]) / 3, rel=1e-5)
