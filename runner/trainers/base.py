@@ -53,6 +53,18 @@ TRAIN_MODES = ("full", "lora")
 
 
 # ---- shared trainer skeleton ------------------------------------------------------------------
+def with_latent_mask(out: dict[str, torch.Tensor], batch: Batch) -> dict[str, torch.Tensor]:
+    """A latents part ``out`` with, when the batch has a loss mask (``data.masks``), ``latent_mask``:
+    float32 ``[B, 1, h, w]`` on the latent grid of ``out["latent_mean"]``, the area average of the mask
+    over each latent cell, so a latent is weighted by the share of its pixels the mask keeps
+    (nearest-neighbour would drop thin strokes or keep cells that are mostly masked out)."""
+    mask = batch.get("mask")
+    if isinstance(mask, torch.Tensor):
+        grid = tuple(out["latent_mean"].shape[-2:])
+        out["latent_mask"] = torch.nn.functional.interpolate(mask.float(), size=grid, mode="area").contiguous()
+    return out
+
+
 class DiffusersTrainer(CacheKeys):
     """The parts of a trainer that do not depend on the model family.
 
@@ -302,20 +314,12 @@ class DiffusersTrainer(CacheKeys):
     def encode_latents(models: ModelSet, batch: Batch) -> dict[str, torch.Tensor]:
         """The VAE posterior (mean, std): sampling happens per step, so a cache entry stays reusable.
 
-        With a loss mask (``data.masks``) also ``latent_mask``, float32 ``[B, 1, h, w]`` on the latent
-        grid: the area average of the mask over each latent cell, so a latent is weighted by the share
-        of its pixels the mask keeps (nearest-neighbour would drop thin strokes or keep cells that are
-        mostly masked out)."""
+        With a loss mask (``data.masks``) also ``latent_mask`` (:func:`with_latent_mask`)."""
         vae = models["vae"]
         dist = vae.encode(batch["pixel_values"].to(compute_dtype(vae))).latent_dist
         # Contiguous, as a cache entry read back is: the CPU VAE returns channels-last
         # tensors, and that layout made the denoiser's backward round differently.
-        out = {"latent_mean": dist.mean.contiguous(), "latent_std": dist.std.contiguous()}
-        mask = batch.get("mask")
-        if isinstance(mask, torch.Tensor):
-            grid = tuple(out["latent_mean"].shape[-2:])
-            out["latent_mask"] = torch.nn.functional.interpolate(mask.float(), size=grid, mode="area").contiguous()
-        return out
+        return with_latent_mask({"latent_mean": dist.mean.contiguous(), "latent_std": dist.std.contiguous()}, batch)
 
     @torch.no_grad()
     def encode(self, models: ModelSet, batch: Batch) -> Batch:

@@ -39,6 +39,7 @@ import torch
 from runner.errors import UserError
 from runner.trainer import Batch, EncodePart, ModelSet, batch_device
 from runner.trainers import qwen_image_configs
+from runner.trainers.base import with_latent_mask
 from runner.trainers.configs import QwenImageTrainerConfig
 from runner.trainers.flow import FlowMatchTrainer
 from runner.trainers.loading import compute_dtype
@@ -149,7 +150,8 @@ class QwenImageTrainer(FlowMatchTrainer):
             vae = models["vae"]
             pixels = batch["pixel_values"].to(compute_dtype(vae)).unsqueeze(2)  # (B, 3, 1, H, W)
             dist = vae.encode(pixels).latent_dist
-            return {"latent_mean": dist.mean[:, :, 0].contiguous(), "latent_std": dist.std[:, :, 0].contiguous()}
+            return with_latent_mask({"latent_mean": dist.mean[:, :, 0].contiguous(),
+                                     "latent_std": dist.std[:, :, 0].contiguous()}, batch)  # data.masks
         device = batch_device(batch)
         model = text_model(models["text_encoder"])
         tok = self.tokenizer("tokenizer")

@@ -125,3 +125,22 @@ def test_the_prior_weight_multiplies_exactly_the_prior_samples_loss(overrides):
         got = tr.loss(models, batch).item()
         assert tr.loss(models, unflagged).item() == pytest.approx(sum(per_sample) / 3, rel=1e-5)  # no flags: weight 1
     assert got == pytest.approx((per_sample[0] + 0.25 * per_sample[1] + per_sample[2]) / 3, rel=1e-5)
+
+
+@pytest.mark.parametrize("family", ["sdxl", "sd35", "qwen_image"])
+def test_every_image_family_encodes_the_mask_onto_its_latent_grid(family):
+    tr, models = build(f"trainer={family}", "data.resolution=32")
+    raw = tr.example_raw_batch(2, "cpu")
+    raw["mask"] = torch.zeros(2, 1, 32, 32)
+    raw["mask"][:, :, :, :8] = 1.0  # the left quarter
+    with torch.no_grad():
+        batch = tr.encode(models, raw)
+        lat = batch["latents"]
+        assert tuple(batch["loss_mask"].shape) == (2, 1, *lat.shape[-2:])
+        side = lat.shape[-1]
+        want = torch.zeros(2, 1, *lat.shape[-2:])
+        want[..., : side // 4] = 1.0  # area-averaged: whole latent cells
+        assert torch.equal(batch["loss_mask"], want)
+        ones = tr.loss(models, dict(batch, loss_mask=torch.ones_like(want))).item()
+        plain = tr.loss(models, {k: v for k, v in batch.items() if k != "loss_mask"}).item()
+        assert ones == pytest.approx(plain, rel=1e-6) and tr.loss(models, batch).item() != pytest.approx(plain, rel=1e-4)
