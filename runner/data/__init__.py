@@ -227,6 +227,9 @@ def _refuse_image_only_options(data_cfg: Any) -> None:
     if bool(_get(data_cfg, "masks", False)):
         raise UserError("data.masks=true applies to image trainers: a video trainer's clips have no loss masks yet. "
                         "Set data.masks=false for this trainer.")
+    if _get(data_cfg, "demo_prior", 0):
+        raise UserError("data.demo_prior adds a prior (class) set of images beside the demo images; a video trainer "
+                        "reads clips. Set data.demo_prior=0 for this trainer.")
     if _get(data_cfg, "sets", None):
         raise UserError("data.sets applies to image trainers; a video trainer reads its clips from data.path alone. "
                         "Put the clips in one folder (sub-folders are searched) and set data.path, not data.sets.")

@@ -155,3 +155,11 @@ def test_demo_masks_cover_each_shape():
         on, off = rgb[m[0].numpy() == 1].mean(axis=0), rgb[m[0].numpy() == 0].mean(axis=0)
         assert np.abs(on - off).sum() > 100
     assert torch.equal(demo_mask(1, 32), ds[1]["mask"])
+
+
+@pytest.mark.parametrize("key", ["masks", "demo_prior"])
+def test_video_trainers_refuse_the_image_only_options(key):
+    from runner.data import build_video_dataset
+
+    with pytest.raises(UserError, match=f"data.{key}"):
+        build_video_dataset({key: True if key == "masks" else 2}, 9, 16.0)
