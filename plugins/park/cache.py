@@ -165,17 +165,15 @@ class SampleFingerprints:
 
     def raw_inputs(self, indices: Sequence[int], inputs: Sequence[str], flips: Sequence[bool] | None = None) -> dict[str, Any]:
         """A raw batch with just ``inputs`` for ``indices`` (captions without decoding pixels), the
-        pixels of the rows where ``flips`` is true mirrored as the training loop mirrors them."""
+        pixels (and masks) of the rows where ``flips`` is true mirrored as the training loop mirrors them."""
         from runner.data import collate
-        from runner.data.flip import FLIPPED, flip_rows
+        from runner.data.flip import flip_batch
 
         if set(inputs) <= {"caption"}:
             return {"caption": [self.caption(i) for i in indices]}
         batch = collate([self.dataset[i] for i in indices])
-        if flips is not None:
-            for k in FLIPPED:  # the pixels and their loss mask (data.masks), as the loop mirrors them
-                if k in batch:
-                    batch[k] = flip_rows(batch[k], torch.tensor(list(flips), dtype=torch.bool))
+        if flips is not None:  # the pixels and their loss mask (data.masks), as the loop mirrors them
+            batch = flip_batch(batch, torch.tensor(list(flips), dtype=torch.bool))
         return {k: batch[k] for k in inputs}
 
 

@@ -47,6 +47,15 @@ def flip_rows(pixels: torch.Tensor, flip: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def flip_batch(batch: dict[str, Any], flip: torch.Tensor) -> dict[str, Any]:
+    """``batch`` with the rows where ``flip`` is true mirrored in each of :data:`FLIPPED` it holds (in place)."""
+    for key in FLIPPED:
+        value = batch.get(key)
+        if isinstance(value, torch.Tensor):
+            batch[key] = flip_rows(value, flip)
+    return batch
+
+
 @dataclass(frozen=True)
 class VisitFlip:
     """The run's ``data.random_flip`` (see the module docstring)."""
@@ -63,11 +72,7 @@ class VisitFlip:
             return batch
         flip = self.mask(batch["sample_seed"])
         batch["flip"] = flip
-        for key in FLIPPED:
-            value = batch.get(key)
-            if isinstance(value, torch.Tensor):
-                batch[key] = flip_rows(value, flip)
-        return batch
+        return flip_batch(batch, flip)
 
     def describe(self) -> str:
         return "; random horizontal flip on every visit (from each sample's seed)" if self.enabled else ""
