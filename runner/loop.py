@@ -34,6 +34,7 @@ from runner.errors import Interrupted, ResumableStop
 from runner.export.checkpoint import EXPORT_DIR, INFO_FILE
 from runner.guards.nonfinite import NonFiniteGuard, NonFiniteStop, grad_norm
 from runner.guards.oom import MicroBatchRecovery, OutOfMemoryGiveUp
+from runner.loss.config import describe_prior
 from runner.memory.profile import NullProfiler, build_profiler
 from runner.memory.stats import MemoryMonitor
 from runner.optim.fused import fusion_of
@@ -132,7 +133,8 @@ class Loop:
         cfg, run = ctx.cfg, ctx.run
         self.ctx, self.cfg, self.out = ctx, cfg, ctx.output_dir
         self.dataset = ctx.validation.training_view(ctx.trainer.dataset())  # data.val_fraction: held-out samples never trained
-        log.info("data: %s%s", describe_dataset(self.dataset), ctx.flip.describe())  # what is used, skipped or upscaled, and why
+        # what is used, skipped or upscaled, and why; the prior (class) sets' share and loss weight
+        log.info("data: %s%s%s", describe_dataset(self.dataset), ctx.flip.describe(), describe_prior(cfg))
         self.order = BatchOrder(self.dataset, run.batch_size, run.seed)  # step -> (indices, seeds): runner/data/order.py
         self.dist = ctx.dist  # one process: a no-op; dist=ddp|fsdp: runner/dist/runtime.py
         self.unexported: Path | None = None  # a resumed final checkpoint whose export is missing

@@ -154,6 +154,8 @@ class SampleFingerprints:
         for key in inputs:
             if key == "pixel_values":
                 out[key] = self.image(index, flip)
+            elif key == "mask" and callable(self._fingerprint) and self._fingerprint(index) is not None:
+                out[key] = {**self._fingerprint(index), "flip": bool(flip)}  # it holds the mask file's sha256
             elif key == "caption":
                 out[key] = self.caption(index)
             else:
@@ -163,15 +165,15 @@ class SampleFingerprints:
 
     def raw_inputs(self, indices: Sequence[int], inputs: Sequence[str], flips: Sequence[bool] | None = None) -> dict[str, Any]:
         """A raw batch with just ``inputs`` for ``indices`` (captions without decoding pixels), the
-        pixels of the rows where ``flips`` is true mirrored as the training loop mirrors them."""
+        pixels (and masks) of the rows where ``flips`` is true mirrored as the training loop mirrors them."""
         from runner.data import collate
-        from runner.data.flip import flip_rows
+        from runner.data.flip import flip_batch
 
         if set(inputs) <= {"caption"}:
             return {"caption": [self.caption(i) for i in indices]}
         batch = collate([self.dataset[i] for i in indices])
-        if flips is not None and "pixel_values" in batch:
-            batch["pixel_values"] = flip_rows(batch["pixel_values"], torch.tensor(list(flips), dtype=torch.bool))
+        if flips is not None:  # the pixels and their loss mask (data.masks), as the loop mirrors them
+            batch = flip_batch(batch, torch.tensor(list(flips), dtype=torch.bool))
         return {k: batch[k] for k in inputs}
 
 

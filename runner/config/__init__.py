@@ -51,6 +51,7 @@ class DataSetConfig:
     weight: Optional[float] = None  # chance a step's batch comes from this set (SimpleTuner's probability); all or none
     caption_ext: Optional[str] = None  # default: data.caption_ext
     resolution: Optional[int] = None  # default: data.resolution (buckets are built around it per set)
+    role: str = "instance"  # instance | prior (a regularization/class set: its loss x loss.prior_weight, DreamBooth)
 
 
 @dataclass
@@ -59,8 +60,10 @@ class DataConfig:
     resolution: int = 64
     center_crop: bool = True
     random_flip: bool = False
+    masks: bool = False  # a loss mask per image: masks/<stem>.png, else <stem>_mask.png beside it (runner/data/masks.py)
     missing_caption: str = "error"  # error | empty (use an empty caption)
     demo_size: int = 16  # number of images (clips, for a video trainer) in the built-in demo set
+    demo_prior: int = 0  # images of a built-in prior (class) set beside the demo set ("a circle"...); 0 = none
     caption_ext: str = ".txt"  # extension of the caption file beside each image (kohya: --caption_extension)
     caption_dropout: float = 0.0  # probability that a visit trains with the empty caption (per visit, seeded)
     shuffle_tags: bool = False  # shuffle the comma-separated tags of a caption per visit (kohya: --shuffle_caption)

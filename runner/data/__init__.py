@@ -42,12 +42,14 @@ from runner.data.captions import CaptionRules, caption_rules, check_cache_compat
 from runner.data.checks import (
     _check_bucket_settings,
     _check_caption_ext,
+    _check_demo_prior,
+    _check_masks,
     _check_missing_caption,
     _check_resolution,
     _check_sets,
     _get,
 )
-from runner.data.demo import DemoDataset
+from runner.data.demo import DemoDataset, DemoPrior
 from runner.data.folder import FolderDataset
 from runner.data.order import BatchOrder, StepBatch
 from runner.data.sets import TrainingData
@@ -73,6 +75,8 @@ class DataOptions:
     sets: tuple[dict[str, Any], ...]
     path: str | None
     demo_size: Any
+    masks: bool = False
+    demo_prior: int = 0
 
     def bucket_spec(self, resolution: int) -> BucketSpec | None:
         if not self.buckets:
@@ -96,6 +100,8 @@ def check_options(data_cfg: Any) -> DataOptions:
         sets=sets,
         path=_get(data_cfg, "path", None),
         demo_size=_get(data_cfg, "demo_size", 16),
+        masks=_check_masks(_get(data_cfg, "masks", False)),
+        demo_prior=_check_demo_prior(data_cfg),
     )
     if buckets:
         for res, key in [(resolution, "data.resolution")] + [
@@ -127,7 +133,11 @@ def build_dataset(data_cfg: Any) -> Dataset:
                 "built-in demo set (used because data.path is unset) and must be a whole number "
                 "of at least 1, e.g. data.demo_size=16."
             )
-        base: Dataset = DemoDataset(demo_size, o.resolution)  # always square
+        base: Dataset = DemoDataset(demo_size, o.resolution, masks=o.masks)  # always square
+        if o.demo_prior:  # data.demo_prior: a built-in regularization (class) set beside it
+            prior = DemoPrior(o.demo_prior, o.resolution, masks=o.masks)
+            return TrainingData([(base, 1, None, "demo"), (prior, 1, None, "data.demo_prior")], o.rules,
+                                priors=frozenset({1}))
         return TrainingData([(base, 1, None, "demo")], o.rules) if o.rules.active else base
 
     handed_over = _CHECKED.pop(_folder_key(data_cfg), None)
@@ -136,7 +146,7 @@ def build_dataset(data_cfg: Any) -> Dataset:
     if not o.sets:
         folder = FolderDataset(o.path, o.resolution, center_crop=o.center_crop,
                                missing_caption=o.missing_caption, caption_ext=o.caption_ext,
-                               buckets=o.bucket_spec(o.resolution))
+                               buckets=o.bucket_spec(o.resolution), masks=o.masks)
         return TrainingData([(folder, 1, None, "data.path")], o.rules) if o.rules.active else folder
     parts = []
     for n, s in enumerate(o.sets):
@@ -144,9 +154,9 @@ def build_dataset(data_cfg: Any) -> Dataset:
         folder = FolderDataset(s["path"], res, center_crop=o.center_crop,
                                missing_caption=o.missing_caption, caption_ext=s["caption_ext"] or o.caption_ext,
                                buckets=o.bucket_spec(res), key=f"data.sets[{n}].path",
-                               size_in_fingerprint=res != o.resolution)
+                               size_in_fingerprint=res != o.resolution, masks=o.masks)
         parts.append((folder, s["repeats"], s["weight"], f"data.sets[{n}]"))
-    return TrainingData(parts, o.rules)
+    return TrainingData(parts, o.rules, priors=frozenset(n for n, s in enumerate(o.sets) if s["role"] == "prior"))
 
 
 def check_dataset(data_cfg: Any, video: Any = None) -> None:
@@ -214,6 +224,12 @@ def _refuse_image_only_options(data_cfg: Any) -> None:
     if bool(_get(data_cfg, "buckets", False)):
         raise UserError("data.buckets=true applies to image trainers; a video trainer's clips all take one frame size, "
                         "data.width x data.height. Set data.buckets=false, and data.width/data.height for the clips.")
+    if bool(_get(data_cfg, "masks", False)):
+        raise UserError("data.masks=true applies to image trainers: a video trainer's clips have no loss masks yet. "
+                        "Set data.masks=false for this trainer.")
+    if _get(data_cfg, "demo_prior", 0):
+        raise UserError("data.demo_prior adds a prior (class) set of images beside the demo images; a video trainer "
+                        "reads clips. Set data.demo_prior=0 for this trainer.")
     if _get(data_cfg, "sets", None):
         raise UserError("data.sets applies to image trainers; a video trainer reads its clips from data.path alone. "
                         "Put the clips in one folder (sub-folders are searched) and set data.path, not data.sets.")
@@ -221,7 +237,8 @@ def _refuse_image_only_options(data_cfg: Any) -> None:
 
 _CHECKED: dict[tuple, Dataset] = {}
 _KEYED = ("path", "resolution", "center_crop", "missing_caption", "caption_ext", "caption_dropout",
-          "shuffle_tags", "keep_tokens", "buckets", "bucket_step", "bucket_min_side", "bucket_max_side", "sets")
+          "shuffle_tags", "keep_tokens", "buckets", "bucket_step", "bucket_min_side", "bucket_max_side", "sets",
+          "masks", "demo_prior")
 
 
 def _folder_key(data_cfg: Any, video: Any = None) -> tuple:

@@ -55,7 +55,28 @@ def _check_missing_caption(value: Any) -> str:
     )
 
 
-SET_KEYS: tuple[str, ...] = ("path", "repeats", "weight", "caption_ext", "resolution")
+def _check_masks(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise UserError(f"data.masks={value!r} is not valid: give true (a loss mask per image, masks/<stem>.png or "
+                    "<stem>_mask.png beside it; runner/data/masks.py) or false (the whole image is trained).")
+
+
+def _check_demo_prior(data_cfg: Any) -> int:
+    value = _get(data_cfg, "demo_prior", 0)
+    value = 0 if value is None else value
+    if not _whole(value) or value < 0:
+        raise UserError(f"data.demo_prior={value!r} is not valid: the number of images of the built-in prior (class) "
+                        "set beside the demo set, a whole number >= 0, e.g. data.demo_prior=4 (0: none).")
+    if value and (_get(data_cfg, "path", None) is not None or _get(data_cfg, "sets", None)):
+        raise UserError(f"data.demo_prior={value} adds a prior set to the built-in demo set, but data.path or "
+                        "data.sets is set. Give your own class images as a set with role: prior, e.g. data.sets='[{path: "
+                        "/data/dog}, {path: /data/dogs_class, role: prior}]', and leave data.demo_prior at 0.")
+    return value
+
+
+SET_KEYS: tuple[str, ...] = ("path", "repeats", "weight", "caption_ext", "resolution", "role")
+SET_ROLES: tuple[str, ...] = ("instance", "prior")  # prior: a regularization (class) set, loss x loss.prior_weight
 
 
 def _whole(value: Any) -> bool:
@@ -153,13 +174,22 @@ def _check_sets(data_cfg: Any) -> list[dict[str, Any]]:
             raise UserError(f"{key}.weight={weight!r} is not valid: the relative chance that a step's batch comes from "
                             "this set, a number > 0 (SimpleTuner's probability), or unset on every set.")
         ext = item.get("caption_ext")
+        role = "instance" if item.get("role") is None else item.get("role")
+        if role not in SET_ROLES:
+            raise UserError(f"{key}.role={role!r} is not valid; valid values: {valid_list(str(role), SET_ROLES)} "
+                            "(instance: the images to learn; prior: a regularization set of the class, DreamBooth's "
+                            "prior preservation, whose loss is multiplied by loss.prior_weight).")
         out.append({
             "path": str(path),
             "repeats": int(repeats),
             "weight": None if weight is None else float(weight),
             "caption_ext": None if ext is None else _check_caption_ext(ext, f"{key}.caption_ext"),
             "resolution": _check_optional_resolution(item.get("resolution"), f"{key}.resolution"),
+            "role": role,
         })
+    if out and all(s["role"] == "prior" for s in out):
+        raise UserError("data.sets: every set has role: prior, so nothing is left to learn. Give the images to learn "
+                        "role: instance (the default) and keep role: prior for the regularization (class) set.")
     weighted = [s["weight"] is not None for s in out]
     if any(weighted) and not all(weighted):
         unset = ", ".join(f"data.sets[{n}]" for n, w in enumerate(weighted) if not w)

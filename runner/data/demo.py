@@ -15,6 +15,7 @@ from torch.utils.data import Dataset
 
 from runner.data.checks import _check_resolution, check_index
 from runner.data.images import _SALT_DEMO, _mix, _to_tensor
+from runner.data.masks import mask_tensor
 
 # Saturated, well-separated colours. A (shape, background) pair is used only if the two are far
 # apart in RGB and not in _LOW_CONTRAST (yellow/white are far apart in RGB but hard to tell
@@ -102,17 +103,28 @@ def demo_image(index: int, resolution: int) -> Image.Image:
     for a tiny model to learn and look worse in samples. Size and position vary a little per
     index (from the index hash) so the model has to read the caption, not memorise one layout.
     """
-    shape, fg, bg = demo_spec(index)
+    _, fg, bg = demo_spec(index)
+    return _draw(index, resolution, _COLOURS[fg], _COLOURS[bg])
+
+
+def demo_mask(index: int, resolution: int) -> torch.Tensor:
+    """The loss mask of demo image ``index`` (``data.masks=true``): 1 on its shape, 0 on the background,
+    float32 ``[1, R, R]``. Drawn as the image is, so it covers the shape's (anti-aliased) pixels."""
+    img = _draw(index, resolution, (255, 255, 255), (0, 0, 0)).convert("L")
+    return mask_tensor(img)
+
+
+def _draw(index: int, resolution: int, colour: tuple[int, int, int], background: tuple[int, int, int]) -> Image.Image:
+    shape = demo_spec(index)[0]
     ss = 2
     n = resolution * ss
-    img = Image.new("RGB", (n, n), _COLOURS[bg])
+    img = Image.new("RGB", (n, n), background)
     draw = ImageDraw.Draw(img)
     h = _mix(index, _SALT_DEMO)
     size = n * (0.45 + 0.2 * ((h & 0xFF) / 255))  # 45% .. 65% of the side
     cx = n / 2 + (((h >> 8) & 0xFF) / 255 - 0.5) * (n - size) * 0.8
     cy = n / 2 + (((h >> 16) & 0xFF) / 255 - 0.5) * (n - size) * 0.8
     half = size / 2
-    colour = _COLOURS[fg]
     if not draw_solid_shape(draw, shape, cx, cy, half, colour):
         # vertical stripes across the whole image, 4 periods
         period = n / 4
@@ -148,10 +160,13 @@ class DemoDataset(Dataset):
     (16 images at 64 px are ~800 KB). ``data.random_flip`` is the runner's, per visit (runner/data/flip.py).
     """
 
-    def __init__(self, size: int, resolution: int) -> None:
+    def __init__(self, size: int, resolution: int, masks: bool = False) -> None:
+        """``masks``: each sample also carries its shape as a loss mask (``data.masks=true``)."""
         self.size = int(size)
         self.resolution = _check_resolution(resolution)
+        self.masks = bool(masks)
         self._cache: dict[int, torch.Tensor] = {}
+        self._masks: dict[int, torch.Tensor] = {}
 
     def __len__(self) -> int:
         return self.size
@@ -159,7 +174,10 @@ class DemoDataset(Dataset):
     def __getitem__(self, index: int) -> dict[str, Any]:
         index = check_index(index, self.size, "demo images")
         t = cached_copy(self._cache, index, lambda i: _to_tensor(demo_image(i, self.resolution)))
-        return {"pixel_values": t, "caption": demo_caption(index), "index": index}
+        out: dict[str, Any] = {"pixel_values": t}
+        if self.masks:
+            out["mask"] = cached_copy(self._masks, index, lambda i: demo_mask(i, self.resolution))
+        return {**out, "caption": demo_caption(index), "index": index}
 
     def caption(self, index: int) -> str:
         """The caption of image ``index`` without drawing it (the encoder cache keys text by it)."""
@@ -167,4 +185,30 @@ class DemoDataset(Dataset):
 
     def describe(self) -> str:
         r = self.resolution
-        return f"{self.size} images at {r}x{r} from the built-in demo set (coloured shapes)"
+        masks = "; loss masks: each shape" if self.masks else ""
+        return f"{self.size} images at {r}x{r} from the built-in demo set (coloured shapes){masks}"
+
+
+class DemoPrior(DemoDataset):
+    """A built-in prior (class) set for the demo (``data.demo_prior=N``): shapes drawn from other indices
+    than the demo set's, captioned with the class alone ("a circle", "stripes"), as DreamBooth's
+    class images carry the class prompt. With ``data.masks`` each carries its shape as mask too."""
+
+    OFFSET = 10_000  # draws from indices the demo set (16 by default) never reaches
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        index = check_index(index, self.size, "demo prior images")
+        i = index + self.OFFSET
+        t = cached_copy(self._cache, index, lambda _: _to_tensor(demo_image(i, self.resolution)))
+        out: dict[str, Any] = {"pixel_values": t}
+        if self.masks:
+            out["mask"] = cached_copy(self._masks, index, lambda _: demo_mask(i, self.resolution))
+        return {**out, "caption": self.caption(index), "index": index}
+
+    def caption(self, index: int) -> str:
+        shape = demo_spec(index + self.OFFSET)[0]
+        return "stripes" if shape == "stripes" else f"{_article(shape)} {shape}"
+
+    def describe(self) -> str:
+        r = self.resolution
+        return f"{self.size} class images at {r}x{r} from the built-in demo prior set (\"a circle\" ...)"

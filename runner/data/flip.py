@@ -10,8 +10,8 @@ fixed orientation for the whole run, and still:
 * a step cut into micro-batches (gradient accumulation, the OOM retry) flips the same samples:
   the whole step's raw batch is flipped before it is split.
 
-The flip is applied by the runner to the collated batch (``pixel_values``, mirrored along its
-last axis: width, for images and video frames alike), which also carries ``flip`` (one bool per
+The flip is applied by the runner to the collated batch (``pixel_values`` and, with ``data.masks``,
+the loss ``mask``, mirrored along their last axis: width, for images and video frames alike), which also carries ``flip`` (one bool per
 sample) for whoever needs to know: the encoder cache (``offload=park``) stores both orientations
 of each image, as kohya's ``flip_aug`` does, and reads the one each visit asks for, so cached and
 uncached runs give bit-identical losses (tests/plugins/park/test_park.py).
@@ -27,7 +27,8 @@ import torch
 
 from runner.data.images import _mix
 
-_SALT_VISIT_FLIP = 5  # the per-index salts of runner/data/images.py are 1..4
+_SALT_VISIT_FLIP = 5
+FLIPPED = ("pixel_values", "mask")  # what a flipped visit mirrors: the pixels and their loss mask (data.masks)  # the per-index salts of runner/data/images.py are 1..4
 
 
 def flips_on_visit(sample_seed: int) -> bool:
@@ -46,6 +47,15 @@ def flip_rows(pixels: torch.Tensor, flip: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def flip_batch(batch: dict[str, Any], flip: torch.Tensor) -> dict[str, Any]:
+    """``batch`` with the rows where ``flip`` is true mirrored in each of :data:`FLIPPED` it holds (in place)."""
+    for key in FLIPPED:
+        value = batch.get(key)
+        if isinstance(value, torch.Tensor):
+            batch[key] = flip_rows(value, flip)
+    return batch
+
+
 @dataclass(frozen=True)
 class VisitFlip:
     """The run's ``data.random_flip`` (see the module docstring)."""
@@ -56,15 +66,13 @@ class VisitFlip:
         return torch.tensor([self.enabled and flips_on_visit(s) for s in sample_seeds.tolist()], dtype=torch.bool)
 
     def apply(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """Add ``flip`` to a raw batch (it must hold ``sample_seed``) and mirror its flipped rows' pixels."""
+        """Add ``flip`` to a raw batch (it must hold ``sample_seed``) and mirror its flipped rows' pixels,
+        and their loss masks (``data.masks``) with them, so a mask keeps covering its pixels."""
         if not self.enabled:
             return batch
         flip = self.mask(batch["sample_seed"])
         batch["flip"] = flip
-        pixels = batch.get("pixel_values")
-        if isinstance(pixels, torch.Tensor):
-            batch["pixel_values"] = flip_rows(pixels, flip)
-        return batch
+        return flip_batch(batch, flip)
 
     def describe(self) -> str:
         return "; random horizontal flip on every visit (from each sample's seed)" if self.enabled else ""

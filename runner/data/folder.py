@@ -33,6 +33,7 @@ from runner.data.images import (
     resize_crop_to,
     sha256_file,
 )
+from runner.data.masks import describe_masks, find_masks, is_mask_file, load_mask, mask_tensor
 from runner.errors import UserError
 
 log = logging.getLogger("runner")
@@ -83,11 +84,13 @@ class FolderDataset(Dataset):
         buckets: BucketSpec | None = None,
         key: str = "data.path",
         size_in_fingerprint: bool = False,
+        masks: bool = False,
     ) -> None:
         """``buckets``: aspect-ratio buckets (runner/data/buckets.py) instead of the square crop;
         ``key``: the setting named in error messages (``data.sets[1].path`` for a set);
         ``size_in_fingerprint``: put the output size into the cache fingerprint even without buckets
-        (a set whose resolution differs from ``data.resolution``, which the cache signature holds)."""
+        (a set whose resolution differs from ``data.resolution``, which the cache signature holds);
+        ``masks``: ``data.masks``, a loss mask per image (runner/data/masks.py), found and checked here."""
         self.resolution = _check_resolution(resolution)
         missing_caption = _check_missing_caption(missing_caption)
         self.center_crop = center_crop
@@ -97,7 +100,7 @@ class FolderDataset(Dataset):
         self.root = _check_root(path, key)
         shown = str(path)
 
-        images, self.skipped = _find_images(self.root, caption_ext)
+        images, self.skipped = _find_images(self.root, caption_ext, skip_masks=masks)
         if not images:
             raise UserError(
                 f"{key}={shown!r} contains no images: searched {str(self.root)!r} and its "
@@ -122,6 +125,10 @@ class FolderDataset(Dataset):
         if buckets is not None:
             self.original_sizes = [oriented_size(p, shown, key) for p in images]
             self.sizes = [buckets.assign(w, h) for w, h in self.original_sizes]
+        self.masks: list[Path] | None = None
+        if masks:
+            shown_sizes = self.original_sizes or [oriented_size(p, shown, key) for p in images]
+            self.masks = find_masks(images, shown_sizes, key, shown)
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -146,12 +153,18 @@ class FolderDataset(Dataset):
     def __getitem__(self, index: int) -> dict[str, Any]:
         index = check_index(index, len(self.paths), "images")
         img = _load_rgb(self.paths[index], self._shown, self.key)
+        out: dict[str, Any] = {}
+        if self.masks is not None:  # the same geometry as the image: it covers the same pixels
+            mask = self._crop(load_mask(self.masks[index], img.size, self.key), index)
+            out["mask"] = mask_tensor(mask)
+        return {"pixel_values": _to_tensor(self._crop(img, index)), **out, **self.light(index)}
+
+    def _crop(self, img: Any, index: int) -> Any:
+        """The square or bucket resize and crop of image ``index`` (or of its mask, the same size)."""
         if self.buckets is None:
-            img = _resize_crop(img, self.resolution, self.center_crop, index)
-        else:
-            resized, offset = self._geometry(index)
-            img = resize_crop_to(img, self.sizes[index], resized, offset)
-        return {"pixel_values": _to_tensor(img), **self.light(index)}
+            return _resize_crop(img, self.resolution, self.center_crop, index)
+        resized, offset = self._geometry(index)
+        return resize_crop_to(img, self.sizes[index], resized, offset)
 
     def group_of(self, index: int) -> Size:
         """The output (height, width) of sample ``index``: samples of one batch share it."""
@@ -172,6 +185,8 @@ class FolderDataset(Dataset):
             fp["crop_index"] = index
         if self.size_in_fingerprint:
             fp["size"] = list(self.group_of(index))
+        if self.masks is not None:
+            fp["mask_sha256"] = sha256_file(self.masks[index])
         return fp
 
     def describe(self) -> str:
@@ -191,6 +206,8 @@ class FolderDataset(Dataset):
             extra.append(f"{len(self.upscaled)} upscaled more than {UPSCALE_WARN}x, e.g. {p.name} {w}x{h}")
         if self.missing_captions:
             extra.append(f"{self.missing_captions} with empty captions")
+        if self.masks is not None:
+            extra.append(describe_masks(self.masks))
         extra.append("center crop" if self.center_crop else "per-index random crop")
         if not self.verified:
             extra.append("headers not pre-checked")
@@ -225,9 +242,11 @@ def _other_caption_ext(image: Path, caption_ext: str) -> str:
     return ""
 
 
-def _find_images(root: Path, caption_ext: str = CAPTION_EXTENSION) -> tuple[list[Path], dict[str, int]]:
+def _find_images(root: Path, caption_ext: str = CAPTION_EXTENSION,
+                 skip_masks: bool = False) -> tuple[list[Path], dict[str, int]]:
     """All non-hidden image files under ``root``, sorted by relative POSIX path, and how many
-    files were passed over, by reason (for the data summary line).
+    files were passed over, by reason (for the data summary line). ``skip_masks``
+    (``data.masks=true``): ``masks/`` folders and ``*_mask`` images are masks, not samples.
 
     Symlinked folders are followed (people link data sets in), with a guard against loops.
     """
@@ -249,6 +268,8 @@ def _find_images(root: Path, caption_ext: str = CAPTION_EXTENSION) -> tuple[list
             ext = os.path.splitext(name)[1].lower()
             if ext in IMAGE_EXTENSIONS:
                 p = Path(dirpath) / name
+                if skip_masks and is_mask_file(p):
+                    continue
                 found.append((p.relative_to(root).as_posix(), p))
             elif ext not in (CAPTION_EXTENSION, caption_ext.lower()):
                 other_types[ext or "no extension"] = other_types.get(ext or "no extension", 0) + 1

@@ -31,6 +31,7 @@ import bisect
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch.utils.data import Dataset
 
 from runner.data.captions import CaptionRules
@@ -46,10 +47,24 @@ class SetInfo:
     stop: int  # one past the last
     repeats: int = 1
     weight: float | None = None
+    prior: bool = False  # role: prior, a regularization (class) set whose loss is x loss.prior_weight
 
     @property
     def size(self) -> int:
         return self.stop - self.start
+
+
+def prior_share(sets: list[SetInfo]) -> float | None:
+    """The prior sets' expected share of the trained samples (None without a prior set).
+
+    With weights each step's batch comes from one set, so it is the prior sets' share of the
+    weights (of the steps); without, every pool is used once an epoch, so it is their share of
+    ``images x repeats``."""
+    if not any(s.prior for s in sets):
+        return None
+    if all(s.weight is not None for s in sets):
+        return sum(s.weight for s in sets if s.prior) / sum(s.weight for s in sets)  # type: ignore[misc]
+    return sum(s.size * s.repeats for s in sets if s.prior) / sum(s.size * s.repeats for s in sets)
 
 
 class TrainingData(Dataset):
@@ -59,15 +74,20 @@ class TrainingData(Dataset):
     arguments (the global index, and the visit's seed where captions vary), as runner.data requires.
     """
 
-    def __init__(self, parts: list[tuple[Any, int, float | None, str]], rules: CaptionRules | None = None) -> None:
+    def __init__(self, parts: list[tuple[Any, int, float | None, str]], rules: CaptionRules | None = None,
+                 priors: frozenset[int] = frozenset()) -> None:
+        """``priors``: the numbers of the sets with ``role: prior``; their samples carry ``prior=True``
+        (every sample carries a ``prior`` flag once one set is a prior set), which the loss weighs."""
         self.rules = rules or CaptionRules()
         self.datasets = [p[0] for p in parts]
         self.sets: list[SetInfo] = []
         start = 0
-        for ds, repeats, weight, name in parts:
+        for n_set, (ds, repeats, weight, name) in enumerate(parts):
             n = len(ds)
-            self.sets.append(SetInfo(name, start, start + n, int(repeats), None if weight is None else float(weight)))
+            self.sets.append(SetInfo(name, start, start + n, int(repeats), None if weight is None else float(weight),
+                                     n_set in priors))
             start += n
+        self.has_prior = any(s.prior for s in self.sets)
         self._starts = [s.start for s in self.sets]
         self.n = start
 
@@ -82,7 +102,12 @@ class TrainingData(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         s, local = self.locate(index)
-        return {**self.datasets[s][local], "index": self.sets[s].start + local}
+        return self._with_role({**self.datasets[s][local], "index": self.sets[s].start + local}, s)
+
+    def _with_role(self, sample: dict[str, Any], s: int) -> dict[str, Any]:
+        if self.has_prior:  # a 0-d bool: collate stacks it into the batch's per-sample flags
+            sample["prior"] = torch.tensor(self.sets[s].prior)
+        return sample
 
     def _with_caption(self, sample: dict[str, Any], seed: int) -> dict[str, Any]:
         if self.rules.active and "caption" in sample:
@@ -102,7 +127,7 @@ class TrainingData(Dataset):
         else:
             sample = {"caption": self._base_caption(ds, local)}
         sample["index"] = self.sets[s].start + local
-        return self._with_caption(sample, seed)
+        return self._with_caption(self._with_role(sample, s), seed)
 
     @staticmethod
     def _base_caption(ds: Any, local: int) -> str:
@@ -140,12 +165,18 @@ class TrainingData(Dataset):
             how = [f"repeats {info.repeats}"] if info.repeats != 1 else []
             if info.weight is not None:
                 how.append(f"weight {info.weight:g}")
+            if info.prior:
+                how.append("prior (class) set")
             lines.append(f"{info.name}: {what}" + (f" [{', '.join(how)}]" if how else ""))
         if len(lines) == 1:
             ds = self.datasets[0]
             text = ds.describe() if callable(getattr(ds, "describe", None)) else f"{self.n} samples"
         else:
             text = f"{len(lines)} sets, {self.n} images: " + "; ".join(lines)
+        share = prior_share(self.sets)
+        if share is not None:
+            per = "of the steps' batches" if all(s.weight is not None for s in self.sets) else "of the samples"
+            text += f"; prior (class) sets: {share:.0%} {per}"
         if self.rules.active:
             text += f"; {self.rules.describe()}"
         return text

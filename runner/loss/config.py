@@ -41,6 +41,7 @@ class LossConfig:
     shift: float = 3.0  # timestep_shift=fixed: s of t' = s t / (1 + (s-1) t) (SD3's 3.0)
     base_shift: float = 0.5  # timestep_shift=resolution: mu at 256 image tokens (Flux's 0.5)
     max_shift: float = 1.15  # timestep_shift=resolution: mu at 4096 image tokens (Flux's 1.15)
+    prior_weight: float = 1.0  # samples of a data.sets role: prior set (or data.demo_prior): their loss x this (DreamBooth)
 
 
 # Which objective each option belongs to; the rest (type, huber_c) apply to every one.
@@ -82,6 +83,24 @@ def validate_loss(cfg: Any) -> None:
     _number("loss.shift", c.shift, "> 0", c.shift > 0, "e.g. 3.0; 1.0 shifts nothing")
     for key, value in (("loss.base_shift", c.base_shift), ("loss.max_shift", c.max_shift)):
         _number(key, value, "finite", math.isfinite(value), "Flux uses 0.5 and 1.15")
+    _number("loss.prior_weight", c.prior_weight, "> 0", math.isfinite(c.prior_weight) and c.prior_weight > 0,
+            "DreamBooth's 1.0")
+    if c.prior_weight != 1.0 and not has_prior_set(cfg):
+        raise UserError(
+            f"loss.prior_weight={c.prior_weight!r} weighs the samples of a prior (class) set, and this run has none. "
+            "Give a regularization set with role: prior in data.sets (e.g. data.sets='[{path: /data/dog}, {path: "
+            "/data/dogs_class, role: prior}]'), or data.demo_prior=N beside the demo set, or leave loss.prior_weight "
+            "at 1.0.")
+
+
+def has_prior_set(cfg: Any) -> bool:
+    """Whether the run's data has a prior (class) set: a ``data.sets`` entry with ``role: prior`` or ``data.demo_prior``."""
+    data = cfg.get("data") if hasattr(cfg, "get") else None
+    if data is None or not hasattr(data, "get"):
+        return False
+    sets = data.get("sets") or []
+    return bool(data.get("demo_prior") or 0) or any((s.get("role") if hasattr(s, "get") else None) == "prior"
+                                                    for s in sets)
 
 
 def _choice(key: str, value: str, valid: tuple[str, ...]) -> None:
@@ -108,6 +127,13 @@ def check_objective(options: LossConfig, objective: str, trainer: str) -> None:
             f"and {trainer} trains with a {what} loss. Remove {'it' if len(wrong) == 1 else 'them'}; "
             f"runner/loss/objectives.py lists which options each objective takes."
         )
+
+
+def describe_prior(cfg: Any) -> str:
+    """The data line's note of the prior sets' loss weight ("" without a prior set)."""
+    if not has_prior_set(cfg):
+        return ""
+    return f"; the prior sets' loss x {loss_config(cfg).prior_weight:g} (loss.prior_weight)"
 
 
 def describe_loss_options() -> list[str]:

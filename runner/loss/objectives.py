@@ -81,20 +81,56 @@ def elementwise_loss(pred: torch.Tensor, target: torch.Tensor, kind: str = "mse"
 
 
 def diffusion_loss(pred: torch.Tensor, target: torch.Tensor, options: LossConfig,
-                   weights: torch.Tensor | None = None) -> torch.Tensor:
+                   weights: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """The batch's loss: the mean per-element loss, or with ``weights`` (one per sample) the mean of
-    each sample's mean loss times its weight.
+    each sample's mean loss times its weight; with ``mask`` (``data.masks``: one weight per element,
+    broadcast to ``pred``'s shape) each sample's mean is :func:`masked_mean`'s.
 
-    The default (``mse``, no weights) is ``F.mse_loss(pred, target)`` itself, so a trainer that
-    moves onto these helpers keeps its losses bit for bit.
+    The default (``mse``, no weights, no mask) is ``F.mse_loss(pred, target)`` itself, so a trainer
+    that moves onto these helpers keeps its losses bit for bit.
     """
-    if weights is None and options.type == "mse":
+    if weights is None and mask is None and options.type == "mse":
         return F.mse_loss(pred.float(), target.float(), reduction="mean")
     elem = elementwise_loss(pred, target, options.type, options.huber_c)
-    if weights is None:
+    if weights is None and mask is None:
         return elem.mean()
-    per_sample = elem.mean(dim=tuple(range(1, elem.dim())))
+    per_sample = masked_mean(elem, mask) if mask is not None else elem.mean(dim=tuple(range(1, elem.dim())))
+    if weights is None:
+        return per_sample.mean()
     return (per_sample * weights.to(per_sample.device, per_sample.dtype)).mean()
+
+
+def masked_mean(elem: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each sample's mask-weighted mean loss, ``sum(mask * loss) / sum(mask)`` over all but the batch dim.
+
+    Why per sample, not ``sum`` over the whole batch divided by the batch's mask sum: a step is
+    the mean of its samples' losses however it is cut into micro-batches (gradient accumulation, the
+    OOM retry) only if each sample's loss is a function of that sample alone; a batch-wide
+    denominator would make a sample's weight depend on which others share its micro-batch. It also
+    gives every image the same say, whatever the area of its mask. The trade-off: a pixel of a small
+    mask weighs more than a pixel of a large one (a 10% mask's pixels count ten times a full
+    image's), which is what kohya's and OneTrainer's masked training do too. A sample whose mask is
+    zero after the crop contributes 0 (its denominator is clamped), never NaN; the data checks
+    already refuse masks that are black everywhere (runner/data/masks.py).
+    """
+    m = mask.to(elem.device, elem.dtype).expand_as(elem)
+    dims = tuple(range(1, elem.dim()))
+    return (elem * m).sum(dim=dims) / m.sum(dim=dims).clamp_min(torch.finfo(elem.dtype).tiny)
+
+
+def prior_weights(batch: dict, options: LossConfig, device: torch.device | str) -> torch.Tensor | None:
+    """Per-sample weights of prior preservation: ``loss.prior_weight`` for the samples of a prior (class)
+    set (the batch's ``prior`` flags, runner/data/sets.py), 1 for the others; None when the batch has no
+    flags (no prior set). DreamBooth adds ``prior_weight x`` the class images' mean loss to the instance
+    images' mean; here each sample's loss is multiplied by its weight before the batch mean, which is the
+    same up to the batch's split between the two (half and half: exactly half DreamBooth's sum), and
+    keeps the loss a mean over samples, so micro-batch splits stay invisible."""
+    prior = batch.get("prior")
+    if not isinstance(prior, torch.Tensor):
+        return None
+    flags = prior.to(device=device, dtype=torch.bool).reshape(-1)
+    one = torch.ones(flags.shape, device=device, dtype=torch.float32)
+    return torch.where(flags, one * float(options.prior_weight), one)
 
 
 # ---- DDPM: noise offset and Min-SNR ----------------------------------------------------------------

@@ -42,7 +42,9 @@ def example_batch(trainer: Any, raw: bool, batch_size: int) -> dict[str, Any]:
     with unset_fake_temporarily():  # shape-only tensors on real meta; seeds as real CPU ints
         if raw:
             return trainer.example_raw_batch(batch_size, DEVICE)
-        return trainer.example_batch(batch_size, DEVICE)
+        batch = trainer.example_batch(batch_size, DEVICE)
+        with_mask = getattr(trainer, "with_example_mask", None)  # data.masks: the loss mask lives on the device
+        return with_mask(batch) if callable(with_mask) else batch
 
 
 def encode_part_shapes(trainer: Any, models: Any, micro: int) -> dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]]:

@@ -54,6 +54,18 @@ TRAIN_MODES = ("full", "lora")
 
 
 # ---- shared trainer skeleton ------------------------------------------------------------------
+def with_latent_mask(out: dict[str, torch.Tensor], batch: Batch) -> dict[str, torch.Tensor]:
+    """A latents part ``out`` with, when the batch has a loss mask (``data.masks``), ``latent_mask``:
+    float32 ``[B, 1, h, w]`` on the latent grid of ``out["latent_mean"]``, the area average of the mask
+    over each latent cell, so a latent is weighted by the share of its pixels the mask keeps
+    (nearest-neighbour would drop thin strokes or keep cells that are mostly masked out)."""
+    mask = batch.get("mask")
+    if isinstance(mask, torch.Tensor):
+        grid = tuple(out["latent_mean"].shape[-2:])
+        out["latent_mask"] = torch.nn.functional.interpolate(mask.float(), size=grid, mode="area").contiguous()
+    return out
+
+
 class DiffusersTrainer(CacheKeys):
     """The parts of a trainer that do not depend on the model family.
 
@@ -122,6 +134,8 @@ class DiffusersTrainer(CacheKeys):
             self._open_single_file(self.source[1])
         name = self.display_name or type(self).__name__
         self.loss_options = loss_config(cfg)  # loss.* (runner/loss/objectives.py), read by the loss-family base
+        data = cfg.get("data") if hasattr(cfg, "get") else None
+        self.masks = bool(data.get("masks", False)) if data is not None and hasattr(data, "get") else False
         if self.objective is not None:
             check_objective(self.loss_options, self.objective, f"trainer {name}")
         export = cfg.get("export") if hasattr(cfg, "get") else None
@@ -291,18 +305,25 @@ class DiffusersTrainer(CacheKeys):
     def encode_parts(self) -> dict[str, EncodePart]:
         """Both built-in families: VAE latents from pixels, two text encoders' outputs from captions."""
         return {
-            "latents": EncodePart(("vae",), ("pixel_values",)),
+            "latents": EncodePart(("vae",), self.image_inputs()),
             "text": EncodePart(("text_encoder", "text_encoder_2"), ("caption",)),
         }
 
+    def image_inputs(self) -> tuple[str, ...]:
+        """What the latents part reads: the pixels, and with ``data.masks`` their loss mask, so the
+        mask is cached with the latents and its content is in the cache key (plugins/park/cache.py)."""
+        return ("pixel_values", "mask") if self.masks else ("pixel_values",)
+
     @staticmethod
     def encode_latents(models: ModelSet, batch: Batch) -> dict[str, torch.Tensor]:
-        """The VAE posterior (mean, std): sampling happens per step, so a cache entry stays reusable."""
+        """The VAE posterior (mean, std): sampling happens per step, so a cache entry stays reusable.
+
+        With a loss mask (``data.masks``) also ``latent_mask`` (:func:`with_latent_mask`)."""
         vae = models["vae"]
         dist = vae.encode(batch["pixel_values"].to(compute_dtype(vae))).latent_dist
         # Contiguous, as a cache entry read back is: the CPU VAE returns channels-last
         # tensors, and that layout made the denoiser's backward round differently.
-        return {"latent_mean": dist.mean.contiguous(), "latent_std": dist.std.contiguous()}
+        return with_latent_mask({"latent_mean": dist.mean.contiguous(), "latent_std": dist.std.contiguous()}, batch)
 
     @torch.no_grad()
     def encode(self, models: ModelSet, batch: Batch) -> Batch:
@@ -322,7 +343,12 @@ class DiffusersTrainer(CacheKeys):
         seeds = batch["sample_seed"]
         lat = parts["latents"]
         latents = self.normalize_latents(sample_latents(LatentMoments(lat["latent_mean"], lat["latent_std"]), seeds, VAE_SALT))
-        return {"latents": latents, **parts["text"], **self.extra_conditioning(latents, batch), "sample_seed": seeds}
+        out = {"latents": latents, **parts["text"], **self.extra_conditioning(latents, batch), "sample_seed": seeds}
+        if "latent_mask" in lat:  # data.masks: the loss averages over it (runner/loss/objectives.py)
+            out["loss_mask"] = lat["latent_mask"].float()
+        if "prior" in batch:  # a sample of a prior (class) set: its loss x loss.prior_weight
+            out["prior"] = batch["prior"]
+        return out
 
     def normalize_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """``(z - shift_factor) * scaling_factor`` of the VAE config (no shift when it has none):
@@ -444,10 +470,22 @@ class DiffusersTrainer(CacheKeys):
         Captions are padded to the tokenizers' fixed lengths, so their text does not change any shape.
         """
         h, w = self.planned_size()
-        return {
+        batch = {
             "pixel_values": self.example_tensor((batch_size, 3, h, w), device, torch.float32, 3),
             "caption": ["an example caption"] * batch_size,
             "index": self.example_seeds(batch_size, device),
             "sample_seed": self.example_seeds(batch_size, device),
         }
+        if self.masks:  # data.masks: the loss mask travels with the pixels (float32, one channel)
+            batch["mask"] = self.example_tensor((batch_size, 1, h, w), device, torch.float32, 4).sigmoid()
+        return batch
+
+    def with_example_mask(self, batch: Batch) -> Batch:
+        """An encoded example batch with the ``loss_mask`` that :meth:`finish_encode` adds under
+        ``data.masks`` (float32 ``[B, 1, h, w]`` on the latent grid), for the planner; unchanged without."""
+        latents = batch.get("latents")
+        if not self.masks or "loss_mask" in batch or not isinstance(latents, torch.Tensor):
+            return batch
+        b, _, lh, lw = latents.shape
+        return {**batch, "loss_mask": self.example_tensor((b, 1, lh, lw), latents.device, torch.float32, 5).sigmoid()}
 

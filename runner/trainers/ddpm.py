@@ -4,7 +4,7 @@ What SDXL and SD1.5/SD2.1 share, from diffusers' ``train_text_to_image*.py`` scr
 ``DDPMScheduler`` with the family's beta schedule; per sample a noise draw and an integer
 timestep ``t ~ U{0, ..., T-1}`` from the sample's seed; ``x_t = add_noise(x0, noise, t)``; the
 target is the noise (epsilon) or ``get_velocity(x0, noise, t)`` (v_prediction); the loss is the
-MSE in float32. ``loss.noise_offset``, ``loss.min_snr_gamma`` and ``loss.type`` change it as
+MSE in float32, averaged over the latent loss mask where ``data.masks`` gives one. ``loss.noise_offset``, ``loss.min_snr_gamma`` and ``loss.type`` change it as
 runner/loss/objectives.py describes; at their defaults this is the plain loss, bit for bit.
 
 A family sets ``noise_schedule`` (the betas) and implements ``predict`` (the denoiser call).
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from runner.errors import UserError, valid_list
-from runner.loss.objectives import DDPM, ddpm_noise, diffusion_loss, min_snr_weights
+from runner.loss.objectives import DDPM, ddpm_noise, diffusion_loss, min_snr_weights, prior_weights
 from runner.trainer import Batch, ModelSet, per_sample_rand
 from runner.trainers.base import DiffusersTrainer
 from runner.trainers.latents import TIMESTEP_SALT
@@ -79,7 +79,8 @@ class DDPMTrainer(DiffusersTrainer):
         noisy = sched.add_noise(latents, noise, timesteps)
         target = noise if self.prediction_type == "epsilon" else sched.get_velocity(latents, noise, timesteps)
         pred = self.predict(models, noisy, timesteps, batch)
-        weights = None
+        weights = prior_weights(batch, options, device)  # data.sets role: prior, x loss.prior_weight
         if options.min_snr_gamma > 0:
-            weights = min_snr_weights(sched.alphas_cumprod, timesteps, options.min_snr_gamma, self.prediction_type)
-        return diffusion_loss(pred, target, options, weights)
+            snr = min_snr_weights(sched.alphas_cumprod, timesteps, options.min_snr_gamma, self.prediction_type)
+            weights = snr if weights is None else weights * snr
+        return diffusion_loss(pred, target, options, weights, batch.get("loss_mask"))

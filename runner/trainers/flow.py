@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from runner.loss.objectives import FLOW, diffusion_loss, shifted_flow_timesteps
+from runner.loss.objectives import FLOW, diffusion_loss, prior_weights, shifted_flow_timesteps
 from runner.trainer import Batch, ModelSet, per_sample_rand, per_sample_randn
 from runner.trainers.base import DiffusersTrainer
 from runner.trainers.latents import TIMESTEP_SALT
@@ -52,4 +52,8 @@ class FlowMatchTrainer(DiffusersTrainer):
         x_t = (1.0 - tt) * x0 + tt * noise
         target = self.pack(noise - x0)
         pred = self.predict(models, x_t, t, batch)
-        return diffusion_loss(pred, target, self.loss_options)
+        mask = batch.get("loss_mask")  # data.masks: [B, 1, h, w] on the latent grid, packed as the target is
+        if mask is not None:
+            mask = self.pack(mask.to(device).expand_as(x0).contiguous())
+        weights = prior_weights(batch, self.loss_options, device)  # data.sets role: prior, x loss.prior_weight
+        return diffusion_loss(pred, target, self.loss_options, weights, mask)

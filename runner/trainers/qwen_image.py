@@ -38,6 +38,7 @@ import torch
 from runner.errors import UserError
 from runner.trainer import Batch, EncodePart, ModelSet, batch_device
 from runner.trainers import qwen_image_configs
+from runner.trainers.base import with_latent_mask
 from runner.trainers.configs import QwenImageTrainerConfig
 from runner.trainers.flow import FlowMatchTrainer
 from runner.trainers.loading import compute_dtype, pipeline_class
@@ -120,7 +121,7 @@ class QwenImageTrainer(FlowMatchTrainer):
 
     # -- encoding --------------------------------------------------------------------------------
     def encode_parts(self) -> dict[str, EncodePart]:
-        return {"latents": EncodePart(("vae",), ("pixel_values",)), "text": EncodePart(("text_encoder",), ("caption",))}
+        return {"latents": EncodePart(("vae",), self.image_inputs()), "text": EncodePart(("text_encoder",), ("caption",))}
 
     def template_tokens(self) -> int:
         """Tokens of the template before the caption, which the pipeline drops (34 for Qwen's own
@@ -136,7 +137,8 @@ class QwenImageTrainer(FlowMatchTrainer):
             vae = models["vae"]
             pixels = batch["pixel_values"].to(compute_dtype(vae)).unsqueeze(2)  # (B, 3, 1, H, W)
             dist = vae.encode(pixels).latent_dist
-            return {"latent_mean": dist.mean[:, :, 0].contiguous(), "latent_std": dist.std[:, :, 0].contiguous()}
+            return with_latent_mask({"latent_mean": dist.mean[:, :, 0].contiguous(),
+                                     "latent_std": dist.std[:, :, 0].contiguous()}, batch)  # data.masks
         device = batch_device(batch)
         model = text_model(models["text_encoder"])
         tok = self.tokenizer("tokenizer")

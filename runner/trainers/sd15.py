@@ -75,7 +75,7 @@ class SD15Trainer(DDPMTrainer):
     def encode_parts(self) -> dict[str, EncodePart]:
         """One text encoder (the base's default has two)."""
         return {
-            "latents": EncodePart(("vae",), ("pixel_values",)),
+            "latents": EncodePart(("vae",), self.image_inputs()),
             "text": EncodePart(("text_encoder",), ("caption",)),
         }
 

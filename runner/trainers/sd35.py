@@ -82,7 +82,7 @@ class SD35Trainer(FlowMatchTrainer):
     def encode_parts(self) -> dict[str, EncodePart]:
         """Three text encoders (the base's default has two)."""
         return {
-            "latents": EncodePart(("vae",), ("pixel_values",)),
+            "latents": EncodePart(("vae",), self.image_inputs()),
             "text": EncodePart(("text_encoder", "text_encoder_2", "text_encoder_3"), ("caption",)),
         }
 

@@ -81,4 +81,6 @@ def as_val_path() -> Iterator[None]:
 def _with_path(data_cfg: Any, path: str) -> Any:
     data = copy.deepcopy(data_cfg)
     data.path = path
+    if hasattr(data, "get") and data.get("demo_prior"):  # the demo's prior set is training data, not held out
+        data.demo_prior = 0
     return data
