@@ -17,7 +17,33 @@ option                    state per parameter tensor of n elements         notes
                           tensors of >= 1e5 elements
 ``adafactor``             matrices: (rows + cols) x 4 B (factored second    transformers, no first moment
                           moment); vectors: 4n; + a 4 B RMS per tensor      by default
+``prodigy``               4 x n in the parameter's dtype (two moments,     prodigyopt; ``lr`` multiplies
+                          ``s`` and the initial weights ``p0``)            its own step size (1.0)
+``adamw_schedulefree``    2 x n in the parameter's dtype (``z`` and the     schedulefree, ``foreach=False``;
+                          second moment)                                   train/eval modes (modes.py)
+``lion``                  4n (one float32 moment)                          bitsandbytes Lion32bit
+``lion8bit``              n bytes + a float32 absmax per 256-block + one    bitsandbytes Lion8bit; 4n
+                          1 KiB quantile map per optimizer                 under ``min_8bit_size``
+``came``                  Adafactor's factored moment twice (squared        came-pytorch; upcasts bf16
+                          gradient, instability) + a float32 first         gradients like Adafactor
+                          moment (4n) + the RMS, a 0-dim tensor of the
+                          parameter's dtype
 ========================  ==============================================  ===========================
+
+Which optimizers update each parameter from its own gradient and state alone (``per_parameter``
+in :data:`OPTIMIZERS`) decides what may step them piecewise: fused backward (one parameter at a
+time), ``offload.optimizer.step_on_host=false`` (one chunk at a time) and torchao's offload (one
+optimizer per parameter). Prodigy's step size ``d`` is estimated from sums over *all* parameters
+and schedule-free AdamW counts and weights each step once for all of them, so those three are
+refused for both, before anything is built (:func:`validate_optimizer`, runner/optim/fused.py).
+``offload=optimizer`` with ``step_on_host=true`` (its default) steps the whole optimizer at once on
+the host and takes all of them.
+
+Prodigy is used through a subclass that keeps the initial weights ``p0`` of every parameter as a
+tensor of its size: prodigyopt keeps a 0-dim zero instead when a parameter is all zeros at its first
+step (LoRA's B matrices, freshly initialised norm biases), which the planner, working on fake
+tensors, cannot see. The arithmetic is the same (``0 - x`` either way; tests/runner/optim/test_optimizers.py
+compares the weights with prodigyopt's bit for bit); the cost is those parameters' size once more.
 
 Adafactor is configured as kohya/OneTrainer recommend for diffusion fine-tunes:
 ``relative_step=False`` and ``scale_parameter=False``, so ``optimizer.lr`` is the step size and
@@ -40,8 +66,10 @@ figure without allocating.
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
+import sys
 from collections.abc import Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -55,7 +83,12 @@ from runner.optim.config import (  # noqa: F401  (the schemas: re-exported)
     AdafactorConfig,
     AdamW8bitConfig,
     AdamWConfig,
+    AdamWScheduleFreeConfig,
+    CAMEConfig,
+    Lion8bitConfig,
+    LionConfig,
     PagedAdamW8bitConfig,
+    ProdigyConfig,
     check_optimizer_config,
     store_optimizer_schemas,  # runner/config/__init__.py used to take it from here
 )
@@ -95,6 +128,24 @@ class ForwardsToInner(torch.optim.Optimizer):
     @defaults.setter
     def defaults(self, value: dict[str, Any]) -> None:
         self.inner.defaults = value
+
+    # Train and eval modes (optimizer=adamw_schedulefree; runner/optim/modes.py asks only optimizers that have them).
+    def eval(self, keep_train_point: bool = False) -> None:
+        if keep_train_point:
+            self.inner.eval(keep_train_point=True)
+        else:
+            self.inner.eval()
+        self.weights_changed()
+
+    def train(self) -> None:
+        self.inner.train()
+        self.weights_changed()
+
+    def weights_changed(self) -> None:
+        """The inner optimizer changed its parameters outside a step: a wrapper stepping copies updates them."""
+
+    def weights_loaded(self) -> None:
+        """The trained parameters were given new values (a resume): a wrapper stepping copies takes them."""
 
 BNB_BLOCKSIZE = 256  # bitsandbytes' blockwise 8-bit optimizer state block
 PAGED_MIN_NUMEL = 100_000  # bitsandbytes pages only state tensors of at least this many elements
@@ -146,9 +197,50 @@ def _adamw8bit_layout(cfg: Any, p: torch.Tensor, paged: bool = False) -> list[St
     ]
 
 
+def _upcast(p: torch.Tensor) -> torch.dtype:
+    return torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype  # Adafactor, CAME: grads upcast
+
+
+def _prodigy_layout(cfg: Any, p: torch.Tensor) -> list[StateTensor]:
+    sliced = (math.ceil(p.numel() / int(cfg.slice_p)),)  # p.flatten()[::slice_p]
+    out = [StateTensor("s", sliced, p.dtype), StateTensor("p0", sliced, p.dtype)]
+    if float(cfg.betas[0]) > 0:
+        out.append(StateTensor("exp_avg", tuple(p.shape), p.dtype))
+    out.append(StateTensor("exp_avg_sq", tuple(p.shape), p.dtype))
+    return out  # "step" is a Python int
+
+
+def _schedulefree_layout(cfg: Any, p: torch.Tensor) -> list[StateTensor]:
+    return [StateTensor("z", tuple(p.shape), p.dtype), StateTensor("exp_avg_sq", tuple(p.shape), p.dtype)]
+
+
+def _lion_layout(cfg: Any, p: torch.Tensor, eight_bit: bool = False) -> list[StateTensor]:
+    shape, n = tuple(p.shape), p.numel()
+    if not eight_bit or n < int(cfg.min_8bit_size):
+        return [StateTensor("state1", shape, torch.float32)]  # bitsandbytes' 32-bit state, whatever the weights' dtype
+    return [
+        StateTensor("state1", shape, torch.uint8),
+        StateTensor("qmap1", (256,), torch.float32, shared="dynamic"),
+        StateTensor("absmax1", (math.ceil(n / BNB_BLOCKSIZE),), torch.float32),
+    ]
+
+
+def _came_layout(cfg: Any, p: torch.Tensor) -> list[StateTensor]:
+    shape, dtype = tuple(p.shape), _upcast(p)
+    out = [StateTensor("exp_avg", shape, dtype)]
+    if len(shape) >= 2:
+        row, col = shape[:-1], shape[:-2] + shape[-1:]
+        out += [StateTensor("exp_avg_sq_row", row, dtype), StateTensor("exp_avg_sq_col", col, dtype),
+                StateTensor("exp_avg_res_row", row, dtype), StateTensor("exp_avg_res_col", col, dtype)]
+    else:
+        out.append(StateTensor("exp_avg_sq", shape, dtype))
+    out.append(StateTensor("RMS", (), p.dtype))  # the weights' RMS, computed from p itself (not upcast)
+    return out
+
+
 def _adafactor_layout(cfg: Any, p: torch.Tensor) -> list[StateTensor]:
     shape = tuple(p.shape)
-    dtype = torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype  # grads are upcast
+    dtype = _upcast(p)
     out = []
     if cfg.beta1 is not None:
         out.append(StateTensor("exp_avg", shape, dtype))
@@ -189,6 +281,114 @@ def _build_adafactor(cfg: Any, params: list[torch.nn.Parameter]) -> torch.optim.
     )
 
 
+def _build_prodigy(cfg: Any, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return _prodigy_class()(
+        params, lr=cfg.lr, betas=tuple(cfg.betas), beta3=cfg.beta3, eps=cfg.eps, weight_decay=cfg.weight_decay,
+        decouple=bool(cfg.decouple), use_bias_correction=bool(cfg.use_bias_correction),
+        safeguard_warmup=bool(cfg.safeguard_warmup), d0=cfg.d0, d_coef=cfg.d_coef, growth_rate=float(cfg.growth_rate),
+        slice_p=int(cfg.slice_p),
+    )
+
+
+def _build_schedulefree(cfg: Any, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    # foreach=False, as for AdamW: the multi-tensor path divides every second moment into a new tensor at once.
+    optimizer = _schedulefree_class()(
+        params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay,
+        warmup_steps=int(cfg.warmup_steps), r=cfg.r, weight_lr_power=cfg.weight_lr_power, foreach=False,
+    )
+    optimizer.train()  # it starts in eval mode and refuses to step there
+    return optimizer
+
+
+def _build_lion(cfg: Any, params: list[torch.nn.Parameter], eight_bit: bool = False) -> torch.optim.Optimizer:
+    import bitsandbytes as bnb
+
+    if eight_bit:
+        return bnb.optim.Lion8bit(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
+                                  min_8bit_size=int(cfg.min_8bit_size))
+    return bnb.optim.Lion32bit(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+
+
+def _build_came(cfg: Any, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    from came_pytorch.CAME import CAME
+
+    return CAME(params, lr=cfg.lr, eps=tuple(cfg.eps), clip_threshold=cfg.clip_threshold, betas=tuple(cfg.betas),
+                weight_decay=cfg.weight_decay)
+
+
+# ---- the two optimizers whose update is not per parameter ------------------------------------------
+def _prodigy_class() -> type:
+    """prodigyopt's Prodigy with ``p0`` always a tensor of the sliced parameter's size (module docstring)."""
+    global _PRODIGY
+    if _PRODIGY is None:
+        from prodigyopt import Prodigy as Upstream
+
+        class Prodigy(Upstream):
+            couples_parameters = OPTIMIZERS["prodigy"].couples_parameters
+
+            @torch.no_grad()
+            def step(self, closure: Callable[[], Any] | None = None) -> Any:
+                loss = None
+                if closure is not None:
+                    with torch.enable_grad():
+                        loss = closure()
+                for group in self.param_groups:
+                    slice_p, beta1 = group["slice_p"], group["betas"][0]
+                    for p in group["params"]:
+                        state = self.state[p]
+                        if p.grad is None or "step" in state:
+                            continue
+                        # prodigyopt's own initialisation, but p0 never a 0-dim zero: same update, fixed size
+                        state["step"] = 0
+                        state["s"] = torch.zeros_like(p.flatten()[::slice_p]).detach()
+                        state["p0"] = p.flatten()[::slice_p].detach().clone()
+                        if beta1 > 0:
+                            state["exp_avg"] = torch.zeros_like(p).detach()
+                        state["exp_avg_sq"] = torch.zeros_like(p).detach()
+                super().step()
+                return loss
+
+        _PRODIGY = Prodigy
+    return _PRODIGY
+
+
+def _schedulefree_class() -> type:
+    """schedulefree's AdamWScheduleFree, whose ``eval(keep_train_point=True)`` lets ``train()`` restore the
+    training point exactly (runner/optim/modes.py) instead of recomputing it, which rounds."""
+    global _SCHEDULEFREE
+    if _SCHEDULEFREE is None:
+        from schedulefree import AdamWScheduleFree as Upstream
+
+        class AdamWScheduleFree(Upstream):
+            couples_parameters = OPTIMIZERS["adamw_schedulefree"].couples_parameters
+
+            @torch.no_grad()
+            def eval(self, keep_train_point: bool = False) -> None:
+                training = any(g["train_mode"] for g in self.param_groups)
+                if keep_train_point and training:  # a host copy of y (the weights trained at), restored by train()
+                    self._train_point = [(p, p.detach().to("cpu", copy=True)) for g in self.param_groups
+                                         for p in g["params"] if "z" in self.state[p]]
+                super().eval()
+
+            @torch.no_grad()
+            def train(self) -> None:
+                kept = self.__dict__.pop("_train_point", None)
+                if kept is None or all(g["train_mode"] for g in self.param_groups):
+                    super().train()
+                    return
+                for p, y in kept:
+                    p.copy_(y)
+                for g in self.param_groups:
+                    g["train_mode"] = True
+
+        _SCHEDULEFREE = AdamWScheduleFree
+    return _SCHEDULEFREE
+
+
+_PRODIGY: type | None = None
+_SCHEDULEFREE: type | None = None
+
+
 @dataclass(frozen=True)
 class OptimizerSpec:
     name: str
@@ -196,6 +396,12 @@ class OptimizerSpec:
     build: Callable[[Any, list[torch.nn.Parameter]], torch.optim.Optimizer]
     layout: Callable[[Any, torch.Tensor], list[StateTensor]]
     needs_cuda: bool = False
+    package: str = ""  # the import name of the package it needs (a missing one is refused at validation)
+    pip: str = ""  # its name on PyPI
+    # None: each parameter's update reads only its own gradient and state, so the optimizer may step one
+    # parameter or one chunk at a time. Otherwise why not (for the messages refusing fused backward, ...).
+    couples_parameters: str | None = None
+    modes: bool = False  # train()/eval() move the weights between the training and the evaluated point
 
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {
@@ -209,7 +415,19 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             lambda cfg, p: _adamw8bit_layout(cfg, p, paged=True),
             needs_cuda=True,
         ),
-        OptimizerSpec("adafactor", AdafactorConfig, _build_adafactor, _adafactor_layout),
+        OptimizerSpec("adafactor", AdafactorConfig, _build_adafactor, _adafactor_layout, package="transformers",
+                      pip="transformers"),
+        OptimizerSpec("prodigy", ProdigyConfig, _build_prodigy, _prodigy_layout, package="prodigyopt", pip="prodigyopt",
+                      couples_parameters="Prodigy estimates its step size d from sums over all parameters in each step, "
+                      "then updates every parameter with it"),
+        OptimizerSpec("adamw_schedulefree", AdamWScheduleFreeConfig, _build_schedulefree, _schedulefree_layout,
+                      package="schedulefree", pip="schedulefree", modes=True,
+                      couples_parameters="schedule-free AdamW counts each step once for all parameters (its warmup and "
+                      "the weight of each step in the average advance per step() call)"),
+        OptimizerSpec("lion", LionConfig, _build_lion, _lion_layout),
+        OptimizerSpec("lion8bit", Lion8bitConfig, lambda cfg, params: _build_lion(cfg, params, eight_bit=True),
+                      lambda cfg, p: _lion_layout(cfg, p, eight_bit=True)),
+        OptimizerSpec("came", CAMEConfig, _build_came, _came_layout, package="came_pytorch", pip="came-pytorch"),
     )
 }
 
@@ -352,6 +570,7 @@ class SimulatedOptimizer(torch.optim.Optimizer):
         paged_device: torch.device | str | None = None,
     ) -> None:
         self.cfg = cfg
+        self.couples_parameters = _spec(cfg).couples_parameters  # as the real one's (torchao is not chosen for it)
         self.host = torch.device(host)
         self.paged_device = torch.device(paged_device) if paged_device is not None else None
         self._shared: dict[tuple[str, str], torch.Tensor] = {}
@@ -403,11 +622,19 @@ class SimulatedOptimizer(torch.optim.Optimizer):
 
 
 # ---- validation ----------------------------------------------------------------------------------
+PRODIGY_LOW_LR = 0.1  # below: almost always an AdamW learning rate carried over to Prodigy's multiplier
+
+
 def validate_optimizer(cfg: Any, run: Any) -> None:
-    """Name, schema and requirements of ``cfg.optimizer`` for the resolved ``run``; each failure
-    names the key and the fix."""
+    """Name, schema and requirements of ``cfg.optimizer`` for the resolved ``run``, and what the
+    chosen optimizer cannot be combined with; each failure names the key and the fix."""
     check_optimizer_config(cfg.optimizer)  # name, schema, betas: runner/optim/config.py
     spec = _spec(cfg.optimizer)
+    if spec.package and importlib.util.find_spec(spec.package) is None:
+        raise UserError(
+            f"optimizer={spec.name} needs the Python package {spec.pip}, which is not installed in this environment "
+            f"({sys.executable}). Install it with `pip install {spec.pip}` (the runner's own setup, `make setup`, "
+            "installs it), or choose another optimizer.")
     if spec.needs_cuda and not run.on_cuda:
         where = "train.device=cpu" if str(cfg.train.device) == "cpu" else "train.device=auto and no CUDA device is available"
         raise UserError(
@@ -415,3 +642,38 @@ def validate_optimizer(cfg: Any, run: Any) -> None:
             f"device runs short, and on the CPU bitsandbytes falls back to the non-paged optimizer with only a warning. This run "
             f"trains on the CPU ({where}). Use optimizer=adamw8bit (the same update and state size, not paged)."
         )
+    if spec.couples_parameters is not None:
+        _refuse_piecewise_steps(cfg, spec)
+    if spec.modes and cfg.get("ema") is not None and bool(cfg.ema.get("enabled", False)):
+        raise UserError(
+            f"optimizer={spec.name} with ema.enabled=true: schedule-free's evaluated weights (the ones samples, "
+            "checkpoints and the export use) are already an average of the iterates, and the EMA would average the "
+            "other sequence, the points it takes gradients at, which are not what it evaluates. Use ema.enabled=false "
+            "with it, or an optimizer with a schedule (optimizer=adamw) for an EMA.")
+    if spec.name == "prodigy" and float(cfg.optimizer.lr) < PRODIGY_LOW_LR:
+        log.warning(
+            "optimizer=prodigy with optimizer.lr=%g: Prodigy's lr is not a learning rate but a multiplier of the step "
+            "size d it estimates itself (the metrics' prodigy_d column); its authors use 1.0, the default. With %g "
+            "every step is %g times smaller than Prodigy's estimate. If this is an AdamW learning rate carried over, "
+            "drop optimizer.lr (to scale Prodigy's steps, tune optimizer.d_coef, e.g. 0.5-2).",
+            float(cfg.optimizer.lr), float(cfg.optimizer.lr), 1 / float(cfg.optimizer.lr))
+
+
+def _refuse_piecewise_steps(cfg: Any, spec: OptimizerSpec) -> None:
+    """An optimizer whose update couples the parameters cannot be stepped a part at a time."""
+    offload = cfg.get("offload") or {}
+    node = offload.get("optimizer") if hasattr(offload, "get") else None
+    if node is None:
+        return
+    if not bool(node.get("step_on_host", True)):
+        raise UserError(
+            f"optimizer={spec.name} with offload=optimizer and offload.optimizer.step_on_host=false: that mode steps "
+            f"the optimizer one chunk of parameters (offload.optimizer.chunk_mb) at a time, and {spec.couples_parameters}, "
+            "so each chunk would count as a step of its own. Use offload.optimizer.step_on_host=true (the default: "
+            "the whole step runs on the host at once), or an optimizer that updates each parameter on its own "
+            "(adamw, adamw8bit, adafactor, lion, lion8bit, came).")
+    if str(node.get("implementation", "auto")) == "torchao":
+        raise UserError(
+            f"optimizer={spec.name} with offload.optimizer.implementation=torchao: torchao's CPUOffloadOptimizer "
+            f"builds one optimizer per parameter, and {spec.couples_parameters}. Use "
+            "offload.optimizer.implementation=builtin (or auto, which picks it for this optimizer).")
