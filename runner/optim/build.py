@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import math
 import sys
 from collections.abc import Iterable
 from contextlib import nullcontext
@@ -91,6 +90,19 @@ from runner.optim.config import (  # noqa: F401  (the schemas: re-exported)
     ProdigyConfig,
     check_optimizer_config,
     store_optimizer_schemas,  # runner/config/__init__.py used to take it from here
+)
+from runner.optim.coupled import PRODIGY_COUPLES, SCHEDULEFREE_COUPLES, build_prodigy, build_schedulefree
+from runner.optim.layouts import (  # noqa: F401  (StateTensor and the bitsandbytes sizes: re-exported)
+    BNB_BLOCKSIZE,
+    PAGED_MIN_NUMEL,
+    StateTensor,
+    _adafactor_layout,
+    _adamw8bit_layout,
+    _adamw_layout,
+    _came_layout,
+    _lion_layout,
+    _prodigy_layout,
+    _schedulefree_layout,
 )
 
 log = logging.getLogger("runner")
@@ -147,112 +159,6 @@ class ForwardsToInner(torch.optim.Optimizer):
     def weights_loaded(self) -> None:
         """The trained parameters were given new values (a resume): a wrapper stepping copies takes them."""
 
-BNB_BLOCKSIZE = 256  # bitsandbytes' blockwise 8-bit optimizer state block
-PAGED_MIN_NUMEL = 100_000  # bitsandbytes pages only state tensors of at least this many elements
-
-
-# ---- state layout -------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class StateTensor:
-    """One tensor an optimizer keeps for one parameter.
-
-    ``where``: ``"param"`` (the parameter's device), ``"host"`` (CPU, e.g. torch AdamW's step
-    counter) or ``"paged"`` (CUDA unified memory). ``shared``: a key when one tensor serves every
-    parameter on a device (bitsandbytes' quantile maps), counted once.
-    """
-
-    key: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    where: str = "param"
-    shared: Optional[str] = None
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-def _adamw_layout(cfg: Any, p: torch.Tensor) -> list[StateTensor]:
-    shape = tuple(p.shape)
-    return [
-        StateTensor("step", (), torch.get_default_dtype(), "host"),
-        StateTensor("exp_avg", shape, p.dtype),
-        StateTensor("exp_avg_sq", shape, p.dtype),
-    ]
-
-
-def _adamw8bit_layout(cfg: Any, p: torch.Tensor, paged: bool = False) -> list[StateTensor]:
-    shape, n = tuple(p.shape), p.numel()
-    where = "paged" if paged and p.device.type != "cpu" and n >= PAGED_MIN_NUMEL else "param"
-    if n < int(cfg.min_8bit_size):
-        return [StateTensor("state1", shape, torch.float32, where), StateTensor("state2", shape, torch.float32, where)]
-    blocks = math.ceil(n / BNB_BLOCKSIZE)
-    return [
-        StateTensor("state1", shape, torch.uint8, where),
-        StateTensor("qmap1", (256,), torch.float32, shared="dynamic"),
-        StateTensor("state2", shape, torch.uint8, where),
-        StateTensor("qmap2", (256,), torch.float32, shared="udynamic"),
-        StateTensor("absmax1", (blocks,), torch.float32),
-        StateTensor("absmax2", (blocks,), torch.float32),
-    ]
-
-
-def _upcast(p: torch.Tensor) -> torch.dtype:
-    return torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype  # Adafactor, CAME: grads upcast
-
-
-def _prodigy_layout(cfg: Any, p: torch.Tensor) -> list[StateTensor]:
-    sliced = (math.ceil(p.numel() / int(cfg.slice_p)),)  # p.flatten()[::slice_p]
-    out = [StateTensor("s", sliced, p.dtype), StateTensor("p0", sliced, p.dtype)]
-    if float(cfg.betas[0]) > 0:
-        out.append(StateTensor("exp_avg", tuple(p.shape), p.dtype))
-    out.append(StateTensor("exp_avg_sq", tuple(p.shape), p.dtype))
-    return out  # "step" is a Python int
-
-
-def _schedulefree_layout(cfg: Any, p: torch.Tensor) -> list[StateTensor]:
-    return [StateTensor("z", tuple(p.shape), p.dtype), StateTensor("exp_avg_sq", tuple(p.shape), p.dtype)]
-
-
-def _lion_layout(cfg: Any, p: torch.Tensor, eight_bit: bool = False) -> list[StateTensor]:
-    shape, n = tuple(p.shape), p.numel()
-    if not eight_bit or n < int(cfg.min_8bit_size):
-        return [StateTensor("state1", shape, torch.float32)]  # bitsandbytes' 32-bit state, whatever the weights' dtype
-    return [
-        StateTensor("state1", shape, torch.uint8),
-        StateTensor("qmap1", (256,), torch.float32, shared="dynamic"),
-        StateTensor("absmax1", (math.ceil(n / BNB_BLOCKSIZE),), torch.float32),
-    ]
-
-
-def _came_layout(cfg: Any, p: torch.Tensor) -> list[StateTensor]:
-    shape, dtype = tuple(p.shape), _upcast(p)
-    out = [StateTensor("exp_avg", shape, dtype)]
-    if len(shape) >= 2:
-        row, col = shape[:-1], shape[:-2] + shape[-1:]
-        out += [StateTensor("exp_avg_sq_row", row, dtype), StateTensor("exp_avg_sq_col", col, dtype),
-                StateTensor("exp_avg_res_row", row, dtype), StateTensor("exp_avg_res_col", col, dtype)]
-    else:
-        out.append(StateTensor("exp_avg_sq", shape, dtype))
-    out.append(StateTensor("RMS", (), p.dtype))  # the weights' RMS, computed from p itself (not upcast)
-    return out
-
-
-def _adafactor_layout(cfg: Any, p: torch.Tensor) -> list[StateTensor]:
-    shape = tuple(p.shape)
-    dtype = _upcast(p)
-    out = []
-    if cfg.beta1 is not None:
-        out.append(StateTensor("exp_avg", shape, dtype))
-    if len(shape) >= 2:
-        out.append(StateTensor("exp_avg_sq_row", shape[:-1], dtype))
-        out.append(StateTensor("exp_avg_sq_col", shape[:-2] + shape[-1:], dtype))
-    else:
-        out.append(StateTensor("exp_avg_sq", shape, dtype))
-    out.append(StateTensor("RMS", (), dtype))
-    return out
-
-
 # ---- builders -----------------------------------------------------------------------------------
 def _build_adamw(cfg: Any, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     # foreach=False: the multi-tensor path allocates temporaries for all parameters at once.
@@ -281,25 +187,6 @@ def _build_adafactor(cfg: Any, params: list[torch.nn.Parameter]) -> torch.optim.
     )
 
 
-def _build_prodigy(cfg: Any, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    return _prodigy_class()(
-        params, lr=cfg.lr, betas=tuple(cfg.betas), beta3=cfg.beta3, eps=cfg.eps, weight_decay=cfg.weight_decay,
-        decouple=bool(cfg.decouple), use_bias_correction=bool(cfg.use_bias_correction),
-        safeguard_warmup=bool(cfg.safeguard_warmup), d0=cfg.d0, d_coef=cfg.d_coef, growth_rate=float(cfg.growth_rate),
-        slice_p=int(cfg.slice_p),
-    )
-
-
-def _build_schedulefree(cfg: Any, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    # foreach=False, as for AdamW: the multi-tensor path divides every second moment into a new tensor at once.
-    optimizer = _schedulefree_class()(
-        params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay,
-        warmup_steps=int(cfg.warmup_steps), r=cfg.r, weight_lr_power=cfg.weight_lr_power, foreach=False,
-    )
-    optimizer.train()  # it starts in eval mode and refuses to step there
-    return optimizer
-
-
 def _build_lion(cfg: Any, params: list[torch.nn.Parameter], eight_bit: bool = False) -> torch.optim.Optimizer:
     import bitsandbytes as bnb
 
@@ -314,79 +201,6 @@ def _build_came(cfg: Any, params: list[torch.nn.Parameter]) -> torch.optim.Optim
 
     return CAME(params, lr=cfg.lr, eps=tuple(cfg.eps), clip_threshold=cfg.clip_threshold, betas=tuple(cfg.betas),
                 weight_decay=cfg.weight_decay)
-
-
-# ---- the two optimizers whose update is not per parameter ------------------------------------------
-def _prodigy_class() -> type:
-    """prodigyopt's Prodigy with ``p0`` always a tensor of the sliced parameter's size (module docstring)."""
-    global _PRODIGY
-    if _PRODIGY is None:
-        from prodigyopt import Prodigy as Upstream
-
-        class Prodigy(Upstream):
-            couples_parameters = OPTIMIZERS["prodigy"].couples_parameters
-
-            @torch.no_grad()
-            def step(self, closure: Callable[[], Any] | None = None) -> Any:
-                loss = None
-                if closure is not None:
-                    with torch.enable_grad():
-                        loss = closure()
-                for group in self.param_groups:
-                    slice_p, beta1 = group["slice_p"], group["betas"][0]
-                    for p in group["params"]:
-                        state = self.state[p]
-                        if p.grad is None or "step" in state:
-                            continue
-                        # prodigyopt's own initialisation, but p0 never a 0-dim zero: same update, fixed size
-                        state["step"] = 0
-                        state["s"] = torch.zeros_like(p.flatten()[::slice_p]).detach()
-                        state["p0"] = p.flatten()[::slice_p].detach().clone()
-                        if beta1 > 0:
-                            state["exp_avg"] = torch.zeros_like(p).detach()
-                        state["exp_avg_sq"] = torch.zeros_like(p).detach()
-                super().step()
-                return loss
-
-        _PRODIGY = Prodigy
-    return _PRODIGY
-
-
-def _schedulefree_class() -> type:
-    """schedulefree's AdamWScheduleFree, whose ``eval(keep_train_point=True)`` lets ``train()`` restore the
-    training point exactly (runner/optim/modes.py) instead of recomputing it, which rounds."""
-    global _SCHEDULEFREE
-    if _SCHEDULEFREE is None:
-        from schedulefree import AdamWScheduleFree as Upstream
-
-        class AdamWScheduleFree(Upstream):
-            couples_parameters = OPTIMIZERS["adamw_schedulefree"].couples_parameters
-
-            @torch.no_grad()
-            def eval(self, keep_train_point: bool = False) -> None:
-                training = any(g["train_mode"] for g in self.param_groups)
-                if keep_train_point and training:  # a host copy of y (the weights trained at), restored by train()
-                    self._train_point = [(p, p.detach().to("cpu", copy=True)) for g in self.param_groups
-                                         for p in g["params"] if "z" in self.state[p]]
-                super().eval()
-
-            @torch.no_grad()
-            def train(self) -> None:
-                kept = self.__dict__.pop("_train_point", None)
-                if kept is None or all(g["train_mode"] for g in self.param_groups):
-                    super().train()
-                    return
-                for p, y in kept:
-                    p.copy_(y)
-                for g in self.param_groups:
-                    g["train_mode"] = True
-
-        _SCHEDULEFREE = AdamWScheduleFree
-    return _SCHEDULEFREE
-
-
-_PRODIGY: type | None = None
-_SCHEDULEFREE: type | None = None
 
 
 @dataclass(frozen=True)
@@ -417,13 +231,10 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
         ),
         OptimizerSpec("adafactor", AdafactorConfig, _build_adafactor, _adafactor_layout, package="transformers",
                       pip="transformers"),
-        OptimizerSpec("prodigy", ProdigyConfig, _build_prodigy, _prodigy_layout, package="prodigyopt", pip="prodigyopt",
-                      couples_parameters="Prodigy estimates its step size d from sums over all parameters in each step, "
-                      "then updates every parameter with it"),
-        OptimizerSpec("adamw_schedulefree", AdamWScheduleFreeConfig, _build_schedulefree, _schedulefree_layout,
-                      package="schedulefree", pip="schedulefree", modes=True,
-                      couples_parameters="schedule-free AdamW counts each step once for all parameters (its warmup and "
-                      "the weight of each step in the average advance per step() call)"),
+        OptimizerSpec("prodigy", ProdigyConfig, build_prodigy, _prodigy_layout, package="prodigyopt", pip="prodigyopt",
+                      couples_parameters=PRODIGY_COUPLES),
+        OptimizerSpec("adamw_schedulefree", AdamWScheduleFreeConfig, build_schedulefree, _schedulefree_layout,
+                      package="schedulefree", pip="schedulefree", modes=True, couples_parameters=SCHEDULEFREE_COUPLES),
         OptimizerSpec("lion", LionConfig, _build_lion, _lion_layout),
         OptimizerSpec("lion8bit", Lion8bitConfig, lambda cfg, params: _build_lion(cfg, params, eight_bit=True),
                       lambda cfg, p: _lion_layout(cfg, p, eight_bit=True)),
