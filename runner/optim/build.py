@@ -30,8 +30,8 @@ option                    state per parameter tensor of n elements         notes
                           parameter's dtype
 ========================  ==============================================  ===========================
 
-Which optimizers update each parameter from its own gradient and state alone (``per_parameter``
-in :data:`OPTIMIZERS`) decides what may step them piecewise: fused backward (one parameter at a
+Whether an optimizer updates each parameter from its own gradient and state alone (its spec's
+``couples_parameters`` is None) decides what may step it piecewise: fused backward (one parameter at a
 time), ``offload.optimizer.step_on_host=false`` (one chunk at a time) and torchao's offload (one
 optimizer per parameter). Prodigy's step size ``d`` is estimated from sums over *all* parameters
 and schedule-free AdamW counts and weights each step once for all of them, so those three are
@@ -39,7 +39,7 @@ refused for both, before anything is built (:func:`validate_optimizer`, runner/o
 ``offload=optimizer`` with ``step_on_host=true`` (its default) steps the whole optimizer at once on
 the host and takes all of them.
 
-Prodigy is used through a subclass that keeps the initial weights ``p0`` of every parameter as a
+Prodigy (runner/optim/coupled.py) is used through a subclass that keeps the initial weights ``p0`` of every parameter as a
 tensor of its size: prodigyopt keeps a 0-dim zero instead when a parameter is all zeros at its first
 step (LoRA's B matrices, freshly initialised norm biases), which the planner, working on fake
 tensors, cannot see. The arithmetic is the same (``0 - x`` either way; tests/runner/optim/test_optimizers.py
@@ -57,10 +57,10 @@ to host RAM when the device runs short (cheap when everything fits). On the CPU 
 falls back to the non-paged optimizer with a warning; validation refuses that combination
 instead, so that a preset asking for paging never silently runs without it.
 
-The planner cannot run the bitsandbytes kernels on fake tensors, and needs the state's bytes
-without the arithmetic: :func:`build_optimizer` with ``simulate=True`` returns a
-:class:`SimulatedOptimizer` that allocates exactly the tensors the real optimizer would (from
-:func:`state_layout`, checked against the real optimizers byte for byte in
+The planner cannot run the bitsandbytes kernels on fake tensors (nor Prodigy's sums, read with
+``.item()``), and needs the state's bytes without the arithmetic: :func:`build_optimizer` with
+``simulate=True`` returns a :class:`SimulatedOptimizer` that allocates exactly the tensors the real
+optimizer would (from :func:`state_layout`, the layouts of runner/optim/layouts.py, checked against the real optimizers byte for byte in
 tests/runner/optim/test_optimizers.py) and updates nothing. :func:`simulate_state_bytes` gives the same
 figure without allocating.
 """
