@@ -66,9 +66,13 @@ def torchao_available() -> bool:
     return _torchao_class() is not None
 
 
-def torchao_blockers(config: Any, max_grad_norm: float, grad_accum: int, device_type: str) -> list[str]:
-    """Why torchao's CPUOffloadOptimizer cannot run this configuration correctly (empty: it can)."""
+def torchao_blockers(config: Any, max_grad_norm: float, grad_accum: int, device_type: str,
+                     couples: str | None = None) -> list[str]:
+    """Why torchao's CPUOffloadOptimizer cannot run this configuration correctly (empty: it can).
+    ``couples``: why the optimizer's update is not per parameter (torchao builds one optimizer per parameter)."""
     why = []
+    if couples:
+        why.append(f"it builds one optimizer per parameter, and {couples}")
     if device_type != "cuda":
         why.append("it needs a CUDA device")
     if not config.step_on_host:
@@ -125,7 +129,7 @@ def offload_optimizer(
     device_type = next((p.device.type for p in params if p.device != torch.device(host)), "cpu")
     if implementation != "builtin":
         cfg = OptimizerOffloadConfig(step_on_host=step_on_host, offload_gradients=offload_gradients)
-        why = torchao_blockers(cfg, max_grad_norm, grad_accum, device_type)
+        why = torchao_blockers(cfg, max_grad_norm, grad_accum, device_type, getattr(optimizer, "couples_parameters", None))
         if not why:
             log.info("offload=optimizer: using torchao's CPUOffloadOptimizer")
             return _torchao_optimizer(optimizer, offload_gradients)

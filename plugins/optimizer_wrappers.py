@@ -204,6 +204,20 @@ class HostStepOptimizer(ForwardsToInner):
             if p is not m:
                 p.copy_(m, non_blocking=non_blocking)
 
+    def weights_changed(self) -> None:
+        """The inner optimizer moved the host masters (schedule-free's train/eval): the device follows."""
+        self._scatter()
+        if self._api is not None:
+            self._api.current_stream(self.device).synchronize()  # the masters may change again right after
+
+    @torch.no_grad()
+    def weights_loaded(self) -> None:
+        """A resume copied the checkpoint's weights into the device parameters: the masters take them,
+        or the next host step would update the weights the wrapper was built with."""
+        for p, m in self.pairs:
+            if p is not m:
+                m.copy_(p)
+
     def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
         loss = None
         if closure is not None:
@@ -266,6 +280,9 @@ class HostStateOptimizer(ForwardsToInner):
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, host: torch.device | str = "cpu",
                  chunk_bytes: int = 512 * 2**20, pin_memory: bool = True, always_copy: bool = False) -> None:
+        couples = getattr(optimizer, "couples_parameters", None)
+        if couples:  # validation refuses this before anything is built (runner/optim/build.py)
+            raise ValueError(f"step_on_host=false steps the optimizer a chunk at a time, and {couples}")
         self.inner = optimizer
         self.host = torch.device(host)
         self.chunk_bytes = int(chunk_bytes)

@@ -38,6 +38,7 @@ from runner.loss.config import describe_prior
 from runner.memory.profile import NullProfiler, build_profiler
 from runner.memory.stats import MemoryMonitor
 from runner.optim.fused import fusion_of
+from runner.optim.modes import to_evaluation_point, to_training_point
 from runner.output.progress import build_progress
 from runner.output.report import MetricsWriter, NullMetrics, drop_metrics_after
 from runner.output.trackers import start_tracking
@@ -171,6 +172,9 @@ class Loop:
             ckpt = find_checkpoint(cfg.train.resume)
             state = self.dist.load_checkpoint(ckpt, ctx.models, ctx.optimizer, self.scheduler,
                                               optimizer_name=cfg.optimizer.get("name"))
+            loaded = getattr(ctx.optimizer, "weights_loaded", None)  # offload=optimizer: host masters take the weights
+            if loaded is not None:
+                loaded()
             micro = min(state.micro_batch_size or micro, ctx.run.rank_batch)  # another world size: this rank's share
             log.info("resumed from %s at step %d (%d samples seen)", ckpt, state.step, state.samples_seen)
             self._take_configured_lr(state.step)
@@ -216,6 +220,7 @@ class Loop:
     def save(self) -> Path:
         self.state.micro_batch_size = self.recovery.micro_batch_size
         ctx, cfg = self.ctx, self.cfg
+        to_evaluation_point(ctx.optimizer)  # schedule-free: a checkpoint holds the evaluated weights (runner/optim/modes.py)
         return self.dist.save_checkpoint(self.out / "checkpoints", self.state, ctx.models, ctx.optimizer, self.scheduler,
                                          cfg.train.keep_saved, config_text=saved_config_text(cfg, ctx.overrides),
                                          optimizer_name=cfg.optimizer.get("name"), more_files=ctx.ema.write_checkpoint)
@@ -281,6 +286,7 @@ class Loop:
                "samples_seen": self.state.samples_seen, "micro_batch_size": self.recovery.micro_batch_size,
                "oom_retries": self.recovery.retries_this_step, "nonfinite_skips": self.guard.total, **mem}
         row.update(self.ctx.validation.maybe_evaluate(step))  # val_loss every val.every steps
+        row.update(optimizer_columns(self.ctx.optimizer))  # optimizer=prodigy: its step-size estimate
         self.metrics.write(row)
         self.tracking.log_metrics(step, row)
         self.result.losses.append(step_loss)
@@ -311,6 +317,7 @@ def train(ctx: RunContext) -> TrainResult:
             t0 = time.perf_counter()
             loop.profiler.begin_step(state.step + 1)
             ctx.run_phase("on_step_start", state.step)
+            to_training_point(ctx.optimizer)  # schedule-free: back from the weights a checkpoint saved
             step_loss = loop.passes()
             loop.update(step_loss)
             ctx.run_phase("on_step_end", state.step)
@@ -327,7 +334,15 @@ def train(ctx: RunContext) -> TrainResult:
             if stop.signum is not None:
                 loop.result.interrupted_by = stop.signum
                 break
+        to_evaluation_point(ctx.optimizer)  # schedule-free: the run ends on the weights it saved (and exports)
     return loop.finish()
+
+
+def optimizer_columns(optimizer: Any) -> dict[str, float]:
+    """Metrics columns of the optimizer's own: Prodigy's step-size estimate ``d`` (its step is ``lr * d``)."""
+    groups = getattr(optimizer, "param_groups", None) or [{}]
+    d = groups[0].get("d") if "d_coef" in groups[0] else None
+    return {"prodigy_d": float(d)} if d is not None else {}
 
 
 def forward_backward(ctx: RunContext, raw: dict[str, Any], micro: int, profiler: Any) -> float:

@@ -150,7 +150,7 @@ class Space:
             "stream_gb": [b.stream_gb],
             "activations": [b.activations],
             "optimizer_offload": [b.optimizer_offload],
-            "fused": _uniq([b.fused, False, True] if self.precision != "fp16" else [b.fused]),
+            "fused": _uniq([b.fused, False, True] if self.precision != "fp16" and not _couples(b.optimizer) else [b.fused]),
             "optimizer": [b.optimizer],
             "quantization": [b.quantization],
             "train": [b.train],
@@ -210,6 +210,15 @@ def _uniq(xs: Sequence[Any]) -> list[Any]:
 def _kind_of(override: str) -> str:
     key = override.split("=", 1)[0].lstrip("+~")
     return key.split(".", 1)[0]
+
+
+def _couples(optimizer: str) -> bool:
+    """Whether the optimizer's update couples the parameters (prodigy, adamw_schedulefree): fused backward,
+    which steps one parameter at a time, is refused for it (runner/optim/fused.py)."""
+    from runner.optim.build import OPTIMIZERS
+
+    spec = OPTIMIZERS.get(optimizer)
+    return spec is not None and spec.couples_parameters is not None
 
 
 def overrides_for(k: Knobs, base: Knobs, cfg: Any, user: Sequence[str]) -> list[str]:

@@ -17,7 +17,33 @@ option                    state per parameter tensor of n elements         notes
                           tensors of >= 1e5 elements
 ``adafactor``             matrices: (rows + cols) x 4 B (factored second    transformers, no first moment
                           moment); vectors: 4n; + a 4 B RMS per tensor      by default
+``prodigy``               4 x n in the parameter's dtype (two moments,     prodigyopt; ``lr`` multiplies
+                          ``s`` and the initial weights ``p0``)            its own step size (1.0)
+``adamw_schedulefree``    2 x n in the parameter's dtype (``z`` and the     schedulefree, ``foreach=False``;
+                          second moment)                                   train/eval modes (modes.py)
+``lion``                  4n (one float32 moment)                          bitsandbytes Lion32bit
+``lion8bit``              n bytes + a float32 absmax per 256-block + one    bitsandbytes Lion8bit; 4n
+                          1 KiB quantile map per optimizer                 under ``min_8bit_size``
+``came``                  Adafactor's factored moment twice (squared        came-pytorch; upcasts bf16
+                          gradient, instability) + a float32 first         gradients like Adafactor
+                          moment (4n) + the RMS, a 0-dim tensor of the
+                          parameter's dtype
 ========================  ==============================================  ===========================
+
+Whether an optimizer updates each parameter from its own gradient and state alone (its spec's
+``couples_parameters`` is None) decides what may step it piecewise: fused backward (one parameter at a
+time), ``offload.optimizer.step_on_host=false`` (one chunk at a time) and torchao's offload (one
+optimizer per parameter). Prodigy's step size ``d`` is estimated from sums over *all* parameters
+and schedule-free AdamW counts and weights each step once for all of them, so those three are
+refused for both, before anything is built (:func:`validate_optimizer`, runner/optim/fused.py).
+``offload=optimizer`` with ``step_on_host=true`` (its default) steps the whole optimizer at once on
+the host and takes all of them.
+
+Prodigy (runner/optim/coupled.py) is used through a subclass that keeps the initial weights ``p0`` of every parameter as a
+tensor of its size: prodigyopt keeps a 0-dim zero instead when a parameter is all zeros at its first
+step (LoRA's B matrices, freshly initialised norm biases), which the planner, working on fake
+tensors, cannot see. The arithmetic is the same (``0 - x`` either way; tests/runner/optim/test_optimizers.py
+compares the weights with prodigyopt's bit for bit); the cost is those parameters' size once more.
 
 Adafactor is configured as kohya/OneTrainer recommend for diffusion fine-tunes:
 ``relative_step=False`` and ``scale_parameter=False``, so ``optimizer.lr`` is the step size and
@@ -31,17 +57,18 @@ to host RAM when the device runs short (cheap when everything fits). On the CPU 
 falls back to the non-paged optimizer with a warning; validation refuses that combination
 instead, so that a preset asking for paging never silently runs without it.
 
-The planner cannot run the bitsandbytes kernels on fake tensors, and needs the state's bytes
-without the arithmetic: :func:`build_optimizer` with ``simulate=True`` returns a
-:class:`SimulatedOptimizer` that allocates exactly the tensors the real optimizer would (from
-:func:`state_layout`, checked against the real optimizers byte for byte in
+The planner cannot run the bitsandbytes kernels on fake tensors (nor Prodigy's sums, read with
+``.item()``), and needs the state's bytes without the arithmetic: :func:`build_optimizer` with
+``simulate=True`` returns a :class:`SimulatedOptimizer` that allocates exactly the tensors the real
+optimizer would (from :func:`state_layout`, the layouts of runner/optim/layouts.py, checked against the real optimizers byte for byte in
 tests/runner/optim/test_optimizers.py) and updates nothing. :func:`simulate_state_bytes` gives the same
 figure without allocating.
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
-import math
+import sys
 from collections.abc import Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -55,9 +82,27 @@ from runner.optim.config import (  # noqa: F401  (the schemas: re-exported)
     AdafactorConfig,
     AdamW8bitConfig,
     AdamWConfig,
+    AdamWScheduleFreeConfig,
+    CAMEConfig,
+    Lion8bitConfig,
+    LionConfig,
     PagedAdamW8bitConfig,
+    ProdigyConfig,
     check_optimizer_config,
     store_optimizer_schemas,  # runner/config/__init__.py used to take it from here
+)
+from runner.optim.coupled import PRODIGY_COUPLES, SCHEDULEFREE_COUPLES, build_prodigy, build_schedulefree
+from runner.optim.layouts import (  # noqa: F401  (StateTensor and the bitsandbytes sizes: re-exported)
+    BNB_BLOCKSIZE,
+    PAGED_MIN_NUMEL,
+    StateTensor,
+    _adafactor_layout,
+    _adamw8bit_layout,
+    _adamw_layout,
+    _came_layout,
+    _lion_layout,
+    _prodigy_layout,
+    _schedulefree_layout,
 )
 
 log = logging.getLogger("runner")
@@ -96,70 +141,23 @@ class ForwardsToInner(torch.optim.Optimizer):
     def defaults(self, value: dict[str, Any]) -> None:
         self.inner.defaults = value
 
-BNB_BLOCKSIZE = 256  # bitsandbytes' blockwise 8-bit optimizer state block
-PAGED_MIN_NUMEL = 100_000  # bitsandbytes pages only state tensors of at least this many elements
+    # Train and eval modes (optimizer=adamw_schedulefree; runner/optim/modes.py asks only optimizers that have them).
+    def eval(self, keep_train_point: bool = False) -> None:
+        if keep_train_point:
+            self.inner.eval(keep_train_point=True)
+        else:
+            self.inner.eval()
+        self.weights_changed()
 
+    def train(self) -> None:
+        self.inner.train()
+        self.weights_changed()
 
-# ---- state layout -------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class StateTensor:
-    """One tensor an optimizer keeps for one parameter.
+    def weights_changed(self) -> None:
+        """The inner optimizer changed its parameters outside a step: a wrapper stepping copies updates them."""
 
-    ``where``: ``"param"`` (the parameter's device), ``"host"`` (CPU, e.g. torch AdamW's step
-    counter) or ``"paged"`` (CUDA unified memory). ``shared``: a key when one tensor serves every
-    parameter on a device (bitsandbytes' quantile maps), counted once.
-    """
-
-    key: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    where: str = "param"
-    shared: Optional[str] = None
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-def _adamw_layout(cfg: Any, p: torch.Tensor) -> list[StateTensor]:
-    shape = tuple(p.shape)
-    return [
-        StateTensor("step", (), torch.get_default_dtype(), "host"),
-        StateTensor("exp_avg", shape, p.dtype),
-        StateTensor("exp_avg_sq", shape, p.dtype),
-    ]
-
-
-def _adamw8bit_layout(cfg: Any, p: torch.Tensor, paged: bool = False) -> list[StateTensor]:
-    shape, n = tuple(p.shape), p.numel()
-    where = "paged" if paged and p.device.type != "cpu" and n >= PAGED_MIN_NUMEL else "param"
-    if n < int(cfg.min_8bit_size):
-        return [StateTensor("state1", shape, torch.float32, where), StateTensor("state2", shape, torch.float32, where)]
-    blocks = math.ceil(n / BNB_BLOCKSIZE)
-    return [
-        StateTensor("state1", shape, torch.uint8, where),
-        StateTensor("qmap1", (256,), torch.float32, shared="dynamic"),
-        StateTensor("state2", shape, torch.uint8, where),
-        StateTensor("qmap2", (256,), torch.float32, shared="udynamic"),
-        StateTensor("absmax1", (blocks,), torch.float32),
-        StateTensor("absmax2", (blocks,), torch.float32),
-    ]
-
-
-def _adafactor_layout(cfg: Any, p: torch.Tensor) -> list[StateTensor]:
-    shape = tuple(p.shape)
-    dtype = torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype  # grads are upcast
-    out = []
-    if cfg.beta1 is not None:
-        out.append(StateTensor("exp_avg", shape, dtype))
-    if len(shape) >= 2:
-        out.append(StateTensor("exp_avg_sq_row", shape[:-1], dtype))
-        out.append(StateTensor("exp_avg_sq_col", shape[:-2] + shape[-1:], dtype))
-    else:
-        out.append(StateTensor("exp_avg_sq", shape, dtype))
-    out.append(StateTensor("RMS", (), dtype))
-    return out
-
+    def weights_loaded(self) -> None:
+        """The trained parameters were given new values (a resume): a wrapper stepping copies takes them."""
 
 # ---- builders -----------------------------------------------------------------------------------
 def _build_adamw(cfg: Any, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -189,6 +187,22 @@ def _build_adafactor(cfg: Any, params: list[torch.nn.Parameter]) -> torch.optim.
     )
 
 
+def _build_lion(cfg: Any, params: list[torch.nn.Parameter], eight_bit: bool = False) -> torch.optim.Optimizer:
+    import bitsandbytes as bnb
+
+    if eight_bit:
+        return bnb.optim.Lion8bit(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
+                                  min_8bit_size=int(cfg.min_8bit_size))
+    return bnb.optim.Lion32bit(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+
+
+def _build_came(cfg: Any, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    from came_pytorch.CAME import CAME
+
+    return CAME(params, lr=cfg.lr, eps=tuple(cfg.eps), clip_threshold=cfg.clip_threshold, betas=tuple(cfg.betas),
+                weight_decay=cfg.weight_decay)
+
+
 @dataclass(frozen=True)
 class OptimizerSpec:
     name: str
@@ -196,6 +210,12 @@ class OptimizerSpec:
     build: Callable[[Any, list[torch.nn.Parameter]], torch.optim.Optimizer]
     layout: Callable[[Any, torch.Tensor], list[StateTensor]]
     needs_cuda: bool = False
+    package: str = ""  # the import name of the package it needs (a missing one is refused at validation)
+    pip: str = ""  # its name on PyPI
+    # None: each parameter's update reads only its own gradient and state, so the optimizer may step one
+    # parameter or one chunk at a time. Otherwise why not (for the messages refusing fused backward, ...).
+    couples_parameters: str | None = None
+    modes: bool = False  # train()/eval() move the weights between the training and the evaluated point
 
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {
@@ -209,7 +229,16 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             lambda cfg, p: _adamw8bit_layout(cfg, p, paged=True),
             needs_cuda=True,
         ),
-        OptimizerSpec("adafactor", AdafactorConfig, _build_adafactor, _adafactor_layout),
+        OptimizerSpec("adafactor", AdafactorConfig, _build_adafactor, _adafactor_layout, package="transformers",
+                      pip="transformers"),
+        OptimizerSpec("prodigy", ProdigyConfig, build_prodigy, _prodigy_layout, package="prodigyopt", pip="prodigyopt",
+                      couples_parameters=PRODIGY_COUPLES),
+        OptimizerSpec("adamw_schedulefree", AdamWScheduleFreeConfig, build_schedulefree, _schedulefree_layout,
+                      package="schedulefree", pip="schedulefree", modes=True, couples_parameters=SCHEDULEFREE_COUPLES),
+        OptimizerSpec("lion", LionConfig, _build_lion, _lion_layout),
+        OptimizerSpec("lion8bit", Lion8bitConfig, lambda cfg, params: _build_lion(cfg, params, eight_bit=True),
+                      lambda cfg, p: _lion_layout(cfg, p, eight_bit=True)),
+        OptimizerSpec("came", CAMEConfig, _build_came, _came_layout, package="came_pytorch", pip="came-pytorch"),
     )
 }
 
@@ -352,6 +381,7 @@ class SimulatedOptimizer(torch.optim.Optimizer):
         paged_device: torch.device | str | None = None,
     ) -> None:
         self.cfg = cfg
+        self.couples_parameters = _spec(cfg).couples_parameters  # as the real one's (torchao is not chosen for it)
         self.host = torch.device(host)
         self.paged_device = torch.device(paged_device) if paged_device is not None else None
         self._shared: dict[tuple[str, str], torch.Tensor] = {}
@@ -403,11 +433,19 @@ class SimulatedOptimizer(torch.optim.Optimizer):
 
 
 # ---- validation ----------------------------------------------------------------------------------
+PRODIGY_LOW_LR = 0.1  # below: almost always an AdamW learning rate carried over to Prodigy's multiplier
+
+
 def validate_optimizer(cfg: Any, run: Any) -> None:
-    """Name, schema and requirements of ``cfg.optimizer`` for the resolved ``run``; each failure
-    names the key and the fix."""
+    """Name, schema and requirements of ``cfg.optimizer`` for the resolved ``run``, and what the
+    chosen optimizer cannot be combined with; each failure names the key and the fix."""
     check_optimizer_config(cfg.optimizer)  # name, schema, betas: runner/optim/config.py
     spec = _spec(cfg.optimizer)
+    if spec.package and importlib.util.find_spec(spec.package) is None:
+        raise UserError(
+            f"optimizer={spec.name} needs the Python package {spec.pip}, which is not installed in this environment "
+            f"({sys.executable}). Install it with `pip install {spec.pip}` (the runner's own setup, `make setup`, "
+            "installs it), or choose another optimizer.")
     if spec.needs_cuda and not run.on_cuda:
         where = "train.device=cpu" if str(cfg.train.device) == "cpu" else "train.device=auto and no CUDA device is available"
         raise UserError(
@@ -415,3 +453,38 @@ def validate_optimizer(cfg: Any, run: Any) -> None:
             f"device runs short, and on the CPU bitsandbytes falls back to the non-paged optimizer with only a warning. This run "
             f"trains on the CPU ({where}). Use optimizer=adamw8bit (the same update and state size, not paged)."
         )
+    if spec.couples_parameters is not None:
+        _refuse_piecewise_steps(cfg, spec)
+    if spec.modes and cfg.get("ema") is not None and bool(cfg.ema.get("enabled", False)):
+        raise UserError(
+            f"optimizer={spec.name} with ema.enabled=true: schedule-free's evaluated weights (the ones samples, "
+            "checkpoints and the export use) are already an average of the iterates, and the EMA would average the "
+            "other sequence, the points it takes gradients at, which are not what it evaluates. Use ema.enabled=false "
+            "with it, or an optimizer with a schedule (optimizer=adamw) for an EMA.")
+    if spec.name == "prodigy" and float(cfg.optimizer.lr) < PRODIGY_LOW_LR:
+        log.warning(
+            "optimizer=prodigy with optimizer.lr=%g: Prodigy's lr is not a learning rate but a multiplier of the step "
+            "size d it estimates itself (the metrics' prodigy_d column); its authors use 1.0, the default. With %g "
+            "every step is %g times smaller than Prodigy's estimate. If this is an AdamW learning rate carried over, "
+            "drop optimizer.lr (to scale Prodigy's steps, tune optimizer.d_coef, e.g. 0.5-2).",
+            float(cfg.optimizer.lr), float(cfg.optimizer.lr), 1 / float(cfg.optimizer.lr))
+
+
+def _refuse_piecewise_steps(cfg: Any, spec: OptimizerSpec) -> None:
+    """An optimizer whose update couples the parameters cannot be stepped a part at a time."""
+    offload = cfg.get("offload") or {}
+    node = offload.get("optimizer") if hasattr(offload, "get") else None
+    if node is None:
+        return
+    if not bool(node.get("step_on_host", True)):
+        raise UserError(
+            f"optimizer={spec.name} with offload=optimizer and offload.optimizer.step_on_host=false: that mode steps "
+            f"the optimizer one chunk of parameters (offload.optimizer.chunk_mb) at a time, and {spec.couples_parameters}, "
+            "so each chunk would count as a step of its own. Use offload.optimizer.step_on_host=true (the default: "
+            "the whole step runs on the host at once), or an optimizer that updates each parameter on its own "
+            "(adamw, adamw8bit, adafactor, lion, lion8bit, came).")
+    if str(node.get("implementation", "auto")) == "torchao":
+        raise UserError(
+            f"optimizer={spec.name} with offload.optimizer.implementation=torchao: torchao's CPUOffloadOptimizer "
+            f"builds one optimizer per parameter, and {spec.couples_parameters}. Use "
+            "offload.optimizer.implementation=builtin (or auto, which picks it for this optimizer).")

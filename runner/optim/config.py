@@ -56,11 +56,97 @@ class AdafactorConfig:
     scale_parameter: bool = False  # True multiplies lr by each tensor's RMS
     fused_backward: bool = False  # step each parameter inside backward and free its gradient at once (runner/optim/fused.py)
 
+
+@dataclass
+class ProdigyConfig:
+    """``optimizer=prodigy``: prodigyopt's Prodigy, Adam with its own step-size estimate ``d``.
+
+    ``lr`` is not a learning rate: it multiplies the step size Prodigy estimates, and its authors' value
+    is 1.0 (the default here; tune ``d_coef`` instead). A value below 0.1 is warned about at startup,
+    since it is almost always an AdamW learning rate carried over (runner/optim/build.py).
+    """
+
+    name: str = "prodigy"
+    lr: float = 1.0
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    beta3: float | None = None  # None: sqrt(beta2)
+    eps: float = 1e-8
+    decouple: bool = True  # AdamW-style decoupled weight decay
+    use_bias_correction: bool = False
+    safeguard_warmup: bool = False  # recommended with an LR warmup (train.lr_warmup_steps)
+    d0: float = 1e-6
+    d_coef: float = 1.0
+    growth_rate: float = float("inf")
+    slice_p: int = 1  # >1 estimates d on every slice_p-th element (less state, an approximation)
+    fused_backward: bool = False  # refused: d is estimated over all parameters at once (runner/optim/fused.py)
+
+
+@dataclass
+class AdamWScheduleFreeConfig:
+    """``optimizer=adamw_schedulefree``: schedulefree's AdamWScheduleFree (no LR schedule needed).
+
+    The weights trained (y) are not the weights evaluated (x): the runner switches the optimizer to
+    eval mode for samples, validation, checkpoints and the export (runner/optim/modes.py).
+    """
+
+    name: str = "adamw_schedulefree"
+    lr: float = 1e-4
+    weight_decay: float = 1e-2
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    warmup_steps: int = 0  # its own linear warmup (use this, not train.lr_warmup_steps)
+    r: float = 0.0
+    weight_lr_power: float = 2.0
+    fused_backward: bool = False  # refused: its step counts and weights one step of all parameters
+
+
+@dataclass
+class LionConfig:
+    """``optimizer=lion``: bitsandbytes' Lion (Lion32bit), one float32 moment (4 B/param).
+
+    Lion's update is a sign, so its step is as large as ``lr`` on every element: use 3-10x AdamW's
+    learning rate divided, and weight decay multiplied, by the same factor (the defaults: 1e-5, 0.1).
+    """
+
+    name: str = "lion"
+    lr: float = 1e-5
+    weight_decay: float = 1e-1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    fused_backward: bool = False  # step each parameter inside backward and free its gradient at once (runner/optim/fused.py)
+
+
+@dataclass
+class Lion8bitConfig(LionConfig):
+    """``optimizer=lion8bit``: bitsandbytes' Lion8bit, one blockwise 8-bit moment (~1 B/param)."""
+
+    name: str = "lion8bit"
+    min_8bit_size: int = 4096  # tensors with fewer elements keep a 32-bit moment (bitsandbytes' default)
+
+
+@dataclass
+class CAMEConfig:
+    """``optimizer=came``: came-pytorch's CAME, Adafactor's factored moments plus a confidence term."""
+
+    name: str = "came"
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999, 0.9999])  # (update, squared grad, instability)
+    eps: list[float] = field(default_factory=lambda: [1e-30, 1e-16])  # (squared grad, instability) regularisers
+    clip_threshold: float = 1.0
+    fused_backward: bool = False  # step each parameter inside backward and free its gradient at once (runner/optim/fused.py)
+
+
 OPTIMIZER_CONFIGS: dict[str, type] = {
     "adamw": AdamWConfig,
     "adamw8bit": AdamW8bitConfig,
     "paged_adamw8bit": PagedAdamW8bitConfig,
     "adafactor": AdafactorConfig,
+    "prodigy": ProdigyConfig,
+    "adamw_schedulefree": AdamWScheduleFreeConfig,
+    "lion": LionConfig,
+    "lion8bit": Lion8bitConfig,
+    "came": CAMEConfig,
 }
 
 
@@ -85,5 +171,14 @@ def check_optimizer_config(node: Any) -> None:
         )
     if hasattr(node, "betas"):
         betas = list(node.betas)
-        if len(betas) != 2 or not all(0.0 <= float(b) < 1.0 for b in betas):
-            raise UserError(f"optimizer.betas={betas} is not valid: give two numbers in [0, 1), e.g. [0.9, 0.999].")
+        default = OPTIMIZER_CONFIGS[name]().betas  # two for the Adam family and Lion, three for CAME
+        if len(betas) != len(default) or not all(0.0 <= float(b) < 1.0 for b in betas):
+            count = {2: "two", 3: "three"}.get(len(default), str(len(default)))
+            raise UserError(f"optimizer.betas={betas} is not valid for optimizer={name}: give {count} numbers in [0, 1), "
+                            f"e.g. {default}.")
+    # The new optimizers' own numbers that their constructors would reject with a traceback, refused here by key.
+    for key, allow_zero in (("slice_p", False), ("d0", False), ("growth_rate", False), ("warmup_steps", True)):
+        if key in node and not (float(node[key]) >= 0 if allow_zero else float(node[key]) > 0):
+            limit = "0 or more" if allow_zero else "above 0"
+            raise UserError(f"optimizer.{key}={node[key]} is not valid for optimizer={name}: it must be {limit} "
+                            f"(default {getattr(OPTIMIZER_CONFIGS[name](), key)}).")

@@ -10,7 +10,7 @@ PyTorch's "optimizer in backward" recipe).
 How: one optimizer, the one the run configured (``runner/optim/build.py``), stepped one parameter at a
 time. In the hook its parameter groups are narrowed to the one parameter (the other groups
 emptied) for a normal ``step()``, then restored. AdamW (``foreach=False``), bitsandbytes'
-8-bit AdamW and Adafactor update each parameter independently of the others, so this gives
+8-bit AdamW and Lion, Adafactor and CAME update each parameter independently of the others, so this gives
 exactly the normal step's result (tests/runner/optim/test_fused.py checks the weights bit for bit). We
 keep one optimizer rather than one per parameter (the PyTorch recipe) because then the LR
 scheduler, ``state_dict`` and checkpoints are the normal optimizer's, unchanged: a checkpoint
@@ -28,6 +28,9 @@ What it cannot do, and what happens instead:
   clipping as a math-changing setting.
 * fp16 loss scaling: the GradScaler unscales in ``step()``, after the hooks used scaled
   gradients. Refused (bf16 needs no scaler).
+* an optimizer whose update couples the parameters (``optimizer=prodigy``: one step size estimated
+  over all of them; ``optimizer=adamw_schedulefree``: one step count and average weight for all of
+  them): stepping one parameter at a time would make each a step of its own. Refused at validation.
 * ``offload=optimizer`` (the state and the step on the host) and ``offload=stream`` of a full
   fine-tune (streamed blocks' gradients go to the host and step there after backward): refused,
   they are the alternatives to this for the same memory. ``offload=stream`` with LoRA works: the
@@ -56,7 +59,7 @@ from torch import nn
 
 from runner.compat import is_fake
 from runner.errors import UserError
-from runner.optim.build import ForwardsToInner
+from runner.optim.build import OPTIMIZERS, ForwardsToInner
 
 log = logging.getLogger("runner")
 
@@ -72,6 +75,9 @@ class FusedBackward(ForwardsToInner):
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float = 0.0,
                  names: dict[int, str] | None = None) -> None:
+        couples = getattr(optimizer, "couples_parameters", None)
+        if couples:  # validation refuses this before anything is built (check_fused_backward)
+            raise ValueError(f"fused backward steps one parameter at a time, and {couples}")
         self.inner = optimizer
         self.max_grad_norm = float(max_grad_norm)
         self.names = dict(names or {})
@@ -236,6 +242,13 @@ def check_fused_backward(cfg: Any, run: Any, selected: Iterable[tuple[str, str]]
     if not bool(cfg.optimizer.get("fused_backward", False)):
         return
     key = "optimizer.fused_backward=true"
+    spec = OPTIMIZERS.get(str(cfg.optimizer.get("name", "")))
+    if spec is not None and spec.couples_parameters is not None:
+        raise UserError(
+            f"{key} with optimizer={spec.name}: fused backward steps one parameter at a time, as backward finishes its "
+            f"gradient, and {spec.couples_parameters}, so every parameter would count as a step of its own. Use "
+            f"optimizer.fused_backward=false with optimizer={spec.name}, or an optimizer that updates each parameter on "
+            "its own (adamw, adamw8bit, adafactor, lion, lion8bit, came).")
     if run.grad_accum > 1:
         raise UserError(
             f"{key} updates each parameter as soon as backward has computed its gradient, so gradients cannot be "

@@ -57,10 +57,17 @@ HOST_GFLOPS = 200.0
 # (parameter bytes, constant): torch AdamW with foreach=False runs ~10 elementwise kernels over
 # the parameter, its gradient and two moments in the parameter's dtype (~24 parameter-sized
 # passes); bitsandbytes' 8-bit AdamW one fused kernel (parameter and gradient in and out, two
-# uint8 moments); Adafactor ~12 float32 passes (it upcasts, squares, factors and rescales).
+# uint8 moments); Adafactor ~12 float32 passes (it upcasts, squares, factors and rescales). Counted
+# the same way from each library's step: Prodigy ~14 kernels over the parameter, its gradient, two
+# moments, s and p0 (~30 passes; plus two host syncs per parameter for its sums); schedule-free
+# AdamW (foreach=False) ~10 over the parameter, gradient, z and the second moment (as AdamW);
+# bitsandbytes' Lion one fused kernel with one float32 (lion) or uint8 (lion8bit) moment; CAME
+# Adafactor's passes and as many again for its instability term (~18 float32 passes, 20 kernels).
 UPDATE_TRAFFIC = {"adamw": (24.0, 0.0), "adamw8bit": (3.0, 4.0), "paged_adamw8bit": (3.0, 4.0),
-                  "adafactor": (0.0, 48.0)}
-UPDATE_KERNELS = {"adamw": 10, "adamw8bit": 1, "paged_adamw8bit": 1, "adafactor": 14}
+                  "adafactor": (0.0, 48.0), "prodigy": (30.0, 0.0), "adamw_schedulefree": (24.0, 0.0),
+                  "lion": (3.0, 8.0), "lion8bit": (3.0, 2.0), "came": (0.0, 72.0)}
+UPDATE_KERNELS = {"adamw": 10, "adamw8bit": 1, "paged_adamw8bit": 1, "adafactor": 14, "prodigy": 14,
+                  "adamw_schedulefree": 10, "lion": 1, "lion8bit": 1, "came": 20}
 STEP_PHASES = ("encode", "forward", "backward", "optimizer")
 
 

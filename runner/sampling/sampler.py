@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from runner.errors import UserError
+from runner.optim.modes import at_evaluation_point
 from runner.sampling.config import SampleConfig, check_sample_config, read_prompts
 from runner.sampling.families import family_sampling
 
@@ -166,7 +167,8 @@ class Sampler:
                      "host for its decodes")
         self.done.add(step)
         try:
-            self.sample(step)
+            with at_evaluation_point(self.ctx.optimizer):  # schedule-free: its evaluated weights, then back exactly
+                self.sample(step)
         except torch.OutOfMemoryError as e:
             log.warning("sample: out of device memory while sampling at step %d (%s); no samples for this step, "
                         "training goes on. Lower sample.resolution, or use tiling=vae for the decode.",

@@ -53,6 +53,7 @@ import numpy as np
 import torch
 
 from runner.errors import UserError
+from runner.optim.modes import at_evaluation_point
 from runner.val.config import ValConfig, as_val_path, val_source
 
 if TYPE_CHECKING:
@@ -219,7 +220,8 @@ class Validation:
             return {}
         self.done.add(step)
         t0 = time.perf_counter()
-        value = self.evaluate(step)
+        with at_evaluation_point(self.ctx.optimizer):  # schedule-free: its evaluated weights, then back exactly
+            value = self.evaluate(step)
         if value is None:
             return {}
         log.info("validation: step %d, val_loss %.6f over %d held-out samples (%.1f s)", step, value, len(self),

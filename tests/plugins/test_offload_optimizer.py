@@ -254,3 +254,110 @@ def test_cuda_optimizer_offload(step_on_host):
     assert base_state > 0 and off_state == 0
     for n in base:
         torch.testing.assert_close(off[n], base[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+# ---- the other optimizers ------------------------------------------------------------------------------
+NEW_OPTIMIZERS = ["prodigy", "adamw_schedulefree", "lion", "lion8bit", "came"]
+PER_PARAMETER = ["lion", "lion8bit", "came"]  # prodigy and adamw_schedulefree couple the parameters' updates
+
+
+def _tiny_steps(name: str, wrap=None, steps: int = 3) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from runner.optim.build import build_optimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Tanh(), torch.nn.Linear(300, 16))
+    lr = {"prodigy": "1.0", "came": "1e-3"}.get(name, "1e-2")
+    opt = build_optimizer(compose_config([f"optimizer={name}", f"optimizer.lr={lr}"]).optimizer, model.parameters())
+    if wrap is not None:
+        opt = wrap(opt)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(32, 64, generator=g), torch.randn(32, 16, generator=g)
+    for _ in range(steps):
+        (model(x) - y).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+@pytest.mark.parametrize("name", NEW_OPTIMIZERS)
+def test_host_step_takes_every_optimizer_bit_for_bit(name):
+    """step_on_host=true steps the whole optimizer on host masters: the coupled updates (Prodigy's d, the
+    schedule-free step count) are the plain optimizer's."""
+    plain, _ = _tiny_steps(name)
+    wrapped, opt = _tiny_steps(name, lambda o: offload_optimizer(o, step_on_host=True, always_copy=True))
+    assert isinstance(opt, HostStepOptimizer)
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), wrapped.parameters()))
+
+
+@pytest.mark.parametrize("name", PER_PARAMETER)
+def test_state_on_host_in_chunks_takes_the_per_parameter_optimizers_bit_for_bit(name):
+    plain, _ = _tiny_steps(name)
+    wrapped, opt = _tiny_steps(name, lambda o: offload_optimizer(o, step_on_host=False, chunk_bytes=40_000,
+                                                                 always_copy=True))
+    assert isinstance(opt, HostStateOptimizer) and len({id(p) for p in opt.inner.state}) == 4
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), wrapped.parameters()))
+
+
+@pytest.mark.parametrize("name", ["prodigy", "adamw_schedulefree"])
+def test_chunked_steps_and_torchao_refuse_the_coupled_optimizers(name):
+    from runner.optim.build import build_optimizer
+
+    params = list(torch.nn.Linear(4, 4).parameters())
+    opt = build_optimizer(compose_config([f"optimizer={name}"]).optimizer, params)
+    with pytest.raises(ValueError, match="a chunk at a time"):
+        offload_optimizer(opt, step_on_host=False)
+    from runner.plugins.offload_optimizer import torchao_blockers
+    from runner.plugins.schemas import OptimizerOffloadConfig
+
+    why = torchao_blockers(OptimizerOffloadConfig(), 0.0, 1, "cuda", opt.couples_parameters)
+    assert why and "one optimizer per parameter" in why[0]
+
+
+def test_schedulefree_modes_reach_the_device_weights_through_the_host_step():
+    """eval()/train() move the host masters; the wrapper copies them to the device parameters each time."""
+    from runner.optim.modes import at_evaluation_point, to_evaluation_point, to_training_point
+
+    plain, plain_opt = _tiny_steps("adamw_schedulefree")
+    wrapped, opt = _tiny_steps("adamw_schedulefree", lambda o: offload_optimizer(o, step_on_host=True, always_copy=True))
+    y = [p.detach().clone() for p in wrapped.parameters()]
+    plain_opt.eval()
+    with at_evaluation_point(opt):
+        assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), wrapped.parameters()))  # x on the device
+    assert all(torch.equal(a, b) for a, b in zip(y, wrapped.parameters()))  # y back, exactly
+    to_evaluation_point(opt)
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), wrapped.parameters()))
+    to_training_point(opt)
+    plain_opt.train()
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), wrapped.parameters()))
+    assert all(torch.equal(p, m) for p, m in opt.pairs)
+
+
+def test_a_resume_reaches_the_host_masters(tmp_path):
+    """A resume copies the checkpoint's weights into the device parameters after the wrapper made its masters;
+    weights_loaded() gives them to the masters, or the next host step would continue from the initial weights."""
+    from runner.state.checkpoint import TrainState, load_checkpoint, save_checkpoint
+    from runner.trainer import ModelSet
+
+    def model_set():
+        torch.manual_seed(0)
+        return ModelSet({"net": torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))}, {"net"})
+
+    def step(models, opt):
+        models["net"](torch.ones(4, 8)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    trained = model_set()
+    opt = torch.optim.AdamW(trained["net"].parameters(), lr=1e-2, foreach=False)
+    for _ in range(2):
+        step(trained, opt)
+    ckpt = save_checkpoint(tmp_path, TrainState(step=2), trained, opt, None)
+    step(trained, opt)  # the straight run's third step
+
+    resumed = model_set()
+    wrapped = offload_optimizer(torch.optim.AdamW(resumed["net"].parameters(), lr=1e-2, foreach=False),
+                                step_on_host=True, always_copy=True)
+    load_checkpoint(ckpt, resumed, wrapped, None)
+    wrapped.weights_loaded()  # what the loop does after loading (runner/loop.py)
+    step(resumed, wrapped)
+    assert all(torch.equal(a, b) for a, b in zip(trained["net"].parameters(), resumed["net"].parameters()))

@@ -82,6 +82,18 @@ def test_configured_optimizer_when_the_loop_passes_none(tmp_path):
     assert "8bit" in type(opt).__name__
 
 
+def test_a_configured_schedule_free_optimizer_arrives_in_train_mode(tmp_path):
+    """schedulefree refuses to step in eval mode, its starting mode: the loop gets it ready to step, and its
+    own opt.eval()/opt.train() around evaluations give the training weights back."""
+    _, unet, (_, opt, _) = hosted_losses(tmp_path, "optimizer=adamw_schedulefree", steps=2)
+    assert all(g["train_mode"] for g in opt.param_groups)
+    trained = [p.detach().clone() for p in unet.parameters()]
+    opt.eval(keep_train_point=True)
+    assert any(not torch.equal(a, p) for a, p in zip(trained, unet.parameters()))  # the averaged weights
+    opt.train()
+    assert all(torch.equal(a, p) for a, p in zip(trained, unet.parameters()))
+
+
 def test_an_optimizer_instance_and_an_explicit_optimizer_choice_conflict(tmp_path):
     run = session(["train.device=cpu", "optimizer=adafactor"], output_dir=tmp_path)
     unet = make_unet()

@@ -115,3 +115,20 @@ def test_overrides_replace_what_the_candidate_changes_and_keep_the_rest():
     composed = compose_config(over)
     validate(compose_config([*over, "mode=plan"]))
     assert base_knobs(composed) == k
+
+
+@pytest.mark.parametrize("optimizer, offered", [("adamw", [False, True]), ("lion8bit", [False, True]),
+                                                ("prodigy", [False]), ("adamw_schedulefree", [False])])
+def test_fused_backward_is_searched_only_for_optimizers_that_update_each_parameter_alone(optimizer, offered):
+    """prodigy and adamw_schedulefree couple the parameters' updates: fused backward is refused for them
+    (runner/optim/fused.py), so the search never proposes it."""
+    from runner.fit.space import Space, base_knobs
+
+    base = base_knobs(compose_config([f"optimizer={optimizer}"]))
+    space = Space(base=base, batch=2, allow=frozenset(), on_cuda=True, max_grad_norm=0.0, precision="bf16",
+                  trained_gib=1.0, streamable=True, cacheable=True)
+    assert sorted(space.values()["fused"]) == offered
+    for k in space.candidates():  # every candidate the search would try is one the runner accepts
+        if k.fused:
+            validate(compose_config([f"optimizer={optimizer}", "optimizer.fused_backward=true", "mode=plan"]))
+            break

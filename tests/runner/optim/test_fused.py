@@ -1,5 +1,6 @@
 """Fused backward (runner/optim/fused.py): the same weights as the normal step, the bytes it saves, and what
-happens around it (NaN guard, OOM, checkpoints and resume, refusals).
+happens around it (NaN guard, OOM, checkpoints and resume, refusals: prodigy and adamw_schedulefree, whose
+update couples the parameters, are refused in tests/runner/optim/test_optimizers.py).
 
 Equality claim: with ``train.max_grad_norm=0`` and ``train.grad_accum=1`` each optimizer here
 updates every parameter from that parameter's gradient alone, so stepping them one at a time inside
@@ -63,7 +64,7 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 
 
 # ---- the same result as the normal step -------------------------------------------------------------
-@pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit", "adafactor"])
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit", "adafactor", "lion", "lion8bit", "came"])
 def test_fused_backward_gives_the_normal_steps_weights_bit_for_bit(tmp_path, optimizer):
     # A schedule that changes the rate every step: the scheduler must reach the fused steps too.
     run_args = [*PIXEL, f"optimizer={optimizer}", "train.steps=3", "train.lr_scheduler=linear",

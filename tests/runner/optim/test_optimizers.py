@@ -1,4 +1,5 @@
-"""The optimizer group (adamw, adamw8bit, paged_adamw8bit, adafactor) and model.train_dtype.
+"""The optimizer group (adamw, adamw8bit, paged_adamw8bit, adafactor, prodigy, adamw_schedulefree, lion,
+lion8bit, came) and model.train_dtype.
 
 State bytes are measured on real optimizers after real steps (the live-bytes tracker's
 "optimizer_state" category and a sum over ``optimizer.state``), and asserted exactly against
@@ -28,7 +29,13 @@ from runner.optim.build import (
     simulate_state_bytes,
 )
 
-CPU_OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")
+CPU_OPTIMIZERS = ("adamw", "adamw8bit", "adafactor", "prodigy", "adamw_schedulefree", "lion", "lion8bit", "came")
+# Each optimizer's own scale: Prodigy's lr multiplies its own step-size estimate (1.0 is its authors' value).
+TEST_LR = {"prodigy": "1.0", "came": "1e-3"}  # CAME: RMS-normalised steps of lr per element
+
+
+def lr_override(name: str) -> str:
+    return f"optimizer.lr={TEST_LR.get(name, '1e-2')}"
 
 
 # One intra-op thread (tests/conftest.py): faster tiny ops, bitwise-reproducible runs.
@@ -78,13 +85,46 @@ def adafactor_bytes(p: torch.Tensor) -> int:
     return 4 * p.numel() + rms
 
 
+def prodigy_bytes(p: torch.Tensor) -> int:
+    # exp_avg, exp_avg_sq, s and p0 (the initial weights, always of the parameter's size here:
+    # runner/optim/build.py), all in the parameter's dtype; "step" is a Python int
+    return 4 * p.numel() * p.element_size()
+
+
+def schedulefree_bytes(p: torch.Tensor) -> int:
+    return 2 * p.numel() * p.element_size()  # z and exp_avg_sq; its step count is per group
+
+
+def lion_bytes(p: torch.Tensor) -> int:
+    return 4 * p.numel()  # one float32 moment (bitsandbytes' 32-bit state, whatever the weights' dtype)
+
+
+def lion8bit_bytes(p: torch.Tensor) -> int:
+    n = p.numel()
+    if n < 4096:
+        return 4 * n
+    return n + 4 * math.ceil(n / 256)  # one uint8 moment + a float32 absmax per 256-block
+
+
+def came_bytes(p: torch.Tensor) -> int:
+    rms = p.element_size()  # the weights' RMS, a 0-dim tensor of their dtype
+    if p.dim() >= 2:
+        rows, cols = p.shape
+        return 4 * p.numel() + 2 * 4 * (rows + cols) + rms  # first moment + factored squared grad and instability
+    return 4 * p.numel() + 4 * p.numel() + rms
+
+
 def expected_state_bytes(name: str, params: list[torch.Tensor]) -> int:
     if name == "adamw":
         return sum(adamw_bytes(p) for p in params)
     if name == "adamw8bit":
         quantile_maps = 2 * 256 * 4  # signed + unsigned 8-bit code, once per optimizer
         return sum(adamw8bit_bytes(p) for p in params) + quantile_maps
-    return sum(adafactor_bytes(p) for p in params)
+    if name == "lion8bit":
+        return sum(lion8bit_bytes(p) for p in params) + 256 * 4  # one (signed) quantile map
+    per = {"adafactor": adafactor_bytes, "prodigy": prodigy_bytes, "adamw_schedulefree": schedulefree_bytes,
+           "lion": lion_bytes, "came": came_bytes}[name]
+    return sum(per(p) for p in params)
 
 
 @pytest.mark.parametrize("name", CPU_OPTIMIZERS)
@@ -92,7 +132,7 @@ def test_three_steps_exact_state_bytes_and_simulation(name, capsys):
     model = tiny_model()
     params = list(model.parameters())
     initial = [p.detach().clone() for p in params]
-    cfg = opt_cfg(name, "optimizer.lr=1e-2")
+    cfg = opt_cfg(name, lr_override(name))
     optimizer = build_optimizer(cfg, params)
     tracker = LiveBytesTracker()
     tracker.track(model, "weights")
@@ -177,11 +217,13 @@ def test_adamw8bit_tracks_adamw():
 
 
 def test_8bit_and_adafactor_train_bf16_weights():
-    """model.train_dtype=bfloat16 is compatible with both memory-saving optimizers (kohya's full_bf16)."""
-    for name in ("adamw8bit", "adafactor"):
+    """model.train_dtype=bfloat16 is compatible with the memory-saving optimizers (kohya's full_bf16)."""
+    for name in ("adamw8bit", "adafactor", "lion8bit", "came", "prodigy", "adamw_schedulefree"):
         model = tiny_model(torch.bfloat16)
         start = [p.detach().clone() for p in model.parameters()]
-        optimizer = build_optimizer(opt_cfg(name, "optimizer.lr=1e-2"), model.parameters())
+        # Prodigy's step size starts at d0 (1e-6) and grows over tens of steps; 3 steps need a larger start.
+        extra = ["optimizer.d0=1e-3"] if name == "prodigy" else []
+        optimizer = build_optimizer(opt_cfg(name, lr_override(name), *extra), model.parameters())
         losses = [compute_grads(model)]
         for _ in range(3):
             optimizer.step()
@@ -230,8 +272,9 @@ def test_state_bytes_reported_once_after_first_step(caplog):
 
 # ---- config ----------------------------------------------------------------------------------------
 def test_every_optimizer_composes_with_its_own_schema():
-    assert set(OPTIMIZERS) == {"adamw", "adamw8bit", "paged_adamw8bit", "adafactor"}
-    for name in ("adamw", "adamw8bit", "adafactor"):
+    assert set(OPTIMIZERS) == {"adamw", "adamw8bit", "paged_adamw8bit", "adafactor", "prodigy", "adamw_schedulefree",
+                               "lion", "lion8bit", "came"}
+    for name in CPU_OPTIMIZERS:
         validate(compose_config([f"optimizer={name}"]))
     cfg = compose_config(["optimizer=adamw8bit", "optimizer.min_8bit_size=0", "optimizer.lr=3e-5"])
     assert (cfg.optimizer.min_8bit_size, cfg.optimizer.lr) == (0, 3e-5)
@@ -250,6 +293,19 @@ def test_every_optimizer_composes_with_its_own_schema():
     (["optimizer=adamw8bit", "optimizer.lr=0"], ["optimizer.lr"]),
     (["optimizer=adamw", "optimizer.min_8bit_size=0"], ["optimizer.min_8bit_size"]),
     (["optimizer=adam"], ["optimizer", "adamw"]),
+    (["optimizer=came", "optimizer.betas=[0.9,0.999]"], ["optimizer.betas", "optimizer=came", "three"]),
+    (["optimizer=prodigy", "optimizer.slice_p=0"], ["optimizer.slice_p"]),
+    (["optimizer=adamw_schedulefree", "optimizer.warmup_steps=-1"], ["optimizer.warmup_steps"]),
+    (["optimizer=lion", "optimizer.min_8bit_size=0"], ["optimizer.min_8bit_size"]),
+    (["optimizer=prodigy", "optimizer.fused_backward=true"], ["optimizer.fused_backward=true", "optimizer=prodigy",
+                                                              "optimizer.fused_backward=false"]),
+    (["optimizer=adamw_schedulefree", "optimizer.fused_backward=true"], ["optimizer.fused_backward=true",
+                                                                         "optimizer=adamw_schedulefree"]),
+    (["optimizer=prodigy", "offload=optimizer", "offload.optimizer.step_on_host=false"],
+     ["optimizer=prodigy", "offload.optimizer.step_on_host=false", "offload.optimizer.step_on_host=true"]),
+    (["optimizer=adamw_schedulefree", "offload=optimizer", "offload.optimizer.implementation=torchao"],
+     ["optimizer=adamw_schedulefree", "offload.optimizer.implementation=torchao", "implementation=builtin"]),
+    (["optimizer=adamw_schedulefree", "ema.enabled=true"], ["optimizer=adamw_schedulefree", "ema.enabled=true"]),
     (["model.train_dtype=float16"], ["model.train_dtype", "bfloat16"]),
     (["model.train_dtype=bfloat16", "train.mixed_precision=fp16"], ["model.train_dtype=bfloat16", "train.mixed_precision=fp16"]),
 ])
@@ -312,3 +368,94 @@ def test_paged_adamw8bit_on_cuda():
     sim = simulate_state_bytes(cfg, list(model.parameters()))
     assert sim["paged"] == 2 * 1024 * 512
     assert sum(sim.values()) == optimizer_state_bytes(optimizer)
+
+
+# ---- the optimizers whose update couples the parameters ----------------------------------------------
+def test_prodigy_steps_exactly_as_prodigyopt_with_a_fixed_size_state():
+    """Ours keeps the initial weights p0 of an all-zero parameter as a tensor of its size (prodigyopt keeps
+    a 0-dim zero, which the planner's fake tensors cannot foresee); the weights are prodigyopt's, bit for bit."""
+    from prodigyopt import Prodigy
+
+    runs = {}
+    for which in ("ours", "prodigyopt"):
+        model = tiny_model()
+        with torch.no_grad():
+            model[0].bias.zero_()  # as LoRA's B matrices and fresh norm biases are
+        cfg = opt_cfg("prodigy", "optimizer.weight_decay=0.01", "optimizer.d0=1e-3")
+        if which == "ours":
+            optimizer = build_optimizer(cfg, model.parameters())
+        else:
+            optimizer = Prodigy(model.parameters(), lr=1.0, weight_decay=0.01, d0=1e-3)
+        for _ in range(3):
+            compute_grads(model)
+            optimizer.step()
+        runs[which] = model, optimizer
+    (ours, ours_opt), (theirs, theirs_opt) = runs["ours"], runs["prodigyopt"]
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        assert torch.equal(a, b)
+    assert ours_opt.param_groups[0]["d"] == theirs_opt.param_groups[0]["d"] > 1e-3  # d grew, identically
+    assert ours_opt.state[ours[0].bias]["p0"].shape == (300,)
+    assert theirs_opt.state[theirs[0].bias]["p0"].dim() == 0
+    assert optimizer_state_bytes(ours_opt) == expected_state_bytes("prodigy", list(ours.parameters()))
+
+
+def test_prodigy_with_an_adamw_learning_rate_is_warned_about(caplog):
+    with caplog.at_level(logging.WARNING, logger="runner"):
+        validate(compose_config(["optimizer=prodigy"]))
+        assert not caplog.records
+        validate(compose_config(["optimizer=prodigy", "optimizer.lr=1e-4"]))
+    [record] = caplog.records
+    assert "optimizer.lr=0.0001" in record.getMessage() and "optimizer.d_coef" in record.getMessage()
+
+
+def test_a_missing_optimizer_package_is_named_with_its_install_command(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "came_pytorch" else real(name, *a))
+    with pytest.raises(UserError, match="optimizer=came needs the Python package came-pytorch.*pip install came-pytorch"):
+        validate(compose_config(["optimizer=came"]))
+
+
+def test_schedulefree_modes_evaluated_weights_and_exact_return():
+    """to_evaluation_point gives schedulefree's eval() weights x (what checkpoints hold); at_evaluation_point
+    gives x inside and the training point y back bit for bit; to_training_point recomputes y as schedulefree does."""
+    from schedulefree import AdamWScheduleFree
+
+    from runner.optim.modes import at_evaluation_point, has_modes, to_evaluation_point, to_training_point
+
+    def trained(which: str):
+        model = tiny_model()
+        if which == "ours":
+            optimizer = build_optimizer(opt_cfg("adamw_schedulefree", "optimizer.lr=1e-2"), model.parameters())
+        else:
+            optimizer = AdamWScheduleFree(model.parameters(), lr=1e-2, weight_decay=1e-2, foreach=False)
+            optimizer.train()
+        for _ in range(3):
+            compute_grads(model)
+            optimizer.step()
+        return model, optimizer
+
+    model, optimizer = trained("ours")
+    ref, ref_opt = trained("upstream")
+    assert has_modes(optimizer) and not has_modes(build_optimizer(opt_cfg("adamw"), tiny_model().parameters()))
+    y = [p.detach().clone() for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(y, ref.parameters()))  # the same training as schedulefree's own
+
+    ref_opt.eval()
+    x = [p.detach().clone() for p in ref.parameters()]
+    with at_evaluation_point(optimizer):
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), x))
+        assert not optimizer.param_groups[0]["train_mode"]
+    assert optimizer.param_groups[0]["train_mode"]
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), y))  # restored, not recomputed
+
+    to_evaluation_point(optimizer)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), x))
+    with at_evaluation_point(optimizer):  # already there: nothing moves
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), x))
+    to_training_point(optimizer)
+    ref_opt.train()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))  # schedulefree's own y
+    compute_grads(model)
+    optimizer.step()  # in train mode again

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from runner.__main__ import task
 from runner.cli.compose import compose_config
@@ -64,12 +65,53 @@ class _Payload:
         return os.system, (f"touch {self.marker}",)
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit", "adafactor"])
+CPU_OPTIMIZERS = ["adamw", "adamw8bit", "adafactor", "prodigy", "adamw_schedulefree", "lion", "lion8bit", "came"]
+
+
+def final_weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(out / "checkpoints" / "step-00000004" / "trainable.safetensors")
+
+
+@pytest.mark.parametrize("optimizer", CPU_OPTIMIZERS)
 def test_resume_is_exact_for_every_cpu_optimizer(runs, tmp_path, optimizer):
+    """4 steps straight vs 2 steps, saved, resumed, 2 more: the same losses and the same final weights and
+    optimizer state, bit for bit (schedule-free: the checkpoints hold its evaluated weights and the resume
+    recomputes the training point from them exactly as the straight run did after saving)."""
     out, full = runs(optimizer)
     for name in ("optimizer.pt", "scheduler.pt", "rng.pt"):  # every file loads with weights_only=True alone
         torch.load(out / CKPT / name, map_location="cpu", weights_only=True)
-    assert resume_losses(tmp_path / "resumed", out / CKPT, optimizer) == full[2:]
+    resumed = tmp_path / "resumed"
+    assert resume_losses(resumed, out / CKPT, optimizer) == full[2:]
+    straight, cut = final_weights(out), final_weights(resumed)
+    assert straight.keys() == cut.keys() and straight
+    assert not [n for n in straight if not torch.equal(straight[n], cut[n])]
+    state_a, state_b = (torch.load(o / "checkpoints" / "step-00000004" / "optimizer.pt", weights_only=True)["state"]
+                        for o in (out, resumed))
+    assert _tensors(state_a) and len(_tensors(state_a)) == len(_tensors(state_b))
+    assert all(torch.equal(a, b) for a, b in zip(_tensors(state_a), _tensors(state_b)))
+
+
+def _tensors(tree: object) -> list[torch.Tensor]:
+    """Every tensor in a state_dict's state, in order (bitsandbytes nests its quantization state in a dict)."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for k in sorted(tree, key=str) for t in _tensors(tree[k])]
+    return []
+
+
+@pytest.mark.parametrize("optimizer", CPU_OPTIMIZERS)
+def test_the_planned_optimizer_state_is_the_real_ones_bytes(runs, optimizer):
+    """The preflight plan (the planner's simulated step on fake tensors) against the real optimizer's state
+    after 4 steps of the tiny SDXL U-Net (every storage of its saved state once: bitsandbytes' quantile maps
+    are shared by every parameter)."""
+    import json
+
+    out, _ = runs(optimizer)
+    planned = json.loads((out / "plan.json").read_text())["optimizer_state_bytes"]
+    state = torch.load(out / "checkpoints" / "step-00000004" / "optimizer.pt", weights_only=True)["state"]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors(state)}
+    assert sum(planned.values()) == sum(storages.values()) > 0
 
 
 def test_rng_file_of_the_earlier_layout_still_resumes_exactly(runs, tmp_path):
@@ -126,3 +168,29 @@ def test_a_truncated_checkpoint_file_is_still_reported_as_corrupt(runs, tmp_path
     (ckpt / "optimizer.pt").write_bytes(b"")
     with pytest.raises(UserError, match=r"optimizer\.pt is corrupt"):
         run_cfg(tmp_path / "resumed2", f"train.resume={ckpt}")
+
+
+def test_schedulefree_evaluates_and_saves_its_averaged_weights_and_sampling_changes_no_weight(tmp_path):
+    """optimizer=adamw_schedulefree: samples and validation run on its evaluated weights and give the training
+    point back bit for bit, so turning them on changes no loss and no weight; a resumed run (which samples
+    at its first step) continues exactly; checkpoints and the export hold the evaluated weights."""
+    sf = ["optimizer=adamw_schedulefree", "optimizer.lr=1e-3", "data.val_fraction=0.25"]
+    evaluating = ["sample.every=1", "sample.steps=2", "sample.prompts=[a red circle]", "val.every=1"]
+    plain = run_cfg(tmp_path / "plain", *sf)  # validation only after the last step
+    busy = run_cfg(tmp_path / "busy", *sf, *evaluating)
+    assert [r["loss"] for r in busy] == [r["loss"] for r in plain]
+    assert [r["step"] for r in busy if "val_loss" in r] == [1, 2, 3, 4]
+    assert len(list((tmp_path / "busy" / "samples").glob("step-*"))) == 5  # the start and every step
+    weights = final_weights(tmp_path / "plain")
+    for other in ("busy",):
+        assert all(torch.equal(weights[n], t) for n, t in final_weights(tmp_path / other).items())
+
+    resumed = run_cfg(tmp_path / "resumed", *sf, *evaluating, f"train.resume={tmp_path / 'plain' / CKPT}")
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in plain][2:]
+    assert all(torch.equal(weights[n], t) for n, t in final_weights(tmp_path / "resumed").items())
+
+    final = tmp_path / "plain" / "checkpoints" / "step-00000004"
+    groups = torch.load(final / "optimizer.pt", weights_only=True)["param_groups"]
+    assert groups and not any(g["train_mode"] for g in groups)  # saved in eval mode, as schedulefree asks
+    exported = load_file(final / "export" / "diffusers" / "unet" / "diffusion_pytorch_model.safetensors")
+    assert all(torch.equal(weights[f"unet.{n}"], t) for n, t in exported.items())  # the export: the same weights
