@@ -163,6 +163,37 @@ def _unparsable(err: OverrideParseException, overrides: Sequence[str]) -> UserEr
     return UserError(f"Could not parse the command-line overrides: {str(err).splitlines()[0]}.")
 
 
+def _plugin_key_error(full_key: str, kind: str, option: str) -> UserError:
+    """An unknown ``<kind>.<option>`` key: an unselected plugin's settings, an old single-plugin
+    spelling, a misspelt setting, or a misspelt plugin name, each with what would be valid."""
+    if option in registry.plugin_names(kind):
+        return UserError(
+            f"{full_key} configures {kind}={option}, which is not selected. Select it with {kind}={option}, "
+            f"add it to a preset's choice with +{kind}={option}, or list several: {kind}=[{option},...]."
+        )
+    # every setting of this kind's plugins, by its full key: an exact name under the wrong level is an
+    # old single-plugin spelling (checkpoint.every_n -> checkpoint.blocks.every_n), a close one a typo
+    settings = {f"{kind}.{n}.{f}": f for (k, n), entry in registry.plugin_entries().items() if k == kind
+                for f, _, _ in registry.describe_config(entry.config)}
+    owners = [key for key, f in settings.items() if f == option]
+    if owners:
+        return UserError(
+            f"Unknown config key '{full_key}': a plugin's settings live under its name. Did you mean "
+            + " or ".join(owners) + "?"
+        )
+    near = closest(option, set(settings.values()), n=1)
+    if near and not closest(option, registry.plugin_names(kind), n=1):  # a misspelt setting, not a plugin
+        keys = [k for k, f in settings.items() if f == near[0]]
+        return UserError(
+            f"Unknown config key '{full_key}': '{option}' is neither {'an' if kind[0] in 'aeiou' else 'a'} "
+            f"{kind} plugin nor a setting of one. Did you mean {' or '.join(keys)}? (A plugin's settings live "
+            f"under its name; the {kind} plugins are {', '.join(registry.plugin_names(kind))}.)")
+    return UserError(
+        f"Unknown config key '{full_key}': '{option}' is not {'an' if kind[0] in 'aeiou' else 'a'} {kind} plugin. "
+        f"Valid names: {valid_list(option, registry.plugin_names(kind))}."
+    )
+
+
 def _friendly(err: Exception, overrides: Sequence[str]) -> UserError:
     if isinstance(err, yaml.YAMLError):
         return _yaml_error(err)
@@ -195,33 +226,8 @@ def _friendly(err: Exception, overrides: Sequence[str]) -> UserError:
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
         full_key = str(getattr(cause, "full_key", "") or "")
         kind, _, option = full_key.partition(".")
-        if kind in KINDS and option and "." not in option and option in registry.plugin_names(kind):
-            return UserError(
-                f"{full_key} configures {kind}={option}, which is not selected. Select it with {kind}={option}, "
-                f"add it to a preset's choice with +{kind}={option}, or list several: {kind}=[{option},...]."
-            )
         if kind in KINDS and option and "." not in option:
-            # every setting of this kind's plugins, by its full key: an exact name under the wrong level is an
-            # old single-plugin spelling (checkpoint.every_n -> checkpoint.blocks.every_n), a close one a typo
-            settings = {f"{kind}.{n}.{f}": f for (k, n), entry in registry.plugin_entries().items() if k == kind
-                        for f, _, _ in registry.describe_config(entry.config)}
-            owners = [key for key, f in settings.items() if f == option]
-            if owners:
-                return UserError(
-                    f"Unknown config key '{full_key}': a plugin's settings live under its name. Did you mean "
-                    + " or ".join(owners) + "?"
-                )
-            near = closest(option, set(settings.values()), n=1)
-            if near and not closest(option, registry.plugin_names(kind), n=1):  # a misspelt setting, not a plugin
-                keys = [k for k, f in settings.items() if f == near[0]]
-                return UserError(
-                    f"Unknown config key '{full_key}': '{option}' is neither {'an' if kind[0] in 'aeiou' else 'a'} "
-                    f"{kind} plugin nor a setting of one. Did you mean {' or '.join(keys)}? (A plugin's settings live "
-                    f"under its name; the {kind} plugins are {', '.join(registry.plugin_names(kind))}.)")
-            return UserError(
-                f"Unknown config key '{full_key}': '{option}' is not {'an' if kind[0] in 'aeiou' else 'a'} {kind} plugin. "
-                f"Valid names: {valid_list(option, registry.plugin_names(kind))}."
-            )
+            return _plugin_key_error(full_key, kind, option)
         if full_key in MOVED_KEYS:
             return UserError(f"{full_key} has moved: it is {MOVED_KEYS[full_key]} now (the same values).")
         parent, _, key = full_key.rpartition(".")
