@@ -178,7 +178,8 @@ def resume_base(cfg: DictConfig, overrides: Sequence[str] | None = None) -> tupl
             restore_gh_from_backup(backup)
     allowed = check_unchanged(saved["config"], cfg, ckpt / SAVED_CONFIG)
     log.info("resume: from %s on its saved command line%s", ckpt,
-             "; changed: " + ", ".join(f"{k}={_show(b)}" for k, _, b in allowed) if allowed else " (nothing changed)")
+             "; changed (saved -> now): " + ", ".join(f"{k}: {_show(a)} -> {_show(b)}" for k, a, b in allowed)
+             if allowed else " (nothing changed)")
     return cfg, effective
 
 

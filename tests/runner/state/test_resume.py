@@ -115,7 +115,7 @@ def test_resume_from_the_command_line_needs_no_preset_and_may_change_steps(tmp_p
     assert short.returncode == 0, short.stderr[-2000:]
     r = cli(f"train.resume={tmp_path / 'a'}", "train.steps=5", f"output_dir={tmp_path / 'b'}")
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "changed: train.steps=5" in r.stdout + r.stderr
+    assert "changed (saved -> now): train.steps: 3 -> 5" in r.stdout + r.stderr
     expected = [row["loss"] for row in read_metrics(tmp_path / "full" / "metrics.jsonl")][3:]  # resumed from step 3
     assert [row["loss"] for row in read_metrics(tmp_path / "b" / "metrics.jsonl")] == expected
     bad = cli(f"train.resume={tmp_path / 'a'}", "optimizer=adamw", f"output_dir={tmp_path / 'c'}")
