@@ -19,9 +19,11 @@ from omegaconf import DictConfig
 from runner.cli import launch
 from runner.cli.listing import format_plugin_list
 from runner.config.checks import validate
+from runner.hostmem import passive_openmp
 from runner.state.resume import resume_base
 
 log = logging.getLogger("runner")
+passive_openmp()  # before torch loads its OpenMP runtime (runner/hostmem.py)
 
 
 def task(cfg: DictConfig) -> float | None:

@@ -20,6 +20,15 @@ machine at load 4.5-5.5. So a CPU run takes the cores other processes leave free
 load average when it starts), at least one and never more than it already had (``OMP_NUM_THREADS``
 or the caller's ``torch.set_num_threads``); ``train.cpu_threads`` sets the number.
 
+The thread count is decided once, at the start; load that arrives later (another job, a build)
+would make the same threads spin against it. :func:`passive_openmp` therefore sets
+``OMP_WAIT_POLICY=PASSIVE`` (waiting threads sleep at once instead of spinning first) before
+torch loads its OpenMP runtime, unless the user set a policy. Measured side by side on this 2-core
+machine at load ~5 (docs/benchmarks.md, ``bench/cpu_threads.py``): 2 threads took 3.2 s/step with
+libgomp's default wait and 0.34 s/step with PASSIVE, against 0.19 s/step with the one thread the
+runner picks there. The trade-off: on an idle machine a sleeping thread wakes a little later than a
+spinning one, a cost per parallel region that the same benchmark shows beside it.
+
 Also here, :func:`collector_paused`: Python's garbage collector held off while the libraries load.
 """
 from __future__ import annotations
@@ -40,6 +49,12 @@ log = logging.getLogger("runner")
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # <malloc.h>
 TRIM_BYTES, MMAP_BYTES = 1 << 30, 1 << 25
+
+
+def passive_openmp() -> None:
+    """``OMP_WAIT_POLICY=PASSIVE`` unless set (module docstring); only effective before torch loads
+    OpenMP, so ``python -m runner`` calls it before anything imports torch."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def keep_freed_host_memory(run: ResolvedRun) -> bool:
@@ -84,7 +99,8 @@ def cpu_threads(run: ResolvedRun, configured: int | None) -> int | None:
     torch.set_num_threads(threads)
     why = ("train.cpu_threads" if configured is not None
            else f"{cores} cores, load {load:.1f} from other processes; train.cpu_threads=N sets it")
-    log.info("CPU run: %d torch thread%s (%s)", threads, "" if threads == 1 else "s", why)
+    log.info("CPU run: %d torch thread%s (%s), OpenMP wait policy %s", threads, "" if threads == 1 else "s", why,
+             os.environ.get("OMP_WAIT_POLICY", "unset (spin, then sleep)"))
     return threads
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ctypes.util
 import gc
+import os
 import subprocess
 import sys
 
@@ -92,3 +93,17 @@ def test_cpu_threads_must_be_positive():
 
     with pytest.raises(UserError, match=r"train.cpu_threads=0 is not valid: it must be a number > 0"):
         check_config(compose_config(["train.cpu_threads=0"]))
+
+
+@pytest.mark.parametrize("given, expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_the_command_sets_a_passive_openmp_wait_before_torch_loads_unless_the_user_chose(given, expected, tmp_path):
+    """`python -m runner` sets OMP_WAIT_POLICY=PASSIVE before torch loads OpenMP (a user's own value
+    stays): the run's CPU line says which policy its threads use."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env.update({"OMP_NUM_THREADS": "1", **({"OMP_WAIT_POLICY": given} if given else {})})
+    r = subprocess.run([sys.executable, "-m", "runner", "train.steps=1", "train.preflight=false",
+                        "export.enabled=false", f"output_dir={tmp_path}"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    line = next(x for x in (r.stdout + r.stderr).splitlines() if "CPU run: 1 torch thread" in x)
+    assert line.endswith(f"OpenMP wait policy {expected}"), line
