@@ -147,3 +147,30 @@ def test_resume_one_process_into_fsdp_and_back(tmp_path, references):
     back = tmp_path / "back"
     rows = one_process(back, *FULL, f"offload.park.cache_dir={cache}", "train.steps=6", f"train.resume={sharded}")
     assert_same_losses(rows, ref[4:6])
+
+
+def test_two_nodes_of_two_ranks_rehearsed_on_one_machine(tmp_path, references):
+    """A multi-node launch, rehearsed: two ``torchrun --nnodes=2 --nproc-per-node=2`` (node ranks 0 and
+    1) meet at a localhost c10d rendezvous, as two machines would at their head node's address, and
+    train 3 steps as 4 ranks of one DDP group: the same losses as one process (one sample per rank)."""
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ASSETS)])}
+    out = tmp_path / "out"
+    nodes = []
+    for node in (0, 1):
+        cwd = tmp_path / f"node{node}"
+        cwd.mkdir()
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
+               f"--node-rank={node}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+               "--rdzv-id=rehearsal", "-m", "runner", "dist=ddp", *LORA, *COMMON, "train.steps=3",
+               f"output_dir={out}", f"offload.park.cache_dir={references['cache'][0]}"]
+        nodes.append(subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    logs = [p.communicate(timeout=900)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], "\n".join(log[-4000:] for log in logs)
+    assert "Traceback" not in "".join(logs)
+    rows = read_metrics(out / "metrics.jsonl")
+    assert_same_losses(rows, references["lora"][1])
+    console = logs[0] + logs[1]
+    assert console.count("run: on cpu") == 1 and "rank 0 of 4, DDP" in console  # rank 0 (node 0) speaks for the run
