@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from runner.trainer import Batch, ModelSet, batch_device
+from runner.trainer import Batch, EncodePart, ModelSet, batch_device
 from runner.trainers import model_configs
 from runner.trainers.configs import ChromaTrainerConfig
 from runner.trainers.flow import FlowMatchTrainer
@@ -80,6 +80,10 @@ class ChromaTrainer(FlowMatchTrainer):
         return int(min(tok.model_max_length, model_configs.FLUX_T5_MAX_LENGTH["full"]))
 
     # -- protocol -------------------------------------------------------------------------
+    def encode_parts(self) -> dict[str, EncodePart]:
+        """VAE latents from pixels, and T5's output from captions (the only text encoder)."""
+        return {"latents": EncodePart(("vae",), self.image_inputs()), "text": EncodePart(("text_encoder",), ("caption",))}
+
     @torch.no_grad()
     def encode_part(self, models: ModelSet, part: str, batch: Batch) -> dict[str, torch.Tensor]:
         """The VAE posterior, or T5's masked hidden states and Chroma's text mask (the caption's
