@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from runner.errors import UserError
 from runner.trainer import Batch, EncodePart, ModelSet, batch_device
 from runner.trainers import model_configs
 from runner.trainers.configs import ChromaTrainerConfig
@@ -37,11 +38,27 @@ class ChromaTrainer(FlowMatchTrainer):
     Config = ChromaTrainerConfig
     denoiser = "transformer"
     display_name = "Chroma"
+    family = "chroma"  # an original Chroma file is recognised (runner/trainers/single_file.py), then refused
     reference_repo = "lodestones/Chroma1-HD"
     kohya_base_model_version = "chroma"
     # ComfyUI's Chroma model is a Flux model (comfy/model_base.py ``Chroma(Flux)``): its LoRA keys
     # are Flux's ``lora_transformer_<diffusers name>`` map (comfy/lora.py), i.e. the kohya file.
     comfy_layout = "kohya"
+
+    def _open_single_file(self, file: str) -> None:
+        """A diffusers-layout transformer file loads as for every family; Chroma's original layout
+        (chroma-unlocked-*.safetensors) is refused before any weight is read. Why: diffusers' own
+        converter assumes the full 3072-wide model and this runner converts nothing it cannot check
+        at the tiny size; a diffusers folder loads instead."""
+        super()._open_single_file(file)
+        if self.layout is not None:
+            raise UserError(
+                f"model.path '{file}' is in {self.layout.name}, which trainer=chroma does not read. Give "
+                "model.path a diffusers folder (e.g. a download of lodestones/Chroma1-HD), or convert the file "
+                "once with diffusers' ChromaTransformer2DModel.from_single_file(...).save_pretrained(<folder>, "
+                "max_shard_size='100GB') and give model.path=<folder>/diffusion_pytorch_model.safetensors "
+                "(a diffusers-layout transformer file)."
+            )
 
     def module_classes(self) -> dict[str, type]:
         from diffusers import AutoencoderKL, ChromaTransformer2DModel

@@ -4,7 +4,8 @@
   tokenizer's mask, and Chroma's text mask (the caption plus its first padding token);
 * the denoiser call is the pipeline's: one pipeline step with the trainer's embeddings gives the
   velocity ``predict`` gives for the same latents and timestep;
-* a LoRA trains on the demo set with finite losses and exports the diffusers and kohya (ComfyUI) files.
+* a LoRA trains on the demo set with finite losses and exports the diffusers and kohya (ComfyUI) files;
+* Chroma's original single file is recognised (not taken for Flux) and refused with what to give instead.
 """
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ import math
 import pytest
 import torch
 from accelerate.utils import set_seed
+from safetensors.torch import save_file
 
 from runner.__main__ import task
 from runner.build import build_trainer, prepare_models
 from runner.cli.compose import compose_config
+from runner.errors import UserError
 from runner.export.checkpoint import EXPORT_DIR, INFO_FILE
 from runner.export.lora import DIFFUSERS_FILE, KOHYA_FILE
 from runner.output.report import read_metrics
@@ -88,3 +91,13 @@ def test_a_lora_trains_on_the_demo_set_and_exports_both_files(tmp_path):
     assert all(math.isfinite(r["loss"]) and r["nonfinite_skips"] == 0 for r in rows)
     export = tmp_path / "checkpoints" / "step-00000004" / EXPORT_DIR
     assert json.loads((export / INFO_FILE).read_text())["files"] == [DIFFUSERS_FILE, KOHYA_FILE]
+
+
+def test_an_original_chroma_file_is_refused_naming_what_loads(tmp_path):
+    file = tmp_path / "chroma-unlocked-v50.safetensors"
+    save_file({"double_blocks.0.img_attn.qkv.weight": torch.zeros(6, 2),
+               "distilled_guidance_layer.in_proj.bias": torch.zeros(2)}, str(file))
+    with pytest.raises(UserError, match=r"original Chroma layout.*trainer=chroma does not read.*diffusers folder"):
+        build_trainer(compose_config(["trainer=chroma", f"model.path={file}", "train.device=cpu"]))
+    with pytest.raises(UserError, match=r"original Chroma layout.*not a flux checkpoint"):
+        build_trainer(compose_config(["trainer=flux", f"model.path={file}", "train.device=cpu"]))
