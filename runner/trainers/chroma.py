@@ -40,7 +40,7 @@ class ChromaTrainer(FlowMatchTrainer):
     display_name = "Chroma"
     family = "chroma"  # an original Chroma file is recognised (runner/trainers/single_file.py), then refused
     reference_repo = "lodestones/Chroma1-HD"
-    kohya_base_model_version = "chroma"
+    kohya_base_model_version = "chroma"  # the family's name (metadata only; no kohya reader depends on it)
     # ComfyUI's Chroma model is a Flux model (comfy/model_base.py ``Chroma(Flux)``): its LoRA keys
     # are Flux's ``lora_transformer_<diffusers name>`` map (comfy/lora.py), i.e. the kohya file.
     comfy_layout = "kohya"
