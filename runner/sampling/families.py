@@ -1,12 +1,12 @@
 """Sampling for the built-in families: diffusers' own pipelines around the modules being trained.
 
-Each family (SDXL, Flux, SD1.5/SD2.1, SD3.5; a trainer names its own in ``sampling_family()``)
+Each family (SDXL, Flux, Chroma, SD1.5/SD2.1, SD3.5; a trainer names its own in ``sampling_family()``)
 does two things:
 
 * ``encode(trainer, models, prompt)``: the prompt's conditioning, computed by the trainer's own
   ``encode_part(models, "text", ...)``, i.e. exactly what training feeds the denoiser;
 * ``generate(trainer, modules, cond, ...)``: the family's diffusers pipeline
-  (``StableDiffusionXLPipeline``, ``FluxPipeline``, ``StableDiffusionPipeline``,
+  (``StableDiffusionXLPipeline``, ``FluxPipeline``, ``ChromaPipeline``, ``StableDiffusionPipeline``,
   ``StableDiffusion3Pipeline``) built from the denoiser in memory (LoRA adapters active) and the
   VAE, fed the precomputed embeddings, with no text encoder at all. A family with classifier-free
   guidance whose pipeline would encode the empty negative prompt itself (SD1.5, SD3.5) gets its
@@ -218,6 +218,54 @@ class SD3Sampling:
             tokenizer=None, text_encoder_2=None, tokenizer_2=None, text_encoder_3=None, tokenizer_3=None)
         latents = _pooled_embeds_latents(pipe, cond, negative, device, steps=steps, guidance=guidance,
                                          resolution=resolution, generator=generator)
+        image = decode(vae, latents, vae_on_device, shift=float(vae.config.shift_factor or 0.0))
+        return pipe.image_processor.postprocess(image.float(), output_type="pil")[0]
+
+
+class ChromaSampling:
+    """``ChromaPipeline`` with FLUX.1's flow-matching scheduler (or the folder's own), and
+    classifier-free guidance (Chroma is not guidance-distilled): the pipeline's default 5.0."""
+
+    factor = 16  # VAE factor 8 times the 2x2 latent packing
+    default_guidance = 5.0
+    negative_prompt = True
+
+    @staticmethod
+    def denoiser_batch(guidance: float) -> int:
+        return 2 if guidance > 1 else 1  # the pipeline calls the transformer for each half
+
+    @staticmethod
+    def default_negative(guidance: float) -> str | None:
+        return "" if guidance > 1 else None  # see SD15Sampling.default_negative
+
+    def encode(self, trainer: Any, models: ModelSet, prompt: str, device: torch.device) -> dict[str, torch.Tensor]:
+        return _text(trainer, models, prompt, device)
+
+    def scheduler(self, trainer: Any) -> Any:
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        return _folder_scheduler(trainer, FlowMatchEulerDiscreteScheduler) or trainer.inference_scheduler()
+
+    def generate(self, trainer: Any, modules: Mapping[str, nn.Module], cond: dict[str, torch.Tensor], negative: dict | None, *,
+                 steps: int, guidance: float, resolution: int, generator: torch.Generator,
+                 device: torch.device, vae_on_device: VaeOnDevice) -> Any:
+        vae = modules["vae"]
+        pipe = pipeline_class("ChromaPipeline")(scheduler=self.scheduler(trainer), vae=vae, text_encoder=None,
+                                                tokenizer=None, transformer=modules["transformer"])
+        pipe.set_progress_bar_config(disable=True)
+        dtype = next(modules["transformer"].parameters()).dtype
+
+        def embeds(c: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+            return c["prompt_embeds"].to(device), c["prompt_attention_mask"].to(device, dtype)
+
+        kw: dict[str, Any] = {}
+        if negative is not None:
+            kw["negative_prompt_embeds"], kw["negative_prompt_attention_mask"] = embeds(negative)
+        prompt_embeds, mask = embeds(cond)
+        packed = pipe(prompt_embeds=prompt_embeds, prompt_attention_mask=mask, num_inference_steps=steps,
+                      guidance_scale=guidance, height=resolution, width=resolution, generator=generator,
+                      output_type="latent", return_dict=False, **kw)[0]
+        latents = pipe._unpack_latents(packed, resolution, resolution, pipe.vae_scale_factor)
         image = decode(vae, latents, vae_on_device, shift=float(vae.config.shift_factor or 0.0))
         return pipe.image_processor.postprocess(image.float(), output_type="pil")[0]
 

@@ -1,4 +1,4 @@
-"""Built-in trainers. Importing this package registers ``trainer=sdxl``, ``flux``, ``sd15``, ``sd35``,
+"""Built-in trainers. Importing this package registers ``trainer=sdxl``, ``flux``, ``chroma``, ``sd15``, ``sd35``,
 ``qwen_image`` and ``wan``.
 
 Registered by the path of their class, with their schema from runner/trainers/configs.py and their
@@ -10,6 +10,7 @@ from runner.registry import register_trainer
 from runner.trainers.configs import (
     SD15_NATIVE_RESOLUTION,
     WAN_NATIVE_RESOLUTION,
+    ChromaTrainerConfig,
     FluxTrainerConfig,
     QwenImageTrainerConfig,
     SD15TrainerConfig,
@@ -22,6 +23,8 @@ register_trainer("sdxl", "runner.trainers.sdxl.SDXLTrainer", SDXLTrainerConfig, 
                  objective=DDPM)
 register_trainer("flux", "runner.trainers.flux.FluxTrainer", FluxTrainerConfig,
                  "Flux transformer, rectified-flow matching loss", objective=FLOW)
+register_trainer("chroma", "runner.trainers.chroma.ChromaTrainer", ChromaTrainerConfig,
+                 "Chroma transformer (8.9 B, Flux-derived, T5 only), rectified-flow matching loss", objective=FLOW)
 register_trainer("sd15", "runner.trainers.sd15.SD15Trainer", SD15TrainerConfig,
                  "SD1.5 / SD2.1 U-Net (trainer.variant=sd15|sd21), DDPM loss (epsilon or v)",
                  native_resolution=SD15_NATIVE_RESOLUTION, objective=DDPM)

@@ -1,4 +1,4 @@
-"""The built-in trainers' option schemas (``trainer=sdxl|flux|sd15|sd35|qwen_image|wan``), importable without torch.
+"""The built-in trainers' option schemas (``trainer=sdxl|flux|chroma|sd15|sd35|qwen_image|wan``), importable without torch.
 
 Hydra composes every run against the selected trainer's schema, and ``trainer=sdxl`` is the
 default, so the schema must not import diffusers or torch (``--help`` and config errors answer
@@ -21,6 +21,14 @@ class SDXLTrainerConfig:
 class FluxTrainerConfig:
     _target_: str = "runner.trainers.flux.FluxTrainer"
     guidance: float = 1.0  # value fed to the guidance embedding (guidance-distilled models only)
+
+
+@dataclass
+class ChromaTrainerConfig:
+    """Chroma has no trainer option of its own: no guidance embedding (it is not guidance-distilled),
+    and T5's prompt length is the tokenizer's (512 for a real folder, the pipeline's limit)."""
+
+    _target_: str = "runner.trainers.chroma.ChromaTrainer"
 
 
 SD15_NATIVE_RESOLUTION = {"sd15": 512, "sd21": 768}  # px at model.size=full, by trainer.variant

@@ -4,7 +4,8 @@ No model hub can be reached, so every model is built from one of these dicts (ra
 ``model.path`` points at local weights. ``"full"`` reproduces the published architectures (the
 values of the ``config.json`` files of stabilityai/stable-diffusion-xl-base-1.0,
 black-forest-labs/FLUX.1-dev, stable-diffusion-v1-5/stable-diffusion-v1-5,
-stabilityai/stable-diffusion-2-1 and stabilityai/stable-diffusion-3.5-{medium,large}), so that
+stabilityai/stable-diffusion-2-1, stabilityai/stable-diffusion-3.5-{medium,large} and
+lodestones/Chroma1-HD), so that
 the planner sees real parameter counts and activation shapes when it builds them on ``meta``.
 ``"tiny"`` keeps each architecture family and every structural feature the trainers depend on
 (SDXL's ``text_time`` added conditioning fed by two text encoders, an 8x VAE, Flux's guidance
@@ -190,6 +191,36 @@ _FLUX_TRANSFORMER_TINY = {
     "pooled_projection_dim": 32,
     "axes_dims_rope": [4, 6, 6],
 }
+# lodestones/Chroma1-HD transformer/config.json (8.9 B params): FLUX.1-schnell's blocks with the
+# per-block modulation linears pruned into one shared "distilled guidance" approximator, no CLIP
+# pooled projection and no guidance embedding. The values are diffusers' ChromaTransformer2DModel
+# defaults, which were taken from that folder.
+_CHROMA_TRANSFORMER = {
+    "patch_size": 1,
+    "in_channels": 64,  # 16 latent channels * 2x2 packing, as Flux
+    "out_channels": None,
+    "num_layers": 19,
+    "num_single_layers": 38,
+    "attention_head_dim": 128,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 4096,  # T5-XXL d_model
+    "axes_dims_rope": [16, 56, 56],
+    "approximator_num_channels": 64,
+    "approximator_hidden_dim": 5120,
+    "approximator_layers": 5,
+}
+_CHROMA_TRANSFORMER_TINY = {
+    **_CHROMA_TRANSFORMER,
+    "num_layers": 1,
+    "num_single_layers": 2,
+    "attention_head_dim": 16,
+    "num_attention_heads": 2,
+    "joint_attention_dim": 32,  # the tiny T5's d_model
+    "axes_dims_rope": [4, 6, 6],
+    "approximator_num_channels": 16,
+    "approximator_hidden_dim": 32,
+    "approximator_layers": 2,
+}
 _T5_XXL = {  # google/t5-v1_1-xxl encoder (Flux text_encoder_2)
     "vocab_size": 32128,
     "d_model": 4096,
@@ -304,6 +335,10 @@ _FLUX = {
         "text_encoder_2": _T5_TINY,
     },
 }
+_CHROMA = {  # Flux's VAE and T5-XXL; no CLIP
+    "full": {"transformer": _CHROMA_TRANSFORMER, "vae": _VAE_FLUX, "text_encoder": _T5_XXL},
+    "tiny": {"transformer": _CHROMA_TRANSFORMER_TINY, "vae": _VAE_FLUX_TINY, "text_encoder": _T5_TINY},
+}
 # T5 prompt length: FLUX.1-dev's pipeline default is 512; the tiny byte-level tokenizer needs
 # one token per byte, 64 keeps short captions whole.
 FLUX_T5_MAX_LENGTH = {"full": 512, "tiny": 64}
@@ -338,6 +373,7 @@ DENOISERS: dict[str, tuple[str, dict[str, Any]]] = {
     "sd35_medium": ("SD3Transformer2DModel", _SD35_MEDIUM),
     "sd35_large": ("SD3Transformer2DModel", _SD35_LARGE),
     "flux": ("FluxTransformer2DModel", _FLUX_TRANSFORMER),
+    "chroma": ("ChromaTransformer2DModel", _CHROMA_TRANSFORMER),
 }
 
 
@@ -358,6 +394,12 @@ def flux_configs(size: str) -> dict[str, dict[str, Any]]:
     return copy.deepcopy(_FLUX[size])
 
 
+def chroma_configs(size: str) -> dict[str, dict[str, Any]]:
+    """Config dicts of the Chroma modules (transformer, vae, text_encoder: T5-XXL) of one size."""
+    _check_size(size)
+    return copy.deepcopy(_CHROMA[size])
+
+
 def sd15_configs(variant: str, size: str) -> dict[str, dict[str, Any]]:
     """Config dicts of the SD1.5 or SD2.1 modules (unet, vae, text_encoder); ``variant``: sd15 | sd21."""
     _check_size(size)
@@ -371,7 +413,7 @@ def sd35_configs(variant: str, size: str) -> dict[str, dict[str, Any]]:
 
 
 def denoiser_config(name: str) -> tuple[str, dict[str, Any]]:
-    """(diffusers class name, config dict) of a full-size denoiser: sd15, sd21, sdxl, sd3, sd35_medium, sd35_large, flux."""
+    """(diffusers class name, config dict) of a full-size denoiser: sd15, sd21, sdxl, sd3, sd35_medium, sd35_large, flux, chroma."""
     if name not in DENOISERS:
         raise UserError(f"Unknown denoiser '{name}'. Valid names: {valid_list(name, DENOISERS)}.")
     cls_name, cfg = DENOISERS[name]

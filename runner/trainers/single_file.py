@@ -206,8 +206,13 @@ def _is_ldm_unet(keys: list[str]) -> bool:
     return any(k.startswith("model.diffusion_model.input_blocks.") for k in keys) and not _is_sdxl(keys)
 
 
+def _is_chroma(keys: list[str]) -> bool:
+    """Chroma's original file: Flux's double/single blocks plus its shared modulation network."""
+    return any(k.removeprefix("model.diffusion_model.").startswith("distilled_guidance_layer.") for k in keys)
+
+
 def _is_flux(keys: list[str]) -> bool:
-    return any(k.removeprefix("model.diffusion_model.").startswith("double_blocks.") for k in keys)
+    return any(k.removeprefix("model.diffusion_model.").startswith("double_blocks.") for k in keys) and not _is_chroma(keys)
 
 
 LAYOUTS: list[Layout] = [
@@ -220,6 +225,8 @@ LAYOUTS: list[Layout] = [
                "text_encoder_2": Component(("conditioner.embedders.1.model.",),
                                            open_clip_converter("conditioner.embedders.1.model.")),
            }, _is_sdxl),
+    # Recognised so that it is not taken for Flux; not converted (runner/trainers/chroma.py refuses it).
+    Layout("Lodestone's original Chroma layout (double_blocks.*, distilled_guidance_layer.*)", "chroma", {}, _is_chroma),
     Layout("Black Forest Labs' original Flux layout (double_blocks.*, single_blocks.*)", "flux", {
         "transformer": Component(FLUX_ROOTS + tuple("model.diffusion_model." + r for r in FLUX_ROOTS),
                                  convert_flux_transformer),

@@ -91,7 +91,7 @@ def adapter_weights(module) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("family", ["sdxl", "flux", "sd15", "sd35"])
+@pytest.mark.parametrize("family", ["sdxl", "flux", "chroma", "sd15", "sd35"])
 @pytest.mark.parametrize("fmt", [DIFFUSERS_FILE, KOHYA_FILE])
 def test_lora_export_loads_in_diffusers(lora_runs, family, fmt):
     ckpt = lora_runs(family)
@@ -134,14 +134,14 @@ def test_lora_export_loads_in_diffusers(lora_runs, family, fmt):
             torch.testing.assert_close(loaded[k], v, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("family", ["sdxl", "flux", "sd15", "sd35"])
+@pytest.mark.parametrize("family", ["sdxl", "flux", "chroma", "sd15", "sd35"])
 def test_lora_pipeline_call_is_finite(lora_runs, family):
     """A 2-step pipeline call at the tiny resolution with the diffusers file: an image, no NaN,
     not the base model's image."""
     trainer, base = fresh(family)
     pipe = trainer.pipeline(base)
     kwargs = dict(prompt="a cat", num_inference_steps=2, height=64, width=64, output_type="pt")
-    if family in ("flux", "sd35"):
+    if family in ("flux", "chroma", "sd35"):
         kwargs["max_sequence_length"] = trainer.t5_max_length()
     without = pipe(**kwargs, generator=torch.Generator().manual_seed(0)).images
     pipe.load_lora_weights(str(lora_runs(family) / EXPORT_DIR / DIFFUSERS_FILE))
@@ -205,8 +205,8 @@ def test_a_resume_after_a_stop_during_the_final_export_writes_it(lora_runs, tmp_
 
 
 @pytest.mark.parametrize("family,plugins", [("sdxl", []), ("flux", []), ("sdxl", ["offload=park"]), ("sd15", []),
-                                            ("sd35", ["offload=park"])],
-                         ids=["sdxl", "flux", "sdxl-park", "sd15", "sd35-park"])
+                                            ("sd35", ["offload=park"]), ("chroma", ["offload=park"])],
+                         ids=["sdxl", "flux", "sdxl-park", "sd15", "sd35-park", "chroma-park"])
 def test_full_finetune_exports_a_pipeline_folder(tmp_path, caplog, family, plugins):
     """model.train=full: checkpoints/step-N/export/diffusers loads with DiffusionPipeline.from_pretrained
     and holds the trained denoiser, the run's frozen modules and its tokenizers; also when park

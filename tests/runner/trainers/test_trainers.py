@@ -1,4 +1,4 @@
-"""Built-in trainers (SDXL, Flux, SD1.5/SD2.1, SD3.5 Medium/Large) on tiny random models (CPU, offline).
+"""Built-in trainers (SDXL, Flux, Chroma, SD1.5/SD2.1, SD3.5 Medium/Large) on tiny random models (CPU, offline).
 
 Batches are made here rather than through ``dataset()``, so these tests do not depend on the
 data module. Models are built once per module where a test does not change them.
@@ -17,6 +17,7 @@ from runner.config import DataConfig, ModelConfig
 from runner.errors import UserError
 from runner.loss.objectives import LossConfig
 from runner.trainer import ModelSet, encode, slice_batch
+from runner.trainers.chroma import ChromaTrainer, ChromaTrainerConfig
 from runner.trainers.flux import FluxTrainer, FluxTrainerConfig
 from runner.trainers.loading import build_denoiser, load_single_file
 from runner.trainers.model_configs import sdxl_configs
@@ -29,6 +30,7 @@ from runner.trainers.tokenizers import clip_tokenizer, t5_tokenizer
 FAMILIES = {
     "sdxl": (SDXLTrainer, SDXLTrainerConfig, {}),
     "flux": (FluxTrainer, FluxTrainerConfig, {}),
+    "chroma": (ChromaTrainer, ChromaTrainerConfig, {}),
     "sd15": (SD15Trainer, SD15TrainerConfig, {}),
     "sd21": (SD15Trainer, SD15TrainerConfig, {"variant": "sd21"}),
     "sd35": (SD35Trainer, SD35TrainerConfig, {}),
@@ -139,7 +141,7 @@ def test_example_batch_on_meta_models(family):
     assert loss.is_meta and loss.dim() == 0
 
 
-@pytest.mark.parametrize("family", ["sdxl", "flux", "sd15", "sd35"])
+@pytest.mark.parametrize("family", ["sdxl", "flux", "chroma", "sd15", "sd35"])
 def test_lora_trains_only_adapters(family):
     tr = make_trainer(family, train="lora", dtype="bfloat16", lora_rank=2)
     models = tr.build_models("cpu")
@@ -177,6 +179,7 @@ def test_trainer_options_change_the_loss(full_setup):
     family, tr, models = full_setup
     option = {"sdxl": {"trainer": {"prediction_type": "v_prediction"}},
               "flux": {"loss": {"timestep_sampling": "uniform"}},
+              "chroma": {"loss": {"timestep_shift": "resolution"}},
               "sd15": {"trainer": {"prediction_type": "v_prediction"}},
               "sd21": {"trainer": {"prediction_type": "epsilon"}},  # the variant's default is v
               "sd35": {"loss": {"timestep_shift": "none"}},  # the family's default is SD3's fixed 3.0
@@ -208,6 +211,7 @@ def test_full_size_configs_on_meta():
     ("sd21", {"unet": 865_910_724, "text_encoder": 340_387_840}),  # SD2.1 U-Net, OpenCLIP ViT-H (23 layers)
     ("sd35", {"transformer": 8.1e9, "text_encoder_2": 694_659_840, "text_encoder_3": 4.76e9}),  # Large, bigG, T5
     ("sd35_medium", {}),
+    ("chroma", {"transformer": 8.9e9, "text_encoder": 4.76e9}),  # Chroma1-HD, T5-XXL encoder
 ])
 def test_new_families_build_their_published_sizes_on_meta(family, published):
     from runner.build import build_trainer
@@ -226,9 +230,12 @@ def test_new_families_build_their_published_sizes_on_meta(family, published):
         assert sum(b.attn2 is not None for b in models["transformer"].transformer_blocks) == 13
     ex = tr.example_batch(1, "meta")
     side = {"sd15": 512, "sd21": 768}.get(family, 1024) // 8  # data.resolution follows the variant (conf/config.yaml)
-    channels = 16 if family.startswith("sd35") else 4
+    channels = 16 if family.startswith("sd35") or family == "chroma" else 4
     assert tuple(ex["latents"].shape) == (1, channels, side, side)
-    if family.startswith("sd35"):  # 77 CLIP + 256 T5 tokens of T5's width; both CLIPs' pooled outputs
+    if family == "chroma":  # T5's 512 tokens and their text mask; no CLIP
+        assert tuple(ex["prompt_embeds"].shape) == (1, 512, 4096) and tuple(ex["prompt_attention_mask"].shape) == (1, 512)
+        assert len(find_repeated_blocks(models["transformer"])) == 19 + 38
+    elif family.startswith("sd35"):  # 77 CLIP + 256 T5 tokens of T5's width; both CLIPs' pooled outputs
         assert tuple(ex["prompt_embeds"].shape) == (1, 77 + 256, 4096)
         assert tuple(ex["pooled_prompt_embeds"].shape) == (1, 768 + 1280)
     else:
@@ -247,6 +254,7 @@ def test_repeated_blocks_are_outermost(full_setup):
     expected = {
         "sdxl": unet, "sd15": unet, "sd21": unet,
         "flux": {"FluxTransformerBlock", "FluxSingleTransformerBlock"},
+        "chroma": {"ChromaTransformerBlock", "ChromaSingleTransformerBlock"},
         "sd35": {"JointTransformerBlock"}, "sd35_medium": {"JointTransformerBlock"},
     }
     assert names == expected[family]
@@ -340,5 +348,6 @@ def test_trainers_are_registered():
     reg = trainers()
     assert reg["sdxl"].target == "runner.trainers.sdxl.SDXLTrainer"
     assert reg["flux"].target == "runner.trainers.flux.FluxTrainer"
+    assert reg["chroma"].target == "runner.trainers.chroma.ChromaTrainer"
     assert reg["sd15"].target == "runner.trainers.sd15.SD15Trainer"
     assert reg["sd35"].target == "runner.trainers.sd35.SD35Trainer"
