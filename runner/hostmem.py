@@ -23,11 +23,11 @@ or the caller's ``torch.set_num_threads``); ``train.cpu_threads`` sets the numbe
 The thread count is decided once, at the start; load that arrives later (another job, a build)
 would make the same threads spin against it. :func:`passive_openmp` therefore sets
 ``OMP_WAIT_POLICY=PASSIVE`` (waiting threads sleep at once instead of spinning first) before
-torch loads its OpenMP runtime, unless the user set a policy. Measured side by side on this 2-core
-machine at load ~5 (docs/benchmarks.md, ``bench/cpu_threads.py``): 2 threads took 3.2 s/step with
-libgomp's default wait and 0.34 s/step with PASSIVE, against 0.19 s/step with the one thread the
-runner picks there. The trade-off: on an idle machine a sleeping thread wakes a little later than a
-spinning one, a cost per parallel region that the same benchmark shows beside it.
+torch loads its OpenMP runtime, unless the user set a policy. Measured side by side on a busy
+2-core machine (docs/benchmarks.md, ``bench/cpu_threads.py``): 2 spinning threads were 20-100x
+slower than one thread, 2 sleeping ones within 1-2x of it. The trade-off: on an idle machine a
+sleeping thread wakes a little later than a spinning one, a cost per parallel region (not yet
+measured: no idle machine was at hand).
 
 Also here, :func:`collector_paused`: Python's garbage collector held off while the libraries load.
 """
