@@ -1,0 +1,275 @@
+"""A full fine-tune as ONE safetensors file in the original layout (``export.full_format=single_file|both``).
+
+A1111, Forge and ComfyUI load single files, not diffusers folders. This writes the inverse of what
+``model.path`` reads (runner/trainers/single_file.py), so the file the export writes is a file the
+runner itself reads back, bit for bit (tests/runner/export/test_single_file.py):
+
+* **SDXL**: ``checkpoint.safetensors``, the whole checkpoint in Stability's layout: the U-Net as
+  ``model.diffusion_model.*``, the VAE as ``first_stage_model.*``, CLIP-L as
+  ``conditioner.embedders.0.transformer.*``, OpenCLIP bigG as ``conditioner.embedders.1.model.*``
+  (A1111/Forge ``models/Stable-diffusion``, ComfyUI ``models/checkpoints``);
+* **Flux**: ``diffusion_model.safetensors``, the transformer alone in Black Forest Labs' layout
+  (``double_blocks.N.img_attn.qkv`` with q/k/v fused, ``single_blocks.N.linear1``...), as
+  ``flux1-dev.safetensors`` ships (ComfyUI ``models/diffusion_models``, Forge ``models/Stable-diffusion``).
+
+Why the mapping is written here, and how it stays the exact inverse: diffusers converts original ->
+diffusers only (its diffusers -> original scripts are not part of the installed package). So the
+fixed names come from diffusers' own table ``DIFFUSERS_TO_LDM_MAPPING`` (already diffusers ->
+original), the resnet and attention renames are the inverse of the ``replace`` chains of diffusers'
+``update_*_ldm_to_diffusers`` (the tables below), the block numbering follows the config, and Flux
+inverts the ``FLUX_*`` tables the reader converts with. Before a byte is written, the result is fed
+back through the reader's own converters on ``meta`` tensors (:func:`check_inverse`): a key or shape
+that would not read back into the model is an error, never a silently broken file.
+
+Tensors are written in the dtype the models hold (the trained weights' ``model.train_dtype``, the
+frozen modules' ``model.dtype``), like the diffusers folder. Not written yet (refused before step 1,
+runner/export/config.py): SD1.5, SD3.5, Qwen-Image and Wan, for which ``model.path`` reads no
+original single file to check the export against.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from runner.trainer import ModelSet
+
+# Inverse of diffusers' update_unet_resnet_ldm_to_diffusers (its replace chain, diffusers -> original).
+UNET_RESNET = (("norm1.", "in_layers.0."), ("conv1.", "in_layers.2."), ("norm2.", "out_layers.0."),
+               ("conv2.", "out_layers.3."), ("time_emb_proj.", "emb_layers.1."), ("conv_shortcut.", "skip_connection."))
+# Inverse of update_vae_attentions_ldm_to_diffusers; the VAE's resnets only rename conv_shortcut.
+VAE_ATTENTION = (("group_norm.", "norm."), ("to_q.", "q."), ("to_k.", "k."), ("to_v.", "v."), ("to_out.0.", "proj_out."))
+# Inverse of convert_open_clip_checkpoint's DIFFUSERS_TO_LDM_MAPPING["openclip"]["transformer"] renames.
+OPEN_CLIP_LAYER = (("layer_norm1.", "ln_1."), ("layer_norm2.", "ln_2."), ("mlp.fc1.", "mlp.c_fc."),
+                   ("mlp.fc2.", "mlp.c_proj."), ("self_attn.out_proj.", "attn.out_proj."))
+
+SDXL_PREFIXES = {"unet": "model.diffusion_model.", "vae": "first_stage_model.",
+                 "text_encoder": "conditioner.embedders.0.transformer.", "text_encoder_2": "conditioner.embedders.1.model."}
+
+
+def _rename(key: str, pairs: tuple[tuple[str, str], ...] | list[tuple[str, str]]) -> str | None:
+    """``key`` with the first matching prefix of ``pairs`` replaced; None when none matches."""
+    for new, old in pairs:
+        if key.startswith(new):
+            return old + key[len(new):]
+    return None
+
+
+def unet_prefixes(config: Any) -> list[tuple[str, str]]:
+    """(diffusers prefix, original prefix) of every block of a UNet2DConditionModel, from its config:
+    the numbering convert_ldm_unet_checkpoint reads (input_blocks: resnet .0, attention .1, a
+    downsampler alone as .0.op; output_blocks: the upsampler .1 without attention, .2 with)."""
+    from diffusers.loaders.single_file_utils import DIFFUSERS_TO_LDM_MAPPING
+
+    fixed = {**DIFFUSERS_TO_LDM_MAPPING["unet"]["layers"], **DIFFUSERS_TO_LDM_MAPPING["unet"]["addition_embed_type"]}
+    pairs = sorted({(k.rsplit(".", 1)[0] + ".", v.rsplit(".", 1)[0] + ".") for k, v in fixed.items()})
+    pairs += [("mid_block.resnets.0.", "middle_block.0."), ("mid_block.attentions.0.", "middle_block.1."),
+              ("mid_block.resnets.1.", "middle_block.2.")]
+    n, per = len(config["block_out_channels"]), int(config["layers_per_block"])
+    for i in range(n):
+        for j in range(per):
+            pairs += [(f"down_blocks.{i}.resnets.{j}.", f"input_blocks.{(per + 1) * i + j + 1}.0."),
+                      (f"down_blocks.{i}.attentions.{j}.", f"input_blocks.{(per + 1) * i + j + 1}.1.")]
+        if i < n - 1:
+            pairs.append((f"down_blocks.{i}.downsamplers.0.conv.", f"input_blocks.{(per + 1) * (i + 1)}.0.op."))
+        for j in range(per + 1):
+            pairs += [(f"up_blocks.{i}.resnets.{j}.", f"output_blocks.{(per + 1) * i + j}.0."),
+                      (f"up_blocks.{i}.attentions.{j}.", f"output_blocks.{(per + 1) * i + j}.1.")]
+        if i < n - 1:
+            slot = 2 if "CrossAttn" in str(config["up_block_types"][i]) else 1
+            pairs.append((f"up_blocks.{i}.upsamplers.0.", f"output_blocks.{(per + 1) * i + per}.{slot}."))
+    return sorted(pairs, key=lambda p: -len(p[0]))  # the longest prefix first: resnets.1 before resnets.10
+
+
+def unet_to_original(state: dict[str, torch.Tensor], config: Any, prefix: str) -> dict[str, torch.Tensor]:
+    pairs = unet_prefixes(config)
+    out = {}
+    for key, value in state.items():
+        for new, old in pairs:
+            if key.startswith(new):
+                rest = key[len(new):]
+                if ".resnets." in new or new.startswith("mid_block.resnets"):
+                    rest = _rename(rest, UNET_RESNET) or rest
+                out[prefix + old + rest] = value
+                break
+        else:
+            raise ValueError(f"no original SDXL U-Net name is known for {key!r}")
+    return out
+
+
+def vae_to_original(state: dict[str, torch.Tensor], config: Any, prefix: str) -> dict[str, torch.Tensor]:
+    """AutoencoderKL -> the LDM VAE: decoder blocks numbered from the top, attention as 1x1 convs."""
+    from diffusers.loaders.single_file_utils import DIFFUSERS_TO_LDM_MAPPING
+
+    n = len(config["block_out_channels"])
+    pairs = [(k.rsplit(".", 1)[0] + ".", v.rsplit(".", 1)[0] + ".") for k, v in DIFFUSERS_TO_LDM_MAPPING["vae"].items()]
+    for part in ("encoder", "decoder"):
+        pairs += [(f"{part}.mid_block.resnets.{k}.", f"{part}.mid.block_{k + 1}.") for k in range(2)]
+        pairs.append((f"{part}.mid_block.attentions.0.", f"{part}.mid.attn_1."))
+    for i in range(n):
+        pairs += [(f"encoder.down_blocks.{i}.resnets.", f"encoder.down.{i}.block."),
+                  (f"encoder.down_blocks.{i}.downsamplers.0.", f"encoder.down.{i}.downsample."),
+                  (f"decoder.up_blocks.{i}.resnets.", f"decoder.up.{n - 1 - i}.block."),
+                  (f"decoder.up_blocks.{i}.upsamplers.0.", f"decoder.up.{n - 1 - i}.upsample.")]
+    pairs.sort(key=lambda p: -len(p[0]))
+    out = {}
+    for key, value in state.items():
+        new = _rename(key, pairs)
+        if new is None:
+            raise ValueError(f"no original VAE name is known for {key!r}")
+        new = new.replace(".conv_shortcut.", ".nin_shortcut.")
+        if ".mid.attn_1." in new:
+            head, rest = new.split(".mid.attn_1.")
+            new = f"{head}.mid.attn_1.{_rename(rest, VAE_ATTENTION) or rest}"
+            if value.ndim == 2:  # the reader takes [:, :, 0, 0] of the original 1x1 conv
+                value = value.reshape(*value.shape, 1, 1)
+        out[prefix + new] = value
+    return out
+
+
+def clip_to_original(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """CLIP-L keeps transformers' names under ``prefix`` (convert_ldm_clip_checkpoint strips it);
+    transformers >= 5.6 builds it without ``text_model.``, which the original file has."""
+    return {prefix + (k if k.startswith(("text_model.", "text_projection")) else "text_model." + k): v
+            for k, v in state.items()}
+
+
+def open_clip_to_original(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """CLIPTextModelWithProjection -> OpenCLIP's text tower: q/k/v fused as ``in_proj``, the
+    projection transposed (the inverse of convert_open_clip_checkpoint)."""
+    from diffusers.loaders.single_file_utils import DIFFUSERS_TO_LDM_MAPPING
+
+    fixed = DIFFUSERS_TO_LDM_MAPPING["openclip"]["layers"]
+    out: dict[str, torch.Tensor] = {}
+    fused: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in state.items():
+        full = key if key.startswith(("text_model.", "text_projection")) else "text_model." + key
+        if full in fixed:
+            out[prefix + fixed[full]] = value.T.contiguous() if fixed[full] == "text_projection" else value
+        elif full.startswith("text_model.encoder.layers."):
+            i, rest = full.removeprefix("text_model.encoder.layers.").split(".", 1)
+            block = f"{prefix}transformer.resblocks.{i}."
+            if rest.startswith(("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj.")):
+                _, proj, kind = rest.split(".")
+                fused.setdefault(f"{block}attn.in_proj_{kind}", {})[proj[0]] = value
+            else:
+                out[block + (_rename(rest, OPEN_CLIP_LAYER) or rest)] = value
+        elif not full.endswith("position_ids"):
+            raise ValueError(f"no original OpenCLIP name is known for {key!r}")
+    for key, qkv in fused.items():
+        out[key] = torch.cat([qkv["q"], qkv["k"], qkv["v"]], dim=0)
+    return out
+
+
+def flux_to_original(state: dict[str, torch.Tensor], config: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """FluxTransformer2DModel -> BFL's layout: the reader's ``FLUX_*`` tables inverted, q/k/v(/mlp) fused."""
+    from runner.trainers import single_file as sf
+
+    src, out = dict(state), {}
+
+    def move(new: str, old: str) -> None:
+        for suffix in ("weight", "bias"):
+            if f"{new}.{suffix}" in src:
+                out[f"{prefix}{old}.{suffix}"] = src.pop(f"{new}.{suffix}")
+
+    def fuse(news: tuple[str, ...], old: str) -> None:
+        for suffix in ("weight", "bias"):
+            out[f"{prefix}{old}.{suffix}"] = torch.cat([src.pop(f"{n}.{suffix}") for n in news], dim=0)
+
+    for new, old in sf.FLUX_RENAMES:
+        move(new, old)
+    for new, old in sf.FLUX_SWAPPED:
+        for suffix in ("weight", "bias"):
+            scale, shift = src.pop(f"{new}.{suffix}").chunk(2, dim=0)
+            out[f"{prefix}{old}.{suffix}"] = torch.cat([shift, scale], dim=0)
+    for i in range(int(config["num_layers"])):
+        b, o = f"transformer_blocks.{i}.", f"double_blocks.{i}."
+        for new, old in sf.FLUX_DOUBLE_RENAMES:
+            move(b + new, o + old)
+        for news, old in sf.FLUX_DOUBLE_FUSED:
+            fuse(tuple(b + n for n in news), o + old)
+        for new, old in sf.FLUX_DOUBLE_NORMS:
+            out[f"{prefix}{o}{old}.scale"] = src.pop(f"{b}{new}.weight")
+    for i in range(int(config["num_single_layers"])):
+        b, o = f"single_transformer_blocks.{i}.", f"single_blocks.{i}."
+        for new, old in sf.FLUX_SINGLE_RENAMES:
+            move(b + new, o + old)
+        news, old = sf.FLUX_SINGLE_FUSED
+        fuse(tuple(b + n for n in news), o + old)
+        for new, old in sf.FLUX_SINGLE_NORMS:
+            out[f"{prefix}{o}{old}.scale"] = src.pop(f"{b}{new}.weight")
+    if src:
+        raise ValueError(f"no original Flux name is known for {sorted(src)[:3]}")
+    return out
+
+
+# ---- families -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SingleFile:
+    """What one family writes: the file, where users put it, and each module's converter."""
+
+    file: str
+    where: str
+    modules: dict[str, Callable[[dict[str, torch.Tensor], Any], dict[str, torch.Tensor]]]
+
+    def ema_file(self) -> str:
+        return self.file.replace(".safetensors", "_ema.safetensors")
+
+
+FAMILIES: dict[str, SingleFile] = {
+    "sdxl": SingleFile("checkpoint.safetensors", "A1111/Forge models/Stable-diffusion, ComfyUI models/checkpoints", {
+        "unet": lambda s, c: unet_to_original(s, c, SDXL_PREFIXES["unet"]),
+        "vae": lambda s, c: vae_to_original(s, c, SDXL_PREFIXES["vae"]),
+        "text_encoder": lambda s, c: clip_to_original(s, SDXL_PREFIXES["text_encoder"]),
+        "text_encoder_2": lambda s, c: open_clip_to_original(s, SDXL_PREFIXES["text_encoder_2"]),
+    }),
+    "flux": SingleFile("diffusion_model.safetensors", "ComfyUI models/diffusion_models, Forge models/Stable-diffusion",
+                       {"transformer": flux_to_original}),
+}
+
+
+def _config(module: Any) -> Any:
+    return getattr(module, "config", None) or {}
+
+
+def original_state_dict(family: str, models: ModelSet) -> dict[str, torch.Tensor]:
+    """``models`` (the modules the family's file holds) as one original-layout state dict, on the CPU."""
+    out: dict[str, torch.Tensor] = {}
+    for name, convert in FAMILIES[family].modules.items():
+        state = {k: v.detach().to("cpu") for k, v in models[name].state_dict().items()}
+        out.update(convert(state, _config(models[name])))
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def check_inverse(family: str, models: ModelSet, state: dict[str, torch.Tensor]) -> None:
+    """Convert ``state``'s shapes back with the reader's own converters (on ``meta``, no data) and
+    compare with each module: a ValueError when the file would not read back into the models."""
+    from runner.trainers.single_file import LAYOUTS, _drop_buffers, _shape_report
+
+    layout = next(lay for lay in LAYOUTS if lay.family == family)
+    for name in FAMILIES[family].modules:
+        component, model = layout.components[name], models[name]
+        meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in state.items()
+                if k.startswith(component.prefixes)}
+        back = _drop_buffers(component.convert(meta, _config(model), model), model)
+        problems = _shape_report({k: tuple(v.shape) for k, v in back.items()},
+                                 {k: tuple(v.shape) for k, v in model.state_dict().items()})
+        if problems:
+            raise ValueError(f"the single-file export of {name} would not read back: {'; '.join(problems)}")
+
+
+def write_single_file(family: str, models: ModelSet, folder: Path, info: dict[str, Any], ema: bool = False) -> Path:
+    """``folder/<family's file>`` (``*_ema`` with ``ema``); ``info`` becomes plain string metadata."""
+    spec = FAMILIES[family]
+    state = original_state_dict(family, models)
+    check_inverse(family, models, state)
+    meta = {"format": "pt", "weights": "ema" if ema else "trained", "layout": family, "load_in": spec.where,
+            **{k: "" if info.get(k) is None else str(info[k]) for k in ("base_model", "preset", "step", "trainer",
+                                                                        "pipeline")}}
+    path = folder / (spec.ema_file() if ema else spec.file)
+    save_file(state, str(path), metadata=meta)
+    return path

@@ -1,0 +1,160 @@
+"""A full fine-tune exported as one original-layout file (``export.full_format``) reads back through
+``model.path`` bit for bit, and is the layout the ecosystem loads.
+
+Each family trains a few steps of a tiny model on CPU with an EMA, exporting ``both`` (the diffusers
+folder and the single file). Then:
+
+* the file, given as ``model.path`` to a fresh trainer (the runner's own loader, diffusers' single-file
+  converters), gives back every tensor of the run's models (trained denoiser, frozen modules) with the
+  same dtype and bytes; the EMA file gives back the average;
+* its keys and bytes equal what tests/original_layouts.py writes, a mapping written independently of
+  the export from the documented layouts (A1111/Stability SDXL, Black Forest Labs' Flux);
+* a family without a single-file export, a LoRA run and a wrong value are refused before step 1.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate.utils import set_seed
+from original_layouts import flux_to_original, sdxl_original
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from runner.__main__ import task
+from runner.build import build_trainer, prepare_models
+from runner.cli.compose import compose_config
+from runner.ema.average import FILE as EMA_FILE
+from runner.errors import UserError
+from runner.export.checkpoint import EXPORT_DIR, FULL_DIR, INFO_FILE
+from runner.export.ema import FULL_EMA_DIR
+from runner.export.single_file import FAMILIES
+from runner.resolved import resolve
+from runner.state.checkpoint import load_trainable_weights
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+STEPS = 2
+CKPT = Path("checkpoints") / f"step-{STEPS:08d}"
+COMMON = [f"train.steps={STEPS}", "train.device=cpu", "train.progress=false", "train.batch_size=1",
+          "data.demo_size=2", "optimizer.lr=0.01"]  # as tests/runner/export/test_export.py trains
+LORA = ["model.train=lora", "model.lora_rank=4", "model.lora_alpha=8"]
+EMA = ["ema.enabled=true", "ema.decay=0.5"]
+
+
+def train_run(out: Path, family: str, *overrides: str) -> Path:
+    task(compose_config([f"output_dir={out}", f"trainer={family}", *COMMON, *overrides]))
+    return out / CKPT
+
+
+def fresh(family: str, *overrides: str):
+    """(trainer, models) built as the run built them (same seed), before training."""
+    cfg = compose_config([f"trainer={family}", *COMMON, *overrides])
+    run_ = resolve(cfg)
+    trainer = build_trainer(cfg, run_)
+    set_seed(run_.seed)
+    return trainer, prepare_models(trainer.build_models("cpu"), cfg.model, run_)
+
+
+@pytest.fixture(scope="module")
+def full_runs(tmp_path_factory):
+    cache = {}
+
+    def get(family: str):
+        if family not in cache:
+            cache[family] = train_run(tmp_path_factory.mktemp(f"full-{family}"), family, "export.full_format=both", *EMA)
+        return cache[family]
+
+    return get
+
+
+def read_back(family: str, path):
+    """The models a run with ``model.path=<path>`` builds (the run's dtypes: CPU, float32)."""
+    cfg = compose_config([f"trainer={family}", f"model.path={path}", *COMMON])
+    return build_trainer(cfg, resolve(cfg)).build_models("cpu")
+
+
+def expected(family: str, ckpt, ema: bool = False):
+    """The run's models at ``ckpt``: the frozen modules as built, the denoiser's trained (or EMA) weights."""
+    trainer, models = fresh(family)
+    load_trainable_weights(ckpt, models)
+    if ema:
+        name = trainer.denoiser
+        average = load_file(str(ckpt / EMA_FILE))
+        with torch.no_grad():
+            for k, p in models[name].named_parameters():
+                p.copy_(average[f"{name}.{k}"])
+    return trainer, models
+
+
+def assert_identical(a, b, names) -> None:
+    for name in names:
+        sa, sb = a[name].state_dict(), b[name].state_dict()
+        assert sa.keys() == sb.keys(), (name, sorted(set(sa) ^ set(sb))[:5])
+        bad = [k for k in sa if sa[k].dtype != sb[k].dtype or not torch.equal(sa[k], sb[k])]
+        assert not bad, (name, bad[:3])
+
+
+def original(family: str, models) -> dict[str, torch.Tensor]:
+    if family == "sdxl":
+        return sdxl_original(models, {n: dict(models[n].config) for n in ("unet", "vae")})
+    return flux_to_original(models["transformer"].state_dict())
+
+
+@pytest.mark.parametrize("family", ["sdxl", "flux"])
+def test_single_file_reads_back_bit_for_bit(full_runs, family):
+    ckpt = full_runs(family)
+    export = ckpt / EXPORT_DIR
+    spec = FAMILIES[family]
+    info = json.loads((export / INFO_FILE).read_text())
+    assert info["files"] == [FULL_DIR, spec.file, FULL_EMA_DIR, spec.ema_file()]
+    names = list(spec.modules)
+    for ema, file in ((False, spec.file), (True, spec.ema_file())):
+        trainer, want = expected(family, ckpt, ema=ema)
+        assert_identical(want, read_back(family, export / file), names)
+        written = load_file(str(export / file))
+        independent = original(family, want)
+        assert set(written) == set(independent)
+        assert all(torch.equal(written[k], independent[k]) for k in written)
+        with safe_open(str(export / file), framework="pt") as f:
+            assert f.metadata()["weights"] == ("ema" if ema else "trained")
+    _, base = fresh(family)
+    name = trainer.denoiser
+    trained, averaged = expected(family, ckpt)[1], expected(family, ckpt, ema=True)[1]
+    for other in (base, averaged):  # the file holds this checkpoint's trained weights, not the base or the EMA
+        assert any(not torch.equal(v, other[name].state_dict()[k]) for k, v in trained[name].state_dict().items())
+
+
+def test_mode_export_writes_the_same_single_file_and_keeps_the_folder(full_runs, tmp_path):
+    """mode=export export.full_format=single_file on a copy of the run: the same tensors and metadata; the diffusers
+    folder of the earlier export is kept (an export adds a format, never deletes one)."""
+    run = full_runs("sdxl").parents[1]
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    task(compose_config([f"output_dir={tmp_path / 'out'}", "mode=export", "export.full_format=single_file",
+                         f"train.resume={copy / CKPT}"]))
+    spec = FAMILIES["sdxl"]
+    again, first = copy / CKPT / EXPORT_DIR, run / CKPT / EXPORT_DIR
+    a, b = load_file(str(again / spec.file)), load_file(str(first / spec.file))
+    assert set(a) == set(b) and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+    metadata = []
+    for path in (again / spec.file, first / spec.file):
+        with safe_open(str(path), framework="pt") as f:
+            metadata.append(f.metadata())
+    assert metadata[0] == metadata[1] and metadata[0]["preset"] == "" and metadata[0]["step"] == str(STEPS)
+    assert (again / FULL_DIR / "model_index.json").is_file()
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["trainer=sd15", "export.full_format=single_file"], "no single-file export is written for SD1.5"),
+    (["trainer=sd35", "export.full_format=both"], "no single-file export is written for"),
+    (["trainer=sdxl", "export.full_format=single_file", *LORA], "applies to a full fine-tune.*model.train=lora"),
+    (["trainer=sdxl", "export.full_format=single"], "export.full_format='single' is not valid.*single_file"),
+], ids=["sd15", "sd35", "lora", "typo"])
+def test_what_cannot_be_written_is_refused_before_step_1(tmp_path, overrides, message):
+    with pytest.raises(UserError, match=message):
+        task(compose_config([f"output_dir={tmp_path}", *COMMON, *overrides]))
+    assert not (tmp_path / "checkpoints").exists()
