@@ -8,6 +8,8 @@ runner itself reads back, bit for bit (tests/runner/export/test_single_file.py):
   ``model.diffusion_model.*``, the VAE as ``first_stage_model.*``, CLIP-L as
   ``conditioner.embedders.0.transformer.*``, OpenCLIP bigG as ``conditioner.embedders.1.model.*``
   (A1111/Forge ``models/Stable-diffusion``, ComfyUI ``models/checkpoints``);
+* **SD1.5**: ``checkpoint.safetensors``, the same with CLIP-L as ``cond_stage_model.transformer.*``
+  (the layout of ``v1-5-pruned-emaonly.safetensors``; same folders);
 * **Flux**: ``diffusion_model.safetensors``, the transformer alone in Black Forest Labs' layout
   (``double_blocks.N.img_attn.qkv`` with q/k/v fused, ``single_blocks.N.linear1``...), as
   ``flux1-dev.safetensors`` ships (ComfyUI ``models/diffusion_models``, Forge ``models/Stable-diffusion``).
@@ -23,8 +25,9 @@ that would not read back into the model is an error, never a silently broken fil
 
 Tensors are written in the dtype the models hold (the trained weights' ``model.train_dtype``, the
 frozen modules' ``model.dtype``), like the diffusers folder. Not written yet (refused before step 1,
-runner/export/config.py): SD1.5, SD3.5, Qwen-Image and Wan, for which ``model.path`` reads no
-original single file to check the export against.
+runner/export/config.py): SD2.1 (its original OpenCLIP-H has a 24th layer the diffusers form drops),
+SD3.5, Qwen-Image and Wan, for which ``model.path`` reads no original single file to check the export
+against.
 """
 from __future__ import annotations
 
@@ -47,6 +50,7 @@ VAE_ATTENTION = (("group_norm.", "norm."), ("to_q.", "q."), ("to_k.", "k."), ("t
 OPEN_CLIP_LAYER = (("layer_norm1.", "ln_1."), ("layer_norm2.", "ln_2."), ("mlp.fc1.", "mlp.c_fc."),
                    ("mlp.fc2.", "mlp.c_proj."), ("self_attn.out_proj.", "attn.out_proj."))
 
+SD_PREFIXES = {"unet": "model.diffusion_model.", "vae": "first_stage_model.", "text_encoder": "cond_stage_model.transformer."}
 SDXL_PREFIXES = {"unet": "model.diffusion_model.", "vae": "first_stage_model.",
                  "text_encoder": "conditioner.embedders.0.transformer.", "text_encoder_2": "conditioner.embedders.1.model."}
 
@@ -97,7 +101,7 @@ def unet_to_original(state: dict[str, torch.Tensor], config: Any, prefix: str) -
                 out[prefix + old + rest] = value
                 break
         else:
-            raise ValueError(f"no original SDXL U-Net name is known for {key!r}")
+            raise ValueError(f"no original U-Net name is known for {key!r}")
     return out
 
 
@@ -207,6 +211,61 @@ def flux_to_original(state: dict[str, torch.Tensor], config: Any, prefix: str = 
     return out
 
 
+# SD3/SD3.5, (diffusers, original): the inverse of diffusers' convert_sd3_transformer_checkpoint_to_diffusers,
+# which is code, not a table, so it is written out here; check_inverse runs that converter over the result.
+SD3_RENAMES = (("pos_embed.proj", "x_embedder.proj"), ("time_text_embed.timestep_embedder.linear_1", "t_embedder.mlp.0"),
+               ("time_text_embed.timestep_embedder.linear_2", "t_embedder.mlp.2"), ("context_embedder", "context_embedder"),
+               ("time_text_embed.text_embedder.linear_1", "y_embedder.mlp.0"),
+               ("time_text_embed.text_embedder.linear_2", "y_embedder.mlp.2"), ("proj_out", "final_layer.linear"))
+SD3_BLOCK_RENAMES = (("attn.norm_q", "x_block.attn.ln_q"), ("attn.norm_k", "x_block.attn.ln_k"),
+                     ("attn.norm_added_q", "context_block.attn.ln_q"), ("attn.norm_added_k", "context_block.attn.ln_k"),
+                     ("attn2.norm_q", "x_block.attn2.ln_q"), ("attn2.norm_k", "x_block.attn2.ln_k"),
+                     ("attn.to_out.0", "x_block.attn.proj"), ("attn.to_add_out", "context_block.attn.proj"),
+                     ("attn2.to_out.0", "x_block.attn2.proj"), ("norm1.linear", "x_block.adaLN_modulation.1"),
+                     ("ff.net.0.proj", "x_block.mlp.fc1"), ("ff.net.2", "x_block.mlp.fc2"),
+                     ("ff_context.net.0.proj", "context_block.mlp.fc1"), ("ff_context.net.2", "context_block.mlp.fc2"))
+SD3_BLOCK_FUSED = ((("attn.to_q", "attn.to_k", "attn.to_v"), "x_block.attn.qkv"),
+                   (("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"), "context_block.attn.qkv"),
+                   (("attn2.to_q", "attn2.to_k", "attn2.to_v"), "x_block.attn2.qkv"))
+
+
+def _shift_scale(t: torch.Tensor) -> torch.Tensor:
+    """diffusers' (scale, shift) halves as the original's (shift, scale): the inverse of its swap_scale_shift."""
+    scale, shift = t.chunk(2, dim=0)
+    return torch.cat([shift, scale], dim=0)
+
+
+def sd3_to_original(state: dict[str, torch.Tensor], config: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """SD3Transformer2DModel -> Stability's MMDiT layout (``joint_blocks.N.x_block.attn.qkv`` ...).
+    The last block is context-pre-only: its context modulation is swapped like ``final_layer``'s."""
+    src, out = dict(state), {}
+
+    def move(new: str, old: str, swap: bool = False) -> None:
+        for suffix in ("weight", "bias"):
+            if f"{new}.{suffix}" in src:
+                value = src.pop(f"{new}.{suffix}")
+                out[f"{prefix}{old}.{suffix}"] = _shift_scale(value) if swap else value
+
+    if "pos_embed.pos_embed" in src:
+        out[prefix + "pos_embed"] = src.pop("pos_embed.pos_embed")
+    for new, old in SD3_RENAMES:
+        move(new, old)
+    move("norm_out.linear", "final_layer.adaLN_modulation.1", swap=True)
+    layers = int(config["num_layers"])
+    for i in range(layers):
+        b, o = f"transformer_blocks.{i}.", f"joint_blocks.{i}."
+        for new, old in SD3_BLOCK_RENAMES:
+            move(b + new, o + old)
+        move(b + "norm1_context.linear", o + "context_block.adaLN_modulation.1", swap=i == layers - 1)
+        for news, old in SD3_BLOCK_FUSED:
+            for suffix in ("weight", "bias"):
+                if f"{b}{news[0]}.{suffix}" in src:
+                    out[f"{prefix}{o}{old}.{suffix}"] = torch.cat([src.pop(f"{b}{n}.{suffix}") for n in news], dim=0)
+    if src:
+        raise ValueError(f"no original SD3 name is known for {sorted(src)[:3]}")
+    return out
+
+
 # ---- families -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class SingleFile:
@@ -227,6 +286,13 @@ FAMILIES: dict[str, SingleFile] = {
         "text_encoder": lambda s, c: clip_to_original(s, SDXL_PREFIXES["text_encoder"]),
         "text_encoder_2": lambda s, c: open_clip_to_original(s, SDXL_PREFIXES["text_encoder_2"]),
     }),
+    "sd": SingleFile("checkpoint.safetensors", "A1111/Forge models/Stable-diffusion, ComfyUI models/checkpoints", {
+        "unet": lambda s, c: unet_to_original(s, c, SD_PREFIXES["unet"]),
+        "vae": lambda s, c: vae_to_original(s, c, SD_PREFIXES["vae"]),
+        "text_encoder": lambda s, c: clip_to_original(s, SD_PREFIXES["text_encoder"]),
+    }),
+    "sd3": SingleFile("diffusion_model.safetensors", "ComfyUI models/diffusion_models, Forge models/Stable-diffusion",
+                      {"transformer": sd3_to_original}),
     "flux": SingleFile("diffusion_model.safetensors", "ComfyUI models/diffusion_models, Forge models/Stable-diffusion",
                        {"transformer": flux_to_original}),
 }

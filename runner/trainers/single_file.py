@@ -1,11 +1,12 @@
-"""Single-file checkpoints in the layouts people download: A1111/ComfyUI SDXL, BFL/ComfyUI Flux.
+"""Single-file checkpoints in the layouts people download: A1111/ComfyUI SDXL and SD1.5, BFL/ComfyUI Flux.
 
 ``model.path=/models/sd_xl_base_1.0.safetensors`` holds every SDXL module in Stability's original
 layout (``model.diffusion_model.*`` U-Net, ``first_stage_model.*`` VAE,
 ``conditioner.embedders.0.transformer.*`` CLIP-L, ``conditioner.embedders.1.model.*`` OpenCLIP
 bigG); ``flux1-dev.safetensors`` holds Flux's transformer in Black Forest Labs' layout
 (``double_blocks.*``, ``single_blocks.*``, ...; ComfyUI's all-in-one files add ``vae.*`` and
-``text_encoders.clip_l/t5xxl.transformer.*``). A layout is recognised from the header's key names
+``text_encoders.clip_l/t5xxl.transformer.*``); ``v1-5-pruned-emaonly.safetensors`` holds SD1.5's
+U-Net, VAE and CLIP-L (``cond_stage_model.transformer.*``). A layout is recognised from the header's key names
 (:func:`detect_layout`), and each module found in the file is converted to diffusers' names:
 
 * with diffusers' own single-file conversion functions (``convert_ldm_unet_checkpoint``,
@@ -185,6 +186,18 @@ def convert_flux_transformer(state: dict, config: dict, model: nn.Module) -> dic
     return out
 
 
+SD3_ROOTS = ("joint_blocks.", "x_embedder.", "t_embedder.", "y_embedder.", "context_embedder.", "final_layer.",
+             "pos_embed")
+
+
+def convert_sd3_transformer(state: dict, config: dict, model: nn.Module) -> dict:
+    """Stability's SD3/SD3.5 MMDiT layout -> diffusers' ``SD3Transformer2DModel`` names: diffusers'
+    ``convert_sd3_transformer_checkpoint_to_diffusers``, which reads every width from the tensors."""
+    from diffusers.loaders.single_file_utils import convert_sd3_transformer_checkpoint_to_diffusers
+
+    return convert_sd3_transformer_checkpoint_to_diffusers(state)
+
+
 # ---- layouts ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Component:
@@ -205,10 +218,15 @@ class Layout:
     family: str
     components: dict[str, Component] = field(default_factory=dict)
     detect: Callable[[list[str]], bool] = lambda keys: False
+    unread: tuple[str, ...] = ()  # key prefixes of modules the file may hold that are not read yet: refused
 
 
 def _is_sdxl(keys: list[str]) -> bool:
     return any(k.startswith("model.diffusion_model.label_emb.") for k in keys)
+
+
+def _is_sd3(keys: list[str]) -> bool:
+    return any(k.removeprefix("model.diffusion_model.").startswith("joint_blocks.") for k in keys)
 
 
 def _is_ldm_unet(keys: list[str]) -> bool:
@@ -237,7 +255,19 @@ LAYOUTS: list[Layout] = [
                                   clip_converter("text_encoders.clip_l.transformer.")),
         "text_encoder_2": Component(("text_encoders.t5xxl.transformer.",), convert_t5),
     }, _is_flux),
-    Layout("the original SD 1.x/2.x layout (model.diffusion_model.* without SDXL's label_emb)", "sd", {}, _is_ldm_unet),
+    # SD 1.x (A1111/ComfyUI v1-5 files); an SD 2.x file keeps OpenCLIP under cond_stage_model.model., which the
+    # SD1.5 trainer's CLIP-L does not take: trainer.variant=sd21 reads no original file (family "" there).
+    Layout("Stability's original SD3/SD3.5 transformer layout (joint_blocks.*; ComfyUI diffusion_models)", "sd3", {
+        "transformer": Component(SD3_ROOTS + tuple("model.diffusion_model." + r for r in SD3_ROOTS),
+                                 convert_sd3_transformer),
+    }, _is_sd3, unread=("first_stage_model.", "text_encoders.")),
+    Layout("the original SD 1.x/2.x layout (model.diffusion_model.*, first_stage_model.*, "
+           "cond_stage_model.transformer.*, without SDXL's label_emb)", "sd", {
+               "unet": Component(("model.diffusion_model.",), convert_unet),
+               "vae": Component(("first_stage_model.",), convert_vae),
+               "text_encoder": Component(("cond_stage_model.transformer.",),
+                                         clip_converter("cond_stage_model.transformer.")),
+           }, _is_ldm_unet),
 ]
 
 
@@ -374,6 +404,13 @@ def open_single_file(trainer: Any, file: str) -> tuple[Layout | None, dict[str, 
         raise UserError(
             f"model.path '{file}' is in {layout.name}, which is not a {trainer.family} checkpoint; choose the "
             f"trainer of its family (trainer=...) or a {trainer.family} file. Accepted: {SAFETENSORS_ACCEPTED}."
+        )
+    unread = sorted({p for k in header for p in layout.unread if k.startswith(p)})
+    if unread:
+        raise UserError(
+            f"model.path '{file}' is in {layout.name} and also holds {', '.join(p + '*' for p in unread)}, which the "
+            f"runner does not read from such a file yet (it would train on random ones instead). Give the "
+            f"{trainer.denoiser} alone (ComfyUI's diffusion_models file) or a diffusers folder."
         )
     found = [n for n in trainer.module_classes() if trainer.file_provides(n)]
     log.info("model.path: %s in %s (%s)", ", ".join(found), layout.name, file)

@@ -1,14 +1,14 @@
 """A full fine-tune exported as one original-layout file (``export.full_format``) reads back through
 ``model.path`` bit for bit, and is the layout the ecosystem loads.
 
-Each family trains a few steps of a tiny model on CPU with an EMA, exporting ``both`` (the diffusers
+Each family (SDXL, Flux, SD1.5, SD3.5) trains a few steps of a tiny model on CPU with an EMA, exporting ``both`` (the diffusers
 folder and the single file). Then:
 
 * the file, given as ``model.path`` to a fresh trainer (the runner's own loader, diffusers' single-file
   converters), gives back every tensor of the run's models (trained denoiser, frozen modules) with the
   same dtype and bytes; the EMA file gives back the average;
 * its keys and bytes equal what tests/original_layouts.py writes, a mapping written independently of
-  the export from the documented layouts (A1111/Stability SDXL, Black Forest Labs' Flux);
+  the export from the documented layouts (A1111/Stability SDXL and SD1.5, Black Forest Labs' Flux);
 * a family without a single-file export, a LoRA run and a wrong value are refused before step 1.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate.utils import set_seed
-from original_layouts import flux_to_original, sdxl_original
+from original_layouts import clip_to_original, flux_to_original, sdxl_original, unet_to_original, vae_to_original
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -71,9 +71,9 @@ def full_runs(tmp_path_factory):
     return get
 
 
-def read_back(family: str, path):
+def read_back(family: str, path, *overrides: str):
     """The models a run with ``model.path=<path>`` builds (the run's dtypes: CPU, float32)."""
-    cfg = compose_config([f"trainer={family}", f"model.path={path}", *COMMON])
+    cfg = compose_config([f"trainer={family}", f"model.path={path}", *COMMON, *overrides])
     return build_trainer(cfg, resolve(cfg)).build_models("cpu")
 
 
@@ -98,17 +98,29 @@ def assert_identical(a, b, names) -> None:
         assert not bad, (name, bad[:3])
 
 
-def original(family: str, models) -> dict[str, torch.Tensor]:
+LAYOUT = {"sdxl": "sdxl", "flux": "flux", "sd15": "sd", "sd35": "sd3"}  # trainer -> its single-file layout (FAMILIES)
+
+
+def original(family: str, models) -> dict[str, torch.Tensor] | None:
+    """The independent writer's file of ``models`` (tests/original_layouts.py; None: it has no SD3 writer)."""
+    configs = {n: dict(models[n].config) for n in ("unet", "vae") if n in models.modules}
     if family == "sdxl":
-        return sdxl_original(models, {n: dict(models[n].config) for n in ("unet", "vae")})
+        return sdxl_original(models, configs)
+    if family == "sd15":
+        te = {k: v for k, v in models["text_encoder"].state_dict().items() if not k.endswith("position_ids")}
+        return {**unet_to_original(models["unet"].state_dict(), configs["unet"]),
+                **vae_to_original(models["vae"].state_dict(), configs["vae"]),
+                **clip_to_original(te, "cond_stage_model.transformer.")}
+    if family == "sd35":
+        return None
     return flux_to_original(models["transformer"].state_dict())
 
 
-@pytest.mark.parametrize("family", ["sdxl", "flux"])
+@pytest.mark.parametrize("family", ["sdxl", "flux", "sd15", "sd35"])
 def test_single_file_reads_back_bit_for_bit(full_runs, family):
     ckpt = full_runs(family)
     export = ckpt / EXPORT_DIR
-    spec = FAMILIES[family]
+    spec = FAMILIES[LAYOUT[family]]
     info = json.loads((export / INFO_FILE).read_text())
     assert info["files"] == [FULL_DIR, spec.file, FULL_EMA_DIR, spec.ema_file()]
     names = list(spec.modules)
@@ -117,8 +129,12 @@ def test_single_file_reads_back_bit_for_bit(full_runs, family):
         assert_identical(want, read_back(family, export / file), names)
         written = load_file(str(export / file))
         independent = original(family, want)
-        assert set(written) == set(independent)
-        assert all(torch.equal(written[k], independent[k]) for k in written)
+        if independent is not None:
+            assert set(written) == set(independent)
+            assert all(torch.equal(written[k], independent[k]) for k in written)
+        else:  # SD3.5: Stability's names, as ComfyUI's diffusion_models files hold them
+            assert {"pos_embed", "joint_blocks.0.x_block.attn.qkv.weight", "joint_blocks.0.context_block.attn.qkv.bias",
+                    "final_layer.adaLN_modulation.1.weight", "x_embedder.proj.weight"} <= set(written)
         with safe_open(str(export / file), framework="pt") as f:
             assert f.metadata()["weights"] == ("ema" if ema else "trained")
     _, base = fresh(family)
@@ -148,12 +164,31 @@ def test_mode_export_writes_the_same_single_file_and_keeps_the_folder(full_runs,
     assert (again / FULL_DIR / "model_index.json").is_file()
 
 
+def test_sd35_medium_dual_attention_round_trip_and_an_all_in_one_file_is_refused(tmp_path):
+    """MMDiT-X (SD3.5 Medium: attn2 in the dual-attention layers) writes and reads back bit for bit; a
+    file that also holds text encoders is refused (they are not read from it yet), not half-loaded."""
+    from safetensors.torch import save_file
+
+    from runner.export.single_file import write_single_file
+
+    _, models = fresh("sd35", "trainer.variant=medium")
+    path = write_single_file("sd3", models, tmp_path, {"step": 0})
+    written = load_file(str(path))
+    assert "joint_blocks.0.x_block.attn2.qkv.weight" in written
+    assert_identical(models, read_back("sd35", path, "trainer.variant=medium"), ["transformer"])
+    save_file({**written, "text_encoders.clip_l.transformer.text_model.final_layer_norm.weight": torch.ones(2)},
+              str(tmp_path / "all_in_one.safetensors"))
+    with pytest.raises(UserError, match=r"also holds text_encoders\.\*.*diffusion_models file"):
+        read_back("sd35", tmp_path / "all_in_one.safetensors", "trainer.variant=medium")
+
+
 @pytest.mark.parametrize("overrides,message", [
-    (["trainer=sd15", "export.full_format=single_file"], "no single-file export is written for SD1.5"),
-    (["trainer=sd35", "export.full_format=both"], "no single-file export is written for"),
+    (["trainer=sd15", "trainer.variant=sd21", "export.full_format=single_file"],
+     "no single-file export is written for SD1.5/SD2.1"),
+    (["trainer=qwen_image", "export.full_format=both"], "no single-file export is written for"),
     (["trainer=sdxl", "export.full_format=single_file", *LORA], "applies to a full fine-tune.*model.train=lora"),
     (["trainer=sdxl", "export.full_format=single"], "export.full_format='single' is not valid.*single_file"),
-], ids=["sd15", "sd35", "lora", "typo"])
+], ids=["sd21", "qwen_image", "lora", "typo"])
 def test_what_cannot_be_written_is_refused_before_step_1(tmp_path, overrides, message):
     with pytest.raises(UserError, match=message):
         task(compose_config([f"output_dir={tmp_path}", *COMMON, *overrides]))
