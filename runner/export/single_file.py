@@ -274,6 +274,7 @@ class SingleFile:
     file: str
     where: str
     modules: dict[str, Callable[[dict[str, torch.Tensor], Any], dict[str, torch.Tensor]]]
+    diffusers_keys: bool = False  # the ecosystem's names are diffusers' own: model.path reads it as such a file
 
     def ema_file(self) -> str:
         return self.file.replace(".safetensors", "_ema.safetensors")
@@ -293,6 +294,10 @@ FAMILIES: dict[str, SingleFile] = {
     }),
     "sd3": SingleFile("diffusion_model.safetensors", "ComfyUI models/diffusion_models, Forge models/Stable-diffusion",
                       {"transformer": sd3_to_original}),
+    # ComfyUI's Qwen-Image model names its modules as diffusers does (comfy/ldm/qwen_image), and so do the
+    # Comfy-Org diffusion_models files: the transformer's own state dict, no renaming.
+    "qwen_image": SingleFile("diffusion_model.safetensors", "ComfyUI models/diffusion_models",
+                             {"transformer": lambda s, c: dict(s)}, diffusers_keys=True),
     "flux": SingleFile("diffusion_model.safetensors", "ComfyUI models/diffusion_models, Forge models/Stable-diffusion",
                        {"transformer": flux_to_original}),
 }
@@ -316,12 +321,17 @@ def check_inverse(family: str, models: ModelSet, state: dict[str, torch.Tensor])
     compare with each module: a ValueError when the file would not read back into the models."""
     from runner.trainers.single_file import LAYOUTS, _drop_buffers, _shape_report
 
-    layout = next(lay for lay in LAYOUTS if lay.family == family)
-    for name in FAMILIES[family].modules:
-        component, model = layout.components[name], models[name]
-        meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in state.items()
-                if k.startswith(component.prefixes)}
-        back = _drop_buffers(component.convert(meta, _config(model), model), model)
+    spec = FAMILIES[family]
+    layout = None if spec.diffusers_keys else next(lay for lay in LAYOUTS if lay.family == family)
+    for name in spec.modules:
+        model = models[name]
+        if layout is None:  # read back by key name (runner/trainers/loading.py: load_single_file)
+            back = dict(state)
+        else:
+            component = layout.components[name]
+            meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in state.items()
+                    if k.startswith(component.prefixes)}
+            back = _drop_buffers(component.convert(meta, _config(model), model), model)
         problems = _shape_report({k: tuple(v.shape) for k, v in back.items()},
                                  {k: tuple(v.shape) for k, v in model.state_dict().items()})
         if problems:

@@ -1,7 +1,7 @@
 """A full fine-tune exported as one original-layout file (``export.full_format``) reads back through
 ``model.path`` bit for bit, and is the layout the ecosystem loads.
 
-Each family (SDXL, Flux, SD1.5, SD3.5) trains a few steps of a tiny model on CPU with an EMA, exporting ``both`` (the diffusers
+Each family (SDXL, Flux, SD1.5, SD3.5, Qwen-Image) trains a few steps of a tiny model on CPU with an EMA, exporting ``both`` (the diffusers
 folder and the single file). Then:
 
 * the file, given as ``model.path`` to a fresh trainer (the runner's own loader, diffusers' single-file
@@ -98,11 +98,18 @@ def assert_identical(a, b, names) -> None:
         assert not bad, (name, bad[:3])
 
 
-LAYOUT = {"sdxl": "sdxl", "flux": "flux", "sd15": "sd", "sd35": "sd3"}  # trainer -> its single-file layout (FAMILIES)
+LAYOUT = {"sdxl": "sdxl", "flux": "flux", "sd15": "sd", "sd35": "sd3", "qwen_image": "qwen_image"}
+# Names ComfyUI's diffusion_models files of these families hold (no independent writer in tests/original_layouts.py).
+KNOWN_KEYS = {
+    "sd35": {"pos_embed", "joint_blocks.0.x_block.attn.qkv.weight", "joint_blocks.0.context_block.attn.qkv.bias",
+             "final_layer.adaLN_modulation.1.weight", "x_embedder.proj.weight"},
+    "qwen_image": {"img_in.weight", "txt_norm.weight", "txt_in.weight", "transformer_blocks.0.attn.to_q.weight",
+                   "transformer_blocks.0.img_mod.1.weight", "norm_out.linear.weight", "proj_out.weight"},
+}  # trainer -> its single-file layout (FAMILIES)
 
 
 def original(family: str, models) -> dict[str, torch.Tensor] | None:
-    """The independent writer's file of ``models`` (tests/original_layouts.py; None: it has no SD3 writer)."""
+    """The independent writer's file of ``models`` (tests/original_layouts.py; None: no writer there)."""
     configs = {n: dict(models[n].config) for n in ("unet", "vae") if n in models.modules}
     if family == "sdxl":
         return sdxl_original(models, configs)
@@ -111,12 +118,12 @@ def original(family: str, models) -> dict[str, torch.Tensor] | None:
         return {**unet_to_original(models["unet"].state_dict(), configs["unet"]),
                 **vae_to_original(models["vae"].state_dict(), configs["vae"]),
                 **clip_to_original(te, "cond_stage_model.transformer.")}
-    if family == "sd35":
+    if family in KNOWN_KEYS:
         return None
     return flux_to_original(models["transformer"].state_dict())
 
 
-@pytest.mark.parametrize("family", ["sdxl", "flux", "sd15", "sd35"])
+@pytest.mark.parametrize("family", ["sdxl", "flux", "sd15", "sd35", "qwen_image"])
 def test_single_file_reads_back_bit_for_bit(full_runs, family):
     ckpt = full_runs(family)
     export = ckpt / EXPORT_DIR
@@ -132,9 +139,8 @@ def test_single_file_reads_back_bit_for_bit(full_runs, family):
         if independent is not None:
             assert set(written) == set(independent)
             assert all(torch.equal(written[k], independent[k]) for k in written)
-        else:  # SD3.5: Stability's names, as ComfyUI's diffusion_models files hold them
-            assert {"pos_embed", "joint_blocks.0.x_block.attn.qkv.weight", "joint_blocks.0.context_block.attn.qkv.bias",
-                    "final_layer.adaLN_modulation.1.weight", "x_embedder.proj.weight"} <= set(written)
+        else:  # the names ComfyUI's diffusion_models files hold
+            assert KNOWN_KEYS[family] <= set(written), sorted(KNOWN_KEYS[family] - set(written))
         with safe_open(str(export / file), framework="pt") as f:
             assert f.metadata()["weights"] == ("ema" if ema else "trained")
     _, base = fresh(family)
@@ -185,10 +191,10 @@ def test_sd35_medium_dual_attention_round_trip_and_an_all_in_one_file_is_refused
 @pytest.mark.parametrize("overrides,message", [
     (["trainer=sd15", "trainer.variant=sd21", "export.full_format=single_file"],
      "no single-file export is written for SD1.5/SD2.1"),
-    (["trainer=qwen_image", "export.full_format=both"], "no single-file export is written for"),
+    (["trainer=wan", "export.full_format=both"], "no single-file export is written for"),
     (["trainer=sdxl", "export.full_format=single_file", *LORA], "applies to a full fine-tune.*model.train=lora"),
     (["trainer=sdxl", "export.full_format=single"], "export.full_format='single' is not valid.*single_file"),
-], ids=["sd21", "qwen_image", "lora", "typo"])
+], ids=["sd21", "wan", "lora", "typo"])
 def test_what_cannot_be_written_is_refused_before_step_1(tmp_path, overrides, message):
     with pytest.raises(UserError, match=message):
         task(compose_config([f"output_dir={tmp_path}", *COMMON, *overrides]))
