@@ -266,6 +266,42 @@ def sd3_to_original(state: dict[str, torch.Tensor], config: Any, prefix: str = "
     return out
 
 
+def wan_renames() -> tuple[tuple[str, str], ...]:
+    """(diffusers module regex, original Wan module) of every weight: the LoRA export's WAN_RENAMES (the linear
+    modules, runner/export/comfy.py) and the norms; the inverse of diffusers' convert_wan_transformer_to_diffusers
+    rename chain (its norm2/norm3 swap included), checked by running it in check_inverse."""
+    from runner.export.comfy import WAN_RENAMES
+
+    return WAN_RENAMES + (
+        (r"blocks\.(\d+)\.attn1\.norm_q", r"blocks.\1.self_attn.norm_q"),
+        (r"blocks\.(\d+)\.attn1\.norm_k", r"blocks.\1.self_attn.norm_k"),
+        (r"blocks\.(\d+)\.attn2\.norm_q", r"blocks.\1.cross_attn.norm_q"),
+        (r"blocks\.(\d+)\.attn2\.norm_k", r"blocks.\1.cross_attn.norm_k"),
+        (r"blocks\.(\d+)\.attn2\.norm_added_k", r"blocks.\1.cross_attn.norm_k_img"),
+        (r"blocks\.(\d+)\.norm2", r"blocks.\1.norm3"), (r"blocks\.(\d+)\.norm3", r"blocks.\1.norm2"),
+        (r"condition_embedder\.image_embedder\.norm1", "img_emb.proj.0"),
+        (r"condition_embedder\.image_embedder\.norm2", "img_emb.proj.4"),
+        (r"blocks\.(\d+)\.scale_shift_table", r"blocks.\1.modulation"), (r"scale_shift_table", "head.modulation"),
+    )
+
+
+def wan_to_original(state: dict[str, torch.Tensor], config: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """WanTransformer3DModel -> the original Wan names (renames only: no tensor changes)."""
+    import re
+
+    renames = [(re.compile(a), b) for a, b in wan_renames()]
+    out = {}
+    for key, value in state.items():
+        for module, param in ((key, ""), *([tuple(key.rsplit(".", 1))] if "." in key else [])):
+            new = next((rx.sub(b, module) for rx, b in renames if rx.fullmatch(module)), None)
+            if new is not None:
+                out[prefix + new + ("." + param if param else "")] = value
+                break
+        else:
+            raise ValueError(f"no original Wan name is known for {key!r}")
+    return out
+
+
 # ---- families -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class SingleFile:
@@ -298,6 +334,7 @@ FAMILIES: dict[str, SingleFile] = {
     # Comfy-Org diffusion_models files: the transformer's own state dict, no renaming.
     "qwen_image": SingleFile("diffusion_model.safetensors", "ComfyUI models/diffusion_models",
                              {"transformer": lambda s, c: dict(s)}, diffusers_keys=True),
+    "wan": SingleFile("diffusion_model.safetensors", "ComfyUI models/diffusion_models", {"transformer": wan_to_original}),
     "flux": SingleFile("diffusion_model.safetensors", "ComfyUI models/diffusion_models, Forge models/Stable-diffusion",
                        {"transformer": flux_to_original}),
 }

@@ -1,4 +1,5 @@
-"""Single-file checkpoints in the layouts people download: A1111/ComfyUI SDXL and SD1.5, BFL/ComfyUI Flux.
+"""Single-file checkpoints in the layouts people download: A1111/ComfyUI SDXL and SD1.5, BFL/ComfyUI Flux,
+and the denoiser alone as ComfyUI's diffusion_models hold it (SD3.5, Wan).
 
 ``model.path=/models/sd_xl_base_1.0.safetensors`` holds every SDXL module in Stability's original
 layout (``model.diffusion_model.*`` U-Net, ``first_stage_model.*`` VAE,
@@ -198,6 +199,18 @@ def convert_sd3_transformer(state: dict, config: dict, model: nn.Module) -> dict
     return convert_sd3_transformer_checkpoint_to_diffusers(state)
 
 
+WAN_ROOTS = ("blocks.", "patch_embedding.", "text_embedding.", "time_embedding.", "time_projection.", "head.",
+             "img_emb.")
+
+
+def convert_wan_transformer(state: dict, config: dict, model: nn.Module) -> dict:
+    """The original Wan 2.1/2.2 layout (``blocks.N.self_attn.q``, ``head.head``, ...) -> diffusers'
+    ``WanTransformer3DModel``: diffusers' ``convert_wan_transformer_to_diffusers``, a rename chain."""
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    return convert_wan_transformer_to_diffusers(state)
+
+
 # ---- layouts ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Component:
@@ -227,6 +240,10 @@ def _is_sdxl(keys: list[str]) -> bool:
 
 def _is_sd3(keys: list[str]) -> bool:
     return any(k.removeprefix("model.diffusion_model.").startswith("joint_blocks.") for k in keys)
+
+
+def _is_wan(keys: list[str]) -> bool:
+    return any(k.removeprefix("model.diffusion_model.").startswith("blocks.") and ".self_attn." in k for k in keys)
 
 
 def _is_ldm_unet(keys: list[str]) -> bool:
@@ -261,6 +278,10 @@ LAYOUTS: list[Layout] = [
         "transformer": Component(SD3_ROOTS + tuple("model.diffusion_model." + r for r in SD3_ROOTS),
                                  convert_sd3_transformer),
     }, _is_sd3, unread=("first_stage_model.", "text_encoders.")),
+    Layout("the original Wan layout (blocks.N.self_attn.*, head.head; ComfyUI diffusion_models)", "wan", {
+        "transformer": Component(WAN_ROOTS + tuple("model.diffusion_model." + r for r in WAN_ROOTS),
+                                 convert_wan_transformer),
+    }, _is_wan),
     Layout("the original SD 1.x/2.x layout (model.diffusion_model.*, first_stage_model.*, "
            "cond_stage_model.transformer.*, without SDXL's label_emb)", "sd", {
                "unet": Component(("model.diffusion_model.",), convert_unet),

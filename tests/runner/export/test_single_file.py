@@ -1,7 +1,7 @@
 """A full fine-tune exported as one original-layout file (``export.full_format``) reads back through
 ``model.path`` bit for bit, and is the layout the ecosystem loads.
 
-Each family (SDXL, Flux, SD1.5, SD3.5, Qwen-Image) trains a few steps of a tiny model on CPU with an EMA, exporting ``both`` (the diffusers
+Each family (SDXL, Flux, SD1.5, SD3.5, Qwen-Image, Wan) trains a few steps of a tiny model on CPU with an EMA, exporting ``both`` (the diffusers
 folder and the single file). Then:
 
 * the file, given as ``model.path`` to a fresh trainer (the runner's own loader, diffusers' single-file
@@ -98,11 +98,14 @@ def assert_identical(a, b, names) -> None:
         assert not bad, (name, bad[:3])
 
 
-LAYOUT = {"sdxl": "sdxl", "flux": "flux", "sd15": "sd", "sd35": "sd3", "qwen_image": "qwen_image"}
+LAYOUT = {"sdxl": "sdxl", "flux": "flux", "sd15": "sd", "sd35": "sd3", "qwen_image": "qwen_image", "wan": "wan"}
 # Names ComfyUI's diffusion_models files of these families hold (no independent writer in tests/original_layouts.py).
 KNOWN_KEYS = {
     "sd35": {"pos_embed", "joint_blocks.0.x_block.attn.qkv.weight", "joint_blocks.0.context_block.attn.qkv.bias",
              "final_layer.adaLN_modulation.1.weight", "x_embedder.proj.weight"},
+    "wan": {"blocks.0.self_attn.q.weight", "blocks.0.cross_attn.o.bias", "blocks.0.self_attn.norm_q.weight",
+            "blocks.0.norm3.weight", "blocks.0.modulation", "blocks.0.ffn.0.weight", "head.modulation", "head.head.weight",
+            "text_embedding.0.weight", "time_embedding.2.bias", "time_projection.1.weight", "patch_embedding.weight"},
     "qwen_image": {"img_in.weight", "txt_norm.weight", "txt_in.weight", "transformer_blocks.0.attn.to_q.weight",
                    "transformer_blocks.0.img_mod.1.weight", "norm_out.linear.weight", "proj_out.weight"},
 }  # trainer -> its single-file layout (FAMILIES)
@@ -123,7 +126,7 @@ def original(family: str, models) -> dict[str, torch.Tensor] | None:
     return flux_to_original(models["transformer"].state_dict())
 
 
-@pytest.mark.parametrize("family", ["sdxl", "flux", "sd15", "sd35", "qwen_image"])
+@pytest.mark.parametrize("family", ["sdxl", "flux", "sd15", "sd35", "qwen_image", "wan"])
 def test_single_file_reads_back_bit_for_bit(full_runs, family):
     ckpt = full_runs(family)
     export = ckpt / EXPORT_DIR
@@ -191,11 +194,19 @@ def test_sd35_medium_dual_attention_round_trip_and_an_all_in_one_file_is_refused
 @pytest.mark.parametrize("overrides,message", [
     (["trainer=sd15", "trainer.variant=sd21", "export.full_format=single_file"],
      "no single-file export is written for SD1.5/SD2.1"),
-    (["trainer=wan", "export.full_format=both"], "no single-file export is written for"),
     (["trainer=sdxl", "export.full_format=single_file", *LORA], "applies to a full fine-tune.*model.train=lora"),
     (["trainer=sdxl", "export.full_format=single"], "export.full_format='single' is not valid.*single_file"),
-], ids=["sd21", "wan", "lora", "typo"])
+], ids=["sd21", "lora", "typo"])
 def test_what_cannot_be_written_is_refused_before_step_1(tmp_path, overrides, message):
     with pytest.raises(UserError, match=message):
         task(compose_config([f"output_dir={tmp_path}", *COMMON, *overrides]))
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_a_users_trainer_gets_no_single_file(tmp_path, monkeypatch):
+    """A trainer of one's own (tests/assets/dit_trainer.py) has no original layout to write: refused before step 1."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "assets"))
+    with pytest.raises(UserError, match="no single-file export is written for ClassConditionalDiT"):
+        task(compose_config([f"output_dir={tmp_path}", "trainer=custom", "trainer._target_=dit_trainer.ClassConditionalDiT",
+                             "train.steps=1", "train.device=cpu", "train.progress=false", "export.full_format=single_file"]))
     assert not (tmp_path / "checkpoints").exists()
