@@ -12,22 +12,26 @@ runner itself reads back, bit for bit (tests/runner/export/test_single_file.py):
   (the layout of ``v1-5-pruned-emaonly.safetensors``; same folders);
 * **Flux**: ``diffusion_model.safetensors``, the transformer alone in Black Forest Labs' layout
   (``double_blocks.N.img_attn.qkv`` with q/k/v fused, ``single_blocks.N.linear1``...), as
-  ``flux1-dev.safetensors`` ships (ComfyUI ``models/diffusion_models``, Forge ``models/Stable-diffusion``).
+  ``flux1-dev.safetensors`` ships (ComfyUI ``models/diffusion_models``, Forge ``models/Stable-diffusion``);
+* **SD3.5**, **Wan**, **Qwen-Image**: ``diffusion_model.safetensors``, the transformer alone as ComfyUI's
+  ``models/diffusion_models`` files hold it: Stability's MMDiT names (``joint_blocks.N.x_block.attn.qkv``),
+  the original Wan names (``blocks.N.self_attn.q``, ``head.head``), and for Qwen-Image diffusers' own
+  names, which ComfyUI's model uses (read back by ``model.path`` as a diffusers-key file).
 
 Why the mapping is written here, and how it stays the exact inverse: diffusers converts original ->
 diffusers only (its diffusers -> original scripts are not part of the installed package). So the
 fixed names come from diffusers' own table ``DIFFUSERS_TO_LDM_MAPPING`` (already diffusers ->
 original), the resnet and attention renames are the inverse of the ``replace`` chains of diffusers'
-``update_*_ldm_to_diffusers`` (the tables below), the block numbering follows the config, and Flux
-inverts the ``FLUX_*`` tables the reader converts with. Before a byte is written, the result is fed
+``update_*_ldm_to_diffusers`` (the tables below), the block numbering follows the config; Flux
+inverts the ``FLUX_*`` tables the reader converts with, Wan extends the LoRA export's ``WAN_RENAMES``,
+and SD3's tables invert diffusers' converter code. Before a byte is written, the result is fed
 back through the reader's own converters on ``meta`` tensors (:func:`check_inverse`): a key or shape
 that would not read back into the model is an error, never a silently broken file.
 
 Tensors are written in the dtype the models hold (the trained weights' ``model.train_dtype``, the
-frozen modules' ``model.dtype``), like the diffusers folder. Not written yet (refused before step 1,
-runner/export/config.py): SD2.1 (its original OpenCLIP-H has a 24th layer the diffusers form drops),
-SD3.5, Qwen-Image and Wan, for which ``model.path`` reads no original single file to check the export
-against.
+frozen modules' ``model.dtype``), like the diffusers folder. Not written (refused before step 1,
+runner/export/config.py): SD2.1, whose original OpenCLIP-H has a 24th layer the diffusers form drops, so
+no file could be checked against what ``model.path`` reads; a trainer of one's own.
 """
 from __future__ import annotations
 
@@ -37,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from runner.trainer import ModelSet
 
@@ -53,6 +56,58 @@ OPEN_CLIP_LAYER = (("layer_norm1.", "ln_1."), ("layer_norm2.", "ln_2."), ("mlp.f
 SD_PREFIXES = {"unet": "model.diffusion_model.", "vae": "first_stage_model.", "text_encoder": "cond_stage_model.transformer."}
 SDXL_PREFIXES = {"unet": "model.diffusion_model.", "vae": "first_stage_model.",
                  "text_encoder": "conditioner.embedders.0.transformer.", "text_encoder_2": "conditioner.embedders.1.model."}
+
+
+class LazyCat:
+    """Tensors fused along dim 0 (q/k/v, Flux's linear1) only when the file is written, one at a time.
+
+    Why: in Flux and SD3 most of the weights are fused, so concatenating them up front would hold a
+    second copy of nearly the whole transformer (tens of GB for a full-size model in float32). The
+    shape and dtype are known without it, which is all the header and :func:`check_inverse` need."""
+
+    def __init__(self, parts: tuple[torch.Tensor, ...]) -> None:
+        self.parts = parts
+        self.shape = torch.Size([sum(int(p.shape[0]) for p in parts), *parts[0].shape[1:]])
+        self.dtype = parts[0].dtype
+
+    def materialize(self) -> torch.Tensor:
+        return torch.cat(self.parts, dim=0)
+
+
+_DTYPE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+                torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+
+
+def save_lazily(state: dict[str, Any], path: Path, metadata: dict[str, str]) -> None:
+    """A safetensors file of ``state`` (tensors or :class:`LazyCat`), each tensor made, moved to the CPU and
+    written in turn: the header from shapes first, then the data in the header's order.
+
+    ``safetensors.torch.save_file`` needs every tensor at once, contiguous and on the CPU; this keeps the
+    extra host memory to one tensor (the models may sit on the GPU). The format: an 8-byte little-endian
+    header length, the JSON header (``__metadata__``, then dtype, shape and data offsets per tensor),
+    padded to 8 bytes, then the data; read back by safetensors' own reader in the tests."""
+    import json
+    import struct
+
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    keys = sorted(state)
+    for key in keys:
+        value = state[key]
+        size = int(torch.Size(value.shape).numel()) * torch.empty((), dtype=value.dtype).element_size()
+        header[key] = {"dtype": _DTYPE_NAMES[value.dtype], "shape": list(value.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)))
+        f.write(head)
+        for key in keys:
+            value = state[key]
+            tensor = value.materialize() if isinstance(value, LazyCat) else value
+            f.write(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            del tensor
 
 
 def _rename(key: str, pairs: tuple[tuple[str, str], ...] | list[tuple[str, str]]) -> str | None:
@@ -165,7 +220,7 @@ def open_clip_to_original(state: dict[str, torch.Tensor], prefix: str) -> dict[s
         elif not full.endswith("position_ids"):
             raise ValueError(f"no original OpenCLIP name is known for {key!r}")
     for key, qkv in fused.items():
-        out[key] = torch.cat([qkv["q"], qkv["k"], qkv["v"]], dim=0)
+        out[key] = LazyCat((qkv["q"], qkv["k"], qkv["v"]))
     return out
 
 
@@ -182,7 +237,7 @@ def flux_to_original(state: dict[str, torch.Tensor], config: Any, prefix: str = 
 
     def fuse(news: tuple[str, ...], old: str) -> None:
         for suffix in ("weight", "bias"):
-            out[f"{prefix}{old}.{suffix}"] = torch.cat([src.pop(f"{n}.{suffix}") for n in news], dim=0)
+            out[f"{prefix}{old}.{suffix}"] = LazyCat(tuple(src.pop(f"{n}.{suffix}") for n in news))
 
     for new, old in sf.FLUX_RENAMES:
         move(new, old)
@@ -260,7 +315,7 @@ def sd3_to_original(state: dict[str, torch.Tensor], config: Any, prefix: str = "
         for news, old in SD3_BLOCK_FUSED:
             for suffix in ("weight", "bias"):
                 if f"{b}{news[0]}.{suffix}" in src:
-                    out[f"{prefix}{o}{old}.{suffix}"] = torch.cat([src.pop(f"{b}{n}.{suffix}") for n in news], dim=0)
+                    out[f"{prefix}{o}{old}.{suffix}"] = LazyCat(tuple(src.pop(f"{b}{n}.{suffix}") for n in news))
     if src:
         raise ValueError(f"no original SD3 name is known for {sorted(src)[:3]}")
     return out
@@ -345,12 +400,12 @@ def _config(module: Any) -> Any:
 
 
 def original_state_dict(family: str, models: ModelSet) -> dict[str, torch.Tensor]:
-    """``models`` (the modules the family's file holds) as one original-layout state dict, on the CPU."""
+    """``models`` (the modules the family's file holds) as one original-layout state dict: views of the
+    weights where names only change, :class:`LazyCat` where tensors are fused."""
     out: dict[str, torch.Tensor] = {}
     for name, convert in FAMILIES[family].modules.items():
-        state = {k: v.detach().to("cpu") for k, v in models[name].state_dict().items()}
-        out.update(convert(state, _config(models[name])))
-    return {k: v.contiguous() for k, v in out.items()}
+        out.update(convert(models[name].state_dict(), _config(models[name])))
+    return out
 
 
 def check_inverse(family: str, models: ModelSet, state: dict[str, torch.Tensor]) -> None:
@@ -384,5 +439,5 @@ def write_single_file(family: str, models: ModelSet, folder: Path, info: dict[st
             **{k: "" if info.get(k) is None else str(info[k]) for k in ("base_model", "preset", "step", "trainer",
                                                                         "pipeline")}}
     path = folder / (spec.ema_file() if ema else spec.file)
-    save_file(state, str(path), metadata=meta)
+    save_lazily(state, path, meta)
     return path

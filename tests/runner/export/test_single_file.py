@@ -210,3 +210,23 @@ def test_a_users_trainer_gets_no_single_file(tmp_path, monkeypatch):
         task(compose_config([f"output_dir={tmp_path}", "trainer=custom", "trainer._target_=dit_trainer.ClassConditionalDiT",
                              "train.steps=1", "train.device=cpu", "train.progress=false", "export.full_format=single_file"]))
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_the_lazy_writer_writes_what_safetensors_reads(tmp_path):
+    """save_lazily (one tensor in memory at a time) against safetensors' reader: every dtype the models
+    hold, a 0-d and an empty tensor, a fused tensor made only when written, and the metadata."""
+    from runner.export.single_file import LazyCat, save_lazily
+
+    g = torch.Generator().manual_seed(0)
+    parts = tuple(torch.randn(2, 3, generator=g) for _ in range(3))
+    state = {"a.bf16": torch.randn(3, 4, generator=g).to(torch.bfloat16), "b.f16": torch.randn(5, generator=g).half(),
+             "c.i64": torch.arange(7), "d.bool": torch.tensor([True, False, True]), "e.scalar": torch.tensor(1.5),
+             "f.empty": torch.zeros(0, 4), "g.fused": LazyCat(parts), "h.view": torch.randn(4, 4, generator=g).T}
+    save_lazily(state, tmp_path / "x.safetensors", {"weights": "trained"})
+    back = load_file(str(tmp_path / "x.safetensors"))
+    assert set(back) == set(state)
+    for k, v in state.items():
+        want = v.materialize() if isinstance(v, LazyCat) else v
+        assert back[k].dtype == want.dtype and back[k].shape == want.shape and torch.equal(back[k], want), k
+    with safe_open(str(tmp_path / "x.safetensors"), framework="pt") as f:
+        assert f.metadata() == {"weights": "trained"}
