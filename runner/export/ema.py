@@ -13,8 +13,8 @@ for the average as for the trained weights:
   loads it as it is; the denoiser alone is ``UNet2DConditionModel.from_pretrained(".../diffusers_ema",
   subfolder="unet")``;
   and/or (``export.full_format=single_file|both``) the family's single file of the average,
-  ``checkpoint_ema.safetensors`` (SDXL: the EMA U-Net with the run's frozen modules) or
-  ``diffusion_model_ema.safetensors`` (Flux) (runner/export/single_file.py).
+  ``checkpoint_ema.safetensors`` (SDXL, SD1.5: the EMA U-Net with the run's frozen modules) or
+  ``diffusion_model_ema.safetensors`` (Flux, SD3.5, Qwen-Image, Wan) (runner/export/single_file.py).
 
 How: the EMA tensors are copied into the trained parameters (cast to their dtype, so the export
 has the trained weights' dtype, like the other files), the same writers run, and every parameter
