@@ -26,6 +26,7 @@ from torch import nn
 from runner import registry
 from runner.context import RunContext
 from runner.errors import UserError
+from runner.export.config import check_full_format
 from runner.plugin import Plugin, PluginSchedule
 from runner.resolved import ResolvedRun
 from runner.trainer import ModelSet, Trainer
@@ -79,6 +80,7 @@ def build_trainer(cfg: DictConfig, run: ResolvedRun | None = None) -> Trainer:
             f"trainer._target_={target!r} does not implement the trainer protocol: missing {', '.join(missing)}. "
             "See runner/trainer.py for the four methods a trainer needs."
         )
+    check_full_format(cfg, trainer)  # export.full_format=single_file: refused now, not after training
     return trainer
 
 

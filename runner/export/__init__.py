@@ -9,7 +9,11 @@ ComfyUI and A1111 cannot use it. An export writes, beside it, in ``checkpoints/s
   (``lora_unet_*``/``lora_transformer_*`` keys with ``.alpha``) that ComfyUI, Forge and A1111 load,
   and/or, where the kohya file is not ComfyUI's layout of the family (SD3.5, Qwen-Image, Wan),
   ``lora_comfy.safetensors`` (runner/export/comfy.py);
-* ``model.train=full``: ``diffusers/``, a pipeline folder (``DiffusionPipeline.from_pretrained``);
+* ``model.train=full`` (``export.full_format``): ``diffusers/``, a pipeline folder
+  (``DiffusionPipeline.from_pretrained``), and/or one safetensors file in the original layout
+  (runner/export/single_file.py): SDXL's whole checkpoint ``checkpoint.safetensors`` (A1111, Forge,
+  ComfyUI ``checkpoints``) or Flux's transformer ``diffusion_model.safetensors`` (ComfyUI
+  ``diffusion_models``);
 * with an EMA of the weights (``ema.enabled``): the same files of the average, ``*_ema.safetensors``
   or ``diffusers_ema/`` (runner/export/ema.py);
 * ``export.json``: what was exported, from which step, base model and preset.

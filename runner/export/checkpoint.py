@@ -8,7 +8,8 @@
   training, no plan, no plugin.
 
 Layout (``checkpoints/step-N/export/``): ``pytorch_lora_weights.safetensors`` and/or
-``lora_kohya.safetensors`` (LoRA), or ``diffusers/`` (full fine-tune), and ``export.json``.
+``lora_kohya.safetensors`` (LoRA), or ``diffusers/`` and/or the single original-layout file
+(full fine-tune, ``export.full_format``), and ``export.json``.
 The folder is written as a hidden ``.tmp-export-<pid>`` and renamed into place, like the
 checkpoint itself, so a reader sees a complete export or none.
 """
@@ -90,8 +91,7 @@ def export_models(trainer: Any, models: ModelSet, ckpt: Path, cfg: Any, step: in
             name = _denoiser(trainer, models)
             files += write_lora_files(trainer, pipeline_class, name, models[name], tmp, info, ec)
         else:
-            trainer.pipeline(models).save_pretrained(str(tmp / FULL_DIR), safe_serialization=True)
-            files.append(FULL_DIR)
+            files += write_full_files(trainer, models, tmp, info, ec)
         files += write_ema_exports(trainer, models, ckpt, tmp, info, cfg, _denoiser(trainer, models), FULL_DIR)  # ema.*
         files += _keep_earlier(ckpt / EXPORT_DIR, tmp, files)  # another export.lora_format adds, never deletes
         info["files"] = files
@@ -99,6 +99,20 @@ def export_models(trainer: Any, models: ModelSet, ckpt: Path, cfg: Any, step: in
     dest = ckpt / EXPORT_DIR
     log.info("export: %s", ", ".join(str(dest / f) for f in files))
     return dest
+
+
+def write_full_files(trainer: Any, models: ModelSet, folder: Path, info: dict[str, Any], ec: Any) -> list[str]:
+    """A full fine-tune's files as ``export.full_format`` asks: ``diffusers/`` and/or the family's single
+    original-layout file (runner/export/single_file.py; the family was checked before step 1)."""
+    files: list[str] = []
+    if ec.wants_full("diffusers"):
+        trainer.pipeline(models).save_pretrained(str(folder / FULL_DIR), safe_serialization=True)
+        files.append(FULL_DIR)
+    if ec.wants_full("single_file"):
+        from runner.export.single_file import write_single_file
+
+        files.append(write_single_file(str(trainer.family), models, folder, info).name)
+    return files
 
 
 def _keep_earlier(dest: Path, tmp: Path, files: list[str]) -> list[str]:

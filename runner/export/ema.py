@@ -11,7 +11,10 @@ for the average as for the trained weights:
   ``model_index.json``) is a hard link to the file in ``diffusers/``, so it costs no disk (a copy
   where the file system has no hard links). ``DiffusionPipeline.from_pretrained(".../diffusers_ema")``
   loads it as it is; the denoiser alone is ``UNet2DConditionModel.from_pretrained(".../diffusers_ema",
-  subfolder="unet")``.
+  subfolder="unet")``;
+  and/or (``export.full_format=single_file|both``) the family's single file of the average,
+  ``checkpoint_ema.safetensors`` (SDXL, SD1.5: the EMA U-Net with the run's frozen modules) or
+  ``diffusion_model_ema.safetensors`` (Flux, SD3.5, Qwen-Image, Wan) (runner/export/single_file.py).
 
 How: the EMA tensors are copied into the trained parameters (cast to their dtype, so the export
 has the trained weights' dtype, like the other files), the same writers run, and every parameter
@@ -84,15 +87,22 @@ def write_ema_exports(trainer: Any, models: ModelSet, ckpt: Path, folder: Path, 
         return []
     lora = str(cfg.model.train) == "lora"
     ec = export_config(cfg)
+    folder_too = not lora and ec.wants_full("diffusers")
     files: list[str] = []
     with ema_weights_in(models, ckpt):
         if lora:
             files += write_lora_files(trainer, trainer.pipeline_class(), denoiser, models[denoiser], folder,
                                       {**info, "weights": "ema"}, ec, ema=True)
-        else:
+        if folder_too:
             models[denoiser].save_pretrained(str(folder / FULL_EMA_DIR / denoiser), safe_serialization=True)
-    if not lora:
+        if not lora and ec.wants_full("single_file"):
+            from runner.export.single_file import write_single_file
+
+            single = write_single_file(str(trainer.family), models, folder, {**info, "weights": "ema"}, ema=True)
+    if folder_too:
         _link_tree(folder / full_dir, folder / FULL_EMA_DIR, skip=denoiser)
         files.append(FULL_EMA_DIR)
+    if not lora and ec.wants_full("single_file"):
+        files.append(single.name)
     info["ema"] = {**ema_info(ckpt / FILE), "files": files}
     return files

@@ -28,7 +28,7 @@ DTYPES: dict[str, torch.dtype] = {
 SAFETENSORS_ACCEPTED = (
     "a diffusers folder (with model_index.json or subfolders such as unet/ or transformer/, vae/, "
     "text_encoder/, tokenizer/), a Hugging Face hub id in the local hub cache (owner/name[@revision]), "
-    "or a single .safetensors file: an original checkpoint (A1111/ComfyUI SDXL, Black Forest Labs' Flux) or "
+    "or a single .safetensors file: an original checkpoint (A1111/ComfyUI SDXL or SD1.5, Black Forest Labs' Flux) or "
     "the denoiser's state dict in diffusers key layout (keys optionally prefixed 'unet.' or 'transformer.')"
 )
 

@@ -70,6 +70,7 @@ class QwenImageTrainer(FlowMatchTrainer):
     display_name = "Qwen-Image"
     kohya_lora = False  # no kohya layout for Qwen-Image: the diffusers file, and the ComfyUI one below
     comfy_layout = "qwen_image"  # ComfyUI's LoRA keys for the family: lora_comfy.safetensors (runner/export/comfy.py)
+    family = "qwen_image"  # export.full_format=single_file writes the transformer in diffusers' names (ComfyUI's)
 
     def __init__(self, cfg: Any, run: Any = None) -> None:
         super().__init__(cfg, run)

@@ -54,6 +54,10 @@ class SD15Trainer(DDPMTrainer):
         if self.variant not in VARIANTS:
             raise UserError(f"Unknown trainer.variant '{self.variant}' for trainer=sd15. "
                             f"Valid values: {valid_list(self.variant, VARIANTS)}.")
+        # An original SD1.x single file (runner/trainers/single_file.py) is read, and exported, for sd15 only:
+        # SD2.x files hold OpenCLIP-H with a 24th layer this CLIPTextModel form drops.
+        self.family = "sd" if self.variant == "sd15" else ""
+        self.reference_repo = "stable-diffusion-v1-5/stable-diffusion-v1-5" if self.variant == "sd15" else ""
         super().__init__(cfg, run)
         self.kohya_base_model_version = KOHYA_VERSION[(self.variant, self.prediction_type)]
 

@@ -51,6 +51,7 @@ class SD35Trainer(FlowMatchTrainer):
     kohya_lora = False
     kohya_base_model_version = "sd3"
     comfy_layout = "sd3"  # ComfyUI's LoRA keys for the family: lora_comfy.safetensors (runner/export/comfy.py)
+    family = "sd3"  # model.path reads (and export.full_format=single_file writes) the transformer in Stability's layout
 
     def __init__(self, cfg: Any, run: Any = None) -> None:
         self.variant = str(cfg.trainer.get("variant", "large"))

@@ -1,11 +1,13 @@
-"""Single-file checkpoints in the layouts people download: A1111/ComfyUI SDXL, BFL/ComfyUI Flux.
+"""Single-file checkpoints in the layouts people download: A1111/ComfyUI SDXL and SD1.5, BFL/ComfyUI Flux,
+and the denoiser alone as ComfyUI's diffusion_models hold it (SD3.5, Wan).
 
 ``model.path=/models/sd_xl_base_1.0.safetensors`` holds every SDXL module in Stability's original
 layout (``model.diffusion_model.*`` U-Net, ``first_stage_model.*`` VAE,
 ``conditioner.embedders.0.transformer.*`` CLIP-L, ``conditioner.embedders.1.model.*`` OpenCLIP
 bigG); ``flux1-dev.safetensors`` holds Flux's transformer in Black Forest Labs' layout
 (``double_blocks.*``, ``single_blocks.*``, ...; ComfyUI's all-in-one files add ``vae.*`` and
-``text_encoders.clip_l/t5xxl.transformer.*``). A layout is recognised from the header's key names
+``text_encoders.clip_l/t5xxl.transformer.*``); ``v1-5-pruned-emaonly.safetensors`` holds SD1.5's
+U-Net, VAE and CLIP-L (``cond_stage_model.transformer.*``). A layout is recognised from the header's key names
 (:func:`detect_layout`), and each module found in the file is converted to diffusers' names:
 
 * with diffusers' own single-file conversion functions (``convert_ldm_unet_checkpoint``,
@@ -103,14 +105,37 @@ def convert_t5(state: dict, config: dict, model: nn.Module) -> dict:
 FLUX_ROOTS = ("double_blocks.", "single_blocks.", "img_in.", "txt_in.", "time_in.", "vector_in.", "guidance_in.",
               "final_layer.")
 
+# Flux names as data, (diffusers, BFL), read here by :func:`convert_flux_transformer` and inverted by the
+# single-file export (runner/export/single_file.py), so that both directions come from one table.
+FLUX_RENAMES = (("time_text_embed.timestep_embedder.linear_1", "time_in.in_layer"),
+                ("time_text_embed.timestep_embedder.linear_2", "time_in.out_layer"),
+                ("time_text_embed.text_embedder.linear_1", "vector_in.in_layer"),
+                ("time_text_embed.text_embedder.linear_2", "vector_in.out_layer"),
+                ("time_text_embed.guidance_embedder.linear_1", "guidance_in.in_layer"),
+                ("time_text_embed.guidance_embedder.linear_2", "guidance_in.out_layer"),
+                ("context_embedder", "txt_in"), ("x_embedder", "img_in"), ("proj_out", "final_layer.linear"))
+FLUX_SWAPPED = (("norm_out.linear", "final_layer.adaLN_modulation.1"),)  # diffusers (scale, shift), BFL (shift, scale)
+FLUX_DOUBLE_RENAMES = (("norm1.linear", "img_mod.lin"), ("norm1_context.linear", "txt_mod.lin"),
+                       ("ff.net.0.proj", "img_mlp.0"), ("ff.net.2", "img_mlp.2"),
+                       ("ff_context.net.0.proj", "txt_mlp.0"), ("ff_context.net.2", "txt_mlp.2"),
+                       ("attn.to_out.0", "img_attn.proj"), ("attn.to_add_out", "txt_attn.proj"))
+FLUX_DOUBLE_FUSED = ((("attn.to_q", "attn.to_k", "attn.to_v"), "img_attn.qkv"),
+                     (("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"), "txt_attn.qkv"))
+FLUX_DOUBLE_NORMS = (("attn.norm_q", "img_attn.norm.query_norm"), ("attn.norm_k", "img_attn.norm.key_norm"),
+                     ("attn.norm_added_q", "txt_attn.norm.query_norm"),
+                     ("attn.norm_added_k", "txt_attn.norm.key_norm"))  # diffusers .weight, BFL .scale
+FLUX_SINGLE_RENAMES = (("norm.linear", "modulation.lin"), ("proj_out", "linear2"))
+FLUX_SINGLE_FUSED = (("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"), "linear1")  # q, k, v of the width, then the MLP
+FLUX_SINGLE_NORMS = (("attn.norm_q", "norm.query_norm"), ("attn.norm_k", "norm.key_norm"))
+
 
 def convert_flux_transformer(state: dict, config: dict, model: nn.Module) -> dict:
     """BFL's Flux layout -> diffusers' ``FluxTransformer2DModel`` names, any width.
 
-    The mapping is diffusers' (``convert_flux_transformer_checkpoint_to_diffusers``), with the
-    attention width taken from ``config`` instead of FLUX.1's 3072 and the fused q/k/v(/mlp)
-    weights split into copies as each block is converted, the fused tensor dropped right after
-    (the peak grows by one block, not by the model).
+    The mapping is diffusers' (``convert_flux_transformer_checkpoint_to_diffusers``), written as the
+    ``FLUX_*`` tables above, with the attention width taken from ``config`` instead of FLUX.1's 3072
+    and the fused q/k/v(/mlp) weights split into copies as each block is converted, the fused tensor
+    dropped right after (the peak grows by one block, not by the model).
     """
     src = {k.removeprefix("model.diffusion_model."): v for k, v in state.items()}
     state.clear()
@@ -135,45 +160,55 @@ def convert_flux_transformer(state: dict, config: dict, model: nn.Module) -> dic
             shift, scale = src.pop(f"{old}.{suffix}").chunk(2, dim=0)
             out[f"{new}.{suffix}"] = torch.cat([scale, shift], dim=0)
 
-    for new, old in (("time_text_embed.timestep_embedder.linear_1", "time_in.in_layer"),
-                     ("time_text_embed.timestep_embedder.linear_2", "time_in.out_layer"),
-                     ("time_text_embed.text_embedder.linear_1", "vector_in.in_layer"),
-                     ("time_text_embed.text_embedder.linear_2", "vector_in.out_layer"),
-                     ("time_text_embed.guidance_embedder.linear_1", "guidance_in.in_layer"),
-                     ("time_text_embed.guidance_embedder.linear_2", "guidance_in.out_layer"),
-                     ("context_embedder", "txt_in"), ("x_embedder", "img_in"),
-                     ("proj_out", "final_layer.linear")):
+    for new, old in FLUX_RENAMES:
         move(new, old)
-    swap_scale_shift("final_layer.adaLN_modulation.1", "norm_out.linear")
+    for new, old in FLUX_SWAPPED:
+        swap_scale_shift(old, new)
     doubles = sorted({int(k.split(".")[1]) for k in src if k.startswith("double_blocks.")})
     singles = sorted({int(k.split(".")[1]) for k in src if k.startswith("single_blocks.")})
     for i in doubles:
         b, o = f"transformer_blocks.{i}.", f"double_blocks.{i}."
-        move(b + "norm1.linear", o + "img_mod.lin")
-        move(b + "norm1_context.linear", o + "txt_mod.lin")
-        split([b + "attn.to_q", b + "attn.to_k", b + "attn.to_v"], o + "img_attn.qkv")
-        split([b + "attn.add_q_proj", b + "attn.add_k_proj", b + "attn.add_v_proj"], o + "txt_attn.qkv")
-        for new, old in (("attn.norm_q", "img_attn.norm.query_norm"), ("attn.norm_k", "img_attn.norm.key_norm"),
-                         ("attn.norm_added_q", "txt_attn.norm.query_norm"),
-                         ("attn.norm_added_k", "txt_attn.norm.key_norm")):
+        for new, old in FLUX_DOUBLE_RENAMES:
+            move(b + new, o + old)
+        for news, old in FLUX_DOUBLE_FUSED:
+            split([b + n for n in news], o + old)
+        for new, old in FLUX_DOUBLE_NORMS:
             out[f"{b}{new}.weight"] = src.pop(f"{o}{old}.scale")
-        move(b + "ff.net.0.proj", o + "img_mlp.0")
-        move(b + "ff.net.2", o + "img_mlp.2")
-        move(b + "ff_context.net.0.proj", o + "txt_mlp.0")
-        move(b + "ff_context.net.2", o + "txt_mlp.2")
-        move(b + "attn.to_out.0", o + "img_attn.proj")
-        move(b + "attn.to_add_out", o + "txt_attn.proj")
     for i in singles:
         b, o = f"single_transformer_blocks.{i}.", f"single_blocks.{i}."
-        move(b + "norm.linear", o + "modulation.lin")
-        rows = src[o + "linear1.weight"].shape[0]
-        split([b + "attn.to_q", b + "attn.to_k", b + "attn.to_v", b + "proj_mlp"], o + "linear1",
-              [inner, inner, inner, rows - 3 * inner])
-        out[b + "attn.norm_q.weight"] = src.pop(o + "norm.query_norm.scale")
-        out[b + "attn.norm_k.weight"] = src.pop(o + "norm.key_norm.scale")
-        move(b + "proj_out", o + "linear2")
+        for new, old in FLUX_SINGLE_RENAMES:
+            move(b + new, o + old)
+        news, old = FLUX_SINGLE_FUSED
+        rows = src[o + old + ".weight"].shape[0]
+        split([b + n for n in news], o + old, [inner, inner, inner, rows - 3 * inner])
+        for new, old in FLUX_SINGLE_NORMS:
+            out[f"{b}{new}.weight"] = src.pop(f"{o}{old}.scale")
     out.update(src)  # anything left over is reported as unexpected by the key check
     return out
+
+
+SD3_ROOTS = ("joint_blocks.", "x_embedder.", "t_embedder.", "y_embedder.", "context_embedder.", "final_layer.",
+             "pos_embed")
+
+
+def convert_sd3_transformer(state: dict, config: dict, model: nn.Module) -> dict:
+    """Stability's SD3/SD3.5 MMDiT layout -> diffusers' ``SD3Transformer2DModel`` names: diffusers'
+    ``convert_sd3_transformer_checkpoint_to_diffusers``, which reads every width from the tensors."""
+    from diffusers.loaders.single_file_utils import convert_sd3_transformer_checkpoint_to_diffusers
+
+    return convert_sd3_transformer_checkpoint_to_diffusers(state)
+
+
+WAN_ROOTS = ("blocks.", "patch_embedding.", "text_embedding.", "time_embedding.", "time_projection.", "head.",
+             "img_emb.")
+
+
+def convert_wan_transformer(state: dict, config: dict, model: nn.Module) -> dict:
+    """The original Wan 2.1/2.2 layout (``blocks.N.self_attn.q``, ``head.head``, ...) -> diffusers'
+    ``WanTransformer3DModel``: diffusers' ``convert_wan_transformer_to_diffusers``, a rename chain."""
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    return convert_wan_transformer_to_diffusers(state)
 
 
 # ---- layouts ------------------------------------------------------------------------------------
@@ -196,10 +231,19 @@ class Layout:
     family: str
     components: dict[str, Component] = field(default_factory=dict)
     detect: Callable[[list[str]], bool] = lambda keys: False
+    unread: tuple[str, ...] = ()  # key prefixes of modules the file may hold that are not read yet: refused
 
 
 def _is_sdxl(keys: list[str]) -> bool:
     return any(k.startswith("model.diffusion_model.label_emb.") for k in keys)
+
+
+def _is_sd3(keys: list[str]) -> bool:
+    return any(k.removeprefix("model.diffusion_model.").startswith("joint_blocks.") for k in keys)
+
+
+def _is_wan(keys: list[str]) -> bool:
+    return any(k.removeprefix("model.diffusion_model.").startswith("blocks.") and ".self_attn." in k for k in keys)
 
 
 def _is_ldm_unet(keys: list[str]) -> bool:
@@ -235,7 +279,23 @@ LAYOUTS: list[Layout] = [
                                   clip_converter("text_encoders.clip_l.transformer.")),
         "text_encoder_2": Component(("text_encoders.t5xxl.transformer.",), convert_t5),
     }, _is_flux),
-    Layout("the original SD 1.x/2.x layout (model.diffusion_model.* without SDXL's label_emb)", "sd", {}, _is_ldm_unet),
+    # SD 1.x (A1111/ComfyUI v1-5 files); an SD 2.x file keeps OpenCLIP under cond_stage_model.model., which the
+    # SD1.5 trainer's CLIP-L does not take: trainer.variant=sd21 reads no original file (family "" there).
+    Layout("Stability's original SD3/SD3.5 transformer layout (joint_blocks.*; ComfyUI diffusion_models)", "sd3", {
+        "transformer": Component(SD3_ROOTS + tuple("model.diffusion_model." + r for r in SD3_ROOTS),
+                                 convert_sd3_transformer),
+    }, _is_sd3, unread=("first_stage_model.", "text_encoders.")),
+    Layout("the original Wan layout (blocks.N.self_attn.*, head.head; ComfyUI diffusion_models)", "wan", {
+        "transformer": Component(WAN_ROOTS + tuple("model.diffusion_model." + r for r in WAN_ROOTS),
+                                 convert_wan_transformer),
+    }, _is_wan),
+    Layout("the original SD 1.x/2.x layout (model.diffusion_model.*, first_stage_model.*, "
+           "cond_stage_model.transformer.*, without SDXL's label_emb)", "sd", {
+               "unet": Component(("model.diffusion_model.",), convert_unet),
+               "vae": Component(("first_stage_model.",), convert_vae),
+               "text_encoder": Component(("cond_stage_model.transformer.",),
+                                         clip_converter("cond_stage_model.transformer.")),
+           }, _is_ldm_unet),
 ]
 
 
@@ -372,6 +432,13 @@ def open_single_file(trainer: Any, file: str) -> tuple[Layout | None, dict[str, 
         raise UserError(
             f"model.path '{file}' is in {layout.name}, which is not a {trainer.family} checkpoint; choose the "
             f"trainer of its family (trainer=...) or a {trainer.family} file. Accepted: {SAFETENSORS_ACCEPTED}."
+        )
+    unread = sorted({p for k in header for p in layout.unread if k.startswith(p)})
+    if unread:
+        raise UserError(
+            f"model.path '{file}' is in {layout.name} and also holds {', '.join(p + '*' for p in unread)}, which the "
+            f"runner does not read from such a file yet (it would train on random ones instead). Give the "
+            f"{trainer.denoiser} alone (ComfyUI's diffusion_models file) or a diffusers folder."
         )
     found = [n for n in trainer.module_classes() if trainer.file_provides(n)]
     log.info("model.path: %s in %s (%s)", ", ".join(found), layout.name, file)

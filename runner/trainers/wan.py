@@ -53,6 +53,7 @@ class WanTrainer(FlowMatchTrainer):
     display_name = "Wan"
     kohya_lora = False  # ComfyUI/musubi Wan LoRAs use the original module names: the ComfyUI file below has them
     comfy_layout = "wan"  # ComfyUI's LoRA keys for the family: lora_comfy.safetensors (runner/export/comfy.py)
+    family = "wan"  # model.path reads (and export.full_format=single_file writes) the original Wan transformer layout
     default_timestep_shift = "fixed"
 
     def __init__(self, cfg: Any, run: Any = None) -> None:

@@ -216,6 +216,9 @@ def test_full_finetune_exports_a_pipeline_folder(tmp_path, caplog, family, plugi
     with caplog.at_level(logging.INFO, logger="runner"):
         ckpt = train_run(tmp_path, family, *plugins)
     assert ("rebuilding them on the CPU" in caplog.text) == bool(plugins)
+    # export.full_format's default: the pipeline folder alone, as before single files existed
+    assert json.loads((ckpt / EXPORT_DIR / INFO_FILE).read_text())["files"] == [FULL_DIR]
+    assert sorted(p.name for p in (ckpt / EXPORT_DIR).iterdir()) == sorted([FULL_DIR, INFO_FILE])
     pipe = DiffusionPipeline.from_pretrained(str(ckpt / EXPORT_DIR / FULL_DIR))
     trainer, base = fresh(family)
     assert type(pipe) is trainer.pipeline_class()
