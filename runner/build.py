@@ -125,9 +125,10 @@ def prepare_models(models: ModelSet, model_cfg: Any, run: ResolvedRun) -> ModelS
                 continue
             if not models.dtypes_applied:
                 _cast(module, run.frozen_dtype)
+            dora = bool(model_cfg.get("lora_dora", False))
             attach_lora(module, int(model_cfg.lora_rank), float(model_cfg.lora_alpha), list(model_cfg.lora_targets),
-                        run.train_dtype)
-            log.info("model.train=lora: peft LoRA (rank %s) on %s's %s", model_cfg.lora_rank, name,
+                        run.train_dtype, dora=dora)
+            log.info("model.train=lora: peft %s (rank %s) on %s's %s", "DoRA" if dora else "LoRA", model_cfg.lora_rank, name,
                      ", ".join(map(str, model_cfg.lora_targets)))
             continue
         if models.dtypes_applied:

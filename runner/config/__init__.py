@@ -40,6 +40,9 @@ class ModelConfig:
     lora_rank: int = 4
     lora_alpha: float = 4.0
     lora_targets: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
+    # DoRA (peft use_dora): LoRA plus a trained per-output-row magnitude; model.train=lora only. Exports the
+    # diffusers file only (the kohya/ComfyUI dora_scale layout is not checked to load the same weights)
+    lora_dora: bool = False
 
 
 @dataclass

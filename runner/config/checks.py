@@ -106,6 +106,9 @@ def check_config(cfg: DictConfig) -> None:
     _one_of(cfg, "model.size", SIZES)
     _one_of(cfg, "model.dtype", DTYPES)
     _one_of(cfg, "model.train", ("full", "lora"))
+    if cfg.model.get("lora_dora", False) and cfg.model.train != "lora":
+        raise UserError(f"model.lora_dora=true needs model.train=lora (DoRA is a LoRA variant: peft's use_dora), "
+                        f"but model.train={cfg.model.train}. Set model.train=lora, or model.lora_dora=false.")
     _one_of(cfg, "model.train_dtype", TRAIN_DTYPES)
     _one_of(cfg, "train.mixed_precision", PRECISIONS)
     _one_of(cfg, "train.device", ("auto", "cpu", "cuda"))

@@ -16,6 +16,11 @@ Two layouts of the same weights:
   (``lora_unet_double_blocks_*`` with fused qkv), whose diffusers reader assumes the full-size
   FLUX.1 widths, so it could not be checked on the tiny models the tests build.
 
+DoRA (``model.lora_dora``) is written in the diffusers layout alone: its ``lora_magnitude_vector``
+keys are what diffusers' loader detects DoRA by. The kohya/ComfyUI equivalent (``dora_scale``) is
+applied by ComfyUI with a weight norm of its own choosing (of the base weight, not of base + B@A
+as peft does), so such a file could not be checked to reproduce the trained weights.
+
 * **comfy** (ComfyUI and Forge at the trained strength, every family): the kohya file where that is
   the layout ComfyUI maps (U-Nets, Flux), else ``lora_comfy.safetensors`` in the family's ComfyUI
   layout (SD3.5, Qwen-Image, Wan; runner/export/comfy.py).
@@ -174,6 +179,10 @@ def write_lora_files(trainer: Any, pipeline_class: type, denoiser: str, module: 
     files: list[str] = []
     if ec.wants("diffusers"):
         files.append(write_diffusers_lora(pipeline_class, denoiser, module, folder, info, file_name=names[0]).name)
+    if getattr(adapter_config(module), "use_dora", False):  # export.lora_format=kohya|comfy was refused before step 1
+        log.info("export: DoRA (model.lora_dora) is written as the diffusers file only: the kohya/ComfyUI "
+                 "dora_scale layout is applied with another weight norm than peft's, so it could not be checked")
+        return files
     if kohya_ok and (ec.wants("kohya") or (ec.wants("comfy") and not separate)):
         files.append(write_kohya_lora(denoiser, module, folder, info, file_name=names[1]).name)
     if separate and ec.wants("comfy"):

@@ -290,7 +290,8 @@ class DiffusersTrainer(CacheKeys):
                 freeze(module)
             modules[name] = module
         if not full:
-            attach_lora(modules[self.denoiser], m.lora_rank, m.lora_alpha, list(m.lora_targets), self.train_dtype)
+            attach_lora(modules[self.denoiser], m.lora_rank, m.lora_alpha, list(m.lora_targets), self.train_dtype,
+                        dora=bool(m.get("lora_dora", False)))
             check_comfy_targets(self.cfg, self.comfy_layout, modules[self.denoiser], self.display_name or type(self).__name__)
             modules[self.denoiser].train()
         models = ModelSet(modules=modules, trained={self.denoiser}, dtypes_applied=True)

@@ -279,9 +279,15 @@ def read_folder_config(cls: type, folder: str, subfolder: str) -> Any:
 
 # ---- LoRA ---------------------------------------------------------------------------------
 def attach_lora(
-    model: nn.Module, rank: int, alpha: float, targets: Iterable[str], dtype: torch.dtype = torch.float32
+    model: nn.Module, rank: int, alpha: float, targets: Iterable[str], dtype: torch.dtype = torch.float32,
+    dora: bool = False,
 ) -> nn.Module:
     """Freeze ``model`` and add a trainable peft LoRA adapter (diffusers ``add_adapter``).
+
+    ``dora`` (``model.lora_dora``): peft's DoRA, LoRA plus a trained magnitude per output row,
+    initialised to the base weight's row norms. It costs a weight-sized temporary per adapted
+    layer per forward (the norm of base + B@A), which the planner simulates by running peft's own
+    forward on fake tensors; the trade-off is that memory and time for the closer-to-full-tune fit.
 
     The same recipe as diffusers' LoRA training scripts: base frozen first, Gaussian init (B=0,
     so the adapter starts as the identity), adapters cast to ``dtype`` (``model.train_dtype``,
@@ -297,7 +303,8 @@ def attach_lora(
     if not targets:
         raise UserError("model.lora_targets is empty; name at least one module, e.g. [to_q, to_k, to_v, to_out.0].")
     model.requires_grad_(False)
-    lora = LoraConfig(r=int(rank), lora_alpha=float(alpha), init_lora_weights="gaussian", target_modules=targets)
+    lora = LoraConfig(r=int(rank), lora_alpha=float(alpha), init_lora_weights="gaussian", target_modules=targets,
+                      use_dora=bool(dora))
     try:
         if hasattr(model, "add_adapter"):  # diffusers PeftAdapterMixin models (U-Nets, transformers)
             model.add_adapter(lora)
