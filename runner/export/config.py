@@ -52,6 +52,13 @@ def validate_export(cfg: Any) -> None:
             "runner cannot check the file loads the trained weights and does not write one. Use "
             "export.lora_format=diffusers or both (both writes the diffusers file alone for DoRA)."
         )
+    train = str(model.get("train", "full")) if model is not None else "full"
+    if train in ("lokr", "loha") and ec.lora_format in ("diffusers", "kohya"):
+        raise UserError(
+            f"export.lora_format={ec.lora_format} with model.train={train}: diffusers has no loader for a {train} "
+            "adapter of the families the runner trains (its LoKr reader serves Z-Image and Flux.2 only; LoHa has "
+            f"none), so no such file is written. Use export.lora_format=comfy or both (both writes the ComfyUI "
+            f"file, lora_comfy.safetensors, alone for {train}).")
     if cfg.get("mode") == "export" and not cfg.train.get("resume"):
         raise UserError(
             "mode=export needs train.resume=<checkpoint>: a run directory (its newest checkpoint is exported) "

@@ -14,6 +14,8 @@ ROOT = Path(__file__).resolve().parents[3]
 
 ADAPTERS = {  # command line -> the export files of the tiny default (SDXL)
     "dora": (["model.train=lora", "model.lora_dora=true"], ["pytorch_lora_weights.safetensors"]),
+    "lokr": (["model.train=lokr"], ["lora_comfy.safetensors"]),
+    "loha": (["model.train=loha"], ["lora_comfy.safetensors"]),
 }
 
 

@@ -94,17 +94,27 @@ def test_an_old_format_checkpoint_still_resumes_exactly(lora_run, tmp_path):
     assert [r["loss"] for r in rows] == [full[2]["loss"]]
 
 
-def test_a_dora_run_resumes_bit_for_bit(tmp_path):
-    """model.lora_dora: 4 steps straight vs 2 saved + 2 resumed give the same losses and the same
-    final adapter weights, DoRA magnitudes included, bit for bit."""
+ADAPTERS = {  # command line -> a tensor name only that adapter trains
+    "dora": (("model.train=lora", "model.lora_dora=true"), "lora_magnitude_vector"),
+    "lokr": (("model.train=lokr",), "lokr_w1"),
+    "loha": (("model.train=loha",), "hada_w2_b"),
+}
+
+
+@pytest.mark.parametrize("adapter", list(ADAPTERS))
+def test_an_adapter_run_resumes_bit_for_bit(tmp_path, adapter):
+    """4 steps straight vs 2 saved + 2 resumed give the same losses and the same final adapter
+    weights (DoRA magnitudes, LoKr and LoHa factors), bit for bit."""
     from safetensors.torch import load_file
 
-    dora = ("model.train=lora", "model.lora_dora=true", "optimizer.lr=0.01", "train.save_every=2")
-    full = train(tmp_path / "full", *dora, "train.steps=4")
-    rows = train(tmp_path / "r", *dora, "train.steps=4", f"train.resume={ckpt(tmp_path / 'full', 2)}")
+    overrides, marker = ADAPTERS[adapter]
+    run = (*overrides, "optimizer.lr=0.01", "train.save_every=2", "train.steps=4")
+    full = train(tmp_path / "full", *run)
+    rows = train(tmp_path / "r", *run, f"train.resume={ckpt(tmp_path / 'full', 2)}")
+    assert [r["step"] for r in rows] == [3, 4]
     assert [r["loss"] for r in rows] == [r["loss"] for r in full[2:]]
     a, b = (load_file(ckpt(tmp_path / o, 4) / "trainable.safetensors") for o in ("full", "r"))
-    assert a.keys() == b.keys() and any("lora_magnitude_vector" in k for k in a)
+    assert a.keys() == b.keys() and any(marker in k for k in a)
     assert not [k for k in a if not torch.equal(a[k], b[k])]
 
 
