@@ -108,3 +108,28 @@ def test_a_diffusers_or_kohya_file_of_lokr_or_loha_is_refused_before_step_1(trai
 def test_a_bad_lokr_factor_is_refused(value):
     with pytest.raises(UserError, match=rf"model.lokr_factor={value} is not valid"):
         check_config(compose_config(["model.train=lokr", f"model.lokr_factor={value}"]))
+
+
+def test_the_ema_of_a_loha_is_exported_as_its_own_comfy_file(tmp_path):
+    from runner.ema.average import FILE
+    from runner.export.comfy import COMFY_EMA_FILE
+
+    task(compose_config([f"output_dir={tmp_path}", "trainer=sdxl", *COMMON, "model.train=loha", "ema.enabled=true",
+                         "ema.decay=0.5"]))
+    ckpt = tmp_path / "checkpoints" / f"step-{STEPS:08d}"
+    assert json.loads((ckpt / EXPORT_DIR / INFO_FILE).read_text())["files"] == [COMFY_FILE, COMFY_EMA_FILE]
+
+    def by_key(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:  # unet.<module>.hada_w1_a.default
+        out = {}
+        for k, v in state.items():
+            module, tensor = k.removeprefix("unet.").removesuffix(".default").rsplit(".", 1)
+            out[f"lora_unet_{module.replace('.', '_')}.{tensor}"] = v
+        return out
+
+    ema, trained = by_key(load_file(str(ckpt / FILE))), by_key(load_file(str(ckpt / "trainable.safetensors")))
+    exported = load_file(str(ckpt / EXPORT_DIR / COMFY_EMA_FILE))
+    with safe_open(str(ckpt / EXPORT_DIR / COMFY_EMA_FILE), framework="pt") as f:
+        assert f.metadata()["weights"] == "ema"
+    tensors = {k: v for k, v in exported.items() if not k.endswith(".alpha")}
+    assert tensors.keys() == ema.keys() and all(torch.equal(tensors[k], ema[k]) for k in ema)
+    assert any(not torch.equal(ema[k], trained[k]) for k in ema)  # the average, not the trained weights
