@@ -31,7 +31,7 @@ def cfg_of(*overrides: str):
 @pytest.mark.parametrize("train, quant", WORKS)
 def test_lokr_and_loha_train_over_a_quantized_base_and_are_planned(train, quant):
     cfg = cfg_of(f"model.train={train}", f"quantization={quant}")
-    ctx, params, raw, micro = prepared_step(cfg)
+    ctx, params, _raw, _micro = prepared_step(cfg)
     try:
         from peft.tuners.lycoris_utils import LycorisLayer
 
