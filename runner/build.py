@@ -24,6 +24,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from runner import registry
+from runner.adapters import is_adapter
 from runner.context import RunContext
 from runner.errors import UserError
 from runner.export.config import check_full_format
@@ -122,14 +123,16 @@ def prepare_models(models: ModelSet, model_cfg: Any, run: ResolvedRun) -> ModelS
     """
     for name, module in models.items():
         trained = name in models.trained
-        if trained and run.train_mode == "lora":
+        if trained and is_adapter(run.train_mode):
             if has_adapters(module):
                 continue
             if not models.dtypes_applied:
                 _cast(module, run.frozen_dtype)
+            dora = bool(model_cfg.get("lora_dora", False))
             attach_lora(module, int(model_cfg.lora_rank), float(model_cfg.lora_alpha), list(model_cfg.lora_targets),
-                        run.train_dtype)
-            log.info("model.train=lora: peft LoRA (rank %s) on %s's %s", model_cfg.lora_rank, name,
+                        run.train_dtype, dora=dora, kind=run.train_mode, factor=int(model_cfg.get("lokr_factor", -1)))
+            kind = "DoRA" if dora else {"lora": "LoRA", "lokr": "LoKr", "loha": "LoHa"}[run.train_mode]
+            log.info("model.train=%s: peft %s (rank %s) on %s's %s", run.train_mode, kind, model_cfg.lora_rank, name,
                      ", ".join(map(str, model_cfg.lora_targets)))
             continue
         if models.dtypes_applied:

@@ -136,8 +136,8 @@ def _check_holds_trained(optimizer: torch.optim.Optimizer, params: list[torch.nn
     missing = [p for p in params if id(p) not in held]
     if not missing:
         return
-    why = ("model.train=lora attached LoRA adapters in prepare(), after the optimizer was built"
-           if str(train) == "lora" else "prepare() placed or replaced the trained tensors after it was built")
+    why = (f"model.train={train} attached peft adapters in prepare(), after the optimizer was built"
+           if str(train) != "full" else "prepare() placed or replaced the trained tensors after it was built")
     raise UserError(
         f"The optimizer the loop passed to prepare() ({type(optimizer).__name__}) does not hold {len(missing)} of the "
         f"{len(params)} tensors this run trains ({why}): they would never be updated. Pass None to use the "

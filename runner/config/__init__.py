@@ -35,11 +35,17 @@ class ModelConfig:
     size: str = "tiny"  # tiny | full
     path: Optional[str] = None  # diffusers folder or single-file .safetensors; None = random init
     dtype: str = "float32"  # storage dtype of frozen weights: float32 | bfloat16 | float16
-    train: str = "full"  # full | lora (peft, on the denoiser)
+    train: str = "full"  # full | lora | lokr | loha (peft adapters on the denoiser; runner/adapters.py)
     train_dtype: str = "float32"  # dtype of the trained weights (full: the denoiser; lora: the adapters): float32 | bfloat16
     lora_rank: int = 4
     lora_alpha: float = 4.0
     lora_targets: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
+    # DoRA (peft use_dora): LoRA plus a trained per-output-row magnitude; model.train=lora only. Exports the
+    # diffusers file only (the kohya/ComfyUI dora_scale layout is not checked to load the same weights)
+    lora_dora: bool = False
+    # model.train=lokr: peft LoKrConfig decompose_factor, the split of each dimension into Kronecker factors
+    # (-1: as square as possible; else a positive factor that divides it, larger factors where it does not)
+    lokr_factor: int = -1
 
 
 @dataclass

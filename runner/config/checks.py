@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 from omegaconf import DictConfig, OmegaConf
 
 from runner import registry
+from runner.adapters import TRAIN_MODES, check_adapter_quantization
 from runner.config import (
     DTYPES,
     LR_SCHEDULERS,
@@ -105,7 +106,16 @@ def check_config(cfg: DictConfig) -> None:
     _one_of(cfg, "mode", MODES)
     _one_of(cfg, "model.size", SIZES)
     _one_of(cfg, "model.dtype", DTYPES)
-    _one_of(cfg, "model.train", ("full", "lora"))
+    _one_of(cfg, "model.train", TRAIN_MODES)
+    factor = cfg.model.get("lokr_factor", -1)
+    if factor != -1 and (not isinstance(factor, int) or factor <= 0):
+        raise UserError(f"model.lokr_factor={factor!r} is not valid: it must be -1 (factors as square as possible) "
+                        "or a positive integer (e.g. 4, 8, 16).")
+    check_adapter_quantization(str(cfg.model.train), bool(cfg.model.get("lora_dora", False)),
+                               [str(name) for name in (cfg.get("quantization") or {})])
+    if cfg.model.get("lora_dora", False) and cfg.model.train != "lora":
+        raise UserError(f"model.lora_dora=true needs model.train=lora (DoRA is a LoRA variant: peft's use_dora), "
+                        f"but model.train={cfg.model.train}. Set model.train=lora, or model.lora_dora=false.")
     _one_of(cfg, "model.train_dtype", TRAIN_DTYPES)
     _one_of(cfg, "train.mixed_precision", PRECISIONS)
     _one_of(cfg, "train.device", ("auto", "cpu", "cuda"))

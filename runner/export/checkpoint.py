@@ -74,7 +74,7 @@ def export_models(trainer: Any, models: ModelSet, ckpt: Path, cfg: Any, step: in
                  type(trainer).__qualname__, ckpt)
         return None
     pipeline_class = trainer.pipeline_class()
-    lora = str(cfg.model.train) == "lora"
+    lora = str(cfg.model.train) != "full"  # any adapter (lora, lokr, loha)
     info: dict[str, Any] = {
         "step": int(step),
         "checkpoint": str(ckpt),
@@ -82,7 +82,7 @@ def export_models(trainer: Any, models: ModelSet, ckpt: Path, cfg: Any, step: in
         "pipeline": pipeline_class.__name__,
         "base_model": base_model(cfg),
         "preset": cfg.get("preset"),
-        "train": "lora" if lora else "full",
+        "train": str(cfg.model.train),
         "base_model_version": getattr(trainer, "kohya_base_model_version", None),
     }
     with _staging(ckpt) as tmp:

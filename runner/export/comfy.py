@@ -142,11 +142,12 @@ def check_comfy_targets(cfg: object, layout_name: str, module: nn.Module, family
     layout = LAYOUTS.get(layout_name)
     if layout is None:
         raise ValueError(f"comfy_layout={layout_name!r} is not one of {sorted(LAYOUTS)}")
-    if not ec.wants("comfy"):
-        return
-    from peft.tuners.lora import LoraLayer
+    configs = getattr(module, "peft_config", None) or {}
+    if not ec.wants("comfy") or any(getattr(c, "use_dora", False) for c in configs.values()):
+        return  # DoRA writes no ComfyUI file (runner/export/lora.py)
+    from peft.tuners.tuners_utils import BaseTunerLayer
 
-    adapted = sorted(n for n, m in module.named_modules() if isinstance(m, LoraLayer))
+    adapted = sorted(n for n, m in module.named_modules() if isinstance(m, BaseTunerLayer))
     missing = unmapped_modules(layout, adapted)
     if missing:
         known = ", ".join(p.replace(r"(\d+)", "N").replace("\\", "") for p, _ in layout.renames or ())

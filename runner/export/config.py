@@ -56,6 +56,21 @@ def validate_export(cfg: Any) -> None:
                               ("export.full_format", ec.full_format, FULL_FORMATS)):
         if value not in valid:
             raise UserError(f"{key}={value!r} is not valid. Valid values: {valid_list(value, valid)}.")
+    model = cfg.get("model") if hasattr(cfg, "get") else None
+    if model is not None and model.get("lora_dora", False) and ec.lora_format in ("kohya", "comfy"):
+        raise UserError(
+            f"export.lora_format={ec.lora_format} with model.lora_dora=true: the kohya/ComfyUI layout stores DoRA's "
+            "magnitude as dora_scale, which ComfyUI and Forge apply with their own weight norm, not peft's, so the "
+            "runner cannot check the file loads the trained weights and does not write one. Use "
+            "export.lora_format=diffusers or both (both writes the diffusers file alone for DoRA)."
+        )
+    train = str(model.get("train", "full")) if model is not None else "full"
+    if train in ("lokr", "loha") and ec.lora_format in ("diffusers", "kohya"):
+        raise UserError(
+            f"export.lora_format={ec.lora_format} with model.train={train}: diffusers has no loader for a {train} "
+            "adapter of the families the runner trains (its LoKr reader serves Z-Image and Flux.2 only; LoHa has "
+            f"none), so no such file is written. Use export.lora_format=comfy or both (both writes the ComfyUI "
+            f"file, lora_comfy.safetensors, alone for {train}).")
     if cfg.get("mode") == "export" and not cfg.train.get("resume"):
         raise UserError(
             "mode=export needs train.resume=<checkpoint>: a run directory (its newest checkpoint is exported) "

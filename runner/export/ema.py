@@ -85,7 +85,7 @@ def write_ema_exports(trainer: Any, models: ModelSet, ckpt: Path, folder: Path, 
     when the checkpoint has no EMA."""
     if not (ckpt / FILE).is_file():
         return []
-    lora = str(cfg.model.train) == "lora"
+    lora = str(cfg.model.train) != "full"  # any adapter (lora, lokr, loha)
     ec = export_config(cfg)
     folder_too = not lora and ec.wants_full("diffusers")
     files: list[str] = []

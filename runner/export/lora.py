@@ -16,6 +16,11 @@ Two layouts of the same weights:
   (``lora_unet_double_blocks_*`` with fused qkv), whose diffusers reader assumes the full-size
   FLUX.1 widths, so it could not be checked on the tiny models the tests build.
 
+DoRA (``model.lora_dora``) is written in the diffusers layout alone: its ``lora_magnitude_vector``
+keys are what diffusers' loader detects DoRA by. The kohya/ComfyUI equivalent (``dora_scale``) is
+applied by ComfyUI with a weight norm of its own choosing (of the base weight, not of base + B@A
+as peft does), so such a file could not be checked to reproduce the trained weights.
+
 * **comfy** (ComfyUI and Forge at the trained strength, every family): the kohya file where that is
   the layout ComfyUI maps (U-Nets, Flux), else ``lora_comfy.safetensors`` in the family's ComfyUI
   layout (SD3.5, Qwen-Image, Wan; runner/export/comfy.py).
@@ -37,6 +42,7 @@ from torch import nn
 
 from runner.export.comfy import COMFY_EMA_FILE, COMFY_FILE, LAYOUTS, comfy_state_dict
 from runner.export.config import ExportConfig
+from runner.export.lycoris import adapter_kind, comfy_lycoris_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +166,28 @@ def write_comfy_lora(layout_name: str, module: nn.Module, folder: Path, info: di
     return path
 
 
+def write_lycoris_file(kind: str, denoiser: str, layout_name: str, module: nn.Module, folder: Path,
+                       info: dict[str, Any], file_name: str = COMFY_FILE) -> Path:
+    """``folder/lora_comfy.safetensors`` of a LoKr/LoHa adapter in the family's ComfyUI layout; the
+    kohya layout's prefix is the kohya file's (``lora_unet``, ``lora_transformer``)."""
+    config = adapter_config(module)
+    layout = LAYOUTS[layout_name]
+    prefix = layout.prefix or KOHYA_PREFIX[denoiser]
+    state = comfy_lycoris_state_dict(lora_state_dict(module), kind, layout, prefix, int(config.r), float(config.alpha))
+    targets = sorted(config.target_modules) if not isinstance(config.target_modules, str) else [config.target_modules]
+    meta = {"format": "pt", "adapter": kind, "lora_rank": str(config.r), "lora_alpha": str(config.alpha),
+            "lora_target_modules": json.dumps(targets), "ss_network_module": "lycoris.kohya",
+            "ss_network_args": json.dumps({"algo": kind}), "ss_network_dim": str(config.r),
+            "ss_network_alpha": str(config.alpha),
+            **{k: str(info.get(k, "") or "") for k in ("base_model", "preset", "step", "trainer")},
+            "weights": str(info.get("weights", "trained"))}
+    if kind == "lokr":
+        meta["lokr_factor"] = str(config.decompose_factor)
+    path = folder / file_name
+    save_file(state, str(path), metadata=meta)
+    return path
+
+
 def write_lora_files(trainer: Any, pipeline_class: type, denoiser: str, module: nn.Module, folder: Path,
                      info: dict[str, Any], ec: ExportConfig, ema: bool = False) -> list[str]:
     """The LoRA files ``export.lora_format`` asks for, of ``module``'s adapter (``ema``: the
@@ -171,9 +199,19 @@ def write_lora_files(trainer: Any, pipeline_class: type, denoiser: str, module: 
     layout_name = str(getattr(trainer, "comfy_layout", "kohya"))
     separate = LAYOUTS[layout_name].separate
     kohya_ok = bool(getattr(trainer, "kohya_lora", True))
+    kind = adapter_kind(adapter_config(module))
+    if kind != "lora":  # LoKr, LoHa: the ComfyUI file only (runner/export/lycoris.py)
+        if ec.wants("diffusers"):
+            log.info("export: model.train=%s is written as the ComfyUI file only: diffusers has no loader for it "
+                     "on this family", kind)
+        return [write_lycoris_file(kind, denoiser, layout_name, module, folder, info, names[2]).name]
     files: list[str] = []
     if ec.wants("diffusers"):
         files.append(write_diffusers_lora(pipeline_class, denoiser, module, folder, info, file_name=names[0]).name)
+    if getattr(adapter_config(module), "use_dora", False):  # export.lora_format=kohya|comfy was refused before step 1
+        log.info("export: DoRA (model.lora_dora) is written as the diffusers file only: the kohya/ComfyUI "
+                 "dora_scale layout is applied with another weight norm than peft's, so it could not be checked")
+        return files
     if kohya_ok and (ec.wants("kohya") or (ec.wants("comfy") and not separate)):
         files.append(write_kohya_lora(denoiser, module, folder, info, file_name=names[1]).name)
     if separate and ec.wants("comfy"):

@@ -44,6 +44,7 @@ from runner.memory.live_bytes import LiveBytesTracker
 from runner.memory.live_bytes_views import CATEGORIES, NO_MODULE, OPTIONAL_CATEGORIES
 from runner.optim.build import build_optimizer
 from runner.optim.fused import FusedBackward, fuse_into_backward
+from runner.plan.adapters import lycoris_draws_skipped
 from runner.plan.batch import (
     cached_parts,
     encode_batch,
@@ -306,7 +307,7 @@ class _Simulation:
         tracker.track(host_batch, "other", module="(batch)")
         batch = move_batch(host_batch, DEVICE)
         tracker.track(batch, "other", module="(batch)")
-        with tracker.phase("forward"), ctx.step_context(), ctx.accelerator.autocast():
+        with tracker.phase("forward"), ctx.step_context(), ctx.accelerator.autocast(), lycoris_draws_skipped(ctx.models):
             if self.raw:
                 with tracker.phase("encode", category="activations"), torch.no_grad():
                     enc = encode_batch(trainer, ctx.models, batch, self.cached, self.part_shapes)

@@ -53,7 +53,7 @@ class _Estimates:
     def frozen_weights(self) -> int:
         """Weights stored in ``model.dtype``: the frozen modules', and a LoRA's frozen base."""
         frozen_w = sum(self.weights[m] for m in self.frozen)
-        if self.train_mode == "lora":
+        if self.train_mode != "full":  # any adapter
             frozen_w += sum(self.weights[m] for m in self.trained)  # the frozen base of a LoRA
         return frozen_w
 

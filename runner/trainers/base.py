@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from runner.adapters import TRAIN_MODES
 from runner.blocks import find_repeated_blocks
 from runner.errors import UserError, valid_list
 from runner.export.comfy import check_comfy_targets
@@ -50,7 +51,6 @@ from runner.trainers.tokenizers import load_folder_tokenizer
 
 log = logging.getLogger("runner")
 
-TRAIN_MODES = ("full", "lora")
 
 
 # ---- shared trainer skeleton ------------------------------------------------------------------
@@ -290,7 +290,8 @@ class DiffusersTrainer(CacheKeys):
                 freeze(module)
             modules[name] = module
         if not full:
-            attach_lora(modules[self.denoiser], m.lora_rank, m.lora_alpha, list(m.lora_targets), self.train_dtype)
+            attach_lora(modules[self.denoiser], m.lora_rank, m.lora_alpha, list(m.lora_targets), self.train_dtype,
+                        dora=bool(m.get("lora_dora", False)), kind=str(m.train), factor=int(m.get("lokr_factor", -1)))
             check_comfy_targets(self.cfg, self.comfy_layout, modules[self.denoiser], self.display_name or type(self).__name__)
             modules[self.denoiser].train()
         models = ModelSet(modules=modules, trained={self.denoiser}, dtypes_applied=True)

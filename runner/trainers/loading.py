@@ -279,9 +279,16 @@ def read_folder_config(cls: type, folder: str, subfolder: str) -> Any:
 
 # ---- LoRA ---------------------------------------------------------------------------------
 def attach_lora(
-    model: nn.Module, rank: int, alpha: float, targets: Iterable[str], dtype: torch.dtype = torch.float32
+    model: nn.Module, rank: int, alpha: float, targets: Iterable[str], dtype: torch.dtype = torch.float32,
+    dora: bool = False, kind: str = "lora", factor: int = -1,
 ) -> nn.Module:
-    """Freeze ``model`` and add a trainable peft LoRA adapter (diffusers ``add_adapter``).
+    """Freeze ``model`` and add a trainable peft adapter (diffusers ``add_adapter``): LoRA, or with
+    ``kind`` LoKr / LoHa (``model.train``), ``factor`` being LoKr's ``decompose_factor`` (``model.lokr_factor``).
+
+    ``dora`` (``model.lora_dora``): peft's DoRA, LoRA plus a trained magnitude per output row,
+    initialised to the base weight's row norms. It costs a weight-sized temporary per adapted
+    layer per forward (the norm of base + B@A), which the planner simulates by running peft's own
+    forward on fake tensors; the trade-off is that memory and time for the closer-to-full-tune fit.
 
     The same recipe as diffusers' LoRA training scripts: base frozen first, Gaussian init (B=0,
     so the adapter starts as the identity), adapters cast to ``dtype`` (``model.train_dtype``,
@@ -289,7 +296,6 @@ def attach_lora(
     over a bf16/fp16 base.
     """
     from diffusers.training_utils import cast_training_params
-    from peft import LoraConfig
 
     targets = [str(t) for t in targets]
     if int(rank) <= 0:
@@ -297,7 +303,7 @@ def attach_lora(
     if not targets:
         raise UserError("model.lora_targets is empty; name at least one module, e.g. [to_q, to_k, to_v, to_out.0].")
     model.requires_grad_(False)
-    lora = LoraConfig(r=int(rank), lora_alpha=float(alpha), init_lora_weights="gaussian", target_modules=targets)
+    lora = _adapter_config(kind, int(rank), float(alpha), targets, bool(dora), int(factor))
     try:
         if hasattr(model, "add_adapter"):  # diffusers PeftAdapterMixin models (U-Nets, transformers)
             model.add_adapter(lora)
@@ -313,6 +319,19 @@ def attach_lora(
         ) from None
     cast_training_params(model, dtype=dtype)
     return model
+
+
+def _adapter_config(kind: str, rank: int, alpha: float, targets: list[str], dora: bool, factor: int) -> Any:
+    """The peft config of ``model.train=kind``. LoRA starts as the identity by its Gaussian init
+    (B = 0); LoKr and LoHa by peft's default init (``init_weights=True``: one factor zero), as peft
+    and LyCORIS train them."""
+    from peft import LoHaConfig, LoKrConfig, LoraConfig
+
+    if kind == "lokr":
+        return LoKrConfig(r=rank, alpha=alpha, target_modules=targets, decompose_factor=factor, init_weights=True)
+    if kind == "loha":
+        return LoHaConfig(r=rank, alpha=alpha, target_modules=targets, init_weights=True)
+    return LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets, use_dora=dora)
 
 
 def build_denoiser(name: str, device: str = "meta", dtype: Any = None) -> Any:

@@ -68,6 +68,11 @@ TRUTH_CASES = {
     "sdxl": ["data.resolution=128"],
     "sdxl_checkpoint_blocks": ["data.resolution=128", "checkpoint=blocks"],
     "flux_24gb_lora": ["+preset=flux_24gb", "data.resolution=128"],
+    # DoRA: the weight-norm temporaries of peft's own forward are simulated, not estimated
+    "sdxl_dora": ["data.resolution=128", "model.train=lora", "model.lora_dora=true"],
+    # LoKr / LoHa: their factors' weights, gradients and optimizer state, and the deltas built each forward
+    "sdxl_lokr": ["data.resolution=128", "model.train=lokr", "model.lokr_factor=2"],
+    "sdxl_loha": ["data.resolution=128", "model.train=loha"],
     "custom_trainer": ["trainer=custom", "trainer._target_=custom_trainer.PixelDiffusionTrainer", "data.resolution=32"],
 }
 
