@@ -20,14 +20,16 @@ machine at load 4.5-5.5. So a CPU run takes the cores other processes leave free
 load average when it starts), at least one and never more than it already had (``OMP_NUM_THREADS``
 or the caller's ``torch.set_num_threads``); ``train.cpu_threads`` sets the number.
 
-The thread count is decided once, at the start; load that arrives later (another job, a build)
-would make the same threads spin against it. :func:`passive_openmp` therefore sets
-``OMP_WAIT_POLICY=PASSIVE`` (waiting threads sleep at once instead of spinning first) before
-torch loads its OpenMP runtime, unless the user set a policy. Measured side by side on a busy
-2-core machine (docs/benchmarks.md, ``bench/cpu_threads.py``): 2 spinning threads were 20-100x
-slower than one thread, 2 sleeping ones within 1-2x of it. The trade-off: on an idle machine a
-sleeping thread wakes a little later than a spinning one, a cost per parallel region (not yet
-measured: no idle machine was at hand).
+The thread count is decided once, at the start, and so is the OpenMP wait policy
+(:func:`passive_openmp`, before torch loads its OpenMP runtime; a policy the user set is kept): on
+a machine whose cores are busy when the run starts, ``OMP_WAIT_POLICY=PASSIVE`` (waiting threads
+sleep at once), on an idle one libgomp's default (spin a while, then sleep). Measured side by side
+(docs/benchmarks.md, ``bench/cpu_threads.py``, tiny default on 2 cores): with a spinning process
+per core, 2 spinning threads took 5x (and up to 100x on a busier machine) the time of 2 sleeping
+ones; on the idle machine the sleeping ones took 2.3x the time of spinning ones (0.233 against
+0.102 s/step: each small parallel region waits for its threads to wake). The trade-off: load that
+arrives after an idle start meets spinning threads; ``OMP_WAIT_POLICY=PASSIVE`` set by the user
+covers a machine that is shared all the time.
 
 Also here, :func:`collector_paused`: Python's garbage collector held off while the libraries load.
 """
@@ -51,10 +53,15 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # <malloc.h>
 TRIM_BYTES, MMAP_BYTES = 1 << 30, 1 << 25
 
 
-def passive_openmp() -> None:
-    """``OMP_WAIT_POLICY=PASSIVE`` unless set (module docstring); only effective before torch loads
-    OpenMP, so ``python -m runner`` calls it before anything imports torch."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+def passive_openmp() -> str | None:
+    """``OMP_WAIT_POLICY=PASSIVE`` when other processes keep cores busy at the start and the user
+    set no policy (module docstring); the policy now set, or None for libgomp's default. Only
+    effective before torch loads OpenMP, so ``python -m runner`` calls it before importing torch."""
+    if "OMP_WAIT_POLICY" not in os.environ:
+        cores, free, _ = free_cores()
+        if free < cores:
+            os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    return os.environ.get("OMP_WAIT_POLICY")
 
 
 def keep_freed_host_memory(run: ResolvedRun) -> bool:
@@ -100,7 +107,7 @@ def cpu_threads(run: ResolvedRun, configured: int | None) -> int | None:
     why = ("train.cpu_threads" if configured is not None
            else f"{cores} cores, load {load:.1f} from other processes; train.cpu_threads=N sets it")
     log.info("CPU run: %d torch thread%s (%s), OpenMP wait policy %s", threads, "" if threads == 1 else "s", why,
-             os.environ.get("OMP_WAIT_POLICY", "unset (spin, then sleep)"))
+             os.environ.get("OMP_WAIT_POLICY", "libgomp's default (spin, then sleep)"))
     return threads
 
 

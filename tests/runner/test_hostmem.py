@@ -95,15 +95,32 @@ def test_cpu_threads_must_be_positive():
         check_config(compose_config(["train.cpu_threads=0"]))
 
 
-@pytest.mark.parametrize("given, expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
-def test_the_command_sets_a_passive_openmp_wait_before_torch_loads_unless_the_user_chose(given, expected, tmp_path):
-    """`python -m runner` sets OMP_WAIT_POLICY=PASSIVE before torch loads OpenMP (a user's own value
-    stays): the run's CPU line says which policy its threads use."""
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    env.update({"OMP_NUM_THREADS": "1", **({"OMP_WAIT_POLICY": given} if given else {})})
+@pytest.mark.parametrize("load, given, expected", [(1.6, None, "PASSIVE"), (0.2, None, None),
+                                                    (1.6, "ACTIVE", "ACTIVE"), (0.2, "PASSIVE", "PASSIVE")])
+def test_openmp_threads_sleep_when_the_cores_are_busy_at_the_start(monkeypatch, load, given, expected):
+    """On 2 cores at load 1.6 (one core busy) waiting threads sleep; at load 0.2 libgomp's default
+    stays (spinning is faster on an idle machine); a policy the user set is never changed."""
+    from runner import hostmem
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    if given:
+        monkeypatch.setenv("OMP_WAIT_POLICY", given)
+    assert hostmem.passive_openmp() == expected == os.environ.get("OMP_WAIT_POLICY")
+
+
+def test_the_command_decides_the_wait_policy_before_torch_loads_and_says_it(tmp_path):
+    """`python -m runner` decides before torch loads OpenMP (a user's value stays), and the run's CPU
+    line says the policy its threads use."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "ACTIVE"}
     r = subprocess.run([sys.executable, "-m", "runner", "train.steps=1", "train.preflight=false",
                         "export.enabled=false", f"output_dir={tmp_path}"], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     line = next(x for x in (r.stdout + r.stderr).splitlines() if "CPU run: 1 torch thread" in x)
-    assert line.endswith(f"OpenMP wait policy {expected}"), line
+    assert line.endswith("OpenMP wait policy ACTIVE"), line
+    code = "import sys, runner.__main__; print('torch' in sys.modules)"
+    probe = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert probe.stdout.strip() == "False", probe.stderr[-2000:]  # the policy is set before torch is imported
