@@ -14,6 +14,21 @@ from runner.build import build_trainer
 from runner.cli.compose import compose_config
 
 
+def built_as_run(overrides: list[str]) -> tuple[Any, Any]:
+    """(trainer, models) of the composed ``overrides``, built and prepared as a run builds them, with
+    the run's seed set first: the weights a run of those overrides starts from."""
+    from accelerate.utils import set_seed
+
+    from runner.build import prepare_models
+    from runner.resolved import resolve
+
+    cfg = compose_config(overrides)
+    run = resolve(cfg)
+    trainer = build_trainer(cfg, run)
+    set_seed(run.seed)
+    return trainer, prepare_models(trainer.build_models("cpu"), cfg.model, run)
+
+
 @functools.cache
 def tiny_trainer(family: str, train: str) -> Any:
     """The built-in ``family`` trainer (sdxl | flux) at tiny size, ``model.train=train``; built once."""

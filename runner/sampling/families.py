@@ -184,51 +184,10 @@ class SD15Sampling(SDXLSampling):
         return pipe.image_processor.postprocess(image.float(), output_type="pil")[0]
 
 
-class SD3Sampling:
-    """``StableDiffusion3Pipeline`` with SD3.5's flow-matching scheduler (shift 3.0, or the folder's own)."""
-
-    factor = 16  # VAE factor 8 times the transformer's 2x2 patches
-    negative_prompt = True
-
-    def __init__(self, default_guidance: float = 3.5) -> None:
-        self.default_guidance = default_guidance  # the model card's: Large 3.5, Medium 4.5
-
-    @staticmethod
-    def denoiser_batch(guidance: float) -> int:
-        return 2 if guidance > 1 else 1  # classifier-free guidance: unconditional and conditional halves
-
-    @staticmethod
-    def default_negative(guidance: float) -> str | None:
-        return "" if guidance > 1 else None  # see SD15Sampling.default_negative
-
-    def encode(self, trainer: Any, models: ModelSet, prompt: str, device: torch.device) -> dict[str, torch.Tensor]:
-        return _text(trainer, models, prompt, device)
-
-    def scheduler(self, trainer: Any) -> Any:
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        return _folder_scheduler(trainer, FlowMatchEulerDiscreteScheduler) or trainer.inference_scheduler()
-
-    def generate(self, trainer: Any, modules: Mapping[str, nn.Module], cond: dict[str, torch.Tensor], negative: dict | None, *,
-                 steps: int, guidance: float, resolution: int, generator: torch.Generator,
-                 device: torch.device, vae_on_device: VaeOnDevice) -> Any:
-        vae = modules["vae"]
-        pipe = pipeline_class("StableDiffusion3Pipeline")(
-            transformer=modules["transformer"], scheduler=self.scheduler(trainer), vae=vae, text_encoder=None,
-            tokenizer=None, text_encoder_2=None, tokenizer_2=None, text_encoder_3=None, tokenizer_3=None)
-        latents = _pooled_embeds_latents(pipe, cond, negative, device, steps=steps, guidance=guidance,
-                                         resolution=resolution, generator=generator)
-        image = decode(vae, latents, vae_on_device, shift=float(vae.config.shift_factor or 0.0))
-        return pipe.image_processor.postprocess(image.float(), output_type="pil")[0]
-
-
-class ChromaSampling:
-    """``ChromaPipeline`` with FLUX.1's flow-matching scheduler (or the folder's own), and
-    classifier-free guidance (Chroma is not guidance-distilled): the pipeline's default 5.0."""
-
-    factor = 16  # VAE factor 8 times the 2x2 latent packing
-    default_guidance = 5.0
-    negative_prompt = True
+class _GuidedFlowSampling:
+    """What SD3.5's and Chroma's samplers share: classifier-free guidance (an unconditional half of
+    the transformer's batch above guidance 1, with an empty negative prompt by default), the
+    trainer's own text encoding, and a flow-matching scheduler from the folder or the trainer."""
 
     @staticmethod
     def denoiser_batch(guidance: float) -> int:
@@ -245,6 +204,37 @@ class ChromaSampling:
         from diffusers import FlowMatchEulerDiscreteScheduler
 
         return _folder_scheduler(trainer, FlowMatchEulerDiscreteScheduler) or trainer.inference_scheduler()
+
+
+class SD3Sampling(_GuidedFlowSampling):
+    """``StableDiffusion3Pipeline`` with SD3.5's flow-matching scheduler (shift 3.0, or the folder's own)."""
+
+    factor = 16  # VAE factor 8 times the transformer's 2x2 patches
+    negative_prompt = True
+
+    def __init__(self, default_guidance: float = 3.5) -> None:
+        self.default_guidance = default_guidance  # the model card's: Large 3.5, Medium 4.5
+
+    def generate(self, trainer: Any, modules: Mapping[str, nn.Module], cond: dict[str, torch.Tensor], negative: dict | None, *,
+                 steps: int, guidance: float, resolution: int, generator: torch.Generator,
+                 device: torch.device, vae_on_device: VaeOnDevice) -> Any:
+        vae = modules["vae"]
+        pipe = pipeline_class("StableDiffusion3Pipeline")(
+            transformer=modules["transformer"], scheduler=self.scheduler(trainer), vae=vae, text_encoder=None,
+            tokenizer=None, text_encoder_2=None, tokenizer_2=None, text_encoder_3=None, tokenizer_3=None)
+        latents = _pooled_embeds_latents(pipe, cond, negative, device, steps=steps, guidance=guidance,
+                                         resolution=resolution, generator=generator)
+        image = decode(vae, latents, vae_on_device, shift=float(vae.config.shift_factor or 0.0))
+        return pipe.image_processor.postprocess(image.float(), output_type="pil")[0]
+
+
+class ChromaSampling(_GuidedFlowSampling):
+    """``ChromaPipeline`` with FLUX.1's flow-matching scheduler (or the folder's own), and
+    classifier-free guidance (Chroma is not guidance-distilled): the pipeline's default 5.0."""
+
+    factor = 16  # VAE factor 8 times the 2x2 latent packing
+    default_guidance = 5.0
+    negative_prompt = True
 
     def generate(self, trainer: Any, modules: Mapping[str, nn.Module], cond: dict[str, torch.Tensor], negative: dict | None, *,
                  steps: int, guidance: float, resolution: int, generator: torch.Generator,

@@ -13,17 +13,15 @@ import json
 
 import pytest
 import torch
-from accelerate.utils import set_seed
 from safetensors.torch import load_file
+from tiny_training import built_as_run
 
 from runner.__main__ import task
-from runner.build import build_trainer, prepare_models
 from runner.cli.compose import compose_config
 from runner.config.checks import check_config, validate
 from runner.errors import UserError
 from runner.export.checkpoint import EXPORT_DIR, INFO_FILE
 from runner.export.lora import DIFFUSERS_FILE
-from runner.resolved import resolve
 from runner.state.checkpoint import load_trainable_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -37,11 +35,7 @@ MAGNITUDE = "lora_magnitude_vector"
 
 def fresh(family: str, *overrides: str):
     """(trainer, models) built as the run built them (same seed)."""
-    cfg = compose_config([f"trainer={family}", *COMMON, *overrides])
-    run_ = resolve(cfg)
-    trainer = build_trainer(cfg, run_)
-    set_seed(run_.seed)
-    return trainer, prepare_models(trainer.build_models("cpu"), cfg.model, run_)
+    return built_as_run([f"trainer={family}", *COMMON, *overrides])
 
 
 def denoise(trainer, denoiser) -> torch.Tensor:

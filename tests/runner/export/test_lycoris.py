@@ -11,18 +11,16 @@ import json
 
 import pytest
 import torch
-from accelerate.utils import set_seed
 from safetensors import safe_open
 from safetensors.torch import load_file
+from tiny_training import built_as_run
 
 from runner.__main__ import task
-from runner.build import build_trainer, prepare_models
 from runner.cli.compose import compose_config
 from runner.config.checks import check_config, validate
 from runner.errors import UserError
 from runner.export.checkpoint import EXPORT_DIR, INFO_FILE
 from runner.export.comfy import COMFY_FILE
-from runner.resolved import resolve
 from runner.state.checkpoint import load_trainable_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -57,11 +55,7 @@ def comfy_delta(t: dict[str, torch.Tensor], shape: torch.Size) -> torch.Tensor:
 
 
 def fresh(family: str, *overrides: str):
-    cfg = compose_config([f"trainer={family}", *COMMON, *overrides])
-    run_ = resolve(cfg)
-    trainer = build_trainer(cfg, run_)
-    set_seed(run_.seed)
-    return trainer, prepare_models(trainer.build_models("cpu"), cfg.model, run_)
+    return built_as_run([f"trainer={family}", *COMMON, *overrides])
 
 
 @pytest.mark.parametrize("family", list(PREFIX))

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from accelerate.utils import set_seed
 from original_layouts import clip_to_original, flux_to_original, sdxl_original, unet_to_original, vae_to_original
 from safetensors import safe_open
 from safetensors.torch import load_file
+from tiny_training import built_as_run
 
 from runner.__main__ import task
-from runner.build import build_trainer, prepare_models
+from runner.build import build_trainer
 from runner.cli.compose import compose_config
 from runner.ema.average import FILE as EMA_FILE
 from runner.errors import UserError
@@ -52,11 +52,7 @@ def train_run(out: Path, family: str, *overrides: str) -> Path:
 
 def fresh(family: str, *overrides: str):
     """(trainer, models) built as the run built them (same seed), before training."""
-    cfg = compose_config([f"trainer={family}", *COMMON, *overrides])
-    run_ = resolve(cfg)
-    trainer = build_trainer(cfg, run_)
-    set_seed(run_.seed)
-    return trainer, prepare_models(trainer.build_models("cpu"), cfg.model, run_)
+    return built_as_run([f"trainer={family}", *COMMON, *overrides])
 
 
 @pytest.fixture(scope="module")
