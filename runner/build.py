@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from runner import registry
-from runner.adapters import is_adapter
+from runner.config.adapters import is_adapter
 from runner.context import RunContext
 from runner.errors import UserError
 from runner.export.config import check_full_format

@@ -51,7 +51,7 @@ class ResolvedRun:
     precision: str  # "no" | "bf16" | "fp16": the autocast this run really uses
     frozen_dtype: torch.dtype  # model.dtype: frozen modules and a LoRA's frozen base
     train_dtype: torch.dtype  # trained weights: a fully trained module, or the LoRA adapters
-    train_mode: str  # "full" | "lora" | "lokr" | "loha" (runner/adapters.py)
+    train_mode: str  # "full" | "lora" | "lokr" | "loha" (runner/config/adapters.py)
     budget_bytes: Optional[int]  # device memory budget (budget_gb), None when unset
     batch_size: int  # samples per optimizer step
     grad_accum: int  # micro-batches per optimizer step

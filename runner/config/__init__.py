@@ -35,7 +35,7 @@ class ModelConfig:
     size: str = "tiny"  # tiny | full
     path: Optional[str] = None  # diffusers folder or single-file .safetensors; None = random init
     dtype: str = "float32"  # storage dtype of frozen weights: float32 | bfloat16 | float16
-    train: str = "full"  # full | lora | lokr | loha (peft adapters on the denoiser; runner/adapters.py)
+    train: str = "full"  # full | lora | lokr | loha (peft adapters on the denoiser; runner/config/adapters.py)
     train_dtype: str = "float32"  # dtype of the trained weights (full: the denoiser; lora: the adapters): float32 | bfloat16
     lora_rank: int = 4
     lora_alpha: float = 4.0

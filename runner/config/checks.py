@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING
 from omegaconf import DictConfig, OmegaConf
 
 from runner import registry
-from runner.adapters import TRAIN_MODES, check_adapter_quantization
 from runner.config import (
     DTYPES,
     LR_SCHEDULERS,
@@ -36,6 +35,7 @@ from runner.config import (
     SIZES,
     TRAIN_DTYPES,
 )
+from runner.config.adapters import TRAIN_MODES, check_adapter_quantization
 from runner.devices import check_device_config
 from runner.dist import validate_dist
 from runner.ema.config import check_ema_config

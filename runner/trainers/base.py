@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from runner.adapters import TRAIN_MODES
 from runner.blocks import find_repeated_blocks
+from runner.config.adapters import TRAIN_MODES
 from runner.errors import UserError, valid_list
 from runner.export.comfy import check_comfy_targets
 from runner.loss.objectives import check_objective, loss_config

@@ -1,4 +1,4 @@
-"""Adapters over quantized bases (runner/adapters.py QUANTIZED_BASES): LoKr and LoHa train over
+"""Adapters over quantized bases (runner/config/adapters.py QUANTIZED_BASES): LoKr and LoHa train over
 the int8 and fp8 layers, planned within the planner tests' 5 % of a real CPU step; the pairs not
 checked (LoKr/LoHa over nf4, DoRA over any quantization) are refused before step 1 naming both keys."""
 from __future__ import annotations

@@ -41,5 +41,5 @@ def check_adapter_quantization(train: str, dora: bool, quantization: list[str]) 
             over = f"quantization={'|'.join(valid)} or none" if valid else "no quantization"
             raise UserError(
                 f"{setting} with quantization={name}: this adapter was not checked to train over a {name} base "
-                f"(runner/adapters.py says why), so the run is refused before it starts. Use {over}, or "
+                f"(runner/config/adapters.py says why), so the run is refused before it starts. Use {over}, or "
                 "model.train=lora (plain LoRA trains over every quantization).")
