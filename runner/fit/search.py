@@ -69,7 +69,10 @@ class Candidate:
         return self.plan.host_steady_bytes if self.plan is not None else int(self.estimate.parts.get("host", 0))
 
     def fits(self, limit: int, host_limit: int) -> bool:
-        return self.error is None and self.required_bytes <= limit and self.host_bytes <= host_limit
+        # A confirmed plan also needs the caching allocator, capped at the budget, to serve every
+        # request (runner/plan/allocator.py): the preflight of the chosen settings checks the same.
+        refused = self.plan is not None and bool((self.plan.reserved or {}).get("ooms"))
+        return self.error is None and not refused and self.required_bytes <= limit and self.host_bytes <= host_limit
 
 
 @dataclass

@@ -198,6 +198,10 @@ class LiveBytesTracker(TrackerViews, TrackerScopes, TorchDispatchMode):
         # Called with (func, args, kwargs, out, innermost phase) after every op: the planner's
         # FLOP/byte counter (runner/plan/cost.py). None: nothing extra per op.
         self.op_observer: Callable[[Any, tuple, dict, Any, str], None] | None = None
+        # Told of every storage's birth (``born(device, serial, nbytes)``) and death
+        # (``died(device, serial)``) in order: the planner replays them through the caching
+        # allocator's model (runner/plan/allocator.py). None: nothing extra per storage.
+        self.alloc_observer: Any = None
 
     # ---- storages resized in place ----------------------------------------------------------
     # FSDP2 frees a unit's gathered weights with ``storage.resize_(0)`` and allocates them again
@@ -244,6 +248,13 @@ class LiveBytesTracker(TrackerViews, TrackerScopes, TorchDispatchMode):
         if n != rec.nbytes:
             self._add(rec.device, rec.category, rec.module, n - rec.nbytes)
             rec.nbytes = n
+            self._reallocated(rec)
+
+    def _reallocated(self, rec: _Rec) -> None:
+        # A resized storage is a new allocation of its new size, as the allocator serves it.
+        if self.alloc_observer is not None:
+            self.alloc_observer.died(rec.device, rec.seq)
+            self.alloc_observer.born(rec.device, rec.seq, rec.nbytes)
 
     # ---- dispatch --------------------------------------------------------------------------
     @classmethod
@@ -294,6 +305,7 @@ class LiveBytesTracker(TrackerViews, TrackerScopes, TorchDispatchMode):
                 if n != rec.nbytes:
                     self._add(rec.device, rec.category, rec.module, n - rec.nbytes)
                     rec.nbytes = n
+                    self._reallocated(rec)
             if (category is not None and category != rec.category) or (label is not None and label != rec.module):
                 self._relabel(rec, category or rec.category, label if label is not None else rec.module)
             return rec
@@ -313,6 +325,8 @@ class LiveBytesTracker(TrackerViews, TrackerScopes, TorchDispatchMode):
         rec = _Rec(s, self._on_dead, key, n, _device_name(t), category, serial, self._seq, module)
         self._live[key] = rec
         self._add(rec.device, category, module, n)
+        if self.alloc_observer is not None:
+            self.alloc_observer.born(rec.device, rec.seq, n)
         if in_module is not None:
             st = self._module_stats[in_module]
             st["allocated_bytes"] += n
@@ -338,6 +352,8 @@ class LiveBytesTracker(TrackerViews, TrackerScopes, TorchDispatchMode):
             return
         n, dev = rec.nbytes, rec.device
         self._add(dev, rec.category, rec.module, -n)
+        if self.alloc_observer is not None:
+            self.alloc_observer.died(dev, rec.seq)
         if rec.serial is not None and rec.serial == death_serial:
             # Born and died inside the same phase instance: a temporary.
             ph = self._serial_names.get(rec.serial, NO_PHASE)

@@ -45,6 +45,7 @@ class Plan:
     ema: dict[str, Any] | None = None  # ema.enabled: the EMA copy's bytes on the device and the host (plan/ema.py)
     validation: dict[str, Any] | None = None  # data.val_*: whether the validation pass was planned, and its peak
     step_time: dict[str, Any] | None = None  # predicted s/step and its FLOPs, bytes and copies (runner/plan/speed.py)
+    reserved: dict[str, Any] | None = None  # a CUDA target: what the caching allocator reserves (runner/plan/allocator.py)
 
     @property
     def seconds_per_step(self) -> float | None:
@@ -55,8 +56,17 @@ class Plan:
         return self.peak_bytes + self.margin_bytes
 
     @property
+    def reserved_required_bytes(self) -> int | None:
+        """The caching allocator's reserved peak (no cap) plus the kernel workspaces; None when not planned."""
+        return None if self.reserved is None else int(self.reserved["reserved_peak_bytes"]) + self.margin_bytes
+
+    @property
     def fits(self) -> bool:
-        return self.budget_bytes is None or self.required_bytes <= self.budget_bytes
+        """The allocated peak and workspaces are within the budget, and the allocator, capped at the
+        budget, never fails a request (it may flush its cache and retry: ``reserved['retries']``)."""
+        if self.budget_bytes is None:
+            return True
+        return self.required_bytes <= self.budget_bytes and not (self.reserved or {}).get("ooms")
 
     @property
     def host_pageable_bytes(self) -> int:
@@ -64,7 +74,8 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d.update(required_bytes=self.required_bytes, fits=self.fits, host_pageable_bytes=self.host_pageable_bytes)
+        d.update(required_bytes=self.required_bytes, fits=self.fits, host_pageable_bytes=self.host_pageable_bytes,
+                 reserved_required_bytes=self.reserved_required_bytes)
         return d
 
     def write_json(self, path: Path) -> Path:
@@ -101,6 +112,22 @@ def _step_time_line(st: dict[str, Any]) -> str:
             f"{st['flops'] / 1e12:.3g} TFLOP{copies})")
 
 
+def _reserved_line(plan: Plan) -> str:
+    """What the caching allocator reserves, and what it must do at the budget (runner/plan/allocator.py)."""
+    r = plan.reserved or {}
+    kind = "expandable segments" if r["expandable_segments"] else "fixed segments (allocator.default.expandable_segments=false)"
+    line = (f"  reserved by the caching allocator ({kind}): {format_size(plan.reserved_required_bytes or 0)} "
+            f"with the workspaces, {format_size(r['reserved_peak_bytes'] - r['allocated_peak_bytes'])} cached beyond "
+            "the allocated peak")
+    if r.get("ooms"):
+        line += (f"; capped at budget_gb it could not serve {r['ooms']} request(s) even after freeing its cache "
+                 "(fragmentation): DOES NOT FIT")
+    elif r.get("retries"):
+        line += (f"; capped at budget_gb it frees its cache and retries {r['retries']} time(s) per run of the step "
+                 "(each a device synchronisation: slower, but it fits)")
+    return line
+
+
 def format_plan(plan: Plan) -> str:
     """The plan as a readable table (what ``mode=plan`` prints)."""
     s = plan.run
@@ -118,9 +145,12 @@ def format_plan(plan: Plan) -> str:
     if plan.budget_bytes is None:
         verdict = "no budget_gb set: nothing to compare with"
     else:
-        over = format_size(plan.required_bytes - plan.budget_bytes)
-        verdict = f"budget_gb {plan.budget_bytes / GiB:g} -> " + ("FITS" if plan.fits else f"DOES NOT FIT (over by {over})")
+        over = plan.required_bytes - plan.budget_bytes
+        why = f"over by {format_size(over)}" if over > 0 else "the caching allocator cannot serve it: see the next line"
+        verdict = f"budget_gb {plan.budget_bytes / GiB:g} -> " + ("FITS" if plan.fits else f"DOES NOT FIT ({why})")
     lines += [f"device memory: {need}", f"  {verdict}"]
+    if plan.reserved is not None:
+        lines.append(_reserved_line(plan))
     if plan.step_time:
         lines.append(_step_time_line(plan.step_time))
     lines.append("")

@@ -45,6 +45,7 @@ from runner.memory.live_bytes_views import CATEGORIES, NO_MODULE, OPTIONAL_CATEG
 from runner.optim.build import build_optimizer
 from runner.optim.fused import FusedBackward, fuse_into_backward
 from runner.plan.adapters import lycoris_draws_skipped
+from runner.plan.allocator import AllocationLog, plan_reserved
 from runner.plan.batch import (
     cached_parts,
     encode_batch,
@@ -224,6 +225,8 @@ class _Simulation:
         self.ctx.trainer = trainer
         self.ctx.accelerator = SimulatedAccelerator(self.semantics, self.precision)
         self.tracker = LiveBytesTracker(count_inputs=False)  # every pre-existing tensor is tracked explicitly
+        self.alloc_log = AllocationLog(DEVICE.type)  # device births and deaths, for the allocator's model
+        self.tracker.alloc_observer = self.alloc_log
         self.recorder = _Recorder(self.tracker, set(self.models.modules))
         self.owner: dict[int, str] = {}  # id(parameter) -> top-level module
         self.mode = simulation_mode()
@@ -303,6 +306,8 @@ class _Simulation:
         """One micro-batch, as runner.loop.forward_backward runs it."""
         tracker, ctx, trainer = self.tracker, self.ctx, self.trainer
         suffix = f" #{i + 1}" if self.n_micro > 1 else ""
+        if i == 0:
+            self.alloc_log.step_started()
         host_batch = fake_batch(example_batch(trainer, self.raw, self.micro), HOST)
         tracker.track(host_batch, "other", module="(batch)")
         batch = move_batch(host_batch, DEVICE)
@@ -322,6 +327,8 @@ class _Simulation:
             if p.grad is not None:
                 tracker.track(p.grad, "gradients", module=self.owner.get(id(p)))
         self.recorder.take("backward" + suffix)
+        if i == self.n_micro - 1:
+            self.alloc_log.step_ended()
 
     def optimizer_step(self) -> None:
         tracker, ctx = self.tracker, self.ctx
@@ -465,6 +472,9 @@ def _assemble(sim: _Simulation, seconds: float) -> Plan:
         notes=notes,
         seconds=seconds,
     )
+    if target == "cuda" and not sim.run.dist.active:  # what the caching allocator reserves (runner/plan/allocator.py)
+        cap = None if plan.budget_bytes is None else plan.budget_bytes - plan.margin_bytes
+        plan.reserved = plan_reserved(sim.alloc_log, cfg, cap).to_dict()
     if not plan.fits:
         plan.suggestions = suggest(plan, cfg)
     return plan

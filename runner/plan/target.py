@@ -6,14 +6,15 @@ copies (runner/plan/semantics.py): CUDA unless ``train.device=cpu`` (or the pref
 that resolved to the CPU).
 
 What is not counted (so ``budget_gb`` should keep some room): the CUDA context and library
-handles outside PyTorch's allocator; the caching allocator's rounding and fragmentation
-(``allocator.expandable_segments`` keeps it small); kernel workspaces with no Python-visible
+handles outside PyTorch's allocator; kernel workspaces with no Python-visible
 tensor, for which :data:`CUDA_WORKSPACE_MARGIN_BYTES` is added to the peak before comparing with
 the budget; host memory that is not tensors (Python, libraries, the data loader); the
 per-parameter temporaries of an optimizer update (the planner steps the optimizer's
 simulation: see the contract for plugins in runner/plan/__init__.py). Host RAM is the peak of
 fake host tensors, which includes the whole model at build time (the runner builds on the
-host, then places).
+host, then places). The caching allocator's rounding and cached blocks are not in the peak
+either: a CUDA plan replays the step's allocations through a model of the allocator and reports
+its reserved bytes beside the peak (runner/plan/allocator.py), and "fits" needs both.
 """
 from __future__ import annotations
 

@@ -309,8 +309,12 @@ def test_sd15_and_sd3_class_denoisers_plan_at_full_size(name):
 
 
 # ---- on a GPU: the plan against the CUDA allocator ----------------------------------------------------
-def cuda_step_peak(cfg: Any) -> int:
-    """``torch.cuda.max_memory_allocated`` over the second of two real steps (the loop's code)."""
+def cuda_step_peak(cfg: Any, reserved: bool = False) -> int:
+    """``torch.cuda.max_memory_allocated`` over the second of two real steps (the loop's code);
+    ``reserved``: ``max_memory_reserved`` instead, from an empty cache (the second step runs on
+    the blocks the first one left cached, as the plan's replay does)."""
+    if reserved:
+        torch.cuda.empty_cache()
     ctx, params, raw, micro = prepared_step(cfg, configure_process=True)
 
     class NoPhases:
@@ -329,7 +333,7 @@ def cuda_step_peak(cfg: Any) -> int:
             ctx.optimizer.step()
             ctx.optimizer.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated()
+        return torch.cuda.max_memory_reserved() if reserved else torch.cuda.max_memory_allocated()
     finally:
         ctx.teardown()
 
