@@ -87,11 +87,13 @@ def build_trainer(cfg: DictConfig, run: ResolvedRun | None = None) -> Trainer:
 
 def make_context(cfg: Any, run: ResolvedRun, schedule: PluginSchedule, output_dir: Path | None,
                  overrides: list[str] | None = None) -> RunContext:
+    from runner.compile.regional import build_compiler
     from runner.data.flip import visit_flip
 
     return RunContext(run=run, schedule=schedule, cfg=cfg, output_dir=output_dir,
                       overrides=None if overrides is None else list(overrides),
-                      flip=visit_flip(cfg.get("data") if hasattr(cfg, "get") else None))
+                      flip=visit_flip(cfg.get("data") if hasattr(cfg, "get") else None),
+                      **({"compiler": build_compiler(cfg.train)} if hasattr(cfg, "train") else {}))
 
 
 def output_dir(cfg: DictConfig) -> Path:

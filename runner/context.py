@@ -85,11 +85,18 @@ class RunFacts:
     streamed: set[str] = field(default_factory=set)
     quantized: dict[str, int] = field(default_factory=dict)  # module -> quantized layers
     checkpointed: dict[str, int] = field(default_factory=dict)  # module -> checkpointed blocks
+    compiled: dict[str, int] = field(default_factory=dict)  # train.compile: module -> compiled blocks
     pinned_host_bytes: int = 0  # page-locked host bytes (or that would be, on the target GPU)
     transfers: dict[str, Transfer] = field(default_factory=dict)  # plugin key -> its copies in the last step
 
     def claimed(self, action: str) -> set[str]:
         return {c.module for c in self.claims if c.action == action}
+
+
+def _no_compile() -> Any:
+    from runner.compile.regional import NoCompile
+
+    return NoCompile()
 
 
 @dataclass
@@ -118,6 +125,8 @@ class RunContext:
     validation: Any = field(default_factory=NoValidation)  # val.*: runner.val.holdout.build_validation; no-op by default
     # dist=ddp|fsdp across processes (runner/dist/runtime.py); the no-op Distribution for one process.
     dist: Any = None
+    # train.compile (runner/compile/regional.py); a no-op by default and in the planner, which plans the eager step.
+    compiler: Any = field(default_factory=_no_compile)
     _torn_down: bool = False
 
     def __post_init__(self) -> None:
@@ -183,6 +192,7 @@ class RunContext:
         for name, m in self.models.items():
             if name not in self.facts.placed:
                 m.to(self.device)
+        self.compiler.apply(self)  # before wrap_execution: checkpointing then recomputes the compiled forward
         self.run_phase("wrap_execution")
 
     def step_context(self) -> ExitStack:

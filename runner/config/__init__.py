@@ -114,6 +114,8 @@ class TrainConfig:
     nonfinite_patience: int = 3  # with skip: this many non-finite steps in a row stop the run (exit 4)
     preflight: bool = True  # plan the step first (runner/plan/); refuse to start (exit 3) over budget_gb
     auto_fit: bool = False  # before training, search the fastest settings that fit (mode=fit, runner/fit/) and train with them
+    compile: bool = False  # torch.compile each repeated block of the trained modules once per class (runner/compile/)
+    compile_mode: str = "default"  # default | max-autotune-no-cudagraphs
 
 
 @dataclass

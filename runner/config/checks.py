@@ -36,6 +36,7 @@ from runner.config import (
     TRAIN_DTYPES,
 )
 from runner.config.adapters import TRAIN_MODES, check_adapter_quantization
+from runner.compile.config import check_compile_config
 from runner.devices import check_device_config
 from runner.dist import validate_dist
 from runner.ema.config import check_ema_config
@@ -159,6 +160,7 @@ def check_config(cfg: DictConfig) -> None:
         _check_data_path(cfg)
     validate_export(cfg)
     check_device_config(cfg)
+    check_compile_config(cfg)
     check_fit_config(cfg.fit)
     validate_log_config(cfg.log)
     check_optimizer_config(cfg.optimizer)

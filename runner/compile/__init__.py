@@ -1,0 +1,1 @@
+"""``train.compile``: regional compilation of the denoiser's repeated blocks (``regional.py``; checks in ``config.py``)."""
