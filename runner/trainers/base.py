@@ -125,7 +125,7 @@ class DiffusersTrainer(CacheKeys):
             folder = self.source[1]
             present = sorted(d for d in os.listdir(folder) if os.path.isdir(os.path.join(folder, d)))
             raise UserError(
-                f"model.path '{folder}' has no '{self.denoiser}/' subfolder for the {self.denoiser} "
+                f"model.path '{folder}' has no '{self.folder_name(self.denoiser)}/' subfolder for the {self.denoiser} "
                 f"(subfolders found: {', '.join(present) or 'none'}). Accepted: {SAFETENSORS_ACCEPTED}."
             )
         self._tokenizers: dict[str, Any] | None = None
@@ -214,9 +214,14 @@ class DiffusersTrainer(CacheKeys):
         return self.pipeline_class()(**parts, scheduler=self.inference_scheduler(), **self.pipeline_kwargs())
 
     # -- configs -------------------------------------------------------------------------
+    def folder_name(self, name: str) -> str:
+        """The subfolder of a diffusers folder that holds module ``name`` (its own name; a family
+        whose folder keeps a module under another name, such as Wan 2.2 A14B's second expert, says so)."""
+        return name
+
     def _folder_has(self, name: str) -> bool:
         src = self.source
-        return src is not None and src[0] == "folder" and os.path.isdir(os.path.join(src[1], name))
+        return src is not None and src[0] == "folder" and os.path.isdir(os.path.join(src[1], self.folder_name(name)))
 
     def component_config(self, name: str) -> dict[str, Any]:
         """The architecture of one module as a dict (folder config.json, else the size's dict).
@@ -224,7 +229,7 @@ class DiffusersTrainer(CacheKeys):
         Read without building anything, so ``example_batch`` can size tensors for the planner.
         """
         if self._folder_has(name):
-            with open(os.path.join(self.source[1], name, "config.json")) as f:
+            with open(os.path.join(self.source[1], self.folder_name(name), "config.json")) as f:
                 return json.load(f)
         return self.size_configs()[name]
 
@@ -246,7 +251,7 @@ class DiffusersTrainer(CacheKeys):
         src = self.source
         if src is not None and src[0] == "folder":
             if self._folder_has(name):  # the denoiser's subfolder was checked in __init__
-                return load_folder_component(cls, src[1], name, dtype, device)
+                return load_folder_component(cls, src[1], self.folder_name(name), dtype, device)
             log.warning(
                 "model.path %s has no %s/ subfolder: %s is randomly initialised (model.size=%s)",
                 src[1], name, name, self.size,

@@ -1,7 +1,16 @@
 """Wan 2.1 / 2.2 text-to-video: train the 3-D transformer (fully or with LoRA) with rectified flow.
 
-``trainer.variant``: ``14b`` (Wan2.1-T2V-14B, the default), ``1.3b`` (Wan2.1-T2V-1.3B) or ``2.2-5b``
-(Wan2.2-TI2V-5B, in its text-to-video mode); runner/trainers/wan_configs.py has the architectures.
+``trainer.variant``: ``14b`` (Wan2.1-T2V-14B, the default), ``1.3b`` (Wan2.1-T2V-1.3B), ``2.2-5b``
+(Wan2.2-TI2V-5B, in its text-to-video mode) or ``2.2-a14b`` (Wan2.2-T2V-A14B: two 14 B experts);
+runner/trainers/wan_configs.py has the architectures.
+
+Wan 2.2 A14B denoises the steps with t >= 0.875 with its high-noise expert and the rest with its
+low-noise one. A run trains one (``trainer.expert=high|low``, as musubi-tuner and ai-toolkit train
+them: two LoRAs, each loaded into its own model in ComfyUI): the expert's transformer is read from
+its subfolder (``transformer/`` or ``transformer_2/``), and each sample's t is the family's draw
+scaled into the expert's range (``0.875 + 0.125 t`` or ``0.875 t``), so the loss sees only the
+noise levels that expert denoises. Samples during training use the trained expert for every step
+(the other expert is not loaded): a preview of the expert, not of the two-expert pipeline.
 
 Data are clips (runner/data/video.py): ``data.frames`` frames at ``data.fps`` and
 ``data.width`` x ``data.height`` (default: ``data.resolution`` square). The Wan VAE compresses
@@ -58,6 +67,7 @@ class WanTrainer(FlowMatchTrainer):
 
     def __init__(self, cfg: Any, run: Any = None) -> None:
         self.variant = wan_configs.check_variant(str(cfg.trainer.get("variant", "14b")))
+        self.expert = wan_configs.check_expert(self.variant, cfg.trainer.get("expert"))
         super().__init__(cfg, run)
         length = cfg.trainer.get("max_sequence_length")
         # A real model folder gets the pipeline's 512 whatever model.size says (as Flux's T5 length).
@@ -91,6 +101,20 @@ class WanTrainer(FlowMatchTrainer):
         variant = wan_configs.check_variant(str(cfg.trainer.get("variant", "14b")))
         size = str(cfg.model.size)
         return DEFAULT_FRAMES.get(size, DEFAULT_FRAMES["tiny"]), float(wan_configs.WAN_PIPELINE[variant]["fps"])
+
+    def folder_name(self, name: str) -> str:
+        """Wan 2.2 A14B: the trained expert's subfolder holds the transformer."""
+        if name == self.denoiser and self.expert is not None:
+            return wan_configs.A14B_FOLDER[self.expert]
+        return name
+
+    def timesteps(self, seeds: torch.Tensor, seq_len: int = 4096) -> torch.Tensor:
+        """The family's t, scaled into the trained expert's range for Wan 2.2 A14B (module docstring)."""
+        t = super().timesteps(seeds, seq_len)
+        if self.expert is None:
+            return t
+        b = wan_configs.A14B_BOUNDARY
+        return b + (1.0 - b) * t if self.expert == "high" else b * t
 
     def module_classes(self) -> dict[str, type]:
         from diffusers import AutoencoderKLWan, WanTransformer3DModel

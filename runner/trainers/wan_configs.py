@@ -8,7 +8,11 @@ UMT5 states, fp32-kept modules) at a few dozen channels:
 * ``14b``: Wan-AI/Wan2.1-T2V-14B-Diffusers (40 blocks of width 5120; 14.3 B parameters);
 * ``1.3b``: Wan-AI/Wan2.1-T2V-1.3B-Diffusers (30 blocks of width 1536; 1.4 B);
 * ``2.2-5b``: Wan-AI/Wan2.2-TI2V-5B-Diffusers (30 blocks of width 3072 over the 48-channel,
-  16x-compressing Wan 2.2 VAE; 5.0 B), trained here in its text-to-video mode.
+  16x-compressing Wan 2.2 VAE; 5.0 B), trained here in its text-to-video mode;
+* ``2.2-a14b``: Wan-AI/Wan2.2-T2V-A14B-Diffusers, two experts of Wan 2.1 14B's architecture
+  (``transformer/`` for the high-noise steps, ``transformer_2/`` for the low-noise ones, split at
+  ``boundary_ratio`` 0.875 of the 1000 training timesteps, both ``config.json`` equal to 2.1 14B's)
+  over the Wan 2.1 VAE; one run trains one expert (``trainer.expert``).
 
 Wan 2.1 variants share the 16-channel Wan 2.1 VAE (8x spatial, 4x temporal compression); every
 variant uses UMT5-XXL (``google/umt5-xxl``'s encoder, 5.7 B) with 512 text tokens. Values from
@@ -24,7 +28,12 @@ from runner.errors import UserError, valid_list
 from runner.trainers.model_configs import _T5_XXL, TINY_T5_VOCAB, _check_size
 from runner.trainers.qwen_image_configs import WAN21_VAE
 
-VARIANTS = ("14b", "1.3b", "2.2-5b")
+VARIANTS = ("14b", "1.3b", "2.2-5b", "2.2-a14b")
+EXPERTS = ("high", "low")  # Wan 2.2 A14B: the expert a run trains (trainer.expert)
+# Wan2.2-T2V-A14B-Diffusers model_index.json boundary_ratio: t >= 0.875 (of 1, 1 = noise) is the
+# high-noise expert's, below it the low-noise one's.
+A14B_BOUNDARY = 0.875
+A14B_FOLDER = {"high": "transformer", "low": "transformer_2"}  # each expert's subfolder of the diffusers folder
 
 _WAN21_14B = {  # Wan2.1-T2V-14B transformer/config.json
     "patch_size": [1, 2, 2],
@@ -93,23 +102,27 @@ _FULL = {
     "14b": {"transformer": _WAN21_14B, "vae": _VAE21, "text_encoder": _UMT5_XXL},
     "1.3b": {"transformer": _WAN21_1_3B, "vae": _VAE21, "text_encoder": _UMT5_XXL},
     "2.2-5b": {"transformer": _WAN22_5B, "vae": _VAE22, "text_encoder": _UMT5_XXL},
+    "2.2-a14b": {"transformer": _WAN21_14B, "vae": _VAE21, "text_encoder": _UMT5_XXL},
 }
 _TINY = {
     "14b": {"transformer": _TRANSFORMER_TINY, "vae": _VAE21_TINY, "text_encoder": _UMT5_TINY},
     "1.3b": {"transformer": _TRANSFORMER_TINY, "vae": _VAE21_TINY, "text_encoder": _UMT5_TINY},
     "2.2-5b": {"transformer": {**_TRANSFORMER_TINY, "in_channels": 48, "out_channels": 48}, "vae": _VAE22_TINY,
                "text_encoder": _UMT5_TINY},
+    "2.2-a14b": {"transformer": _TRANSFORMER_TINY, "vae": _VAE21_TINY, "text_encoder": _UMT5_TINY},
 }
 # UMT5 prompt length: the pipeline pads every prompt with zeros to 512 tokens and the model was
 # trained that way; the tiny byte-level tokenizer keeps short captions whole in 64.
 WAN_MAX_SEQUENCE_LENGTH = {"full": 512, "tiny": 64}
 # The published pipelines' sampling settings per variant: the scheduler's flow shift (3.0 is the
-# 480p value of Wan 2.1; 2.2-5B ships 5.0), the frame rate of the training clips, and whether the
-# pipeline passes one timestep per latent token (Wan 2.2 TI2V's expand_timesteps).
+# 480p value of Wan 2.1; 2.2-5B ships 5.0; Wan 2.2's t2v-A14B config samples with shift 12.0), the
+# frame rate of the training clips, and whether the pipeline passes one timestep per latent token
+# (Wan 2.2 TI2V's expand_timesteps).
 WAN_PIPELINE = {
     "14b": {"flow_shift": 3.0, "fps": 16, "expand_timesteps": False},
     "1.3b": {"flow_shift": 3.0, "fps": 16, "expand_timesteps": False},
     "2.2-5b": {"flow_shift": 5.0, "fps": 24, "expand_timesteps": True},
+    "2.2-a14b": {"flow_shift": 12.0, "fps": 16, "expand_timesteps": False},
 }
 
 
@@ -118,6 +131,22 @@ def check_variant(variant: str) -> str:
         raise UserError(f"Unknown trainer.variant '{variant}' for trainer=wan. Valid variants: "
                         f"{valid_list(variant, VARIANTS)}.")
     return variant
+
+
+def check_expert(variant: str, expert: Any) -> str | None:
+    """``trainer.expert``: required with ``2.2-a14b`` (``high`` or ``low``), refused with the others."""
+    if variant != "2.2-a14b":
+        if expert is not None:
+            raise UserError(f"trainer.expert={expert} applies to trainer.variant=2.2-a14b only (Wan 2.2's two 14 B "
+                            f"experts); trainer.variant={variant} has one transformer. Unset trainer.expert.")
+        return None
+    if expert not in EXPERTS:
+        raise UserError(
+            f"trainer.variant=2.2-a14b needs trainer.expert=high or low{'' if expert is None else f' (not {expert!r})'}: "
+            f"Wan 2.2 A14B is two 14 B transformers, one for the high-noise steps (t >= {A14B_BOUNDARY}: layout and "
+            "motion, its transformer/ folder) and one for the rest (detail, transformer_2/). A run trains one of them; "
+            "train the other in a second run with the same data.")
+    return str(expert)
 
 
 def wan_configs(size: str, variant: str = "14b") -> dict[str, dict[str, Any]]:
