@@ -1,7 +1,7 @@
 """train.compile=true: the repeated blocks compiled (inductor's C++ backend on the CPU) train as eager does.
 
 Whole runs of the tiny Flux transformer (two block classes, so two graphs), LoRA with block
-checkpointing and with offload=stream: the losses and the trained weights equal the eager run's
+checkpointing, with offload=stream, with activation offload and on an nf4 base: the losses and the trained weights equal the eager run's
 within float tolerance (a compiled kernel may fuse and reorder float operations, so not bit for
 bit). The first run of a test session compiles (tens of seconds here); later ones hit inductor's
 on-disk cache.
@@ -45,7 +45,8 @@ def assert_close(eager: tuple, compiled: tuple) -> None:
 
 
 @pytest.mark.parametrize("plugins", [["checkpoint=blocks"], ["offload=stream", "offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"],
-                                     ["offload=activations"]], ids=["checkpoint", "stream", "activations"])
+                                     ["offload=activations"], ["quantization=[nf4]", "checkpoint=blocks"]],
+                         ids=["checkpoint", "stream", "activations", "nf4"])
 def test_compiled_blocks_train_like_eager(tmp_path, plugins, caplog) -> None:
     eager = train(tmp_path / "eager", *plugins)
     with caplog.at_level("INFO", logger="runner"):
