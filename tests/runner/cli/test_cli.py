@@ -22,6 +22,9 @@ def test_help_lists_the_groups():
     assert r.returncode == 0, r.stderr
     for group in ("allocator", "checkpoint", "offload", "quantization", "tiling", "trainer", "preset"):
         assert group in r.stdout, group
+    # Issue 29: how to start N machines, by hand and on SLURM (the launcher's keys exist: conf/hydra/launcher/slurm.yaml)
+    assert "torchrun --nnodes=N --nproc_per_node=8 --rdzv_backend=c10d" in r.stdout
+    assert "hydra/launcher=slurm hydra.launcher.nodes=N hydra.launcher.gpus_per_node=8" in r.stdout
 
 
 def test_cfg_job_prints_the_composed_config():
