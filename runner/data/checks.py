@@ -62,6 +62,17 @@ def _check_masks(value: Any) -> bool:
                     "<stem>_mask.png beside it; runner/data/masks.py) or false (the whole image is trained).")
 
 
+def _check_references(data_cfg: Any) -> int:
+    """``data.references``: reference (control) images per target for an edit trainer (runner/data/references.py)."""
+    value = _get(data_cfg, "references", 0)
+    value = 0 if value is None else value
+    if not _whole(value) or value < 0:
+        raise UserError(f"data.references={value!r} is not valid: the number of reference (control) images per target "
+                        "image, a whole number >= 0 (0: plain captioned images; 1 for trainer=flux_kontext), found as "
+                        "control/<stem>.png or <stem>_ref1.png beside each image (runner/data/references.py).")
+    return int(value)
+
+
 def _check_demo_prior(data_cfg: Any) -> int:
     value = _get(data_cfg, "demo_prior", 0)
     value = 0 if value is None else value
