@@ -105,6 +105,7 @@ class DiffusersTrainer(CacheKeys):
     kohya_lora: bool = True  # whether diffusers reads a kohya-layout LoRA of this family back (runner/export/)
     kohya_base_model_version: str | None = None  # kohya's ss_base_model_version of this family's LoRAs
     comfy_layout: str = "kohya"  # the LoRA key layout ComfyUI maps for this family (runner/export/comfy.py LAYOUTS)
+    max_references: int = 0  # reference images per target an edit family takes (data.references; 0: not an edit family)
 
     def __init__(self, cfg: Any, run: Any = None) -> None:
         """``run``: the :class:`~runner.resolved.ResolvedRun`, whose dtypes win over the config's
@@ -136,6 +137,7 @@ class DiffusersTrainer(CacheKeys):
         self.loss_options = loss_config(cfg)  # loss.* (runner/loss/objectives.py), read by the loss-family base
         data = cfg.get("data") if hasattr(cfg, "get") else None
         self.masks = bool(data.get("masks", False)) if data is not None and hasattr(data, "get") else False
+        self.references = self.check_references(data, name)
         if self.objective is not None:
             check_objective(self.loss_options, self.objective, f"trainer {name}")
         export = cfg.get("export") if hasattr(cfg, "get") else None
@@ -149,6 +151,19 @@ class DiffusersTrainer(CacheKeys):
             raise UserError(f"data.resolution={res} is not usable for {name}: it must be a positive multiple of {k} "
                             f"({self.resolution_reason()}), e.g. {max(k, res // k * k)}.")
         self.check_sizes(k, self.resolution_reason())  # aspect-ratio buckets and per-set resolutions
+
+    def check_references(self, data: Any, name: str) -> int:
+        """``data.references``, refused when it exceeds what the family takes (:attr:`max_references`)."""
+        from runner.data.checks import _check_references
+
+        count = _check_references(data) if data is not None else 0
+        if count > self.max_references:
+            takes = (f"takes at most {self.max_references} reference image(s) per target" if self.max_references
+                     else "is not an edit model: it takes no reference images")
+            raise UserError(f"data.references={count}: {name} {takes}. Set data.references="
+                            f"{min(count, self.max_references)}" + ("" if self.max_references else
+                            ", or train an edit family (trainer=flux_kontext)") + ".")
+        return count
 
     def _open_single_file(self, file: str) -> None:
         """Header, layout, family and tokenizers checked before any weight is read (single_file.py)."""
@@ -313,7 +328,7 @@ class DiffusersTrainer(CacheKeys):
     def image_inputs(self) -> tuple[str, ...]:
         """What the latents part reads: the pixels, and with ``data.masks`` their loss mask, so the
         mask is cached with the latents and its content is in the cache key (plugins/park/cache.py)."""
-        return ("pixel_values", "mask") if self.masks else ("pixel_values",)
+        return ("pixel_values",) + (("mask",) if self.masks else ()) + (("references",) if self.references else ())
 
     @staticmethod
     def encode_latents(models: ModelSet, batch: Batch) -> dict[str, torch.Tensor]:
@@ -479,6 +494,8 @@ class DiffusersTrainer(CacheKeys):
         }
         if self.masks:  # data.masks: the loss mask travels with the pixels (float32, one channel)
             batch["mask"] = self.example_tensor((batch_size, 1, h, w), device, torch.float32, 4).sigmoid()
+        if self.references:  # data.references: the target's size, N per sample
+            batch["references"] = self.example_tensor((batch_size, self.references, 3, h, w), device, torch.float32, 6)
         return batch
 
     def with_example_mask(self, batch: Batch) -> Batch:
