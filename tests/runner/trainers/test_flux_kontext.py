@@ -169,3 +169,43 @@ def test_the_familys_reference_limits_are_refused(tmp_path, overrides, match):
         return
     with pytest.raises(UserError, match=match):
         build_trainer(compose_config([*overrides, "train.device=cpu"]))
+
+
+# ---- where the model comes from: full size on meta, BFL's single file, a hub id ----------------------------
+def test_the_published_size_builds_on_meta_with_the_reference_in_the_example_batch():
+    """FLUX.1 Kontext dev is FLUX.1 dev's transformer (11.9 B) with CLIP-L and T5-XXL; the planner's example
+    batch carries a reference latent of the target's size, so the planned sequence is target + reference."""
+    trainer = build_trainer(compose_config([*KONTEXT, "model.size=full", "model.train=lora"]))
+    models = trainer.build_models("meta")
+    base = sum(p.numel() for n, p in models["transformer"].named_parameters() if "lora_" not in n)
+    t5 = sum(p.numel() for p in models["text_encoder_2"].parameters())
+    assert base == pytest.approx(11.9e9, rel=1e-2) and t5 == pytest.approx(4.76e9, rel=1e-2)
+    ex = trainer.example_batch(2, "meta")
+    assert tuple(ex["latents"].shape) == (2, 16, 128, 128) and tuple(ex["reference_latents"].shape) == (2, 1, 16, 128, 128)
+    raw = trainer.example_raw_batch(2, "meta")
+    assert tuple(raw["references"].shape) == (2, 1, 3, 1024, 1024)
+
+
+def test_bfls_kontext_file_and_a_hub_id_load(built, tmp_path, monkeypatch):
+    """flux1-kontext-dev.safetensors has FLUX.1 dev's original layout: it loads as Flux's does; a hub id
+    (black-forest-labs/FLUX.1-Kontext-dev) resolves to its diffusers folder in the local hub cache."""
+    from original_layouts import flux_to_original, hub_cache
+    from safetensors.torch import save_file
+
+    trainer, models = built
+    file = tmp_path / "flux1-kontext-dev.safetensors"
+    save_file({k: v.contiguous() for k, v in flux_to_original(models["transformer"].state_dict()).items()}, str(file))
+    loaded = build_trainer(compose_config([*KONTEXT, f"model.path={file}"])).build_models("cpu")
+    for k, v in models["transformer"].state_dict().items():
+        assert torch.equal(loaded["transformer"].state_dict()[k], v), k
+
+    folder = tmp_path / "saved"
+    trainer.pipeline(models).save_pretrained(folder)
+    cache = tmp_path / "hub"
+    hub_cache(cache, "black-forest-labs/FLUX.1-Kontext-dev", folder)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    hub = build_trainer(compose_config([*KONTEXT, "model.path=black-forest-labs/FLUX.1-Kontext-dev"]))
+    from_hub = hub.build_models("cpu")
+    for name in ("transformer", "vae", "text_encoder", "text_encoder_2"):
+        theirs = from_hub[name].state_dict()
+        assert all(torch.equal(theirs[k], v) for k, v in models[name].state_dict().items()), name
