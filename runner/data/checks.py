@@ -73,6 +73,19 @@ def _check_references(data_cfg: Any) -> int:
     return int(value)
 
 
+def family_references(data_cfg: Any, max_references: int, name: str) -> int:
+    """``data.references``, refused when it exceeds what trainer ``name`` takes (its ``max_references``):
+    a reference no family reads would be ignored silently."""
+    count = _check_references(data_cfg) if data_cfg is not None else 0
+    if count > max_references:
+        takes = (f"takes at most {max_references} reference image(s) per target" if max_references
+                 else "is not an edit model: it takes no reference images")
+        other = "" if max_references else ", or train an edit family (trainer=flux_kontext)"
+        raise UserError(f"data.references={count}: {name} {takes}. Set data.references={min(count, max_references)}"
+                        f"{other}.")
+    return count
+
+
 def _check_demo_prior(data_cfg: Any) -> int:
     value = _get(data_cfg, "demo_prior", 0)
     value = 0 if value is None else value

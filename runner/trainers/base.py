@@ -29,6 +29,7 @@ from torch import nn
 
 from runner.blocks import find_repeated_blocks
 from runner.config.adapters import TRAIN_MODES
+from runner.data.checks import family_references
 from runner.errors import UserError, valid_list
 from runner.export.comfy import check_comfy_targets
 from runner.loss.objectives import check_objective, loss_config
@@ -137,7 +138,7 @@ class DiffusersTrainer(CacheKeys):
         self.loss_options = loss_config(cfg)  # loss.* (runner/loss/objectives.py), read by the loss-family base
         data = cfg.get("data") if hasattr(cfg, "get") else None
         self.masks = bool(data.get("masks", False)) if data is not None and hasattr(data, "get") else False
-        self.references = self.check_references(data, name)
+        self.references = family_references(data, self.max_references, name)  # data.references, within the family's
         if self.objective is not None:
             check_objective(self.loss_options, self.objective, f"trainer {name}")
         export = cfg.get("export") if hasattr(cfg, "get") else None
@@ -151,19 +152,6 @@ class DiffusersTrainer(CacheKeys):
             raise UserError(f"data.resolution={res} is not usable for {name}: it must be a positive multiple of {k} "
                             f"({self.resolution_reason()}), e.g. {max(k, res // k * k)}.")
         self.check_sizes(k, self.resolution_reason())  # aspect-ratio buckets and per-set resolutions
-
-    def check_references(self, data: Any, name: str) -> int:
-        """``data.references``, refused when it exceeds what the family takes (:attr:`max_references`)."""
-        from runner.data.checks import _check_references
-
-        count = _check_references(data) if data is not None else 0
-        if count > self.max_references:
-            takes = (f"takes at most {self.max_references} reference image(s) per target" if self.max_references
-                     else "is not an edit model: it takes no reference images")
-            raise UserError(f"data.references={count}: {name} {takes}. Set data.references="
-                            f"{min(count, self.max_references)}" + ("" if self.max_references else
-                            ", or train an edit family (trainer=flux_kontext)") + ".")
-        return count
 
     def _open_single_file(self, file: str) -> None:
         """Header, layout, family and tokenizers checked before any weight is read (single_file.py)."""
