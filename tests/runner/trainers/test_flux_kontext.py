@@ -17,6 +17,7 @@ import pytest
 import torch
 from accelerate.utils import set_seed
 from PIL import Image
+from runner_setup import prepared_context
 
 from runner.__main__ import task
 from runner.build import build_trainer, prepare_models
@@ -29,6 +30,7 @@ from runner.export.checkpoint import EXPORT_DIR, INFO_FILE
 from runner.export.lora import DIFFUSERS_FILE, KOHYA_FILE
 from runner.output.report import read_metrics
 from runner.resolved import resolve
+from runner.sampling import build_sampler
 from runner.trainers.flux import _pack_latents
 from runner.trainers.flux_kontext import FluxKontextTrainer
 
@@ -126,9 +128,9 @@ def test_a_lora_trains_on_the_paired_demo_set_samples_with_the_reference_and_loa
     trainer, base = build("model.train=full")
     pipe = trainer.pipeline(base)
     assert type(pipe).__name__ == "FluxKontextPipeline"
-    kwargs = dict(image=reference_image(), prompt="make the circle red", num_inference_steps=2, height=64, width=64,
-                  max_area=64 * 64,
-                  output_type="pt", _auto_resize=False, max_sequence_length=trainer.t5_max_length())
+    kwargs = {"image": reference_image(), "prompt": "make the circle red", "num_inference_steps": 2, "height": 64,
+              "width": 64, "max_area": 64 * 64, "output_type": "pt", "_auto_resize": False,
+              "max_sequence_length": trainer.t5_max_length()}
     without = pipe(**kwargs, generator=torch.Generator().manual_seed(0)).images
     pipe.load_lora_weights(str(export / DIFFUSERS_FILE))
     with_lora = pipe(**kwargs, generator=torch.Generator().manual_seed(0)).images
@@ -160,9 +162,6 @@ def test_a_sample_reference_changes_the_sample(tmp_path):
       "sample.references=[x.png]"], r"1 file\(s\) for 2 prompt"),
 ], ids=["none", "too-many", "not-edit", "negative", "sample-not-edit", "sample-count"])
 def test_the_familys_reference_limits_are_refused(tmp_path, overrides, match):
-    from runner.sampling import build_sampler
-    from runner_setup import prepared_context
-
     if any(o.startswith("sample.") for o in overrides):
         with pytest.raises(UserError, match=match):
             build_sampler(prepared_context(tmp_path, *overrides))
