@@ -4,9 +4,11 @@ An edit model samples "prompt applied to a reference", so every prompt needs its
 
 * ``sample.references=[a.png, b.png]``: one image file per prompt, in order, resized (short side)
   to ``sample.resolution`` and centre-cropped square, as the sample is square;
-* unset: prompt ``i`` takes the reference(s) of training sample ``i`` (modulo the data set's size), as
-  the data gives them (cropped and bucketed with their target), so a sample shows the trained edit
-  on the data it learned from. The data set's first samples are read once, at the start.
+* unset: prompt ``i`` takes the reference(s) of training sample ``i`` (modulo the data set's size), so a
+  sample shows the trained edit on the data it learned from, resized (short side) to
+  ``sample.resolution`` and centre-cropped square like a file. The data set's first samples are read
+  once, at the start. Either way the reference has the sample's size, which is what the planner plans
+  for the sampling pass (runner/plan/sampling.py: the example batch at ``sample.resolution``).
 
 Refused before step 1 (:func:`check_references`): ``sample.references`` with a family that takes no
 reference, a count that is not the prompts', or a trainer that takes more than one reference per
@@ -55,4 +57,17 @@ def reference_pixels(trainer: Any, files: list[str], count: int, resolution: int
     n = len(dataset)
     log.info("sample: prompt i takes the reference image(s) of training sample i (of %d); sample.references sets "
              "files instead", n)
-    return [dataset[i % n]["references"].unsqueeze(0) for i in range(count)]
+    return [square(dataset[i % n]["references"], resolution).unsqueeze(0) for i in range(count)]
+
+
+def square(pixels: torch.Tensor, resolution: int) -> torch.Tensor:
+    """``[N, 3, H, W]`` -> ``[N, 3, R, R]``: the short side resized to ``resolution`` (antialiased
+    bilinear), then the centre crop; unchanged when already that size."""
+    h, w = pixels.shape[-2:]
+    if (h, w) == (resolution, resolution):
+        return pixels
+    scale = resolution / min(h, w)
+    size = (max(resolution, round(h * scale)), max(resolution, round(w * scale)))
+    out = torch.nn.functional.interpolate(pixels, size=size, mode="bilinear", antialias=True, align_corners=False)
+    top, left = (size[0] - resolution) // 2, (size[1] - resolution) // 2
+    return out[..., top:top + resolution, left:left + resolution].contiguous()

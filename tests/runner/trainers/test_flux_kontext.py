@@ -208,3 +208,17 @@ def test_bfls_kontext_file_and_a_hub_id_load(built, tmp_path, monkeypatch):
     for name in ("transformer", "vae", "text_encoder", "text_encoder_2"):
         theirs = from_hub[name].state_dict()
         assert all(torch.equal(theirs[k], v) for k, v in models[name].state_dict().items()), name
+
+
+def test_a_training_reference_is_squared_to_the_sample_size():
+    """A bucketed reference (64x96 here) becomes the square sample's size by its short side and the centre
+    crop: the planner plans the sampling pass with a reference of the sample's size (runner/plan/sampling.py)."""
+    from runner.sampling.references import square
+
+    ramp = torch.linspace(-1, 1, 96).expand(1, 3, 64, 96).contiguous()
+    out = square(ramp, 32)
+    assert out.shape == (1, 3, 32, 32)
+    # the centre two thirds of the ramp survive (its left and right sixths are cropped), left to right:
+    # columns 16..79 of 96 span -1 + 2 * 16 / 95 = -0.66 .. 0.66
+    assert -0.7 < float(out[0, 0, 0, 0]) < -0.6 and 0.6 < float(out[0, 0, 0, -1]) < 0.7
+    assert torch.equal(square(out, 32), out)
