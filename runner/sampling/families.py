@@ -165,7 +165,9 @@ class FluxKontextSampling(FluxSampling):
     """
 
     takes_references = True
-    default_guidance = 2.5  # FluxKontextPipeline's default guidance_scale
+    # The guidance FluxKontextPipeline's own example samples Kontext with (its EXAMPLE_DOC_STRING); the
+    # call's default, 3.5, is FLUX.1 dev's. sample.guidance sets another.
+    default_guidance = 2.5
 
     @torch.no_grad()
     def encode_reference(self, trainer: Any, models: ModelSet, pixels: torch.Tensor,
