@@ -321,11 +321,14 @@ def _read_captions(images: list[Path], caption_ext: str, missing_caption: str, s
             )
             more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
             other = _other_caption_ext(missing[0], caption_ext)
+            refs = [p for p in missing if is_reference_file(p)]  # control/ or *_ref1 read as samples: data.references=0
+            edit = (f" {str(refs[0])!r} looks like a reference image (runner/data/references.py): for an edit trainer "
+                    "set data.references=1, which reads control/ and *_ref<k> files as references." if refs else "")
             raise UserError(
                 f"{key}={shown!r}: {len(missing)} of {len(images)} images have no caption "
                 f"file: {examples}{more}. Each image needs a same-named {caption_ext} file beside it "
                 f"holding its caption (UTF-8){other}; or set data.missing_caption=empty to train "
-                "those images with an empty caption instead."
+                f"those images with an empty caption instead.{edit}"
             )
         log.warning(
             "%s=%r: %d of %d images have no %s caption; using an empty caption for "

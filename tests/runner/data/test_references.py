@@ -55,7 +55,7 @@ def test_the_control_folder_wins_over_the_suffix_and_references_are_not_samples(
     assert sample["references"].shape == (1, 3, 64, 64) and sample["caption"] == "edit a"
     assert "references: 1 per target, 1 from control folders, 1 from *_ref files" in ds.describe()
     # without data.references the same folder reads every image as a sample: control/a.png has no caption
-    with pytest.raises(UserError, match=r"control/a.png"):
+    with pytest.raises(UserError, match=r"control/a.png.*looks like a reference image.*set data.references=1"):
         FolderDataset(tmp_path, 64)
 
 
