@@ -154,8 +154,8 @@ class SampleFingerprints:
         for key in inputs:
             if key == "pixel_values":
                 out[key] = self.image(index, flip)
-            elif key == "mask" and callable(self._fingerprint) and (mask := self._fingerprint(index)) is not None:
-                out[key] = {**mask, "flip": bool(flip)}  # it holds the mask file's sha256
+            elif key in ("mask", "references") and callable(self._fingerprint) and (fp := self._fingerprint(index)) is not None:
+                out[key] = {**fp, "flip": bool(flip)}  # it holds the mask's (data.masks) and references' sha256
             elif key == "caption":
                 out[key] = self.caption(index)
             else:

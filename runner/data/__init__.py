@@ -23,7 +23,9 @@ per-index randomness), :mod:`runner.data.captions` (caption dropout, tag shuffli
 :mod:`runner.data.buckets` (aspect-ratio buckets), :mod:`runner.data.sets` (several sets,
 repeats, weights), :mod:`runner.data.order` (each step's batch), :mod:`runner.data.checks`
 (``data.*`` values) and :mod:`runner.data.flip` (``data.random_flip``: decided per visit by the
-runner, on the collated batch, not here).
+runner, on the collated batch, not here), :mod:`runner.data.masks` (``data.masks``) and :mod:`runner.data.references`
+(``data.references``: reference images per target for edit trainers, a ``references`` tensor
+``[N, 3, H, W]`` per sample).
 
 Errors a user can cause (missing folder, no images, missing or non-UTF-8 captions, unreadable
 images, bad ``data.*`` values) raise :class:`runner.errors.UserError` naming the key and file.
@@ -45,6 +47,7 @@ from runner.data.checks import (
     _check_demo_prior,
     _check_masks,
     _check_missing_caption,
+    _check_references,
     _check_resolution,
     _check_sets,
     _get,
@@ -77,6 +80,7 @@ class DataOptions:
     demo_size: Any
     masks: bool = False
     demo_prior: int = 0
+    references: int = 0
 
     def bucket_spec(self, resolution: int) -> BucketSpec | None:
         if not self.buckets:
@@ -102,6 +106,7 @@ def check_options(data_cfg: Any) -> DataOptions:
         demo_size=_get(data_cfg, "demo_size", 16),
         masks=_check_masks(_get(data_cfg, "masks", False)),
         demo_prior=_check_demo_prior(data_cfg),
+        references=_check_references(data_cfg),
     )
     if buckets:
         for res, key in [(resolution, "data.resolution")] + [
@@ -133,9 +138,9 @@ def build_dataset(data_cfg: Any) -> Dataset:
                 "built-in demo set (used because data.path is unset) and must be a whole number "
                 "of at least 1, e.g. data.demo_size=16."
             )
-        base: Dataset = DemoDataset(demo_size, o.resolution, masks=o.masks)  # always square
+        base: Dataset = DemoDataset(demo_size, o.resolution, masks=o.masks, references=o.references)  # always square
         if o.demo_prior:  # data.demo_prior: a built-in regularization (class) set beside it
-            prior = DemoPrior(o.demo_prior, o.resolution, masks=o.masks)
+            prior = DemoPrior(o.demo_prior, o.resolution, masks=o.masks, references=o.references)
             return TrainingData([(base, 1, None, "demo"), (prior, 1, None, "data.demo_prior")], o.rules,
                                 priors=frozenset({1}))
         return TrainingData([(base, 1, None, "demo")], o.rules) if o.rules.active else base
@@ -146,7 +151,7 @@ def build_dataset(data_cfg: Any) -> Dataset:
     if not o.sets:
         folder = FolderDataset(o.path, o.resolution, center_crop=o.center_crop,
                                missing_caption=o.missing_caption, caption_ext=o.caption_ext,
-                               buckets=o.bucket_spec(o.resolution), masks=o.masks)
+                               buckets=o.bucket_spec(o.resolution), masks=o.masks, references=o.references)
         return TrainingData([(folder, 1, None, "data.path")], o.rules) if o.rules.active else folder
     parts = []
     for n, s in enumerate(o.sets):
@@ -154,7 +159,8 @@ def build_dataset(data_cfg: Any) -> Dataset:
         folder = FolderDataset(s["path"], res, center_crop=o.center_crop,
                                missing_caption=o.missing_caption, caption_ext=s["caption_ext"] or o.caption_ext,
                                buckets=o.bucket_spec(res), key=f"data.sets[{n}].path",
-                               size_in_fingerprint=res != o.resolution, masks=o.masks)
+                               size_in_fingerprint=res != o.resolution, masks=o.masks,
+                               references=o.references)
         parts.append((folder, s["repeats"], s["weight"], f"data.sets[{n}]"))
     return TrainingData(parts, o.rules, priors=frozenset(n for n, s in enumerate(o.sets) if s["role"] == "prior"))
 
@@ -227,6 +233,9 @@ def _refuse_image_only_options(data_cfg: Any) -> None:
     if bool(_get(data_cfg, "masks", False)):
         raise UserError("data.masks=true applies to image trainers: a video trainer's clips have no loss masks yet. "
                         "Set data.masks=false for this trainer.")
+    if _get(data_cfg, "references", 0):
+        raise UserError("data.references applies to image edit trainers (trainer=flux_kontext): a video trainer's clips "
+                        "have no reference images. Set data.references=0 for this trainer.")
     if _get(data_cfg, "demo_prior", 0):
         raise UserError("data.demo_prior adds a prior (class) set of images beside the demo images; a video trainer "
                         "reads clips. Set data.demo_prior=0 for this trainer.")
@@ -238,7 +247,7 @@ def _refuse_image_only_options(data_cfg: Any) -> None:
 _CHECKED: dict[tuple, Dataset] = {}
 _KEYED = ("path", "resolution", "center_crop", "missing_caption", "caption_ext", "caption_dropout",
           "shuffle_tags", "keep_tokens", "buckets", "bucket_step", "bucket_min_side", "bucket_max_side", "sets",
-          "masks", "demo_prior")
+          "masks", "demo_prior", "references")
 
 
 def _folder_key(data_cfg: Any, video: Any = None) -> tuple:

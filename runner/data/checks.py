@@ -62,6 +62,30 @@ def _check_masks(value: Any) -> bool:
                     "<stem>_mask.png beside it; runner/data/masks.py) or false (the whole image is trained).")
 
 
+def _check_references(data_cfg: Any) -> int:
+    """``data.references``: reference (control) images per target for an edit trainer (runner/data/references.py)."""
+    value = _get(data_cfg, "references", 0)
+    value = 0 if value is None else value
+    if not _whole(value) or value < 0:
+        raise UserError(f"data.references={value!r} is not valid: the number of reference (control) images per target "
+                        "image, a whole number >= 0 (0: plain captioned images; 1 for trainer=flux_kontext), found as "
+                        "control/<stem>.png or <stem>_ref1.png beside each image (runner/data/references.py).")
+    return int(value)
+
+
+def family_references(data_cfg: Any, max_references: int, name: str) -> int:
+    """``data.references``, refused when it exceeds what trainer ``name`` takes (its ``max_references``):
+    a reference no family reads would be ignored silently."""
+    count = _check_references(data_cfg) if data_cfg is not None else 0
+    if count > max_references:
+        takes = (f"takes at most {max_references} reference image(s) per target" if max_references
+                 else "is not an edit model: it takes no reference images")
+        other = "" if max_references else ", or train an edit family (trainer=flux_kontext)"
+        raise UserError(f"data.references={count}: {name} {takes}. Set data.references={min(count, max_references)}"
+                        f"{other}.")
+    return count
+
+
 def _check_demo_prior(data_cfg: Any) -> int:
     value = _get(data_cfg, "demo_prior", 0)
     value = 0 if value is None else value

@@ -114,6 +114,23 @@ def demo_mask(index: int, resolution: int) -> torch.Tensor:
     return mask_tensor(img)
 
 
+REFERENCE_GREYS = (128, 96, 160, 64)  # the shape's colour in reference 1, 2 ... of a paired demo sample
+
+
+def demo_reference(index: int, resolution: int, k: int) -> torch.Tensor:
+    """Reference ``k`` (0-based) of demo image ``index`` (``data.references``): the same shape at the same
+    place on the same background, in grey, so the edit the caption asks for is its colour. ``[3, R, R]``."""
+    _, _, bg = demo_spec(index)
+    grey = REFERENCE_GREYS[k % len(REFERENCE_GREYS)]
+    return _to_tensor(_draw(index, resolution, (grey, grey, grey), _COLOURS[bg]))
+
+
+def demo_instruction(index: int) -> str:
+    """The caption of a paired demo sample, an edit instruction: "make the circle red"."""
+    shape, fg, _ = demo_spec(index)
+    return f"make the stripes {fg}" if shape == "stripes" else f"make the {shape} {fg}"
+
+
 def _draw(index: int, resolution: int, colour: tuple[int, int, int], background: tuple[int, int, int]) -> Image.Image:
     shape = demo_spec(index)[0]
     ss = 2
@@ -160,11 +177,14 @@ class DemoDataset(Dataset):
     (16 images at 64 px are ~800 KB). ``data.random_flip`` is the runner's, per visit (runner/data/flip.py).
     """
 
-    def __init__(self, size: int, resolution: int, masks: bool = False) -> None:
-        """``masks``: each sample also carries its shape as a loss mask (``data.masks=true``)."""
+    def __init__(self, size: int, resolution: int, masks: bool = False, references: int = 0) -> None:
+        """``masks``: each sample also carries its shape as a loss mask (``data.masks=true``);
+        ``references``: a paired edit set (``data.references=N``): each target carries N grey versions of
+        its shape (:func:`demo_reference`) and its caption is the instruction (:func:`demo_instruction`)."""
         self.size = int(size)
         self.resolution = _check_resolution(resolution)
         self.masks = bool(masks)
+        self.references = int(references)
         self._cache: dict[int, torch.Tensor] = {}
         self._masks: dict[int, torch.Tensor] = {}
 
@@ -177,16 +197,22 @@ class DemoDataset(Dataset):
         out: dict[str, Any] = {"pixel_values": t}
         if self.masks:
             out["mask"] = cached_copy(self._masks, index, lambda i: demo_mask(i, self.resolution))
-        return {**out, "caption": demo_caption(index), "index": index}
+        if self.references:
+            out["references"] = self._references(index, index)
+        return {**out, "caption": self.caption(index), "index": index}
+
+    def _references(self, index: int, drawn: int) -> torch.Tensor:
+        return torch.stack([demo_reference(drawn, self.resolution, k) for k in range(self.references)])
 
     def caption(self, index: int) -> str:
         """The caption of image ``index`` without drawing it (the encoder cache keys text by it)."""
-        return demo_caption(index)
+        return demo_instruction(index) if self.references else demo_caption(index)
 
     def describe(self) -> str:
         r = self.resolution
         masks = "; loss masks: each shape" if self.masks else ""
-        return f"{self.size} images at {r}x{r} from the built-in demo set (coloured shapes){masks}"
+        refs = f"; {self.references} grey reference(s) per image, edit instructions as captions" if self.references else ""
+        return f"{self.size} images at {r}x{r} from the built-in demo set (coloured shapes){masks}{refs}"
 
 
 class DemoPrior(DemoDataset):
@@ -203,10 +229,14 @@ class DemoPrior(DemoDataset):
         out: dict[str, Any] = {"pixel_values": t}
         if self.masks:
             out["mask"] = cached_copy(self._masks, index, lambda _: demo_mask(i, self.resolution))
+        if self.references:
+            out["references"] = self._references(index, i)
         return {**out, "caption": self.caption(index), "index": index}
 
     def caption(self, index: int) -> str:
         shape = demo_spec(index + self.OFFSET)[0]
+        if self.references:
+            return f"make the {shape} coloured"
         return "stripes" if shape == "stripes" else f"{_article(shape)} {shape}"
 
     def describe(self) -> str:

@@ -28,7 +28,9 @@ import torch
 from runner.data.images import _mix
 
 _SALT_VISIT_FLIP = 5
-FLIPPED = ("pixel_values", "mask")  # what a flipped visit mirrors: the pixels and their loss mask (data.masks)  # the per-index salts of runner/data/images.py are 1..4
+# What a flipped visit mirrors: the pixels, their loss mask (data.masks) and their reference images
+# (data.references, [B, N, 3, H, W]: the same flip as the target, so the edit stays aligned).
+FLIPPED = ("pixel_values", "mask", "references")  # the per-index salts of runner/data/images.py are 1..4
 
 
 def flips_on_visit(sample_seed: int) -> bool:

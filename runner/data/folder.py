@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from PIL import Image
 from torch.utils.data import Dataset
 
 from runner.data.buckets import BucketSpec, Size, cover_geometry, describe_buckets
@@ -34,6 +35,7 @@ from runner.data.images import (
     sha256_file,
 )
 from runner.data.masks import describe_masks, find_masks, is_mask_file, load_mask, mask_tensor
+from runner.data.references import describe_references, find_references, is_control_folder, is_reference_file
 from runner.errors import UserError
 
 log = logging.getLogger("runner")
@@ -85,12 +87,15 @@ class FolderDataset(Dataset):
         key: str = "data.path",
         size_in_fingerprint: bool = False,
         masks: bool = False,
+        references: int = 0,
     ) -> None:
         """``buckets``: aspect-ratio buckets (runner/data/buckets.py) instead of the square crop;
         ``key``: the setting named in error messages (``data.sets[1].path`` for a set);
         ``size_in_fingerprint``: put the output size into the cache fingerprint even without buckets
         (a set whose resolution differs from ``data.resolution``, which the cache signature holds);
-        ``masks``: ``data.masks``, a loss mask per image (runner/data/masks.py), found and checked here."""
+        ``masks``: ``data.masks``, a loss mask per image (runner/data/masks.py), found and checked here;
+        ``references``: ``data.references``, reference images per target (runner/data/references.py), found
+        and checked here."""
         self.resolution = _check_resolution(resolution)
         missing_caption = _check_missing_caption(missing_caption)
         self.center_crop = center_crop
@@ -100,7 +105,7 @@ class FolderDataset(Dataset):
         self.root = _check_root(path, key)
         shown = str(path)
 
-        images, self.skipped = _find_images(self.root, caption_ext, skip_masks=masks)
+        images, self.skipped = _find_images(self.root, caption_ext, skip_masks=masks, skip_references=references > 0)
         if not images:
             raise UserError(
                 f"{key}={shown!r} contains no images: searched {str(self.root)!r} and its "
@@ -129,6 +134,10 @@ class FolderDataset(Dataset):
         if masks:
             shown_sizes = self.original_sizes or [oriented_size(p, shown, key) for p in images]
             self.masks = find_masks(images, shown_sizes, key, shown)
+        self.references: list[list[Path]] | None = None
+        if references:
+            shown_sizes = self.original_sizes or [oriented_size(p, shown, key) for p in images]
+            self.references = find_references(images, shown_sizes, int(references), key, shown)
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -157,6 +166,10 @@ class FolderDataset(Dataset):
         if self.masks is not None:  # the same geometry as the image: it covers the same pixels
             mask = self._crop(load_mask(self.masks[index], img.size, self.key), index)
             out["mask"] = mask_tensor(mask)
+        if self.references is not None:  # resized to the target's size, then its crop: the same framing
+            refs = [_load_rgb(r, self._shown, self.key) for r in self.references[index]]
+            refs = [r if r.size == img.size else r.resize(img.size, Image.Resampling.LANCZOS) for r in refs]
+            out["references"] = torch.stack([_to_tensor(self._crop(r, index)) for r in refs])
         return {"pixel_values": _to_tensor(self._crop(img, index)), **out, **self.light(index)}
 
     def _crop(self, img: Any, index: int) -> Any:
@@ -187,6 +200,8 @@ class FolderDataset(Dataset):
             fp["size"] = list(self.group_of(index))
         if self.masks is not None:
             fp["mask_sha256"] = sha256_file(self.masks[index])
+        if self.references is not None:
+            fp["references_sha256"] = [sha256_file(r) for r in self.references[index]]
         return fp
 
     def describe(self) -> str:
@@ -208,6 +223,8 @@ class FolderDataset(Dataset):
             extra.append(f"{self.missing_captions} with empty captions")
         if self.masks is not None:
             extra.append(describe_masks(self.masks))
+        if self.references is not None:
+            extra.append(describe_references(self.references))
         extra.append("center crop" if self.center_crop else "per-index random crop")
         if not self.verified:
             extra.append("headers not pre-checked")
@@ -242,11 +259,12 @@ def _other_caption_ext(image: Path, caption_ext: str) -> str:
     return ""
 
 
-def _find_images(root: Path, caption_ext: str = CAPTION_EXTENSION,
-                 skip_masks: bool = False) -> tuple[list[Path], dict[str, int]]:
+def _find_images(root: Path, caption_ext: str = CAPTION_EXTENSION, skip_masks: bool = False,
+                 skip_references: bool = False) -> tuple[list[Path], dict[str, int]]:
     """All non-hidden image files under ``root``, sorted by relative POSIX path, and how many
     files were passed over, by reason (for the data summary line). ``skip_masks``
-    (``data.masks=true``): ``masks/`` folders and ``*_mask`` images are masks, not samples.
+    (``data.masks=true``): ``masks/`` folders and ``*_mask`` images are masks, not samples;
+    ``skip_references`` (``data.references > 0``): ``control*/`` folders and ``*_ref<k>`` images are references.
 
     Symlinked folders are followed (people link data sets in), with a guard against loops.
     """
@@ -260,7 +278,7 @@ def _find_images(root: Path, caption_ext: str = CAPTION_EXTENSION,
             continue
         seen.add(real)
         hidden += sum(d.startswith(".") for d in dirnames)
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and not (skip_references and is_control_folder(d))]
         for name in filenames:
             if name.startswith("."):
                 hidden += 1
@@ -268,7 +286,7 @@ def _find_images(root: Path, caption_ext: str = CAPTION_EXTENSION,
             ext = os.path.splitext(name)[1].lower()
             if ext in IMAGE_EXTENSIONS:
                 p = Path(dirpath) / name
-                if skip_masks and is_mask_file(p):
+                if (skip_masks and is_mask_file(p)) or (skip_references and is_reference_file(p)):
                     continue
                 found.append((p.relative_to(root).as_posix(), p))
             elif ext not in (CAPTION_EXTENSION, caption_ext.lower()):
@@ -303,11 +321,14 @@ def _read_captions(images: list[Path], caption_ext: str, missing_caption: str, s
             )
             more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
             other = _other_caption_ext(missing[0], caption_ext)
+            refs = [p for p in missing if is_reference_file(p)]  # control/ or *_ref1 read as samples: data.references=0
+            edit = (f" {str(refs[0])!r} looks like a reference image (runner/data/references.py): for an edit trainer "
+                    "set data.references=1, which reads control/ and *_ref<k> files as references." if refs else "")
             raise UserError(
                 f"{key}={shown!r}: {len(missing)} of {len(images)} images have no caption "
                 f"file: {examples}{more}. Each image needs a same-named {caption_ext} file beside it "
                 f"holding its caption (UTF-8){other}; or set data.missing_caption=empty to train "
-                "those images with an empty caption instead."
+                f"those images with an empty caption instead.{edit}"
             )
         log.warning(
             "%s=%r: %d of %d images have no %s caption; using an empty caption for "

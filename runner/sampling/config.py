@@ -27,6 +27,7 @@ class SampleConfig:
     guidance: Optional[float] = None  # SDXL: classifier-free guidance (default 5.0); Flux: distilled guidance (3.5)
     seed: int = 0  # image i is drawn from seed + i, the same at every step, so images compare across steps
     resolution: Optional[int] = None  # px, square; default: data.resolution
+    references: list[str] = field(default_factory=list)  # edit families: one reference image per prompt; [] = training sample i's
     use_ema: bool = False  # sample with the EMA weights (needs ema.enabled; swapped in for the pass and back exactly)
 
 

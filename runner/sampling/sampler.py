@@ -123,6 +123,8 @@ class Sampler:
         if self.family is not None:
             self._check_family()
             self._encode_prompts()
+            if getattr(self.family, "takes_references", False):
+                self._encode_references()
             self.kept = {"vae": ctx.models["vae"]}  # kept on the host even if offload=park drops it
 
     # ---- setup -------------------------------------------------------------------------------
@@ -133,12 +135,30 @@ class Sampler:
                 f"sample.resolution={self.resolution} is not usable for {name}: it must be a multiple of {fam.factor} "
                 f"(e.g. {max(fam.factor, self.resolution // fam.factor * fam.factor)}); unset, it is data.resolution."
             )
+        from runner.sampling.references import check_references
+
+        check_references([str(f) for f in self.config.get("references", None) or []], self.prompts,
+                         bool(getattr(fam, "takes_references", False)), int(getattr(self.ctx.trainer, "references", 0)),
+                         name)
         if self.negative_prompt is not None and not fam.negative_prompt:
             raise UserError(
                 f"sample.negative_prompt is set, but {name} samples a guidance-distilled model (Flux), which has no "
                 "classifier-free guidance to use it; unset sample.negative_prompt (sample.guidance sets the "
                 "distilled guidance)."
             )
+
+    @torch.no_grad()
+    def _encode_references(self) -> None:
+        """An edit family: each prompt's reference latents (runner/sampling/references.py), encoded once
+        with the VAE before any plugin can drop it, kept on the host beside the prompt's embeddings."""
+        from runner.sampling.references import reference_pixels
+
+        ctx, trainer = self.ctx, self.ctx.trainer
+        files = [str(f) for f in self.config.get("references", None) or []]
+        pixels = reference_pixels(trainer, files, len(self.prompts), self.resolution)
+        with vae_on_device(ctx.models["vae"], ctx), ctx.accelerator.autocast():
+            for cond, ref in zip(self.cond, pixels):
+                cond.update(self.family.encode_reference(trainer, ctx.models, ref, ctx.device))
 
     @torch.no_grad()
     def _encode_prompts(self) -> None:

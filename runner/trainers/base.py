@@ -29,6 +29,7 @@ from torch import nn
 
 from runner.blocks import find_repeated_blocks
 from runner.config.adapters import TRAIN_MODES
+from runner.data.checks import family_references
 from runner.errors import UserError, valid_list
 from runner.export.comfy import check_comfy_targets
 from runner.loss.objectives import check_objective, loss_config
@@ -105,6 +106,7 @@ class DiffusersTrainer(CacheKeys):
     kohya_lora: bool = True  # whether diffusers reads a kohya-layout LoRA of this family back (runner/export/)
     kohya_base_model_version: str | None = None  # kohya's ss_base_model_version of this family's LoRAs
     comfy_layout: str = "kohya"  # the LoRA key layout ComfyUI maps for this family (runner/export/comfy.py LAYOUTS)
+    max_references: int = 0  # reference images per target an edit family takes (data.references; 0: not an edit family)
 
     def __init__(self, cfg: Any, run: Any = None) -> None:
         """``run``: the :class:`~runner.resolved.ResolvedRun`, whose dtypes win over the config's
@@ -136,6 +138,7 @@ class DiffusersTrainer(CacheKeys):
         self.loss_options = loss_config(cfg)  # loss.* (runner/loss/objectives.py), read by the loss-family base
         data = cfg.get("data") if hasattr(cfg, "get") else None
         self.masks = bool(data.get("masks", False)) if data is not None and hasattr(data, "get") else False
+        self.references = family_references(data, self.max_references, name)  # data.references, within the family's
         if self.objective is not None:
             check_objective(self.loss_options, self.objective, f"trainer {name}")
         export = cfg.get("export") if hasattr(cfg, "get") else None
@@ -318,7 +321,7 @@ class DiffusersTrainer(CacheKeys):
     def image_inputs(self) -> tuple[str, ...]:
         """What the latents part reads: the pixels, and with ``data.masks`` their loss mask, so the
         mask is cached with the latents and its content is in the cache key (plugins/park/cache.py)."""
-        return ("pixel_values", "mask") if self.masks else ("pixel_values",)
+        return ("pixel_values",) + (("mask",) if self.masks else ()) + (("references",) if self.references else ())
 
     @staticmethod
     def encode_latents(models: ModelSet, batch: Batch) -> dict[str, torch.Tensor]:
@@ -484,6 +487,8 @@ class DiffusersTrainer(CacheKeys):
         }
         if self.masks:  # data.masks: the loss mask travels with the pixels (float32, one channel)
             batch["mask"] = self.example_tensor((batch_size, 1, h, w), device, torch.float32, 4).sigmoid()
+        if self.references:  # data.references: the target's size, N per sample
+            batch["references"] = self.example_tensor((batch_size, self.references, 3, h, w), device, torch.float32, 6)
         return batch
 
     def with_example_mask(self, batch: Batch) -> Batch:

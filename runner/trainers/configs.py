@@ -1,4 +1,4 @@
-"""The built-in trainers' option schemas (``trainer=sdxl|flux|chroma|sd15|sd35|qwen_image|wan``), importable without torch.
+"""The built-in trainers' option schemas (``trainer=sdxl|flux|flux_kontext|chroma|sd15|sd35|qwen_image|wan``), importable without torch.
 
 Hydra composes every run against the selected trainer's schema, and ``trainer=sdxl`` is the
 default, so the schema must not import diffusers or torch (``--help`` and config errors answer
@@ -21,6 +21,12 @@ class SDXLTrainerConfig:
 class FluxTrainerConfig:
     _target_: str = "runner.trainers.flux.FluxTrainer"
     guidance: float = 1.0  # value fed to the guidance embedding (guidance-distilled models only)
+
+
+@dataclass
+class FluxKontextTrainerConfig:
+    _target_: str = "runner.trainers.flux_kontext.FluxKontextTrainer"
+    guidance: float = 1.0  # value fed to the guidance embedding (FLUX.1 Kontext dev is guidance-distilled)
 
 
 @dataclass

@@ -15,7 +15,7 @@ PRESETS = sorted(p.stem for p in (conf_dir() / "preset").glob("*.yaml"))
 
 
 def test_presets_shipped():
-    assert {"sdxl_24gb", "flux_24gb", "constrained"} <= set(PRESETS)
+    assert {"sdxl_24gb", "flux_24gb", "flux_kontext_24gb", "constrained"} <= set(PRESETS)
 
 
 @pytest.mark.parametrize("preset", PRESETS)

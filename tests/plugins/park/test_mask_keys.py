@@ -57,3 +57,25 @@ def test_latent_keys_follow_the_masks(tmp_path, random_flip):
     changed = [i for i, (x, y) in enumerate(zip(on.keys["latents"], again.keys["latents"])) if x != y]
     assert changed == ([1, 4] if random_flip else [1])
     assert again.keys["text"] == on.keys["text"]
+
+
+@pytest.mark.parametrize("random_flip", [False, True])
+def test_latent_keys_follow_the_references(tmp_path, random_flip):
+    """``data.references`` (an edit trainer): a latent entry holds the references' latents too, so an edited
+    reference changes its own target's keys (both orientations) and nothing else."""
+    data = tmp_path / "data"
+    (data / "control").mkdir(parents=True)
+    for i, name in enumerate("abc"):
+        Image.new("RGB", (40, 48), (40 * i, 100, 200)).save(data / f"{name}.png")
+        (data / f"{name}.txt").write_text("make it red")
+        Image.new("RGB", (40, 48), (100, 40 * i, 20)).save(data / "control" / f"{name}.png")
+    cache = EncoderCache(tmp_path / "cache")
+    edit = trainer(data, "trainer=flux_kontext", "data.references=1", f"data.random_flip={str(random_flip).lower()}")
+    assert edit.encode_parts()["latents"].inputs == ("pixel_values", "references")
+    before = plan_cache(edit, edit.dataset(), ["latents", "text"], cache, random_flip=random_flip)
+    assert len(before.keys["latents"]) == 3 * (2 if random_flip else 1) == len(set(before.keys["latents"]))
+    Image.new("RGB", (40, 48), (1, 2, 3)).save(data / "control" / "b.png")
+    after = plan_cache(edit, edit.dataset(), ["latents", "text"], cache, random_flip=random_flip)
+    changed = [i for i, (x, y) in enumerate(zip(before.keys["latents"], after.keys["latents"])) if x != y]
+    assert changed == ([1, 4] if random_flip else [1])
+    assert after.keys["text"] == before.keys["text"]

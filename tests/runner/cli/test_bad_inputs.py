@@ -44,6 +44,10 @@ def files(tmp_path_factory) -> dict[str, Path]:
     (f["zero_byte"] / "empty.txt").write_text("caption")
     image(folder("latin1") / "cat.png", caption="caf\xe9".encode("latin-1"))
     image(folder("no_caption") / "uncaptioned.png", caption=None)
+    image(folder("edit_no_reference") / "target.png")  # data.references=1: no control/target.png, no target_ref1.png
+    image(folder("edit_bad_reference") / "target.png")
+    (f["edit_bad_reference"] / "control").mkdir()
+    (f["edit_bad_reference"] / "control" / "target.png").write_bytes(b"not a PNG")
     folder("model_dir_without_index")
     import torch
     from safetensors.torch import save_file
@@ -147,6 +151,12 @@ CASES = [
     ("zero-byte image", ["data.path={zero_byte}"], ["empty.png"]),
     ("caption not UTF-8", ["data.path={latin1}"], ["cat.txt", "UTF-8"]),
     ("image without caption", ["data.path={no_caption}"], ["uncaptioned.png", "missing_caption=empty"]),
+    ("edit target without its reference", ["trainer=flux_kontext", "data.references=1", "data.path={edit_no_reference}"],
+     ["reference 1 of", "target.png", "control/target.png", "target_ref1.png"]),
+    ("unreadable reference", ["trainer=flux_kontext", "data.references=1", "data.path={edit_bad_reference}"],
+     ["cannot read image", "control/target.png"]),
+    ("edit trainer without references", ["trainer=flux_kontext"], ["data.references=0", "data.references=1"]),
+    ("references for a family that takes none", ["data.references=1"], ["data.references=1", "not an edit model"]),
     ("caption dropout above 1", ["data.caption_dropout=1.5"], ["data.caption_dropout=1.5", "from 0 to 1"]),
     ("keep tokens negative", ["data.keep_tokens=-1"], ["data.keep_tokens=-1"]),
     ("caption extension without its dot", ["data.caption_ext=caption"], ["data.caption_ext='caption'",

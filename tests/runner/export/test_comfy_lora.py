@@ -41,11 +41,12 @@ RANK, ALPHA = 4, 8.0
 LORA = ["model.train=lora", f"model.lora_rank={RANK}", f"model.lora_alpha={ALPHA}"]
 FAMILIES = {  # test id -> trainer overrides
     "sdxl": ["trainer=sdxl"], "sd15": ["trainer=sd15"], "sd21": ["trainer=sd15", "trainer.variant=sd21"],
-    "flux": ["trainer=flux"], "chroma": ["trainer=chroma"], "sd35": ["trainer=sd35"], "qwen_image": ["trainer=qwen_image"],
+    "flux": ["trainer=flux"], "flux_kontext": ["trainer=flux_kontext", "data.references=1"], "chroma": ["trainer=chroma"],
+    "sd35": ["trainer=sd35"], "qwen_image": ["trainer=qwen_image"],
     "wan21": ["trainer=wan"], "wan22": ["trainer=wan", "trainer.variant=2.2-5b"],
 }
 # Which file ComfyUI loads at the trained strength, per family.
-COMFY = {"sdxl": KOHYA_FILE, "sd15": KOHYA_FILE, "sd21": KOHYA_FILE, "flux": KOHYA_FILE, "chroma": KOHYA_FILE,
+COMFY = {"sdxl": KOHYA_FILE, "sd15": KOHYA_FILE, "sd21": KOHYA_FILE, "flux": KOHYA_FILE, "flux_kontext": KOHYA_FILE, "chroma": KOHYA_FILE,
          "sd35": COMFY_FILE, "qwen_image": COMFY_FILE, "wan21": COMFY_FILE, "wan22": COMFY_FILE}
 
 # Key-layout reference: diffusers module -> the key ComfyUI reads for it (+ .lora_down/.lora_up
@@ -64,6 +65,9 @@ REFERENCE = {
              "lora_unet_up_blocks_1_attentions_2_transformer_blocks_0_attn1_to_v"},
     "flux": {"transformer_blocks.0.attn.to_q": "lora_transformer_transformer_blocks_0_attn_to_q",
              "single_transformer_blocks.0.attn.to_k": "lora_transformer_single_transformer_blocks_0_attn_to_k"},
+    # Flux.1 Kontext: ComfyUI loads it as a Flux model (the same architecture), so Flux's map keys its LoRA.
+    "flux_kontext": {"transformer_blocks.0.attn.to_out.0": "lora_transformer_transformer_blocks_0_attn_to_out_0",
+                     "single_transformer_blocks.0.attn.to_v": "lora_transformer_single_transformer_blocks_0_attn_to_v"},
     # Chroma: ComfyUI's Chroma is a Flux model (comfy/model_base.py), keyed by flux_to_diffusers as Flux is.
     "chroma": {"transformer_blocks.0.attn.to_k": "lora_transformer_transformer_blocks_0_attn_to_k",
                "single_transformer_blocks.1.attn.to_v": "lora_transformer_single_transformer_blocks_1_attn_to_v"},
@@ -170,6 +174,7 @@ def test_the_comfy_file_has_comfyuis_keys_and_the_trained_alpha(exports, family)
 
 @pytest.mark.parametrize("family,convert", [
     ("sdxl", "unet"), ("sd15", "unet"), ("sd21", "unet"), ("flux", "_convert_kohya_flux_lora_to_diffusers"),
+    ("flux_kontext", "_convert_kohya_flux_lora_to_diffusers"),  # FluxKontextPipeline: Flux's loader
     ("chroma", "_convert_kohya_flux_lora_to_diffusers"),  # ChromaPipeline reads LoRAs with Flux's loader
     ("qwen_image", "_convert_non_diffusers_qwen_lora_to_diffusers"),
     ("wan21", "_convert_non_diffusers_wan_lora_to_diffusers"), ("wan22", "_convert_non_diffusers_wan_lora_to_diffusers"),

@@ -40,10 +40,11 @@ CKPT = Path("checkpoints") / f"step-{STEPS:08d}"
 COMMON = [f"train.steps={STEPS}", "train.device=cpu", "train.progress=false", "train.batch_size=1",
           "data.demo_size=2", "optimizer.lr=0.01"]
 LORA = ["model.train=lora", "model.lora_rank=4", "model.lora_alpha=8"]
+FAMILY = {"flux_kontext": ["data.references=1"]}  # what a family needs beyond trainer=<family> (an edit family: its reference)
 
 
 def train_run(out: Path, family: str, *overrides: str) -> Path:
-    task(compose_config([f"output_dir={out}", f"trainer={family}", *COMMON, *overrides]))
+    task(compose_config([f"output_dir={out}", f"trainer={family}", *FAMILY.get(family, []), *COMMON, *overrides]))
     return out / CKPT
 
 
@@ -61,7 +62,7 @@ def lora_runs(tmp_path_factory):
 
 def fresh(family: str, *overrides: str):
     """(trainer, models) built as the run built them (same seed): the base, adapters untrained."""
-    cfg = compose_config([f"trainer={family}", "train.device=cpu", *COMMON, *overrides])
+    cfg = compose_config([f"trainer={family}", *FAMILY.get(family, []), "train.device=cpu", *COMMON, *overrides])
     run_ = resolve(cfg)
     trainer = build_trainer(cfg, run_)
     set_seed(run_.seed)
@@ -91,7 +92,7 @@ def adapter_weights(module) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("family", ["sdxl", "flux", "chroma", "sd15", "sd35"])
+@pytest.mark.parametrize("family", ["sdxl", "flux", "flux_kontext", "chroma", "sd15", "sd35"])
 @pytest.mark.parametrize("fmt", [DIFFUSERS_FILE, KOHYA_FILE])
 def test_lora_export_loads_in_diffusers(lora_runs, family, fmt):
     ckpt = lora_runs(family)
@@ -134,15 +135,19 @@ def test_lora_export_loads_in_diffusers(lora_runs, family, fmt):
             torch.testing.assert_close(loaded[k], v, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("family", ["sdxl", "flux", "chroma", "sd15", "sd35"])
+@pytest.mark.parametrize("family", ["sdxl", "flux", "flux_kontext", "chroma", "sd15", "sd35"])
 def test_lora_pipeline_call_is_finite(lora_runs, family):
     """A 2-step pipeline call at the tiny resolution with the diffusers file: an image, no NaN,
     not the base model's image."""
     trainer, base = fresh(family)
     pipe = trainer.pipeline(base)
     kwargs = dict(prompt="a cat", num_inference_steps=2, height=64, width=64, output_type="pt")
-    if family in ("flux", "chroma", "sd35"):
+    if family in ("flux", "flux_kontext", "chroma", "sd35"):
         kwargs["max_sequence_length"] = trainer.t5_max_length()
+    if family == "flux_kontext":  # an edit: the reference image, at the sample's size (not scaled to 1024^2)
+        from PIL import Image
+
+        kwargs.update(image=Image.new("RGB", (64, 64), (128, 128, 128)), max_area=64 * 64, _auto_resize=False)
     without = pipe(**kwargs, generator=torch.Generator().manual_seed(0)).images
     pipe.load_lora_weights(str(lora_runs(family) / EXPORT_DIR / DIFFUSERS_FILE))
     with_lora = pipe(**kwargs, generator=torch.Generator().manual_seed(0)).images

@@ -1,8 +1,9 @@
 """A full fine-tune exported as one original-layout file (``export.full_format``) reads back through
 ``model.path`` bit for bit, and is the layout the ecosystem loads.
 
-Each family (SDXL, Flux, SD1.5, SD3.5, Qwen-Image, Wan) trains a few steps of a tiny model on CPU with an EMA, exporting ``both`` (the diffusers
-folder and the single file). Then:
+Each family (SDXL, Flux, Flux.1 Kontext (BFL's flux1-kontext-dev layout is Flux's), SD1.5, SD3.5, Qwen-Image,
+Wan) trains a few steps of a tiny model on CPU with an EMA, exporting ``both`` (the diffusers folder and the
+single file). Then:
 
 * the file, given as ``model.path`` to a fresh trainer (the runner's own loader, diffusers' single-file
   converters), gives back every tensor of the run's models (trained denoiser, frozen modules) with the
@@ -45,14 +46,17 @@ LORA = ["model.train=lora", "model.lora_rank=4", "model.lora_alpha=8"]
 EMA = ["ema.enabled=true", "ema.decay=0.5"]
 
 
+EDIT = {"flux_kontext": ["data.references=1"]}  # an edit family trains on the paired demo set
+
+
 def train_run(out: Path, family: str, *overrides: str) -> Path:
-    task(compose_config([f"output_dir={out}", f"trainer={family}", *COMMON, *overrides]))
+    task(compose_config([f"output_dir={out}", f"trainer={family}", *EDIT.get(family, []), *COMMON, *overrides]))
     return out / CKPT
 
 
 def fresh(family: str, *overrides: str):
     """(trainer, models) built as the run built them (same seed), before training."""
-    return built_as_run([f"trainer={family}", *COMMON, *overrides])
+    return built_as_run([f"trainer={family}", *EDIT.get(family, []), *COMMON, *overrides])
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +73,7 @@ def full_runs(tmp_path_factory):
 
 def read_back(family: str, path, *overrides: str):
     """The models a run with ``model.path=<path>`` builds (the run's dtypes: CPU, float32)."""
-    cfg = compose_config([f"trainer={family}", f"model.path={path}", *COMMON, *overrides])
+    cfg = compose_config([f"trainer={family}", *EDIT.get(family, []), f"model.path={path}", *COMMON, *overrides])
     return build_trainer(cfg, resolve(cfg)).build_models("cpu")
 
 
@@ -94,7 +98,7 @@ def assert_identical(a, b, names) -> None:
         assert not bad, (name, bad[:3])
 
 
-LAYOUT = {"sdxl": "sdxl", "flux": "flux", "sd15": "sd", "sd35": "sd3", "qwen_image": "qwen_image", "wan": "wan"}
+LAYOUT = {"sdxl": "sdxl", "flux": "flux", "flux_kontext": "flux", "sd15": "sd", "sd35": "sd3", "qwen_image": "qwen_image", "wan": "wan"}
 # Names ComfyUI's diffusion_models files of these families hold (no independent writer in tests/original_layouts.py).
 KNOWN_KEYS = {
     "sd35": {"pos_embed", "joint_blocks.0.x_block.attn.qkv.weight", "joint_blocks.0.context_block.attn.qkv.bias",
@@ -122,7 +126,7 @@ def original(family: str, models) -> dict[str, torch.Tensor] | None:
     return flux_to_original(models["transformer"].state_dict())
 
 
-@pytest.mark.parametrize("family", ["sdxl", "flux", "sd15", "sd35", "qwen_image", "wan"])
+@pytest.mark.parametrize("family", ["sdxl", "flux", "flux_kontext", "sd15", "sd35", "qwen_image", "wan"])
 def test_single_file_reads_back_bit_for_bit(full_runs, family):
     ckpt = full_runs(family)
     export = ckpt / EXPORT_DIR

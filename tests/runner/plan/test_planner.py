@@ -68,6 +68,8 @@ TRUTH_CASES = {
     "sdxl": ["data.resolution=128"],
     "sdxl_checkpoint_blocks": ["data.resolution=128", "checkpoint=blocks"],
     "flux_24gb_lora": ["+preset=flux_24gb", "data.resolution=128"],
+    # the reference's tokens join the sequence: the planner's example batch carries them (trainers/flux_kontext.py)
+    "flux_kontext_24gb_lora": ["+preset=flux_kontext_24gb", "data.resolution=128"],
     # DoRA: the weight-norm temporaries of peft's own forward are simulated, not estimated
     "sdxl_dora": ["data.resolution=128", "model.train=lora", "model.lora_dora=true"],
     # LoKr / LoHa: their factors' weights, gradients and optimizer state, and the deltas built each forward

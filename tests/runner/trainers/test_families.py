@@ -1,4 +1,4 @@
-"""The SD1.5/SD2.1, SD3.5 and Chroma families through the runner, on tiny models on the CPU.
+"""The SD1.5/SD2.1, SD3.5, Chroma and Flux.1 Kontext families through the runner, on tiny models on the CPU.
 
 For each family: the loss goes down over a short run; the planner agrees with the live tracker
 within 5 %; cached and uncached runs give the same losses; checkpointing and streamed offload
@@ -33,7 +33,8 @@ from runner.trainer import encode
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-FAMILIES = ["sd15", "sd35", "chroma"]
+FAMILIES = ["sd15", "sd35", "chroma", "flux_kontext"]
+EDIT = {"flux_kontext": ["data.references=1"]}  # an edit family trains on the paired demo set (a reference per target)
 COMMON = ["train.device=cpu", "train.progress=false", "data.demo_size=4", "export.enabled=false"]
 
 
@@ -44,7 +45,7 @@ def _private_cache(monkeypatch, tmp_path):
 
 def losses(out: Path, family: str, *overrides: str) -> list[float]:
     """The per-step losses of a run of ``family`` (in-process, as test_run.py runs the runner)."""
-    cfg = compose_config([f"trainer={family}", *COMMON, f"output_dir={out}", *overrides])
+    cfg = compose_config([f"trainer={family}", *EDIT.get(family, []), *COMMON, f"output_dir={out}", *overrides])
     validate(cfg)
     task(cfg)
     return [r["loss"] for r in read_metrics(out / "metrics.jsonl")]
@@ -52,7 +53,7 @@ def losses(out: Path, family: str, *overrides: str) -> list[float]:
 
 def fresh(family: str, *overrides: str):
     """(trainer, models) as a run with these overrides builds them (same seed)."""
-    cfg = compose_config([f"trainer={family}", *COMMON, *overrides])
+    cfg = compose_config([f"trainer={family}", *EDIT.get(family, []), *COMMON, *overrides])
     r = resolve(cfg)
     trainer = build_trainer(cfg, r)
     set_seed(r.seed)
@@ -60,7 +61,8 @@ def fresh(family: str, *overrides: str):
 
 
 # ---- training works -------------------------------------------------------------------------------
-@pytest.mark.parametrize("family, lr, ratio", [("sd15", "1e-3", 0.8), ("sd35", "3e-3", 0.95), ("chroma", "3e-3", 0.95)])
+@pytest.mark.parametrize("family, lr, ratio", [("sd15", "1e-3", 0.8), ("sd35", "3e-3", 0.95), ("chroma", "3e-3", 0.95),
+                                                   ("flux_kontext", "3e-3", 0.95)])
 def test_the_loss_goes_down_over_a_short_run(tmp_path, family, lr, ratio):
     """Ten steps of a full fine-tune on the demo set lower the loss on a fixed evaluation batch (the
     four demo images, four fixed noise draws each): the same numbers before and after, so only
@@ -94,7 +96,8 @@ def test_the_loss_goes_down_over_a_short_run(tmp_path, family, lr, ratio):
     ["trainer=sd35", "trainer.variant=medium", "model.train=lora", "checkpoint=blocks", "data.resolution=128"],
     ["trainer=chroma", "data.resolution=128"],
     ["trainer=chroma", "model.train=lora", "checkpoint=blocks", "data.resolution=128"],
-], ids=["sd15", "sd21-lora-ckpt", "sd15_8gb", "sd35", "sd35-medium-lora-ckpt", "chroma", "chroma-lora-ckpt"])
+    ["trainer=flux_kontext", "data.references=1", "data.resolution=128"],
+], ids=["sd15", "sd21-lora-ckpt", "sd15_8gb", "sd35", "sd35-medium-lora-ckpt", "chroma", "chroma-lora-ckpt", "flux_kontext"])
 def test_planned_peak_matches_a_real_cpu_step_within_5_percent(case):
     """sd35_24gb's own plugins but park: on a CPU run the parked VAE and the raw pixels sit on the only
     device, where a GPU run keeps them on the host (tests/planner_truth.py); at tiny size, with a LoRA
@@ -119,7 +122,8 @@ def test_cached_and_uncached_losses_are_equal(tmp_path, family):
 # The tiny SD3.5 transformer has two blocks (Chroma three): with no prefetch one of them can be streamed.
 STREAM = {"sd15": ["offload.stream.device_fraction=0.3"],
           "sd35": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"],
-          "chroma": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"]}  # 3 tiny blocks
+          "chroma": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"],  # 3 tiny blocks
+          "flux_kontext": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"]}  # Flux's 3 tiny blocks
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -152,7 +156,7 @@ def test_an_out_of_memory_step_retried_in_halves_equals_a_run_configured_so(tmp_
     loop halves the micro-batch and runs the step again; the losses are those of a run with
     ``train.grad_accum=2`` from the start, bit for bit (every draw is per sample)."""
     def run_with(out: Path, *overrides: str, oom: bool) -> list[float]:
-        ctx = prepared_context(out, f"trainer={family}", *COMMON, "train.steps=2", "train.preflight=false", *overrides)
+        ctx = prepared_context(out, f"trainer={family}", *EDIT.get(family, []), *COMMON, "train.steps=2", "train.preflight=false", *overrides)
         ctx.apply_setup_phases()
         denoiser = ctx.models[ctx.trainer.denoiser]
 
