@@ -218,8 +218,7 @@ class DiffusersTrainer(CacheKeys):
 
     # -- configs -------------------------------------------------------------------------
     def folder_name(self, name: str) -> str:
-        """The subfolder of a diffusers folder that holds module ``name`` (its own name; a family
-        whose folder keeps a module under another name, such as Wan 2.2 A14B's second expert, says so)."""
+        """The diffusers subfolder of module ``name``: its name, unless a family says (Wan 2.2 A14B's experts)."""
         return name
 
     def _folder_has(self, name: str) -> bool:
