@@ -274,8 +274,10 @@ def _dist_problems(cfg: Any, spec: DistSpec) -> list[str]:
 
 def _refuse_single_process_features(cfg: Any, spec: DistSpec) -> list[str]:
     """Features built for one process that no multi-process test covers yet: refused by name, not
-    run untested (the EMA and the validation pass would run on every rank; fused backward steps
-    each parameter before the ranks have averaged its gradient)."""
+    run untested (fused backward steps each parameter before the ranks have averaged its gradient).
+    Under dist=ddp the EMA and the validation loss run as in one process on every rank: the
+    trained weights are the same on every rank after each step, so every rank's EMA and held-out
+    loss are the same, rank 0 logs and saves them (tests/runner/dist/test_dist_features.py)."""
     problems: list[str] = []
     opt = cfg.get("optimizer") or {}
     if bool(opt.get("fused_backward", False)):
@@ -287,15 +289,19 @@ def _refuse_single_process_features(cfg: Any, spec: DistSpec) -> list[str]:
         problems.append(
             f"dist={spec.name} and train.auto_fit=true cannot be combined: the settings search plans one process. "
             "Run mode=fit once (one process), then launch the ranks with +preset=fit.")
+    if spec.name != "fsdp":
+        return problems  # dist=ddp: every rank holds the whole trained module (EMA, validation: see below)
     ema = cfg.get("ema") or {}
     if bool(ema.get("enabled", False)):
         problems.append(
-            f"dist={spec.name} and ema.enabled=true cannot be combined yet: the EMA copy is kept and saved by one "
-            "process (runner/ema/average.py). Train with one process to keep an EMA, or set ema.enabled=false.")
+            "dist=fsdp and ema.enabled=true cannot be combined yet: each rank holds a shard of the trained weights, "
+            "and the EMA copy is built, saved and swapped in for samples whole (runner/ema/average.py). Use dist=ddp "
+            "(every rank keeps the same EMA and rank 0 saves it), or set ema.enabled=false.")
     data = cfg.get("data") or {}
     if float(data.get("val_fraction", 0.0) or 0.0) > 0 or data.get("val_path") is not None:
         problems.append(
-            f"dist={spec.name} and a validation loss (data.val_fraction / data.val_path) cannot be combined yet: the "
-            "held-out pass is evaluated by one process (runner/val/holdout.py). Unset data.val_fraction and "
-            "data.val_path for a multi-process run.")
+            "dist=fsdp and a validation loss (data.val_fraction / data.val_path) cannot be combined yet: the held-out "
+            "pass runs the sharded module's forward outside the training step, which no multi-process test covers "
+            "yet. Use dist=ddp (every rank evaluates the same held-out samples; rank 0 logs val_loss), or unset "
+            "data.val_fraction and data.val_path.")
     return problems

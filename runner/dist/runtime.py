@@ -255,8 +255,8 @@ class DataParallel(Distribution):
     def save_checkpoint(self, root: Path, state: Any, models: Any, optimizer: Any, scheduler: Any, keep: int,
                         config_text: str | None, optimizer_name: str | None,
                         more_files: Callable[[Path], list[str]] | None = None) -> Path:
-        """DDP: rank 0 writes the full checkpoint; FSDP: a sharded one (runner/dist/checkpoint.py).
-        ``more_files`` is one process's (the EMA), which validate_dist refuses with several."""
+        """DDP: rank 0 writes the full checkpoint, with ``more_files`` (the EMA, the same on every rank);
+        FSDP: a sharded one (runner/dist/checkpoint.py), which validate_dist keeps from having an EMA."""
         from runner.dist.checkpoint import save_replicated, save_sharded
 
         state.world_size = self.spec.world_size
@@ -264,7 +264,7 @@ class DataParallel(Distribution):
             return save_sharded(self, root, state, models, optimizer, scheduler, keep, config_text, optimizer_name)
         parent = super().save_checkpoint
         return save_replicated(self, lambda: parent(root, state, models, optimizer, scheduler, keep, config_text,
-                                                    optimizer_name))
+                                                    optimizer_name, more_files))
 
     def all_agree(self, ok: bool) -> bool:
         """True on every rank when ``ok`` is true on every rank."""

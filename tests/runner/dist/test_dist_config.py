@@ -68,19 +68,28 @@ def test_a_plan_is_for_one_rank_of_dist_world_size_without_a_launcher():
     assert run.dist.world_size == 4 and run.dist.rank == 0 and run.micro_batch == 2 and run.simulate
 
 
-@pytest.mark.parametrize("extra, needle", [
-    (["ema.enabled=true"], "ema.enabled=true cannot be combined"),
-    (["data.val_fraction=0.25"], "validation loss"),
-    (["optimizer.fused_backward=true"], "optimizer.fused_backward=true cannot be combined"),
-    (["train.auto_fit=true", "budget_gb=12"], "train.auto_fit=true cannot be combined"),
-], ids=["ema", "validation", "fused_backward", "auto_fit"])
-@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+@pytest.mark.parametrize("kind, extra, needle", [
+    ("fsdp", ["ema.enabled=true"], "dist=fsdp and ema.enabled=true cannot be combined yet"),
+    ("fsdp", ["data.val_fraction=0.25"], "dist=fsdp and a validation loss"),
+    ("ddp", ["optimizer.fused_backward=true"], "optimizer.fused_backward=true cannot be combined"),
+    ("fsdp", ["optimizer.fused_backward=true"], "optimizer.fused_backward=true cannot be combined"),
+    ("ddp", ["train.auto_fit=true", "budget_gb=12"], "train.auto_fit=true cannot be combined"),
+    ("fsdp", ["train.auto_fit=true", "budget_gb=12"], "train.auto_fit=true cannot be combined"),
+], ids=["fsdp-ema", "fsdp-validation", "ddp-fused_backward", "fsdp-fused_backward", "ddp-auto_fit", "fsdp-auto_fit"])
 def test_one_process_features_are_refused_by_name_with_several(kind, extra, needle):
-    """EMA, the validation pass, fused backward and auto-fit are built for one process; several refuse them."""
+    """Fused backward and auto-fit are built for one process, and FSDP's shards for no EMA or held-out
+    pass yet: several processes refuse them, naming the key and what works instead."""
     cfg = compose_config(["mode=plan", f"dist={kind}", "dist.world_size=2", "train.batch_size=4", *extra])
     with pytest.raises(UserError, match=needle):
         validate(cfg)
     validate(compose_config(["mode=plan", "train.batch_size=4", *extra]))  # one process: accepted
+
+
+@pytest.mark.parametrize("extra", [["ema.enabled=true"], ["data.val_fraction=0.25"]], ids=["ema", "validation"])
+def test_ddp_takes_the_ema_and_the_validation_loss(extra):
+    """Every DDP rank holds the whole trained module: the EMA and the held-out loss run as in one process
+    (the 2-rank run is tests/runner/dist/test_dist_training.py)."""
+    validate(compose_config(["mode=plan", "dist=ddp", "dist.world_size=2", "train.batch_size=4", *extra]))
 
 
 def test_every_conflict_with_dist_is_listed_at_once():

@@ -33,6 +33,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from runner.__main__ import task
 from runner.output.report import read_metrics
@@ -174,3 +175,36 @@ def test_two_nodes_of_two_ranks_rehearsed_on_one_machine(tmp_path, references):
     assert_same_losses(rows, references["lora"][1])
     console = logs[0] + logs[1]
     assert console.count("run: on cpu") == 1 and "rank 0 of 4, DDP" in console  # rank 0 (node 0) speaks for the run
+
+
+def test_ddp_keeps_the_ema_and_the_validation_loss_of_one_process(tmp_path):
+    """Issue 29: dist=ddp with ema.enabled=true and data.val_fraction=0.25 trains 3 steps on 2 CPU ranks.
+    Every rank holds the same weights after each step, so each keeps the same EMA and computes the
+    same held-out loss; rank 0 logs val_loss and saves ema.safetensors. Both equal one process's
+    run of the same global batch within the DDP tolerance (REL)."""
+    from safetensors.torch import load_file
+
+    extra = ["ema.enabled=true", "ema.decay=0.5", "data.val_fraction=0.25", "val.every=1", "train.steps=3",
+             "model.train=lora", "train.save_every=3"]
+    ref_dir = tmp_path / "one"
+    reference = one_process(ref_dir, *extra)
+    launch("torchrun", tmp_path / "run", "dist=ddp", *COMMON, *extra, f"output_dir={tmp_path / 'two'}")
+    rows = read_metrics(tmp_path / "two" / "metrics.jsonl")
+    assert_same_losses(rows, reference)
+    vals = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
+    ref_vals = [(r["step"], r["val_loss"]) for r in reference if r.get("val_loss") is not None]
+    assert [s for s, _ in vals] == [s for s, _ in ref_vals] == [1, 2, 3]
+    for (_, v), (_, ref) in zip(vals, ref_vals):
+        assert v == pytest.approx(ref, rel=REL)
+    ema = load_file(str(tmp_path / "two" / "checkpoints" / "step-00000003" / "ema.safetensors"))
+    ref_ema = load_file(str(ref_dir / "checkpoints" / "step-00000003" / "ema.safetensors"))
+    assert ema.keys() == ref_ema.keys() and ema
+    # DDP's averaging reorders float sums, and Adam turns a gradient's last bits into update-sized
+    # differences of the LoRA weights (up to ~1e-4 of their size here). The EMA is an average of the
+    # weights after each step, so it differs from one process's by no more than the weights do.
+    weights = load_file(str(tmp_path / "two" / "checkpoints" / "step-00000003" / "trainable.safetensors"))
+    ref_weights = load_file(str(ref_dir / "checkpoints" / "step-00000003" / "trainable.safetensors"))
+    weight_diff = max(float((weights[k] - v).abs().max()) for k, v in ref_weights.items())
+    ema_diff = max(float((ema[k] - v).abs().max()) for k, v in ref_ema.items())
+    assert ema_diff <= weight_diff + 1e-9, (ema_diff, weight_diff)
+    assert any(not torch.equal(ema[k], weights[k]) for k in ema)  # an average, not a copy of the weights
