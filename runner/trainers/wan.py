@@ -4,8 +4,9 @@
 (Wan2.2-TI2V-5B, in its text-to-video mode) or ``2.2-a14b`` (Wan2.2-T2V-A14B: two 14 B experts);
 runner/trainers/wan_configs.py has the architectures.
 
-Wan 2.2 A14B denoises the steps with t >= 0.875 with its high-noise expert and the rest with its
-low-noise one. A run trains one (``trainer.expert=high|low``, as musubi-tuner and ai-toolkit train
+Wan 2.2 A14B denoises the steps with t >= 0.875 (``boundary_ratio`` of the folder's
+``model_index.json`` when it has one) with its high-noise expert and the rest with its
+low-noise one. A run trains one (``trainer.experts=high|low``, as musubi-tuner and ai-toolkit train
 them: two LoRAs, each loaded into its own model in ComfyUI): the expert's transformer is read from
 its subfolder (``transformer/`` or ``transformer_2/``), and each sample's t is the family's draw
 scaled into the expert's range (``0.875 + 0.125 t`` or ``0.875 t``), so the loss sees only the
@@ -67,8 +68,9 @@ class WanTrainer(FlowMatchTrainer):
 
     def __init__(self, cfg: Any, run: Any = None) -> None:
         self.variant = wan_configs.check_variant(str(cfg.trainer.get("variant", "14b")))
-        self.expert = wan_configs.check_expert(self.variant, cfg.trainer.get("expert"))
+        self.expert = wan_configs.check_expert(self.variant, cfg.trainer.get("experts"))
         super().__init__(cfg, run)
+        self.boundary = wan_configs.a14b_boundary(self.source)  # the folder's model_index.json, else 0.875
         length = cfg.trainer.get("max_sequence_length")
         # A real model folder gets the pipeline's 512 whatever model.size says (as Flux's T5 length).
         default = wan_configs.WAN_MAX_SEQUENCE_LENGTH["full" if self.source is not None else self.size]
@@ -113,7 +115,7 @@ class WanTrainer(FlowMatchTrainer):
         t = super().timesteps(seeds, seq_len)
         if self.expert is None:
             return t
-        b = wan_configs.A14B_BOUNDARY
+        b = self.boundary
         return b + (1.0 - b) * t if self.expert == "high" else b * t
 
     def module_classes(self) -> dict[str, type]:

@@ -32,8 +32,8 @@ def trainer_of(*overrides: str):
 def test_each_experts_timesteps_are_the_familys_scaled_into_its_range() -> None:
     seeds = torch.arange(64)
     base = trainer_of("trainer.variant=14b").timesteps(seeds)
-    high = trainer_of("trainer.expert=high").timesteps(seeds)
-    low = trainer_of("trainer.expert=low").timesteps(seeds)
+    high = trainer_of("trainer.experts=high").timesteps(seeds)
+    low = trainer_of("trainer.experts=low").timesteps(seeds)
     assert bool((high >= A14B_BOUNDARY).all()) and bool((low < A14B_BOUNDARY).all())
     torch.testing.assert_close(high, A14B_BOUNDARY + (1 - A14B_BOUNDARY) * base)
     torch.testing.assert_close(low, A14B_BOUNDARY * base)
@@ -41,7 +41,7 @@ def test_each_experts_timesteps_are_the_familys_scaled_into_its_range() -> None:
 
 def test_the_low_noise_expert_is_read_from_transformer_2(tmp_path) -> None:
     """A diffusers folder as Wan2.2-T2V-A14B-Diffusers lays it out: each expert is read from its own folder."""
-    cfg = compose_config([*A14B, "trainer.expert=high"])
+    cfg = compose_config([*A14B, "trainer.experts=high"])
     run = resolve(cfg)
     trainer = build_trainer(cfg, run)
     folder = tmp_path / "Wan2.2-T2V-A14B"
@@ -50,7 +50,7 @@ def test_the_low_noise_expert_is_read_from_transformer_2(tmp_path) -> None:
         trainer.build_models("cpu")["transformer"].save_pretrained(folder / sub)
     models = {}
     for expert in ("high", "low"):
-        t = trainer_of(f"trainer.expert={expert}", f"model.path={folder}")
+        t = trainer_of(f"trainer.experts={expert}", f"model.path={folder}")
         models[expert] = t.build_models("cpu")["transformer"].state_dict()
     for expert, sub in (("high", "transformer"), ("low", "transformer_2")):
         from diffusers import WanTransformer3DModel
@@ -58,16 +58,21 @@ def test_the_low_noise_expert_is_read_from_transformer_2(tmp_path) -> None:
         saved = WanTransformer3DModel.from_pretrained(folder / sub).state_dict()
         assert all(torch.equal(models[expert][k], saved[k]) for k in saved)
     assert not torch.equal(models["high"]["proj_out.weight"], models["low"]["proj_out.weight"])
+    # the boundary is the folder's (Wan2.2-I2V-A14B ships 0.9), else 0.875
+    (folder / "model_index.json").write_text('{"_class_name": "WanPipeline", "boundary_ratio": 0.9}')
+    low = trainer_of("trainer.experts=low", f"model.path={folder}")
+    assert low.boundary == 0.9 and float(low.timesteps(torch.arange(64)).max()) < 0.9
     with pytest.raises(UserError, match="no 'transformer_2/' subfolder"):
         (tmp_path / "one").mkdir()
         (folder / "transformer").rename(tmp_path / "one" / "transformer")
-        trainer_of("trainer.expert=low", f"model.path={tmp_path / 'one'}")
+        trainer_of("trainer.experts=low", f"model.path={tmp_path / 'one'}")
 
 
 @pytest.mark.parametrize(("overrides", "names"), [
-    ([], ["trainer.variant=2.2-a14b needs trainer.expert=high or low", "transformer_2/"]),
-    (["trainer.expert=middle"], ["not 'middle'"]),
-    (["trainer.variant=14b", "trainer.expert=high"], ["trainer.expert=high applies to trainer.variant=2.2-a14b only"]),
+    ([], ["trainer.variant=2.2-a14b needs trainer.experts=high or low", "transformer_2/"]),
+    (["trainer.experts=middle"], ["not 'middle'"]),
+    (["trainer.variant=14b", "trainer.experts=high"], ["trainer.experts=high applies to trainer.variant=2.2-a14b only"]),
+    (["trainer.experts=both"], ["trainer.experts=both", "not built yet", "two runs"]),
 ])
 def test_the_expert_is_required_and_refused_elsewhere(overrides, names) -> None:
     with pytest.raises(UserError) as e:
@@ -79,11 +84,11 @@ def test_a_lora_of_the_high_noise_expert_trains_and_loads_into_wan_pipeline(tmp_
     from diffusers import WanPipeline
 
     out = tmp_path / "run"
-    task(compose_config([*A14B, "trainer.expert=high", "model.train=lora", "train.steps=3", f"output_dir={out}"]))
+    task(compose_config([*A14B, "trainer.experts=high", "model.train=lora", "train.steps=3", f"output_dir={out}"]))
     rows = read_metrics(out / "metrics.jsonl")
     assert len(rows) == 3 and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
     export = next(out.rglob("pytorch_lora_weights.safetensors"))
-    cfg = compose_config([*A14B, "trainer.expert=high"])
+    cfg = compose_config([*A14B, "trainer.experts=high"])
     run = resolve(cfg)
     trainer = build_trainer(cfg, run)
     set_seed(0)
@@ -103,4 +108,4 @@ def test_a_lora_of_the_high_noise_expert_trains_and_loads_into_wan_pipeline(tmp_
 def test_the_preset_composes_and_validates() -> None:
     cfg = compose_config(["+preset=wan22_a14b_24gb"])
     validate(cfg)
-    assert (cfg.trainer.variant, cfg.trainer.expert) == ("2.2-a14b", "high")
+    assert (cfg.trainer.variant, cfg.trainer.experts) == ("2.2-a14b", "high")
