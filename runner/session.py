@@ -114,7 +114,8 @@ def attach_optimizer(ctx: RunContext, optimizer: OptimizerArg = None, *, own_opt
         optimizer = optimizer(params)
     ctx.optimizer = optimizer
     ctx.run_phase("wrap_optimizer")
-    ctx.optimizer = fuse_into_backward(ctx.optimizer, ctx.cfg.optimizer, ctx.run, ctx.models.named_trainable_parameters())
+    ctx.optimizer = fuse_into_backward(ctx.optimizer, ctx.cfg.optimizer, ctx.run, ctx.models.named_trainable_parameters(),
+                                       reduce=ctx.dist.gradient_reducer())
 
 
 def attach_ema(ctx: RunContext, resumed_from: Path | None = None) -> None:

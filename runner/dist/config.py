@@ -274,16 +274,18 @@ def _dist_problems(cfg: Any, spec: DistSpec) -> list[str]:
 
 def _refuse_single_process_features(cfg: Any, spec: DistSpec) -> list[str]:
     """Features built for one process that no multi-process test covers yet: refused by name, not
-    run untested (fused backward steps each parameter before the ranks have averaged its gradient).
-    Under dist=ddp the EMA and the validation loss run as in one process on every rank: the
+    run untested (FSDP2 reduce-scatters after the hooks fused backward steps in; the settings search
+    plans one process). Under dist=ddp fused backward averages each gradient in its hook before its
+    parameter steps (runner/dist/runtime.py), and the EMA and the validation loss run as in one process on every rank: the
     trained weights are the same on every rank after each step, so every rank's EMA and held-out
     loss are the same, rank 0 logs and saves them (tests/runner/dist/test_dist_features.py)."""
     problems: list[str] = []
     opt = cfg.get("optimizer") or {}
-    if bool(opt.get("fused_backward", False)):
+    if bool(opt.get("fused_backward", False)) and spec.name == "fsdp":
         problems.append(
-            f"dist={spec.name} and optimizer.fused_backward=true cannot be combined: fused backward steps each "
-            "parameter as soon as its gradient exists, before the ranks have averaged it. Set "
+            "dist=fsdp and optimizer.fused_backward=true cannot be combined: FSDP2 reduce-scatters a unit's gradients "
+            "in its own hook after the unit's backward, so a parameter's hook would step on an unreduced, unsharded "
+            "gradient. Use dist=ddp (each gradient is averaged in its hook, then steps), or "
             "optimizer.fused_backward=false (dist=fsdp already frees each rank's full gradients by sharding them).")
     if bool(cfg.train.get("auto_fit", False)):
         problems.append(

@@ -71,6 +71,10 @@ class Distribution:
     def shard(self, indices: list[int], seeds: torch.Tensor) -> tuple[list[int], torch.Tensor]:
         return indices, seeds
 
+    def gradient_reducer(self) -> Callable[[torch.Tensor], None] | None:
+        """What fused backward calls on each gradient before its parameter steps; None: nothing to average."""
+        return None
+
     def prepare_models(self, ctx: RunContext) -> None:
         return None
 
@@ -137,6 +141,7 @@ class DataParallel(Distribution):
         self.agreement = Agreement(run.dist.world_size)
         self.ddp: Any = None
         self.fsdp_root: Any = None
+        self.reduce_in_hooks = False  # dist=ddp with fused backward: each gradient averaged in its hook (_replicate)
 
     # ---- the global batch ---------------------------------------------------------------------
     def shard(self, indices: list[int], seeds: torch.Tensor) -> tuple[list[int], torch.Tensor]:
@@ -162,6 +167,9 @@ class DataParallel(Distribution):
             ctx.facts.placed.update(ctx.models.trained)
 
     def _replicate(self, ctx: RunContext, trained: dict[str, nn.Module]) -> None:
+        if bool((ctx.cfg.get("optimizer") or {}).get("fused_backward", False)) if ctx.cfg is not None else False:
+            self._replicate_for_fused_backward(trained)
+            return
         holder = GradientSync(trained)  # DDP's kwargs: accelerator_options() below, given to the Accelerator
         with warnings.catch_warnings():
             # torch 2.13 deprecates broadcast_buffers for forward_sync_buffers, which would still sync at init;
@@ -170,6 +178,37 @@ class DataParallel(Distribution):
             self.ddp = ctx.accelerator.prepare_model(holder, device_placement=False)
         log.info("dist=ddp: %s replicated on %d ranks (weights broadcast from rank 0), gradients averaged after each "
                  "step's passes in %s MiB buckets", ", ".join(trained), self.spec.world_size, self.spec.bucket_mb)
+
+    def _replicate_for_fused_backward(self, trained: dict[str, nn.Module]) -> None:
+        """dist=ddp with ``optimizer.fused_backward``: no DDP. Its buckets would hold every trained
+        gradient for the whole run, the memory fused backward exists to free; instead the weights are
+        broadcast from rank 0 (what DDP does at construction) and each gradient is averaged over the
+        ranks in its post-accumulate-grad hook, just before its parameter steps (:meth:`gradient_reducer`).
+        Every rank runs the same graph, so the hooks (and their all-reduces) come in the same order.
+        Trade-off: one all-reduce per parameter, none overlapping the next one, instead of DDP's buckets."""
+        import torch.distributed as dist
+
+        with torch.no_grad():
+            for module in trained.values():
+                for t in [*module.parameters(), *module.buffers()]:
+                    dist.broadcast(t.data, src=0)
+        self.reduce_in_hooks = True
+        log.info("dist=ddp with fused backward: %s replicated on %d ranks (weights broadcast from rank 0); each gradient "
+                 "is averaged over the ranks in its hook, then its parameter steps (no DDP buckets)",
+                 ", ".join(trained), self.spec.world_size)
+
+    def gradient_reducer(self) -> Callable[[torch.Tensor], None] | None:
+        if not self.reduce_in_hooks:
+            return None
+        import torch.distributed as dist
+
+        world = self.spec.world_size
+
+        def average(grad: torch.Tensor) -> None:
+            dist.all_reduce(grad)
+            grad.div_(world)
+
+        return average
 
     def _shard(self, ctx: RunContext, trained: dict[str, nn.Module]) -> None:
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard

@@ -74,13 +74,14 @@ class FusedBackward(ForwardsToInner):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float = 0.0,
-                 names: dict[int, str] | None = None) -> None:
+                 names: dict[int, str] | None = None, reduce: Callable[[torch.Tensor], None] | None = None) -> None:
         couples = getattr(optimizer, "couples_parameters", None)
         if couples:  # validation refuses this before anything is built (check_fused_backward)
             raise ValueError(f"fused backward steps one parameter at a time, and {couples}")
         self.inner = optimizer
         self.max_grad_norm = float(max_grad_norm)
         self.names = dict(names or {})
+        self.reduce = reduce  # dist=ddp: averages a gradient over the ranks before it is used (runner/dist/runtime.py)
         self._group_of: dict[int, int] = {}
         self._hooks: list[Any] = []
         self._optimizer_step_pre_hooks: dict = {}
@@ -116,6 +117,8 @@ class FusedBackward(ForwardsToInner):
         if not self.loss_admitted:  # (backward is normally not run at all then: see admits())
             p.grad = None
             return
+        if self.reduce is not None:  # every rank then clips, checks and steps the same averaged gradient
+            self.reduce(grad)
         if self.max_grad_norm > 0:  # per-parameter clipping: this parameter's own norm (module docstring)
             norm = torch.nn.utils.clip_grad_norm_([p], self.max_grad_norm)
             finite = self._simulated or math.isfinite(float(norm))
@@ -224,17 +227,20 @@ def fusion_of(optimizer: Any) -> FusedBackward | NotFused:
 
 
 def fuse_into_backward(optimizer: torch.optim.Optimizer, cfg: Any, run: Any,
-                       named: Iterable[tuple[str, nn.Parameter]] = ()) -> torch.optim.Optimizer:
+                       named: Iterable[tuple[str, nn.Parameter]] = (),
+                       reduce: Callable[[torch.Tensor], None] | None = None) -> torch.optim.Optimizer:
     """``optimizer`` wrapped for fused backward when ``cfg.fused_backward`` (the optimizer node), else itself.
 
-    ``run``: the resolved run (``max_grad_norm``); ``named``: (name, parameter) pairs for messages.
+    ``run``: the resolved run (``max_grad_norm``); ``named``: (name, parameter) pairs for messages;
+    ``reduce``: the distribution's gradient average (dist=ddp), applied in each hook first.
     """
     if not bool(cfg.get("fused_backward", False)):
         return optimizer
     if run.max_grad_norm > 0 and not run.simulate:
         log.info("fused backward: train.max_grad_norm=%g clips each parameter's gradient by its own norm "
                  "(a global norm needs every gradient at once)", run.max_grad_norm)
-    return FusedBackward(optimizer, max_grad_norm=run.max_grad_norm, names={id(p): n for n, p in named})
+    return FusedBackward(optimizer, max_grad_norm=run.max_grad_norm, names={id(p): n for n, p in named},
+                         reduce=reduce)
 
 
 def check_fused_backward(cfg: Any, run: Any, selected: Iterable[tuple[str, str]]) -> None:

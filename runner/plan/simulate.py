@@ -287,6 +287,10 @@ class _Simulation:
         self.ema.create()  # where the loop builds it: after the optimizer, on the weights as placed
         ctx.optimizer = fuse_into_backward(ctx.optimizer, self.cfg.optimizer, self.run)
         self.fused = isinstance(ctx.optimizer, FusedBackward)
+        if self.fused and self.rank_layout is not None and self.rank_layout.name == "ddp":
+            # dist=ddp with fused backward builds no DDP buckets: each gradient is averaged in its hook
+            # (runner/dist/runtime.py), so a rank holds what one process holds.
+            self.rank_layout = None
         if self.fused:
             # Steady state of fused backward: the state exists through forward and backward (it
             # is not added afterwards, see _assemble), and each gradient dies in its hook.

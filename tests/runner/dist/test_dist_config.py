@@ -71,11 +71,10 @@ def test_a_plan_is_for_one_rank_of_dist_world_size_without_a_launcher():
 @pytest.mark.parametrize("kind, extra, needle", [
     ("fsdp", ["ema.enabled=true"], "dist=fsdp and ema.enabled=true cannot be combined yet"),
     ("fsdp", ["data.val_fraction=0.25"], "dist=fsdp and a validation loss"),
-    ("ddp", ["optimizer.fused_backward=true"], "optimizer.fused_backward=true cannot be combined"),
     ("fsdp", ["optimizer.fused_backward=true"], "optimizer.fused_backward=true cannot be combined"),
     ("ddp", ["train.auto_fit=true", "budget_gb=12"], "train.auto_fit=true cannot be combined"),
     ("fsdp", ["train.auto_fit=true", "budget_gb=12"], "train.auto_fit=true cannot be combined"),
-], ids=["fsdp-ema", "fsdp-validation", "ddp-fused_backward", "fsdp-fused_backward", "ddp-auto_fit", "fsdp-auto_fit"])
+], ids=["fsdp-ema", "fsdp-validation", "fsdp-fused_backward", "ddp-auto_fit", "fsdp-auto_fit"])
 def test_one_process_features_are_refused_by_name_with_several(kind, extra, needle):
     """Fused backward and auto-fit are built for one process, and FSDP's shards for no EMA or held-out
     pass yet: several processes refuse them, naming the key and what works instead."""
@@ -85,10 +84,12 @@ def test_one_process_features_are_refused_by_name_with_several(kind, extra, need
     validate(compose_config(["mode=plan", "train.batch_size=4", *extra]))  # one process: accepted
 
 
-@pytest.mark.parametrize("extra", [["ema.enabled=true"], ["data.val_fraction=0.25"]], ids=["ema", "validation"])
-def test_ddp_takes_the_ema_and_the_validation_loss(extra):
-    """Every DDP rank holds the whole trained module: the EMA and the held-out loss run as in one process
-    (the 2-rank run is tests/runner/dist/test_dist_training.py)."""
+@pytest.mark.parametrize("extra", [["ema.enabled=true"], ["data.val_fraction=0.25"],
+                                   ["optimizer.fused_backward=true", "model.train=full"]],
+                         ids=["ema", "validation", "fused_backward"])
+def test_ddp_takes_the_ema_the_validation_loss_and_fused_backward(extra):
+    """Every DDP rank holds the whole trained module: the EMA and the held-out loss run as in one process,
+    and fused backward averages each gradient in its hook (the 2-rank runs: test_dist_training.py)."""
     validate(compose_config(["mode=plan", "dist=ddp", "dist.world_size=2", "train.batch_size=4", *extra]))
 
 
