@@ -17,6 +17,11 @@ layout ComfyUI maps for it, with ``.alpha``:
 * **qwen_image** (Qwen-Image): ``diffusion_model.<name>.lora_A/lora_B`` + ``.alpha``; ComfyUI's
   Qwen-Image modules carry diffusers' names (its generic ``diffusion_model.*`` mapping), and
   diffusers reads the file back (``_convert_non_diffusers_qwen_lora_to_diffusers``).
+* **z_image** (Z-Image): the same dotted ``diffusion_model.<diffusers name>`` layout. ComfyUI loads
+  Z-Image as its Lumina 2 NextDiT (fused ``attention.qkv``, ``attention.out``) and maps diffusers'
+  names onto it (``comfy/utils.py`` ``z_image_to_diffusers``: ``to_q``/``to_k``/``to_v`` onto slices
+  of ``qkv``, ``to_out.0`` onto ``out``), so diffusers' names are the keys; diffusers reads the
+  file back (``_convert_non_diffusers_z_image_lora_to_diffusers``).
 * **wan** (Wan 2.1/2.2): ``diffusion_model.<original Wan name>.lora_A/lora_B`` + ``.alpha``:
   ComfyUI knows only the original module names (``blocks.N.self_attn.q``, ``cross_attn.o``,
   ``ffn.0`` ...), so diffusers' names are renamed by :data:`WAN_RENAMES` (the inverse of
@@ -91,6 +96,7 @@ LAYOUTS: dict[str, ComfyLayout] = {
     "sd3": ComfyLayout("kohya", "lora_transformer"),
     "qwen_image": ComfyLayout("dotted", "diffusion_model"),
     "wan": ComfyLayout("dotted", "diffusion_model", WAN_RENAMES),
+    "z_image": ComfyLayout("dotted", "diffusion_model"),
 }
 
 

@@ -1,5 +1,5 @@
 """Built-in trainers. Importing this package registers ``trainer=sdxl``, ``flux``, ``chroma``, ``sd15``, ``sd35``,
-``qwen_image`` and ``wan``.
+``qwen_image``, ``wan`` and ``z_image``.
 
 Registered by the path of their class, with their schema from runner/trainers/configs.py and their
 loss objective: the trainer modules import torch and diffusers, and are imported only when a run
@@ -17,6 +17,7 @@ from runner.trainers.configs import (
     SD35TrainerConfig,
     SDXLTrainerConfig,
     WanTrainerConfig,
+    ZImageTrainerConfig,
 )
 
 register_trainer("sdxl", "runner.trainers.sdxl.SDXLTrainer", SDXLTrainerConfig, "SDXL U-Net, DDPM loss",
@@ -36,3 +37,5 @@ register_trainer("qwen_image", "runner.trainers.qwen_image.QwenImageTrainer", Qw
 register_trainer("wan", "runner.trainers.wan.WanTrainer", WanTrainerConfig,
                  "Wan 2.1/2.2 text-to-video transformer (trainer.variant=14b|1.3b|2.2-5b), rectified-flow matching loss",
                  native_resolution=WAN_NATIVE_RESOLUTION, objective=FLOW)
+register_trainer("z_image", "runner.trainers.z_image.ZImageTrainer", ZImageTrainerConfig,
+                 "Z-Image single-stream DiT (6.2 B), Qwen3-4B text encoder, rectified-flow matching loss", objective=FLOW)

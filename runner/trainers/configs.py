@@ -1,4 +1,4 @@
-"""The built-in trainers' option schemas (``trainer=sdxl|flux|chroma|sd15|sd35|qwen_image|wan``), importable without torch.
+"""The built-in trainers' option schemas (``trainer=sdxl|flux|chroma|sd15|sd35|qwen_image|wan|z_image``), importable without torch.
 
 Hydra composes every run against the selected trainer's schema, and ``trainer=sdxl`` is the
 default, so the schema must not import diffusers or torch (``--help`` and config errors answer
@@ -52,6 +52,14 @@ class QwenImageTrainerConfig:
     _target_: str = "runner.trainers.qwen_image.QwenImageTrainer"
     # Text tokens after the template's dropped prefix; captions are truncated to it and padded to it
     # (masked). null: the pipeline's 512 (96 for the random tiny model's byte-level tokenizer).
+    max_sequence_length: Optional[int] = None
+
+
+@dataclass
+class ZImageTrainerConfig:
+    _target_: str = "runner.trainers.z_image.ZImageTrainer"
+    # Caption tokens (chat template included) per prompt, zero-padded and masked; longer captions are
+    # truncated. null: ZImagePipeline's default, 512.
     max_sequence_length: Optional[int] = None
 
 
