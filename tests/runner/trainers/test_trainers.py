@@ -25,6 +25,7 @@ from runner.trainers.sd15 import SD15Trainer, SD15TrainerConfig
 from runner.trainers.sd35 import SD35Trainer, SD35TrainerConfig
 from runner.trainers.sdxl import SDXLTrainer, SDXLTrainerConfig
 from runner.trainers.tokenizers import clip_tokenizer, t5_tokenizer
+from runner.trainers.z_image import ZImageTrainer, ZImageTrainerConfig
 
 # name -> (trainer class, its config, trainer options of this variant)
 FAMILIES = {
@@ -35,6 +36,7 @@ FAMILIES = {
     "sd21": (SD15Trainer, SD15TrainerConfig, {"variant": "sd21"}),
     "sd35": (SD35Trainer, SD35TrainerConfig, {}),
     "sd35_medium": (SD35Trainer, SD35TrainerConfig, {"variant": "medium"}),
+    "z_image": (ZImageTrainer, ZImageTrainerConfig, {}),
 }
 
 
@@ -183,7 +185,8 @@ def test_trainer_options_change_the_loss(full_setup):
               "sd15": {"trainer": {"prediction_type": "v_prediction"}},
               "sd21": {"trainer": {"prediction_type": "epsilon"}},  # the variant's default is v
               "sd35": {"loss": {"timestep_shift": "none"}},  # the family's default is SD3's fixed 3.0
-              "sd35_medium": {"loss": {"logit_std": 2.0}}}[family]
+              "sd35_medium": {"loss": {"logit_std": 2.0}},
+              "z_image": {"loss": {"timestep_shift": "resolution"}}}[family]
     other = make_trainer(family, **option)
     with torch.no_grad():
         batch = tr.example_batch(2, "cpu")
@@ -256,6 +259,7 @@ def test_repeated_blocks_are_outermost(full_setup):
         "flux": {"FluxTransformerBlock", "FluxSingleTransformerBlock"},
         "chroma": {"ChromaTransformerBlock", "ChromaSingleTransformerBlock"},
         "sd35": {"JointTransformerBlock"}, "sd35_medium": {"JointTransformerBlock"},
+        "z_image": {"ZImageTransformerBlock"},  # the refiners' and the joint blocks
     }
     assert names == expected[family]
 
