@@ -213,3 +213,55 @@ def test_the_preset_trains_at_tiny_size(tmp_path):
 def test_a_bad_max_sequence_length_is_a_user_error(value):
     with pytest.raises(UserError, match=rf"trainer.max_sequence_length={value} is not valid"):
         build_trainer(compose_config(["trainer=z_image", f"trainer.max_sequence_length={value}", "train.device=cpu"]))
+
+
+# The original Z-Image key layout (Tongyi-MAI's repository; ComfyUI's diffusion_models file): diffusers'
+# name -> the original one, written here from that layout, independently of diffusers' converter that
+# runner/trainers/single_file.py uses. to_q/to_k/to_v are fused row-wise into attention.qkv.
+ORIGINAL_RENAMES = (("all_x_embedder.2-1.", "x_embedder."), ("all_final_layer.2-1.", "final_layer."),
+                    (".attention.to_out.0.", ".attention.out."), (".attention.norm_q.", ".attention.q_norm."),
+                    (".attention.norm_k.", ".attention.k_norm."))
+
+
+def to_original(state: dict[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:
+    out = {}
+    for key, value in state.items():
+        if ".attention.to_k." in key or ".attention.to_v." in key:
+            continue
+        if ".attention.to_q." in key:
+            parts = [state[key.replace(".to_q.", f".to_{x}.")] for x in "qkv"]
+            out[prefix + key.replace(".to_q.", ".qkv.")] = torch.cat(parts).contiguous()
+            continue
+        for new, old in ORIGINAL_RENAMES:
+            key = key.replace(new, old)
+        out[prefix + key] = value.contiguous()
+    return out
+
+
+@pytest.mark.parametrize("prefix", ["", "model.diffusion_model."])
+def test_an_original_z_image_file_loads_as_the_transformer(tmp_path, prefix):
+    """ComfyUI's z_image_turbo file layout (fused qkv), bare or with ComfyUI's prefix: recognised as
+    Z-Image's, converted, and the weights are the source's bit for bit."""
+    from safetensors.torch import save_file
+
+    trainer, models = fresh()
+    want = models["transformer"].state_dict()
+    file = tmp_path / "z_image_turbo_bf16.safetensors"
+    original = to_original(want, prefix)
+    assert any(".attention.qkv.weight" in k for k in original) and not any(".to_q." in k for k in original)
+    save_file(original, str(file))
+    loaded_trainer, loaded = fresh(f"model.path={file}", "model.train=full")
+    assert loaded_trainer.layout is not None and loaded_trainer.layout.family == "z_image"
+    got = loaded["transformer"].state_dict()
+    assert set(got) == set(want)
+    assert all(torch.equal(got[k].float(), want[k].float()) for k in want)
+
+
+def test_another_familys_trainer_refuses_a_z_image_file(tmp_path):
+    from safetensors.torch import save_file
+
+    file = tmp_path / "z.safetensors"
+    save_file({"layers.0.attention.qkv.weight": torch.zeros(6, 2), "layers.0.adaLN_modulation.0.weight": torch.zeros(8, 2)},
+              str(file))
+    with pytest.raises(UserError, match=r"original Z-Image layout.*not a flux checkpoint"):
+        build_trainer(compose_config(["trainer=flux", f"model.path={file}", "train.device=cpu"]))
