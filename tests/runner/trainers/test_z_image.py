@@ -265,3 +265,21 @@ def test_another_familys_trainer_refuses_a_z_image_file(tmp_path):
               str(file))
     with pytest.raises(UserError, match=r"original Z-Image layout.*not a flux checkpoint"):
         build_trainer(compose_config(["trainer=flux", f"model.path={file}", "train.device=cpu"]))
+
+
+def test_a_full_fine_tune_exports_the_comfyui_single_file_that_reads_back(tmp_path):
+    """export.full_format=both: the pipeline folder and ComfyUI's diffusion_models file (original layout,
+    fused qkv); the file read back through model.path is the folder's transformer bit for bit."""
+    from safetensors import safe_open
+
+    train(tmp_path, "train.steps=1", "export.full_format=both")
+    export = tmp_path / "checkpoints" / "step-00000001" / EXPORT_DIR
+    file = export / "diffusion_model.safetensors"
+    with safe_open(str(file), framework="pt") as f:
+        keys = list(f.keys())
+    assert "layers.0.attention.qkv.weight" in keys and "x_embedder.weight" in keys
+    assert not any(".to_q." in k or "all_x_embedder" in k for k in keys)
+    _, folder = fresh(f"model.path={export / 'diffusers'}", "model.train=full")
+    _, single = fresh(f"model.path={file}", "model.train=full")
+    want, got = folder["transformer"].state_dict(), single["transformer"].state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
