@@ -283,3 +283,25 @@ def test_a_full_fine_tune_exports_the_comfyui_single_file_that_reads_back(tmp_pa
     _, single = fresh(f"model.path={file}", "model.train=full")
     want, got = folder["transformer"].state_dict(), single["transformer"].state_dict()
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_hub_id_in_the_local_cache_loads_every_module_and_encodes_alike(tmp_path, monkeypatch, built):
+    """Tongyi-MAI/Z-Image-Turbo's folder as the hub cache keeps it (here the tiny pipeline saved by
+    ZImagePipeline.save_pretrained): every module bit for bit, and the folder's tokenizer (with its chat
+    template) gives the same caption embeddings."""
+    from original_layouts import hub_cache
+
+    trainer, models = built
+    saved = tmp_path / "saved"
+    trainer.pipeline(models).save_pretrained(saved)
+    hub_cache(tmp_path / "hub", "tiny-org/tiny-z-image", saved)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    loaded_trainer, loaded = fresh("model.path=tiny-org/tiny-z-image")
+    assert loaded_trainer.source[0] == "folder"
+    for name in models.modules:
+        want, got = models[name].state_dict(), loaded[name].state_dict()
+        assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want), name
+    batch = {"caption": list(CAPTIONS), "sample_seed": torch.zeros(2, dtype=torch.int64)}
+    a, b = trainer.encode_part(models, "text", batch), loaded_trainer.encode_part(loaded, "text", batch)
+    assert torch.equal(a["prompt_embeds_mask"], b["prompt_embeds_mask"])
+    torch.testing.assert_close(a["prompt_embeds"], b["prompt_embeds"], rtol=0, atol=0)
