@@ -244,7 +244,7 @@ def test_an_original_z_image_file_loads_as_the_transformer(tmp_path, prefix):
     Z-Image's, converted, and the weights are the source's bit for bit."""
     from safetensors.torch import save_file
 
-    trainer, models = fresh()
+    _, models = fresh()
     want = models["transformer"].state_dict()
     file = tmp_path / "z_image_turbo_bf16.safetensors"
     original = to_original(want, prefix)
