@@ -1,4 +1,4 @@
-"""The SD1.5/SD2.1, SD3.5 and Chroma families through the runner, on tiny models on the CPU.
+"""The SD1.5/SD2.1, SD3.5, Chroma and Z-Image families through the runner, on tiny models on the CPU.
 
 For each family: the loss goes down over a short run; the planner agrees with the live tracker
 within 5 %; cached and uncached runs give the same losses; checkpointing and streamed offload
@@ -33,7 +33,7 @@ from runner.trainer import encode
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-FAMILIES = ["sd15", "sd35", "chroma"]
+FAMILIES = ["sd15", "sd35", "chroma", "z_image"]
 COMMON = ["train.device=cpu", "train.progress=false", "data.demo_size=4", "export.enabled=false"]
 
 
@@ -60,7 +60,8 @@ def fresh(family: str, *overrides: str):
 
 
 # ---- training works -------------------------------------------------------------------------------
-@pytest.mark.parametrize("family, lr, ratio", [("sd15", "1e-3", 0.8), ("sd35", "3e-3", 0.95), ("chroma", "3e-3", 0.95)])
+@pytest.mark.parametrize("family, lr, ratio", [("sd15", "1e-3", 0.8), ("sd35", "3e-3", 0.95), ("chroma", "3e-3", 0.95),
+                                                   ("z_image", "3e-3", 0.95)])
 def test_the_loss_goes_down_over_a_short_run(tmp_path, family, lr, ratio):
     """Ten steps of a full fine-tune on the demo set lower the loss on a fixed evaluation batch (the
     four demo images, four fixed noise draws each): the same numbers before and after, so only
@@ -94,7 +95,11 @@ def test_the_loss_goes_down_over_a_short_run(tmp_path, family, lr, ratio):
     ["trainer=sd35", "trainer.variant=medium", "model.train=lora", "checkpoint=blocks", "data.resolution=128"],
     ["trainer=chroma", "data.resolution=128"],
     ["trainer=chroma", "model.train=lora", "checkpoint=blocks", "data.resolution=128"],
-], ids=["sd15", "sd21-lora-ckpt", "sd15_8gb", "sd35", "sd35-medium-lora-ckpt", "chroma", "chroma-lora-ckpt"])
+    # Z-Image: captions truncated to 24 tokens, so every one is as long as the planner counts them (the
+    # planner has no mask values and counts trainer.max_sequence_length; tests/runner/trainers/test_z_image.py)
+    ["trainer=z_image", "model.train=lora", "checkpoint=blocks", "data.resolution=128", "trainer.max_sequence_length=24"],
+], ids=["sd15", "sd21-lora-ckpt", "sd15_8gb", "sd35", "sd35-medium-lora-ckpt", "chroma", "chroma-lora-ckpt",
+        "z_image-lora-ckpt"])
 def test_planned_peak_matches_a_real_cpu_step_within_5_percent(case):
     """sd35_24gb's own plugins but park: on a CPU run the parked VAE and the raw pixels sit on the only
     device, where a GPU run keeps them on the host (tests/planner_truth.py); at tiny size, with a LoRA
@@ -119,7 +124,8 @@ def test_cached_and_uncached_losses_are_equal(tmp_path, family):
 # The tiny SD3.5 transformer has two blocks (Chroma three): with no prefetch one of them can be streamed.
 STREAM = {"sd15": ["offload.stream.device_fraction=0.3"],
           "sd35": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"],
-          "chroma": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"]}  # 3 tiny blocks
+          "chroma": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"],  # 3 tiny blocks
+          "z_image": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"]}  # 3 + 2 refiner blocks
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -158,7 +164,7 @@ def test_an_out_of_memory_step_retried_in_halves_equals_a_run_configured_so(tmp_
 
         def raise_while_two(module, args, kwargs):
             x = args[0] if args else kwargs["hidden_states"]
-            if x.shape[0] > 1:
+            if len(x) > 1:  # a batch tensor, or Z-Image's list of per-sample latents
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
 
         handle = denoiser.register_forward_pre_hook(raise_while_two, with_kwargs=True) if oom else None
