@@ -61,3 +61,4 @@ class ZImageSampling:
                        output_type="latent", return_dict=False, **kw)[0]
         image = decode(vae, latents, vae_on_device, shift=float(vae.config.shift_factor or 0.0))
         return pipe.image_processor.postprocess(image.float(), output_type="pil")[0]
+

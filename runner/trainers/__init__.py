@@ -1,5 +1,5 @@
 """Built-in trainers. Importing this package registers ``trainer=sdxl``, ``flux``, ``chroma``, ``sd15``, ``sd35``,
-``qwen_image``, ``wan`` and ``z_image``.
+``qwen_image``, ``wan``, ``z_image`` and ``lumina2``.
 
 Registered by the path of their class, with their schema from runner/trainers/configs.py and their
 loss objective: the trainer modules import torch and diffusers, and are imported only when a run
@@ -12,6 +12,7 @@ from runner.trainers.configs import (
     WAN_NATIVE_RESOLUTION,
     ChromaTrainerConfig,
     FluxTrainerConfig,
+    Lumina2TrainerConfig,
     QwenImageTrainerConfig,
     SD15TrainerConfig,
     SD35TrainerConfig,
@@ -39,3 +40,6 @@ register_trainer("wan", "runner.trainers.wan.WanTrainer", WanTrainerConfig,
                  native_resolution=WAN_NATIVE_RESOLUTION, objective=FLOW)
 register_trainer("z_image", "runner.trainers.z_image.ZImageTrainer", ZImageTrainerConfig,
                  "Z-Image single-stream DiT (6.2 B), Qwen3-4B text encoder, rectified-flow matching loss", objective=FLOW)
+register_trainer("lumina2", "runner.trainers.lumina2.Lumina2Trainer", Lumina2TrainerConfig,
+                 "Lumina-Image 2.0 unified NextDiT (2.6 B), Gemma-2 2B text encoder, rectified-flow matching loss",
+                 objective=FLOW)

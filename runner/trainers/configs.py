@@ -63,6 +63,14 @@ class ZImageTrainerConfig:
     max_sequence_length: Optional[int] = None
 
 
+@dataclass
+class Lumina2TrainerConfig:
+    _target_: str = "runner.trainers.lumina2.Lumina2Trainer"
+    # Tokens of the system prompt and caption together, padded and masked; longer ones are truncated.
+    # null: Lumina2Pipeline's default, 256.
+    max_sequence_length: Optional[int] = None
+
+
 WAN_NATIVE_RESOLUTION = {"14b": 480, "1.3b": 480, "2.2-5b": 704}  # px at model.size=full, by trainer.variant
 
 
