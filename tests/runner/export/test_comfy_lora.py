@@ -43,10 +43,13 @@ FAMILIES = {  # test id -> trainer overrides
     "sdxl": ["trainer=sdxl"], "sd15": ["trainer=sd15"], "sd21": ["trainer=sd15", "trainer.variant=sd21"],
     "flux": ["trainer=flux"], "chroma": ["trainer=chroma"], "sd35": ["trainer=sd35"], "qwen_image": ["trainer=qwen_image"],
     "wan21": ["trainer=wan"], "wan22": ["trainer=wan", "trainer.variant=2.2-5b"], "z_image": ["trainer=z_image"],
+    # Lumina 2: ComfyUI fuses q/k/v (attention.qkv), which its ComfyUI file does not write: other targets
+    "lumina2": ["trainer=lumina2", "model.lora_targets=[to_out.0,feed_forward.linear_1,norm1.linear]"],
 }
 # Which file ComfyUI loads at the trained strength, per family.
 COMFY = {"sdxl": KOHYA_FILE, "sd15": KOHYA_FILE, "sd21": KOHYA_FILE, "flux": KOHYA_FILE, "chroma": KOHYA_FILE,
-         "sd35": COMFY_FILE, "qwen_image": COMFY_FILE, "wan21": COMFY_FILE, "wan22": COMFY_FILE, "z_image": COMFY_FILE}
+         "sd35": COMFY_FILE, "qwen_image": COMFY_FILE, "wan21": COMFY_FILE, "wan22": COMFY_FILE, "z_image": COMFY_FILE,
+         "lumina2": COMFY_FILE}
 
 # Key-layout reference: diffusers module -> the key ComfyUI reads for it (+ .lora_down/.lora_up
 # or .lora_A/.lora_B, and .alpha). U-Nets: lora_unet_ + diffusers name (unet_to_diffusers); Flux
@@ -81,6 +84,11 @@ REFERENCE = {
                 "layers.2.attention.to_out.0": "diffusion_model.layers.2.attention.to_out.0",
                 "noise_refiner.0.attention.to_k": "diffusion_model.noise_refiner.0.attention.to_k",
                 "context_refiner.0.attention.to_v": "diffusion_model.context_refiner.0.attention.to_v"},
+    # Lumina 2: ComfyUI's NextDiT names (comfy/ldm/lumina/model.py: JointAttention.out, FeedForward.w1,
+    # JointTransformerBlock.adaLN_modulation = Sequential(SiLU, Linear)), read by its generic diffusion_model.* keys.
+    "lumina2": {"layers.2.attn.to_out.0": "diffusion_model.layers.2.attention.out",
+                "noise_refiner.0.feed_forward.linear_1": "diffusion_model.noise_refiner.0.feed_forward.w1",
+                "layers.0.norm1.linear": "diffusion_model.layers.0.adaLN_modulation.1"},
 }
 
 # Full-size facts from ComfyUI's own maps: (layout, diffusers module of the full-size model, the key
@@ -100,6 +108,10 @@ FULL_SIZE = [
     ("wan", "condition_embedder.time_proj", "diffusion_model.time_projection.1",
      "diffusion_model.time_projection.1.weight"),
     ("wan", "proj_out", "diffusion_model.head.head", "diffusion_model.head.head.weight"),
+    ("lumina2", "layers.25.attn.to_out.0", "diffusion_model.layers.25.attention.out",
+     "diffusion_model.layers.25.attention.out.weight"),  # Lumina-Image-2.0, 26 blocks
+    ("lumina2", "layers.25.feed_forward.linear_3", "diffusion_model.layers.25.feed_forward.w3",
+     "diffusion_model.layers.25.feed_forward.w3.weight"),
 ]
 
 
@@ -159,7 +171,7 @@ def test_the_comfy_file_has_comfyuis_keys_and_the_trained_alpha(exports, family)
     assert files == [DIFFUSERS_FILE, COMFY[family]]  # U-Nets, Flux: the kohya file is the ComfyUI file
     assert sorted(p.name for p in folder.iterdir()) == sorted(files)  # no second file with the kohya bytes
     sd = load_file(str(folder / COMFY[family]))
-    down, up = ("lora_A.weight", "lora_B.weight") if family in ("qwen_image", "wan21", "wan22", "z_image") else (
+    down, up = ("lora_A.weight", "lora_B.weight") if family in ("qwen_image", "wan21", "wan22", "z_image", "lumina2") else (
         "lora_down.weight", "lora_up.weight")
     modules = {k.rsplit(".", 2)[0] if k.endswith(".weight") else k.rsplit(".", 1)[0] for k in sd}
     adapted_modules = sum(1 for n, _ in module.named_parameters() if ".lora_A." in n)
