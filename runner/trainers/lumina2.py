@@ -31,7 +31,8 @@ from runner.trainers.flow import FlowMatchTrainer
 from runner.trainers.loading import compute_dtype, pipeline_class
 from runner.trainers.tokenizers import qwen2_tokenizer
 
-# Alpha-VLLM/Lumina-Image-2.0's scheduler/scheduler_config.json: a static shift of 6.0.
+# Alpha-VLLM/Lumina-Image-2.0's scheduler: a static shift of 6.0, as recalled from its scheduler_config.json;
+# not checked against the file here (none could be fetched). Used only when model.path has no scheduler/.
 LUMINA2_SCHEDULER = {"num_train_timesteps": 1000, "shift": 6.0, "use_dynamic_shifting": False}
 
 

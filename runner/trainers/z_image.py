@@ -43,7 +43,8 @@ from runner.trainers.flow import FlowMatchTrainer
 from runner.trainers.loading import compute_dtype, pipeline_class
 from runner.trainers.tokenizers import qwen3_tokenizer
 
-# Z-Image-Turbo's scheduler/scheduler_config.json: static shift 3.0 (ComfyUI's Z-Image sampling too).
+# Z-Image-Turbo's scheduler/scheduler_config.json (diffusers 0.36: num_train_timesteps 1000, use_dynamic_shifting
+# false, shift 3.0, as mirrors of the folder show it); ComfyUI's Z-Image samples with shift 3.0 too.
 Z_IMAGE_SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": False}
 
 
