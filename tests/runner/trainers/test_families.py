@@ -1,4 +1,4 @@
-"""The SD1.5/SD2.1, SD3.5, Chroma and Z-Image families through the runner, on tiny models on the CPU.
+"""The SD1.5/SD2.1, SD3.5, Chroma, Z-Image and Lumina 2 families through the runner, on tiny models on the CPU.
 
 For each family: the loss goes down over a short run; the planner agrees with the live tracker
 within 5 %; cached and uncached runs give the same losses; checkpointing and streamed offload
@@ -33,7 +33,7 @@ from runner.trainer import encode
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-FAMILIES = ["sd15", "sd35", "chroma", "z_image"]
+FAMILIES = ["sd15", "sd35", "chroma", "z_image", "lumina2"]
 COMMON = ["train.device=cpu", "train.progress=false", "data.demo_size=4", "export.enabled=false"]
 
 
@@ -61,7 +61,7 @@ def fresh(family: str, *overrides: str):
 
 # ---- training works -------------------------------------------------------------------------------
 @pytest.mark.parametrize("family, lr, ratio", [("sd15", "1e-3", 0.8), ("sd35", "3e-3", 0.95), ("chroma", "3e-3", 0.95),
-                                                   ("z_image", "3e-3", 0.95)])
+                                                   ("z_image", "3e-3", 0.95), ("lumina2", "3e-3", 0.95)])
 def test_the_loss_goes_down_over_a_short_run(tmp_path, family, lr, ratio):
     """Ten steps of a full fine-tune on the demo set lower the loss on a fixed evaluation batch (the
     four demo images, four fixed noise draws each): the same numbers before and after, so only
@@ -125,7 +125,8 @@ def test_cached_and_uncached_losses_are_equal(tmp_path, family):
 STREAM = {"sd15": ["offload.stream.device_fraction=0.3"],
           "sd35": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"],
           "chroma": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"],  # 3 tiny blocks
-          "z_image": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"]}  # 3 + 2 refiner blocks
+          "z_image": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"],  # 3 + 2 refiner blocks
+          "lumina2": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"]}  # 3 + 2 refiner blocks
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -148,7 +149,9 @@ def test_checkpointing_and_streaming_keep_the_losses_bit_identical(tmp_path, cap
                          ids=["nf4", "fp8", "tiled-vae"])
 def test_quantized_base_and_tiled_vae_train(tmp_path, family, plugins):
     """LoRA on a quantized frozen denoiser, and a tiled VAE encode (32 px tiles of the 64 px images)."""
-    steps = losses(tmp_path, family, "train.steps=2", "model.train=lora", *plugins)
+    # Lumina 2's LoRA on q/k/v has no ComfyUI file (ComfyUI fuses them): exported for diffusers only
+    fmt = ["export.lora_format=diffusers"] if family == "lumina2" else []
+    steps = losses(tmp_path, family, "train.steps=2", "model.train=lora", *fmt, *plugins)
     assert len(steps) == 2 and all(math.isfinite(x) and x > 0 for x in steps)
 
 
