@@ -57,6 +57,20 @@ class Lumina2Trainer(FlowMatchTrainer):
             raise UserError(f"trainer.max_sequence_length={length!r} is not valid: give a whole number of tokens from 1 "
                             f"to {limit} (the transformer's caption positions, axes_lens[0]), or null for {default}.")
 
+    def _open_single_file(self, file: str) -> None:
+        """A diffusers-layout transformer file loads as for every family; Lumina 2's original layout
+        (ComfyUI's lumina_2 files) is refused before any weight is read. Why: diffusers' converter
+        hard-codes the full model's widths, so the runner cannot check it at the tiny size."""
+        super()._open_single_file(file)
+        if self.layout is not None:
+            raise UserError(
+                f"model.path '{file}' is in {self.layout.name}, which trainer=lumina2 does not read. Give model.path "
+                "a diffusers folder (e.g. a download of Alpha-VLLM/Lumina-Image-2.0), or convert the file once with "
+                "diffusers' Lumina2Transformer2DModel.from_single_file(...).save_pretrained(<folder>, "
+                "max_shard_size='100GB') and give model.path=<folder>/diffusion_pytorch_model.safetensors "
+                "(a diffusers-layout transformer file)."
+            )
+
     def module_classes(self) -> dict[str, type]:
         from diffusers import AutoencoderKL, Lumina2Transformer2DModel
         from transformers import Gemma2Model

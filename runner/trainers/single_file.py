@@ -265,6 +265,12 @@ def _is_z_image(keys: list[str]) -> bool:
     return any(".attention.qkv." in k for k in keys) and any(k.startswith("layers.0.adaLN_modulation.0.") for k in keys)
 
 
+def _is_lumina2(keys: list[str]) -> bool:
+    """Lumina 2's original file: Z-Image's fused qkv, with a SiLU before the adaLN linear (``.1``)."""
+    keys = [k.removeprefix("model.diffusion_model.") for k in keys]
+    return any(".attention.qkv." in k for k in keys) and any(k.startswith("layers.0.adaLN_modulation.1.") for k in keys)
+
+
 def _is_ldm_unet(keys: list[str]) -> bool:
     return any(k.startswith("model.diffusion_model.input_blocks.") for k in keys) and not _is_sdxl(keys)
 
@@ -312,6 +318,8 @@ LAYOUTS: list[Layout] = [
            "z_image", {"transformer": Component(Z_IMAGE_ROOTS + tuple("model.diffusion_model." + r for r in Z_IMAGE_ROOTS),
                                                 convert_z_image_transformer)},
            _is_z_image, unread=("vae.", "text_encoders.", "first_stage_model.")),
+    # Recognised so that it is not read as diffusers' layout; not converted (runner/trainers/lumina2.py refuses it).
+    Layout("the original Lumina 2 layout (layers.N.attention.qkv, adaLN_modulation.1)", "lumina2", {}, _is_lumina2),
     Layout("the original SD 1.x/2.x layout (model.diffusion_model.*, first_stage_model.*, "
            "cond_stage_model.transformer.*, without SDXL's label_emb)", "sd", {
                "unet": Component(("model.diffusion_model.",), convert_unet),

@@ -194,3 +194,16 @@ def test_a_lora_on_q_k_v_is_refused_for_the_comfyui_file():
 def test_a_bad_max_sequence_length_is_a_user_error(value):
     with pytest.raises(UserError, match=rf"trainer.max_sequence_length={value} is not valid"):
         build_trainer(compose_config(["trainer=lumina2", f"trainer.max_sequence_length={value}", "train.device=cpu"]))
+
+
+def test_an_original_lumina2_file_is_refused_naming_what_loads(tmp_path):
+    """Recognised (not read as diffusers' layout, nor as Z-Image's), and refused before any weight is read."""
+    from safetensors.torch import save_file
+
+    file = tmp_path / "lumina_2_model_bf16.safetensors"
+    save_file({"layers.0.attention.qkv.weight": torch.zeros(6, 2), "layers.0.adaLN_modulation.1.weight": torch.zeros(8, 2)},
+              str(file))
+    with pytest.raises(UserError, match=r"original Lumina 2 layout.*trainer=lumina2 does not read.*diffusers folder"):
+        build_trainer(compose_config(["trainer=lumina2", f"model.path={file}", "train.device=cpu"]))
+    with pytest.raises(UserError, match=r"original Lumina 2 layout.*not a z_image checkpoint"):
+        build_trainer(compose_config(["trainer=z_image", f"model.path={file}", "train.device=cpu"]))
