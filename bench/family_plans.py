@@ -1,6 +1,6 @@
 """The full-size plan of each model family's preset, and of the alternatives its comments cite.
 
-    python bench/family_plans.py [--presets sd15_8gb,sd35_24gb,chroma_16gb,flux_kontext_24gb] [--no-write]
+    python bench/family_plans.py [--presets sd15_8gb,sd35_24gb,chroma_16gb,flux_kontext_24gb,z_image_16gb,lumina2_16gb] [--no-write]
 
 Plans, with the planner's command line exactly as a user runs it (a subprocess each, CPU only),
 
@@ -39,6 +39,8 @@ VARIANTS: dict[str, list[list[str]]] = {
     "sd35_24gb": [["quantization=fp8"], ["quantization=nf4"], ["checkpoint=none"], ["trainer.variant=medium"]],
     "chroma_16gb": [["quantization=none"], ["checkpoint=none"]],
     "flux_kontext_24gb": [["trainer=flux", "data.references=0"], ["checkpoint=none"]],  # without the reference
+    "z_image_16gb": [["quantization=none"], ["checkpoint=none"]],
+    "lumina2_16gb": [["checkpoint=none"]],
 }
 
 

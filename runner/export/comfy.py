@@ -17,6 +17,15 @@ layout ComfyUI maps for it, with ``.alpha``:
 * **qwen_image** (Qwen-Image): ``diffusion_model.<name>.lora_A/lora_B`` + ``.alpha``; ComfyUI's
   Qwen-Image modules carry diffusers' names (its generic ``diffusion_model.*`` mapping), and
   diffusers reads the file back (``_convert_non_diffusers_qwen_lora_to_diffusers``).
+* **z_image** (Z-Image): the same dotted ``diffusion_model.<diffusers name>`` layout. ComfyUI loads
+  Z-Image as its Lumina 2 NextDiT (fused ``attention.qkv``, ``attention.out``) and maps diffusers'
+  names onto it (``comfy/utils.py`` ``z_image_to_diffusers``: ``to_q``/``to_k``/``to_v`` onto slices
+  of ``qkv``, ``to_out.0`` onto ``out``), so diffusers' names are the keys; diffusers reads the
+  file back (``_convert_non_diffusers_z_image_lora_to_diffusers``).
+* **lumina2** (Lumina 2): ``diffusion_model.<original NextDiT name>`` (:data:`LUMINA2_RENAMES`:
+  ``attention.out``, ``feed_forward.w1``...), the names ComfyUI's Lumina 2 model has. Its q/k/v are
+  one fused ``attention.qkv`` there, which this layout does not write: a LoRA on ``to_q``/``to_k``/
+  ``to_v`` is refused for the ComfyUI file before step 1 (``export.lora_format=diffusers`` trains it).
 * **wan** (Wan 2.1/2.2): ``diffusion_model.<original Wan name>.lora_A/lora_B`` + ``.alpha``:
   ComfyUI knows only the original module names (``blocks.N.self_attn.q``, ``cross_attn.o``,
   ``ffn.0`` ...), so diffusers' names are renamed by :data:`WAN_RENAMES` (the inverse of
@@ -85,12 +94,30 @@ WAN_RENAMES: tuple[tuple[str, str], ...] = (
     (r"patch_embedding", "patch_embedding"),
 )
 
+# Lumina 2: diffusers' Lumina2Transformer2DModel module -> the original NextDiT module ComfyUI knows
+# (comfy/ldm/lumina/model.py; the inverse of diffusers' convert_lumina2_to_diffusers). q/k/v have no
+# entry: ComfyUI fuses them into attention.qkv, which this layout does not write (they are refused).
+_BLOCKS = r"(layers|noise_refiner|context_refiner)\.(\d+)"
+LUMINA2_RENAMES: tuple[tuple[str, str], ...] = (
+    (_BLOCKS + r"\.attn\.to_out\.0", r"\1.\2.attention.out"),
+    (_BLOCKS + r"\.feed_forward\.linear_([123])", r"\1.\2.feed_forward.w\3"),
+    (_BLOCKS + r"\.norm1\.linear", r"\1.\2.adaLN_modulation.1"),
+    (r"time_caption_embed\.caption_embedder\.1", "cap_embedder.1"),
+    (r"time_caption_embed\.timestep_embedder\.linear_1", "t_embedder.mlp.0"),
+    (r"time_caption_embed\.timestep_embedder\.linear_2", "t_embedder.mlp.2"),
+    (r"norm_out\.linear_1", "final_layer.adaLN_modulation.1"),
+    (r"norm_out\.linear_2", "final_layer.linear"),
+    (r"x_embedder", "x_embedder"),
+)
+
 # Trainer.comfy_layout -> its layout (see the module docstring).
 LAYOUTS: dict[str, ComfyLayout] = {
     "kohya": ComfyLayout("kohya", "", separate=False),  # the prefix is the kohya file's (runner/export/lora.py)
     "sd3": ComfyLayout("kohya", "lora_transformer"),
     "qwen_image": ComfyLayout("dotted", "diffusion_model"),
     "wan": ComfyLayout("dotted", "diffusion_model", WAN_RENAMES),
+    "z_image": ComfyLayout("dotted", "diffusion_model"),
+    "lumina2": ComfyLayout("dotted", "diffusion_model", LUMINA2_RENAMES),
 }
 
 

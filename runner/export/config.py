@@ -11,8 +11,8 @@ FULL_FORMATS = ("diffusers", "single_file", "both")
 # Families whose full fine-tune export.full_format=single_file|both writes as one original-layout file
 # (runner/export/single_file.py): those whose original single file model.path reads, so each export is a
 # file the runner reads back bit for bit. The others are refused before step 1 (check_full_format).
-SINGLE_FILE_FAMILIES = ("sdxl", "flux", "sd", "sd3", "qwen_image", "wan")  # trainer=sdxl, flux, sd15 (variant
-# sd15), sd35, qwen_image, wan
+SINGLE_FILE_FAMILIES = ("sdxl", "flux", "sd", "sd3", "qwen_image", "wan", "z_image")  # trainer=sdxl, flux, sd15
+# (variant sd15), sd35, qwen_image, wan, z_image
 
 
 @dataclass
@@ -100,6 +100,6 @@ def check_full_format(cfg: Any, trainer: Any) -> None:
             f"export.full_format={ec.full_format}: no single-file export is written for {name} yet. The runner writes "
             "a single file only in an original layout that model.path reads back, so that the export is checked "
             "bit for bit, and it does so for SDXL, Flux, SD1.5 (trainer.variant=sd15, not SD2.1, whose original "
-            "OpenCLIP-H has a layer the diffusers form drops), SD3.5, Qwen-Image and Wan only. Use "
+            "OpenCLIP-H has a layer the diffusers form drops), SD3.5, Qwen-Image, Wan and Z-Image only. Use "
             "export.full_format=diffusers (the pipeline folder) for this trainer."
         )

@@ -357,6 +357,30 @@ def wan_to_original(state: dict[str, torch.Tensor], config: Any, prefix: str = "
     return out
 
 
+# diffusers' ZImageTransformer2DModel name -> the original Z-Image one (the inverse of diffusers'
+# convert_z_image_transformer_checkpoint_to_diffusers, which reads the file back in check_inverse).
+Z_IMAGE_RENAMES = (("all_x_embedder.2-1.", "x_embedder."), ("all_final_layer.2-1.", "final_layer."),
+                   (".attention.to_out.0.", ".attention.out."), (".attention.norm_q.", ".attention.q_norm."),
+                   (".attention.norm_k.", ".attention.k_norm."))
+
+
+def z_image_to_original(state: dict[str, torch.Tensor], config: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """ZImageTransformer2DModel -> the original Z-Image layout (ComfyUI's diffusion_models file): renames,
+    and each attention's to_q/to_k/to_v fused row-wise into ``attention.qkv`` (lazily, see :class:`LazyCat`)."""
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if ".attention.to_k." in key or ".attention.to_v." in key:
+            continue  # fused with to_q's below
+        if ".attention.to_q." in key:
+            out[prefix + key.replace(".to_q.", ".qkv.")] = LazyCat(tuple(state[key.replace(".to_q.", f".to_{x}.")]
+                                                                      for x in "qkv"))
+            continue
+        for new, old in Z_IMAGE_RENAMES:
+            key = key.replace(new, old)
+        out[prefix + key] = value
+    return out
+
+
 # ---- families -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class SingleFile:
@@ -392,6 +416,8 @@ FAMILIES: dict[str, SingleFile] = {
     "wan": SingleFile("diffusion_model.safetensors", "ComfyUI models/diffusion_models", {"transformer": wan_to_original}),
     "flux": SingleFile("diffusion_model.safetensors", "ComfyUI models/diffusion_models, Forge models/Stable-diffusion",
                        {"transformer": flux_to_original}),
+    "z_image": SingleFile("diffusion_model.safetensors", "ComfyUI models/diffusion_models",
+                          {"transformer": z_image_to_original}),
 }
 
 

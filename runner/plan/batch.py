@@ -32,9 +32,20 @@ def fake_batch(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
 
 
 def move_batch(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """The batch's tensors moved to ``device`` (``.to``, as the loop does); per-sample ints stay."""
-    return {k: (v.to(device) if isinstance(v, torch.Tensor) and k not in BOOKKEEPING_KEYS else v)
+    """The batch's tensors moved to ``device`` (``.to``, as the loop does); per-sample ints stay.
+
+    A boolean tensor is a mask of valid tokens (every example batch's is all true): it arrives as a
+    real all-true mask moved to ``device``, so that inside :func:`known_values` it has its value."""
+    return {k: ((all_valid(v.shape).to(device) if v.dtype == torch.bool else v.to(device))
+                if isinstance(v, torch.Tensor) and k not in BOOKKEEPING_KEYS else v)
             for k, v in batch.items()}
+
+
+def all_valid(shape: Any) -> torch.Tensor:
+    """A real all-true boolean CPU tensor: a mask whose values the planner assumes (every token valid,
+    the longest sequence a run can see), made outside the simulation so that its move keeps them."""
+    with unset_fake_temporarily():
+        return torch.ones(tuple(shape), dtype=torch.bool)
 
 
 def example_batch(trainer: Any, raw: bool, batch_size: int) -> dict[str, Any]:
@@ -127,7 +138,9 @@ def _encode(trainer: Any, models: Any, batch: dict[str, Any], cached: set[str],
     parts = {}
     for part in trainer.encode_parts():
         if part in cached:
-            parts[part] = {k: torch.empty(shape, dtype=dtype, device=DEVICE) for k, (shape, dtype) in shapes[part].items()}
+            parts[part] = {k: (all_valid(shape).to(DEVICE) if dtype == torch.bool
+                               else torch.empty(shape, dtype=dtype, device=DEVICE))
+                           for k, (shape, dtype) in shapes[part].items()}
         else:
             parts[part] = trainer.encode_part(models, part, batch)
     return trainer.finish_encode(parts, batch)

@@ -69,6 +69,7 @@ from runner.plan.speed import StepTime, Target, Trained, gpu_target, predict
 from runner.plan.suggest import suggest
 from runner.plan.target import CUDA_WORKSPACE_MARGIN_BYTES, DEVICE, HOST
 from runner.plan.val import plan_validation
+from runner.plan.values import known_values
 from runner.resolved import ResolvedRun, planned_target, resolve
 
 log = logging.getLogger("runner")
@@ -314,15 +315,17 @@ class _Simulation:
             self.alloc_log.step_started()
         host_batch = fake_batch(example_batch(trainer, self.raw, self.micro), HOST)
         tracker.track(host_batch, "other", module="(batch)")
-        batch = move_batch(host_batch, DEVICE)
-        tracker.track(batch, "other", module="(batch)")
-        with tracker.phase("forward"), ctx.step_context(), ctx.accelerator.autocast(), lycoris_draws_skipped(ctx.models):
-            if self.raw:
-                with tracker.phase("encode", category="activations"), torch.no_grad():
-                    enc = encode_batch(trainer, ctx.models, batch, self.cached, self.part_shapes)
-            else:
-                enc = batch
-            loss = trainer.loss(ctx.models, enc)
+        with known_values():  # masks keep their values from the move to the loss (runner/plan/values.py)
+            batch = move_batch(host_batch, DEVICE)
+            tracker.track(batch, "other", module="(batch)")
+            with tracker.phase("forward"), ctx.step_context(), ctx.accelerator.autocast(), \
+                    lycoris_draws_skipped(ctx.models):
+                if self.raw:
+                    with tracker.phase("encode", category="activations"), torch.no_grad():
+                        enc = encode_batch(trainer, ctx.models, batch, self.cached, self.part_shapes)
+                else:
+                    enc = batch
+                loss = trainer.loss(ctx.models, enc)
         self.recorder.take("forward" + suffix)
         with tracker.phase("backward"):
             ctx.accelerator.backward(loss * (self.micro / self.batch_size))

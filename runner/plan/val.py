@@ -71,20 +71,22 @@ class ValidationPlan:
             move_batch,
         )
         from runner.plan.target import DEVICE, HOST
+        from runner.plan.values import known_values
 
         sim = self.sim
         tracker, ctx, trainer = sim.tracker, sim.ctx, sim.trainer
         tracker.reset_peaks()  # from what lives between steps
         self.between_steps = tracker.current_bytes(DEVICE.type)
-        batch = move_batch(fake_batch(example_batch(trainer, sim.raw, self.batch), HOST), DEVICE)
-        tracker.track(batch, "other", module="(batch)")
         shapes = {part: {k: ((self.batch, *shape[1:]), dtype) for k, (shape, dtype) in per.items()}
                   for part, per in sim.part_shapes.items()}  # cached parts at the validation batch
-        with tracker.phase(PHASE, category="activations"), torch.no_grad(), ctx.step_context(), \
-                ctx.accelerator.autocast():
-            enc = encode_batch(trainer, ctx.models, batch, sim.cached, shapes) if sim.raw else batch
-            trainer.loss(ctx.models, enc)
-            del enc, batch
+        with known_values():  # masks keep their values from the move to the loss (runner/plan/values.py)
+            batch = move_batch(fake_batch(example_batch(trainer, sim.raw, self.batch), HOST), DEVICE)
+            tracker.track(batch, "other", module="(batch)")
+            with tracker.phase(PHASE, category="activations"), torch.no_grad(), ctx.step_context(), \
+                    ctx.accelerator.autocast():
+                enc = encode_batch(trainer, ctx.models, batch, sim.cached, shapes) if sim.raw else batch
+                trainer.loss(ctx.models, enc)
+                del enc, batch
         sim.recorder.take(PHASE)
 
     def report(self, plan: Any) -> None:

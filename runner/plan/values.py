@@ -16,7 +16,13 @@ only then move to the device. :class:`KnownValues` keeps them:
 
 A read of a tensor with no value still fails as before, and the planner reports the call and the
 trainer's line (runner/plan/__init__.py). The trade-off: a few microseconds an op while values are
-alive; the mode is active only around encode steps, where they live.
+alive; the mode is active around a simulated step's forward (from the batch's move to the device to
+the loss), where they live.
+
+Masks of an example batch or of a cached encode part are the one value the planner assumes rather
+than knows: all true (every token valid, the longest sequence a run can see; runner/plan/batch.py),
+so that a denoiser that counts its caption's tokens from the mask (Lumina 2's
+``mask.sum(dim=1).tolist()``) can be planned, at its worst case.
 """
 from __future__ import annotations
 
@@ -121,9 +127,20 @@ class KnownValues(TorchDispatchMode):
         self.alive -= 1
 
 
+_ACTIVE: list[KnownValues] = []  # the mode in force, so that a nested known_values() reuses it
+
+
 @contextmanager
 def known_values() -> Iterator[KnownValues]:
-    """Keep the values of small tensors through the ops run inside (module docstring)."""
+    """Keep the values of small tensors through the ops run inside (module docstring). Re-entrant:
+    inside another ``known_values()`` it is that one (a second mode would follow every op twice)."""
+    if _ACTIVE:
+        yield _ACTIVE[-1]
+        return
     mode = KnownValues()
-    with mode:
-        yield mode
+    _ACTIVE.append(mode)
+    try:
+        with mode:
+            yield mode
+    finally:
+        _ACTIVE.pop()

@@ -1,5 +1,5 @@
 """Built-in trainers. Importing this package registers ``trainer=sdxl``, ``flux``, ``flux_kontext``, ``chroma``, ``sd15``, ``sd35``,
-``qwen_image`` and ``wan``.
+``qwen_image``, ``wan``, ``z_image`` and ``lumina2``.
 
 Registered by the path of their class, with their schema from runner/trainers/configs.py and their
 loss objective: the trainer modules import torch and diffusers, and are imported only when a run
@@ -13,11 +13,13 @@ from runner.trainers.configs import (
     ChromaTrainerConfig,
     FluxKontextTrainerConfig,
     FluxTrainerConfig,
+    Lumina2TrainerConfig,
     QwenImageTrainerConfig,
     SD15TrainerConfig,
     SD35TrainerConfig,
     SDXLTrainerConfig,
     WanTrainerConfig,
+    ZImageTrainerConfig,
 )
 
 register_trainer("sdxl", "runner.trainers.sdxl.SDXLTrainer", SDXLTrainerConfig, "SDXL U-Net, DDPM loss",
@@ -40,3 +42,8 @@ register_trainer("qwen_image", "runner.trainers.qwen_image.QwenImageTrainer", Qw
 register_trainer("wan", "runner.trainers.wan.WanTrainer", WanTrainerConfig,
                  "Wan 2.1/2.2 text-to-video transformer (trainer.variant=14b|1.3b|2.2-5b), rectified-flow matching loss",
                  native_resolution=WAN_NATIVE_RESOLUTION, objective=FLOW)
+register_trainer("z_image", "runner.trainers.z_image.ZImageTrainer", ZImageTrainerConfig,
+                 "Z-Image single-stream DiT (6.2 B), Qwen3-4B text encoder, rectified-flow matching loss", objective=FLOW)
+register_trainer("lumina2", "runner.trainers.lumina2.Lumina2Trainer", Lumina2TrainerConfig,
+                 "Lumina-Image 2.0 unified NextDiT (2.6 B), Gemma-2 2B text encoder, rectified-flow matching loss",
+                 objective=FLOW)

@@ -1,4 +1,4 @@
-"""The built-in trainers' option schemas (``trainer=sdxl|flux|flux_kontext|chroma|sd15|sd35|qwen_image|wan``), importable without torch.
+"""The built-in trainers' option schemas (``trainer=sdxl|flux|flux_kontext|chroma|sd15|sd35|qwen_image|wan|z_image|lumina2``), importable without torch.
 
 Hydra composes every run against the selected trainer's schema, and ``trainer=sdxl`` is the
 default, so the schema must not import diffusers or torch (``--help`` and config errors answer
@@ -58,6 +58,22 @@ class QwenImageTrainerConfig:
     _target_: str = "runner.trainers.qwen_image.QwenImageTrainer"
     # Text tokens after the template's dropped prefix; captions are truncated to it and padded to it
     # (masked). null: the pipeline's 512 (96 for the random tiny model's byte-level tokenizer).
+    max_sequence_length: Optional[int] = None
+
+
+@dataclass
+class ZImageTrainerConfig:
+    _target_: str = "runner.trainers.z_image.ZImageTrainer"
+    # Caption tokens (chat template included) per prompt, zero-padded and masked; longer captions are
+    # truncated. null: ZImagePipeline's default, 512.
+    max_sequence_length: Optional[int] = None
+
+
+@dataclass
+class Lumina2TrainerConfig:
+    _target_: str = "runner.trainers.lumina2.Lumina2Trainer"
+    # Tokens of the system prompt and caption together, padded and masked; longer ones are truncated.
+    # null: Lumina2Pipeline's default, 256.
     max_sequence_length: Optional[int] = None
 
 

@@ -1,5 +1,5 @@
 """Single-file checkpoints in the layouts people download: A1111/ComfyUI SDXL and SD1.5, BFL/ComfyUI Flux,
-and the denoiser alone as ComfyUI's diffusion_models hold it (SD3.5, Wan).
+and the denoiser alone as ComfyUI's diffusion_models hold it (SD3.5, Wan, Z-Image).
 
 ``model.path=/models/sd_xl_base_1.0.safetensors`` holds every SDXL module in Stability's original
 layout (``model.diffusion_model.*`` U-Net, ``first_stage_model.*`` VAE,
@@ -211,6 +211,19 @@ def convert_wan_transformer(state: dict, config: dict, model: nn.Module) -> dict
     return convert_wan_transformer_to_diffusers(state)
 
 
+Z_IMAGE_ROOTS = ("layers.", "noise_refiner.", "context_refiner.", "x_embedder.", "final_layer.", "t_embedder.",
+                 "cap_embedder.", "x_pad_token", "cap_pad_token", "norm_final.")
+
+
+def convert_z_image_transformer(state: dict, config: dict, model: nn.Module) -> dict:
+    """The original Z-Image layout (fused ``attention.qkv``, ``x_embedder``, ``final_layer``; ComfyUI's
+    diffusion_models file) -> diffusers' ``ZImageTransformer2DModel``: diffusers'
+    ``convert_z_image_transformer_checkpoint_to_diffusers``, renames and an even qkv split (any width)."""
+    from diffusers.loaders.single_file_utils import convert_z_image_transformer_checkpoint_to_diffusers
+
+    return convert_z_image_transformer_checkpoint_to_diffusers(state)
+
+
 # ---- layouts ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Component:
@@ -244,6 +257,18 @@ def _is_sd3(keys: list[str]) -> bool:
 
 def _is_wan(keys: list[str]) -> bool:
     return any(k.removeprefix("model.diffusion_model.").startswith("blocks.") and ".self_attn." in k for k in keys)
+
+
+def _is_z_image(keys: list[str]) -> bool:
+    """Z-Image's original file: fused qkv (diffusers' has to_q) and a one-layer adaLN (Lumina 2's is ``.1``)."""
+    keys = [k.removeprefix("model.diffusion_model.") for k in keys]
+    return any(".attention.qkv." in k for k in keys) and any(k.startswith("layers.0.adaLN_modulation.0.") for k in keys)
+
+
+def _is_lumina2(keys: list[str]) -> bool:
+    """Lumina 2's original file: Z-Image's fused qkv, with a SiLU before the adaLN linear (``.1``)."""
+    keys = [k.removeprefix("model.diffusion_model.") for k in keys]
+    return any(".attention.qkv." in k for k in keys) and any(k.startswith("layers.0.adaLN_modulation.1.") for k in keys)
 
 
 def _is_ldm_unet(keys: list[str]) -> bool:
@@ -289,6 +314,12 @@ LAYOUTS: list[Layout] = [
         "transformer": Component(WAN_ROOTS + tuple("model.diffusion_model." + r for r in WAN_ROOTS),
                                  convert_wan_transformer),
     }, _is_wan),
+    Layout("the original Z-Image layout (layers.N.attention.qkv, x_embedder, final_layer; ComfyUI diffusion_models)",
+           "z_image", {"transformer": Component(Z_IMAGE_ROOTS + tuple("model.diffusion_model." + r for r in Z_IMAGE_ROOTS),
+                                                convert_z_image_transformer)},
+           _is_z_image, unread=("vae.", "text_encoders.", "first_stage_model.")),
+    # Recognised so that it is not read as diffusers' layout; not converted (runner/trainers/lumina2.py refuses it).
+    Layout("the original Lumina 2 layout (layers.N.attention.qkv, adaLN_modulation.1)", "lumina2", {}, _is_lumina2),
     Layout("the original SD 1.x/2.x layout (model.diffusion_model.*, first_stage_model.*, "
            "cond_stage_model.transformer.*, without SDXL's label_emb)", "sd", {
                "unet": Component(("model.diffusion_model.",), convert_unet),

@@ -110,3 +110,23 @@ def qwen2_tokenizer(model_max_length: int = 1024) -> Any:
     tok = Qwen2Tokenizer(vocab=vocab, merges=[], model_max_length=model_max_length)
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     return tok
+
+
+# The text Qwen3's chat template renders for one user turn with add_generation_prompt=True and
+# enable_thinking=True (what ZImagePipeline asks for): no <think> block is added.
+QWEN3_ONE_TURN_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+@functools.lru_cache(maxsize=4)
+def qwen3_tokenizer(model_max_length: int = 1024) -> Any:
+    """The byte-level tokenizer of :func:`qwen2_tokenizer` (a fresh instance, so the shared one is
+    not changed) with a chat template rendering one user turn as Qwen3's does (Z-Image): the
+    pipeline formats every prompt through ``apply_chat_template``, so the tiny model gets the same
+    text around the caption as the real one."""
+    tok = qwen2_tokenizer.__wrapped__(model_max_length)
+    tok.chat_template = QWEN3_ONE_TURN_TEMPLATE
+    return tok

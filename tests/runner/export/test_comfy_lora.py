@@ -43,17 +43,22 @@ FAMILIES = {  # test id -> trainer overrides
     "sdxl": ["trainer=sdxl"], "sd15": ["trainer=sd15"], "sd21": ["trainer=sd15", "trainer.variant=sd21"],
     "flux": ["trainer=flux"], "flux_kontext": ["trainer=flux_kontext", "data.references=1"], "chroma": ["trainer=chroma"],
     "sd35": ["trainer=sd35"], "qwen_image": ["trainer=qwen_image"],
-    "wan21": ["trainer=wan"], "wan22": ["trainer=wan", "trainer.variant=2.2-5b"],
+    "wan21": ["trainer=wan"], "wan22": ["trainer=wan", "trainer.variant=2.2-5b"], "z_image": ["trainer=z_image"],
+    # Lumina 2: ComfyUI fuses q/k/v (attention.qkv), which its ComfyUI file does not write: other targets
+    "lumina2": ["trainer=lumina2", "model.lora_targets=[to_out.0,feed_forward.linear_1,norm1.linear]"],
 }
 # Which file ComfyUI loads at the trained strength, per family.
 COMFY = {"sdxl": KOHYA_FILE, "sd15": KOHYA_FILE, "sd21": KOHYA_FILE, "flux": KOHYA_FILE, "flux_kontext": KOHYA_FILE, "chroma": KOHYA_FILE,
-         "sd35": COMFY_FILE, "qwen_image": COMFY_FILE, "wan21": COMFY_FILE, "wan22": COMFY_FILE}
+         "sd35": COMFY_FILE, "qwen_image": COMFY_FILE, "wan21": COMFY_FILE, "wan22": COMFY_FILE, "z_image": COMFY_FILE,
+         "lumina2": COMFY_FILE}
 
 # Key-layout reference: diffusers module -> the key ComfyUI reads for it (+ .lora_down/.lora_up
 # or .lora_A/.lora_B, and .alpha). U-Nets: lora_unet_ + diffusers name (unet_to_diffusers); Flux
 # and SD3.5: lora_transformer_ + diffusers name (OneTrainer's, flux_to_diffusers / mmdit_to_diffusers);
 # Qwen-Image: diffusion_model. + its names (ComfyUI's are diffusers'); Wan: diffusion_model. + the
-# original Wan names (comfy/ldm/wan/model.py).
+# original Wan names (comfy/ldm/wan/model.py); Z-Image: diffusion_model. + diffusers' names, which
+# ComfyUI's comfy/utils.py z_image_to_diffusers maps onto its NextDiT (to_q/to_k/to_v onto slices of
+# attention.qkv, to_out.0 onto attention.out; refiner blocks included).
 REFERENCE = {
     "sdxl": {"down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q":
              "lora_unet_down_blocks_1_attentions_0_transformer_blocks_0_attn1_to_q",
@@ -79,6 +84,15 @@ REFERENCE = {
               "blocks.0.attn1.to_out.0": "diffusion_model.blocks.0.self_attn.o",
               "blocks.2.attn2.to_k": "diffusion_model.blocks.2.cross_attn.k"},
     "wan22": {"blocks.1.attn2.to_out.0": "diffusion_model.blocks.1.cross_attn.o"},
+    "z_image": {"layers.0.attention.to_q": "diffusion_model.layers.0.attention.to_q",
+                "layers.2.attention.to_out.0": "diffusion_model.layers.2.attention.to_out.0",
+                "noise_refiner.0.attention.to_k": "diffusion_model.noise_refiner.0.attention.to_k",
+                "context_refiner.0.attention.to_v": "diffusion_model.context_refiner.0.attention.to_v"},
+    # Lumina 2: ComfyUI's NextDiT names (comfy/ldm/lumina/model.py: JointAttention.out, FeedForward.w1,
+    # JointTransformerBlock.adaLN_modulation = Sequential(SiLU, Linear)), read by its generic diffusion_model.* keys.
+    "lumina2": {"layers.2.attn.to_out.0": "diffusion_model.layers.2.attention.out",
+                "noise_refiner.0.feed_forward.linear_1": "diffusion_model.noise_refiner.0.feed_forward.w1",
+                "layers.0.norm1.linear": "diffusion_model.layers.0.adaLN_modulation.1"},
 }
 
 # Full-size facts from ComfyUI's own maps: (layout, diffusers module of the full-size model, the key
@@ -98,6 +112,10 @@ FULL_SIZE = [
     ("wan", "condition_embedder.time_proj", "diffusion_model.time_projection.1",
      "diffusion_model.time_projection.1.weight"),
     ("wan", "proj_out", "diffusion_model.head.head", "diffusion_model.head.head.weight"),
+    ("lumina2", "layers.25.attn.to_out.0", "diffusion_model.layers.25.attention.out",
+     "diffusion_model.layers.25.attention.out.weight"),  # Lumina-Image-2.0, 26 blocks
+    ("lumina2", "layers.25.feed_forward.linear_3", "diffusion_model.layers.25.feed_forward.w3",
+     "diffusion_model.layers.25.feed_forward.w3.weight"),
 ]
 
 
@@ -157,7 +175,7 @@ def test_the_comfy_file_has_comfyuis_keys_and_the_trained_alpha(exports, family)
     assert files == [DIFFUSERS_FILE, COMFY[family]]  # U-Nets, Flux: the kohya file is the ComfyUI file
     assert sorted(p.name for p in folder.iterdir()) == sorted(files)  # no second file with the kohya bytes
     sd = load_file(str(folder / COMFY[family]))
-    down, up = ("lora_A.weight", "lora_B.weight") if family in ("qwen_image", "wan21", "wan22") else (
+    down, up = ("lora_A.weight", "lora_B.weight") if family in ("qwen_image", "wan21", "wan22", "z_image", "lumina2") else (
         "lora_down.weight", "lora_up.weight")
     modules = {k.rsplit(".", 2)[0] if k.endswith(".weight") else k.rsplit(".", 1)[0] for k in sd}
     adapted_modules = sum(1 for n, _ in module.named_parameters() if ".lora_A." in n)
@@ -178,6 +196,7 @@ def test_the_comfy_file_has_comfyuis_keys_and_the_trained_alpha(exports, family)
     ("chroma", "_convert_kohya_flux_lora_to_diffusers"),  # ChromaPipeline reads LoRAs with Flux's loader
     ("qwen_image", "_convert_non_diffusers_qwen_lora_to_diffusers"),
     ("wan21", "_convert_non_diffusers_wan_lora_to_diffusers"), ("wan22", "_convert_non_diffusers_wan_lora_to_diffusers"),
+    ("z_image", "_convert_non_diffusers_z_image_lora_to_diffusers"),
 ])
 def test_diffusers_converter_gives_back_the_diffusers_export(exports, family, convert):
     """diffusers' own reader of the layout, on the ComfyUI file, gives the diffusers file's adapter
@@ -202,7 +221,7 @@ def test_diffusers_converter_gives_back_the_diffusers_export(exports, family, co
     assert any(v.abs().max() > 1e-3 for v in expected.values())  # a real adapter, not zeros
 
 
-@pytest.mark.parametrize("family", ["qwen_image", "wan21"])
+@pytest.mark.parametrize("family", ["qwen_image", "wan21", "z_image"])
 def test_the_comfy_file_loads_in_the_pipeline_at_the_trained_strength(exports, family):
     """``pipe.load_lora_weights(lora_comfy.safetensors)`` (diffusers detects the layout) makes the
     denoiser compute what the adapted model computes."""

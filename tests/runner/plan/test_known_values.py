@@ -92,3 +92,19 @@ def test_a_value_the_planner_cannot_know_names_the_trainers_line(tmp_path):
     assert "The planner could not simulate this run (mode=plan)" in r.err
     assert "masked_trainer.py" in r.err and "encode_part" in r.err and 'batch["pixel_values"].std()' in r.err
     assert "train.preflight=false" in r.err
+
+
+def test_nested_known_values_is_the_same_mode_and_an_assumed_mask_is_all_true():
+    """known_values() inside known_values() reuses the mode (no op is followed twice); a mask the
+    planner assumes (runner/plan/batch.py: example batches, cached parts) is all true, and a denoiser
+    that counts its tokens from it (Lumina 2's mask.sum(dim=1).tolist()) reads the full length."""
+    from runner.plan.batch import all_valid, move_batch
+
+    with known_values() as outer, known_values() as inner:
+        assert inner is outer
+        batch = move_batch({"mask": torch.zeros(2, 5, dtype=torch.bool, device="meta"),
+                            "x": torch.zeros(2, 3, device="meta")}, torch.device("meta"))
+        counts = batch["mask"].sum(dim=1)
+        assert batch["mask"].device.type == "meta" and [int(n) for n in counts] == [5, 5]
+        assert value_of(batch["x"]) is None  # only masks get an assumed value
+    assert torch.equal(all_valid((1, 3)), torch.ones(1, 3, dtype=torch.bool))

@@ -1,4 +1,4 @@
-"""Samples during training (runner/sampling/): tiny SDXL, Flux, Chroma, SD1.5 and SD3.5 models on CPU, real PNG files."""
+"""Samples during training (runner/sampling/): tiny SDXL, Flux, Chroma, SD1.5, SD3.5, Z-Image and Lumina 2 models on CPU, real PNG files."""
 from __future__ import annotations
 
 import hashlib
@@ -43,7 +43,7 @@ def digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-@pytest.mark.parametrize("family", ["sdxl", "flux", "flux_kontext", "chroma", "sd15", "sd35"])
+@pytest.mark.parametrize("family", ["sdxl", "flux", "flux_kontext", "chroma", "sd15", "sd35", "z_image", "lumina2"])
 def test_samples_at_start_every_n_steps_and_end_differ_between_steps(tmp_path, family):
     train(tmp_path, f"trainer={family}", *FAMILY.get(family, []), "train.steps=3", "optimizer.lr=1e-2", "sample.every=2", PROMPTS,
           "sample.steps=2", "sample.resolution=32")
@@ -61,7 +61,7 @@ def test_samples_at_start_every_n_steps_and_end_differ_between_steps(tmp_path, f
     assert settings["prompts"] == ["a photo of a cat", "a red car"] and settings["files"] == FILES
     assert settings["steps"] == 2 and settings["resolution"] == 32 and settings["seeds"] == [0, 1]
     assert settings["guidance"] == {"sdxl": 5.0, "flux": 3.5, "flux_kontext": 2.5, "chroma": 5.0, "sd15": 7.5,
-                                    "sd35": 3.5}[family]
+                                    "sd35": 3.5, "z_image": 0.0, "lumina2": 4.0}[family]
 
 
 def test_sampling_leaves_training_bit_identical(tmp_path):
@@ -75,15 +75,18 @@ def test_sampling_leaves_training_bit_identical(tmp_path):
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-@pytest.mark.parametrize("family", ["sdxl", "flux", "flux_kontext", "chroma", "sd35"])
+@pytest.mark.parametrize("family", ["sdxl", "flux", "flux_kontext", "chroma", "sd35", "z_image", "lumina2"])
 def test_park_drops_encoders_and_vae_and_the_samples_are_unchanged(tmp_path, family, caplog):
     """Prompts are encoded before park drops the text encoders, and the dropped VAE still decodes:
     the images are byte-identical to a run without plugins (park's cached training is bit-exact)."""
     sample = [f"trainer={family}", *FAMILY.get(family, []), "train.steps=2", "sample.every=2", PROMPTS, "sample.steps=2", "model.train=lora"]
+    if family == "lumina2":  # ComfyUI fuses Lumina 2's q/k/v: its LoRA on them is exported for diffusers only
+        sample.append("export.lora_format=diffusers")
     train(tmp_path / "plain", *sample)
     with caplog.at_level(logging.INFO, logger="runner"):
         train(tmp_path / "park", *sample, "offload=park", "tiling=vae", f"offload.park.cache_dir={tmp_path / 'cache'}")
-    dropped = {"sd35": "text_encoder, text_encoder_2, text_encoder_3, vae", "chroma": "text_encoder, vae"}.get(
+    dropped = {"sd35": "text_encoder, text_encoder_2, text_encoder_3, vae", "chroma": "text_encoder, vae",
+               "z_image": "text_encoder, vae", "lumina2": "text_encoder, vae"}.get(
         family, "text_encoder, text_encoder_2, vae")
     assert f"park: dropped {dropped}" in caplog.text
     assert "the sampler keeps it on the host" in caplog.text

@@ -1,4 +1,4 @@
-"""The SD1.5/SD2.1, SD3.5, Chroma and Flux.1 Kontext families through the runner, on tiny models on the CPU.
+"""The SD1.5/SD2.1, SD3.5, Chroma, Flux.1 Kontext, Z-Image and Lumina 2 families through the runner, on tiny models on the CPU.
 
 For each family: the loss goes down over a short run; the planner agrees with the live tracker
 within 5 %; cached and uncached runs give the same losses; checkpointing and streamed offload
@@ -33,7 +33,7 @@ from runner.trainer import encode
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-FAMILIES = ["sd15", "sd35", "chroma", "flux_kontext"]
+FAMILIES = ["sd15", "sd35", "chroma", "flux_kontext", "z_image", "lumina2"]
 EDIT = {"flux_kontext": ["data.references=1"]}  # an edit family trains on the paired demo set (a reference per target)
 COMMON = ["train.device=cpu", "train.progress=false", "data.demo_size=4", "export.enabled=false"]
 
@@ -62,7 +62,8 @@ def fresh(family: str, *overrides: str):
 
 # ---- training works -------------------------------------------------------------------------------
 @pytest.mark.parametrize("family, lr, ratio", [("sd15", "1e-3", 0.8), ("sd35", "3e-3", 0.95), ("chroma", "3e-3", 0.95),
-                                                   ("flux_kontext", "3e-3", 0.95)])
+                                                   ("flux_kontext", "3e-3", 0.95), ("z_image", "3e-3", 0.95),
+                                                   ("lumina2", "3e-3", 0.95)])
 def test_the_loss_goes_down_over_a_short_run(tmp_path, family, lr, ratio):
     """Ten steps of a full fine-tune on the demo set lower the loss on a fixed evaluation batch (the
     four demo images, four fixed noise draws each): the same numbers before and after, so only
@@ -97,7 +98,11 @@ def test_the_loss_goes_down_over_a_short_run(tmp_path, family, lr, ratio):
     ["trainer=chroma", "data.resolution=128"],
     ["trainer=chroma", "model.train=lora", "checkpoint=blocks", "data.resolution=128"],
     ["trainer=flux_kontext", "data.references=1", "data.resolution=128"],
-], ids=["sd15", "sd21-lora-ckpt", "sd15_8gb", "sd35", "sd35-medium-lora-ckpt", "chroma", "chroma-lora-ckpt", "flux_kontext"])
+    # Z-Image: captions truncated to 24 tokens, so every one is as long as the planner counts them (the
+    # planner has no mask values and counts trainer.max_sequence_length; tests/runner/trainers/test_z_image.py)
+    ["trainer=z_image", "model.train=lora", "checkpoint=blocks", "data.resolution=128", "trainer.max_sequence_length=24"],
+], ids=["sd15", "sd21-lora-ckpt", "sd15_8gb", "sd35", "sd35-medium-lora-ckpt", "chroma", "chroma-lora-ckpt", "flux_kontext",
+        "z_image-lora-ckpt"])
 def test_planned_peak_matches_a_real_cpu_step_within_5_percent(case):
     """sd35_24gb's own plugins but park: on a CPU run the parked VAE and the raw pixels sit on the only
     device, where a GPU run keeps them on the host (tests/planner_truth.py); at tiny size, with a LoRA
@@ -123,7 +128,9 @@ def test_cached_and_uncached_losses_are_equal(tmp_path, family):
 STREAM = {"sd15": ["offload.stream.device_fraction=0.3"],
           "sd35": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"],
           "chroma": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"],  # 3 tiny blocks
-          "flux_kontext": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"]}  # Flux's 3 tiny blocks
+          "flux_kontext": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"],  # Flux's 3 tiny blocks
+          "z_image": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"],  # 3 + 2 refiner blocks
+          "lumina2": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"]}  # 3 + 2 refiner blocks
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -146,7 +153,9 @@ def test_checkpointing_and_streaming_keep_the_losses_bit_identical(tmp_path, cap
                          ids=["nf4", "fp8", "tiled-vae"])
 def test_quantized_base_and_tiled_vae_train(tmp_path, family, plugins):
     """LoRA on a quantized frozen denoiser, and a tiled VAE encode (32 px tiles of the 64 px images)."""
-    steps = losses(tmp_path, family, "train.steps=2", "model.train=lora", *plugins)
+    # Lumina 2's LoRA on q/k/v has no ComfyUI file (ComfyUI fuses them): exported for diffusers only
+    fmt = ["export.lora_format=diffusers"] if family == "lumina2" else []
+    steps = losses(tmp_path, family, "train.steps=2", "model.train=lora", *fmt, *plugins)
     assert len(steps) == 2 and all(math.isfinite(x) and x > 0 for x in steps)
 
 
@@ -162,7 +171,7 @@ def test_an_out_of_memory_step_retried_in_halves_equals_a_run_configured_so(tmp_
 
         def raise_while_two(module, args, kwargs):
             x = args[0] if args else kwargs["hidden_states"]
-            if x.shape[0] > 1:
+            if len(x) > 1:  # a batch tensor, or Z-Image's list of per-sample latents
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
 
         handle = denoiser.register_forward_pre_hook(raise_while_two, with_kwargs=True) if oom else None
