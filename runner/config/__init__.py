@@ -67,7 +67,7 @@ class DataConfig:
     center_crop: bool = True
     random_flip: bool = False
     masks: bool = False  # a loss mask per image: masks/<stem>.png, else <stem>_mask.png beside it (runner/data/masks.py)
-    references: int = 0  # reference (control) images per target, edit trainers: control/<stem>.png, else <stem>_ref1.png (runner/data/references.py)
+    references: Optional[int] = None  # null: the trainer's own (an edit family's count, else 0); reference (control) images per target, edit trainers: control/<stem>.png, else <stem>_ref1.png (runner/data/references.py)
     missing_caption: str = "error"  # error | empty (use an empty caption)
     demo_size: int = 16  # number of images (clips, for a video trainer) in the built-in demo set
     demo_prior: int = 0  # images of a built-in prior (class) set beside the demo set ("a circle"...); 0 = none

@@ -32,6 +32,7 @@ images, bad ``data.*`` values) raise :class:`runner.errors.UserError` naming the
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -120,16 +121,19 @@ def check_options(data_cfg: Any) -> DataOptions:
     return options
 
 
-def build_dataset(data_cfg: Any) -> Dataset:
+def build_dataset(data_cfg: Any, references: int | None = None) -> Dataset:
     """Build the training dataset described by ``cfg.data`` (a DataConfig or a DictConfig).
 
     ``data.path`` and ``data.sets`` unset -> :class:`DemoDataset` (no files, no download);
     ``data.path`` -> :class:`FolderDataset`; ``data.sets`` -> :class:`TrainingData` over one
     folder per set. With caption dropout or tag shuffling the result is a :class:`TrainingData`
     (it applies them per visit). All ``data.*`` values are validated here, before any file is
-    read, so a typo fails in milliseconds.
+    read, so a typo fails in milliseconds. ``references``: the trainer's count of reference images per
+    target (its ``data.references``, resolved with the family's default: runner/data/checks.py).
     """
     o = check_options(data_cfg)
+    if references is not None:
+        o = dataclasses.replace(o, references=references)
     if not o.sets and o.path is None:
         demo_size = o.demo_size
         if isinstance(demo_size, bool) or not isinstance(demo_size, int) or demo_size < 1:

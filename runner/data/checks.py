@@ -75,8 +75,12 @@ def _check_references(data_cfg: Any) -> int:
 
 def family_references(data_cfg: Any, max_references: int, name: str) -> int:
     """``data.references``, refused when it exceeds what trainer ``name`` takes (its ``max_references``):
-    a reference no family reads would be ignored silently."""
-    count = _check_references(data_cfg) if data_cfg is not None else 0
+    a reference no family reads would be ignored silently. Unset (null), it is the family's own count:
+    an edit family trains on its references, any other family on plain images, so a preset written for
+    an edit family sets no data key another trainer would have to refuse."""
+    if data_cfg is None or _get(data_cfg, "references", None) is None:
+        return max_references
+    count = _check_references(data_cfg)
     if count > max_references:
         takes = (f"takes at most {max_references} reference image(s) per target" if max_references
                  else "is not an edit model: it takes no reference images")

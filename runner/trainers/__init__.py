@@ -1,5 +1,5 @@
 """Built-in trainers. Importing this package registers ``trainer=sdxl``, ``flux``, ``flux_kontext``, ``chroma``, ``sd15``, ``sd35``,
-``qwen_image``, ``wan``, ``z_image`` and ``lumina2``.
+``qwen_image``, ``wan`` (and its Wan 2.2 options ``wan22_a14b``, ``wan22_5b``), ``z_image`` and ``lumina2``.
 
 Registered by the path of their class, with their schema from runner/trainers/configs.py and their
 loss objective: the trainer modules import torch and diffusers, and are imported only when a run
@@ -18,6 +18,8 @@ from runner.trainers.configs import (
     SD15TrainerConfig,
     SD35TrainerConfig,
     SDXLTrainerConfig,
+    Wan22_5BTrainerConfig,
+    Wan22A14BTrainerConfig,
     WanTrainerConfig,
     ZImageTrainerConfig,
 )
@@ -40,7 +42,13 @@ register_trainer("sd35", "runner.trainers.sd35.SD35Trainer", SD35TrainerConfig,
 register_trainer("qwen_image", "runner.trainers.qwen_image.QwenImageTrainer", QwenImageTrainerConfig,
                  "Qwen-Image MMDiT (20 B), Qwen2.5-VL text encoder, rectified-flow matching loss", objective=FLOW)
 register_trainer("wan", "runner.trainers.wan.WanTrainer", WanTrainerConfig,
-                 "Wan 2.1/2.2 text-to-video transformer (trainer.variant=14b|1.3b|2.2-5b), rectified-flow matching loss",
+                 "Wan 2.1/2.2 text-to-video transformer (trainer.variant=14b|1.3b|2.2-5b|2.2-a14b), rectified-flow matching loss",
+                 native_resolution=WAN_NATIVE_RESOLUTION, objective=FLOW)
+register_trainer("wan22_a14b", "runner.trainers.wan.WanTrainer", Wan22A14BTrainerConfig,
+                 "trainer=wan with trainer.variant=2.2-a14b trainer.experts=high (set trainer.experts=low for the other "
+                 "expert): Wan 2.2 T2V A14B, one expert per run", native_resolution=WAN_NATIVE_RESOLUTION, objective=FLOW)
+register_trainer("wan22_5b", "runner.trainers.wan.WanTrainer", Wan22_5BTrainerConfig,
+                 "trainer=wan with trainer.variant=2.2-5b: Wan 2.2 TI2V-5B in its text-to-video mode",
                  native_resolution=WAN_NATIVE_RESOLUTION, objective=FLOW)
 register_trainer("z_image", "runner.trainers.z_image.ZImageTrainer", ZImageTrainerConfig,
                  "Z-Image single-stream DiT (6.2 B), Qwen3-4B text encoder, rectified-flow matching loss", objective=FLOW)

@@ -138,7 +138,7 @@ class DiffusersTrainer(CacheKeys):
         self.loss_options = loss_config(cfg)  # loss.* (runner/loss/objectives.py), read by the loss-family base
         data = cfg.get("data") if hasattr(cfg, "get") else None
         self.masks = bool(data.get("masks", False)) if data is not None and hasattr(data, "get") else False
-        self.references = family_references(data, self.max_references, name)  # data.references, within the family's
+        self.references = family_references(data, self.max_references, name)  # data.references (unset: the family's)
         if self.objective is not None:
             check_objective(self.loss_options, self.objective, f"trainer {name}")
         export = cfg.get("export") if hasattr(cfg, "get") else None
@@ -383,7 +383,7 @@ class DiffusersTrainer(CacheKeys):
             build_dataset,  # lazily: the data module is optional for planning
         )
 
-        return build_dataset(self.cfg.data)
+        return build_dataset(self.cfg.data, references=self.references)
 
     # -- tokenizers ---------------------------------------------------------------------
     def default_tokenizer(self, name: str) -> Any:

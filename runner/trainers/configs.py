@@ -87,3 +87,17 @@ class WanTrainerConfig:
     experts: Optional[str] = None  # 2.2-a14b only: high (t >= 0.875, transformer/) | low (transformer_2/): the expert trained
     # UMT5 tokens per caption (zero-padded); null: the pipeline's 512 (64 for the random tiny model).
     max_sequence_length: Optional[int] = None
+
+
+# The Wan 2.2 models as trainer options of their own: trainer=wan with the variant (and expert) set.
+# A preset for one of them names the option instead of setting trainer.* keys, so the preset still
+# composes with any other trainer (trainer=custom, sdxl, ...), which has no trainer.variant.
+@dataclass
+class Wan22A14BTrainerConfig(WanTrainerConfig):
+    variant: str = "2.2-a14b"
+    experts: Optional[str] = "high"
+
+
+@dataclass
+class Wan22_5BTrainerConfig(WanTrainerConfig):
+    variant: str = "2.2-5b"

@@ -109,3 +109,6 @@ def test_the_preset_composes_and_validates() -> None:
     cfg = compose_config(["+preset=wan22_a14b_24gb"])
     validate(cfg)
     assert (cfg.trainer.variant, cfg.trainer.experts) == ("2.2-a14b", "high")
+    low = compose_config(["+preset=wan22_a14b_24gb", "trainer.experts=low"])
+    assert low.trainer.experts == "low"
+    assert "variant" not in compose_config(["+preset=wan22_a14b_24gb", "trainer=sdxl"]).trainer  # any trainer
