@@ -1,0 +1,204 @@
+"""Flux.2 (runner/trainers/flux2.py) against diffusers' ``Flux2Pipeline``, tiny model, CPU, offline.
+
+* the text encoding and the transformer call are the pipeline's: one pipeline step with a reference
+  image gives the prompt embeddings, reference tokens, ids and velocity that ``encode`` + ``predict``
+  give for the same inputs;
+* a reference conditions the target's prediction;
+* a LoRA trains (plain and with a reference per target), and its diffusers file loads into
+  ``Flux2Pipeline`` and changes its output, with no NaN;
+* the published size builds on ``meta`` with FLUX.2 dev's parameter count;
+* what the family does not do is refused before anything is built.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from accelerate.utils import set_seed
+from PIL import Image
+
+from runner.__main__ import task
+from runner.build import build_trainer, prepare_models
+from runner.cli.compose import compose_config
+from runner.data import collate
+from runner.data.demo import demo_reference
+from runner.data.images import _to_tensor
+from runner.errors import UserError
+from runner.export.checkpoint import EXPORT_DIR, INFO_FILE
+from runner.export.lora import DIFFUSERS_FILE
+from runner.output.report import read_metrics
+from runner.resolved import resolve
+from runner.trainers.flux2 import Flux2Trainer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FLUX2 = ["trainer=flux2", "train.device=cpu", "export.lora_format=diffusers"]
+
+
+def build(*overrides: str):
+    cfg = compose_config([*FLUX2, *overrides])
+    run = resolve(cfg)
+    trainer = build_trainer(cfg, run)
+    set_seed(run.seed)
+    return trainer, prepare_models(trainer.build_models("cpu"), cfg.model, run)
+
+
+@pytest.fixture(scope="module")
+def built():
+    trainer, models = build("data.references=1")
+    assert isinstance(trainer, Flux2Trainer)
+    for m in models.modules.values():
+        m.requires_grad_(False)
+    # A random VAE's batch norm has mean 0 and variance 1; give it statistics so the test sees them used.
+    bn = models["vae"].bn
+    g = torch.Generator().manual_seed(5)
+    bn.running_mean.copy_(torch.randn(bn.running_mean.shape, generator=g))
+    bn.running_var.copy_(torch.rand(bn.running_var.shape, generator=g) + 0.5)
+    return trainer, models
+
+
+def reference_image(index: int = 3) -> Image.Image:
+    pixels = demo_reference(index, 64, 0)
+    return Image.fromarray(((pixels + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).numpy())
+
+
+def test_encode_and_predict_are_the_pipelines(built):
+    """The pipeline encodes the prompt and the reference itself; ours encode the same caption and pixels:
+    equal prompt embeddings (Mistral's hidden states 10, 20, 30 stacked), equal reference tokens (patchified,
+    batch-norm normalised), ids (target ``(0, h, w, 0)``, reference ``(10, h, w, 0)``), and the velocity
+    ``predict`` gives equals the pipeline's output cut to the target's tokens."""
+    trainer, models = built
+    pipe = trainer.pipeline(models)
+    assert type(pipe).__name__ == "Flux2Pipeline"
+    image = reference_image()
+    seed = torch.zeros(1, dtype=torch.int64)
+    cond = trainer.encode_part(models, "text", {"caption": ["make the circle red"], "sample_seed": seed})
+    seen = {}
+
+    def capture(module, args, kwargs, out):
+        seen.update({k: kwargs[k] for k in ("hidden_states", "img_ids", "txt_ids", "timestep", "guidance",
+                                              "encoder_hidden_states")}, out=out[0])
+
+    handle = models["transformer"].register_forward_hook(capture, with_kwargs=True)
+    try:
+        pipe(image=[image], prompt="make the circle red", num_inference_steps=1, guidance_scale=2.5, height=64,
+             width=64, output_type="latent", generator=torch.Generator().manual_seed(0))
+    finally:
+        handle.remove()
+    tokens = (64 // 16) ** 2
+    assert seen["hidden_states"].shape[1] == 2 * tokens  # target + reference along the sequence
+    torch.testing.assert_close(cond["prompt_embeds"], seen["encoder_hidden_states"], rtol=0, atol=0)
+    # The reference as our encode gives it, from the pipeline's own [-1, 1] pixels made contiguous (the
+    # processor's are channels-last, and the CPU convolution rounds the two layouts differently in the last
+    # bits): it is _encode_vae_image's latent; the pipeline's reference tokens are that latent packed.
+    pixels = pipe.image_processor.preprocess(image, height=64, width=64, resize_mode="crop").contiguous()
+    part = trainer.encode_part(models, "latents", {"pixel_values": pixels, "references": pixels[:, None],
+                                                   "sample_seed": seed})
+    reference = part["reference_latents"]
+    assert reference.shape == (1, 1, 32, 4, 4)  # 8 latent channels x 2x2, at 1/16 of the pixels
+    with torch.no_grad():
+        theirs = pipe._encode_vae_image(pixels, generator=None)
+        theirs_cl = pipe._encode_vae_image(pixels.contiguous(memory_format=torch.channels_last), generator=None)
+    torch.testing.assert_close(reference[:, 0], theirs, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(pipe._pack_latents(theirs_cl), seen["hidden_states"][:, tokens:], rtol=0, atol=0)
+    reference = seen["hidden_states"][:, tokens:].transpose(1, 2).reshape(1, 1, 32, 4, 4)
+    latents = pipe._unpack_latents_with_ids(seen["hidden_states"][:, :tokens], seen["img_ids"][:, :tokens])
+    trainer.guidance = 2.5
+    try:
+        with torch.no_grad():
+            ours = trainer.predict(models, latents, seen["timestep"], {**cond, "reference_latents": reference})
+    finally:
+        trainer.guidance = 1.0
+    assert ours.shape == seen["out"][:, :tokens].shape
+    torch.testing.assert_close(ours, seen["out"][:, :tokens], rtol=1e-5, atol=1e-5)
+    ids = seen["img_ids"][0]
+    assert not ids[:tokens, 0].any() and torch.equal(ids[tokens:, 0], torch.full((tokens,), 10))
+    assert torch.equal(ids[tokens:, 1:], ids[:tokens, 1:])  # the reference's grid is the target's
+
+
+def test_the_latents_are_the_pipelines_normalised_patchified_latents(built):
+    """The cached moments are normalised so that a draw from them is ``_encode_vae_image``'s latent: the mean
+    equals what the pipeline computes from the posterior's mode, and a loss mask lands on the token grid."""
+    trainer, models = built
+    pipe = trainer.pipeline(models)
+    pixels = _to_tensor(reference_image(1))[None]
+    mask = torch.zeros(1, 1, 64, 64)
+    mask[..., :32] = 1
+    part = trainer.encode_part(models, "latents", {"pixel_values": pixels, "mask": mask,
+                                                   "references": pixels[:, None], "sample_seed": torch.zeros(1)})
+    with torch.no_grad():
+        theirs = pipe._encode_vae_image(pixels, generator=None)
+    torch.testing.assert_close(part["latent_mean"], theirs, rtol=1e-5, atol=1e-5)
+    assert part["latent_std"].shape == theirs.shape and bool((part["latent_std"] > 0).all())
+    assert part["latent_mask"].shape == (1, 1, 4, 4) and torch.equal(part["latent_mask"][0, 0, 0], torch.tensor([1., 1, 0, 0]))
+
+
+def test_the_reference_conditions_the_prediction_of_the_target_tokens(built):
+    trainer, models = built
+    ds = trainer.dataset()
+    batch = collate([ds[0], ds[1]])
+    batch["sample_seed"] = torch.arange(2)
+    enc = trainer.encode(models, batch)
+    assert enc["latents"].shape == (2, 32, 4, 4)
+    assert enc["reference_latents"].shape == (2, 1, 32, 4, 4)
+    t = torch.tensor([0.5, 0.5])
+    with torch.no_grad():
+        a = trainer.predict(models, enc["latents"], t, enc)
+        b = trainer.predict(models, enc["latents"], t, {**enc, "reference_latents": enc["reference_latents"].flip(0)})
+        c = trainer.predict(models, enc["latents"], t, {k: v for k, v in enc.items() if k != "reference_latents"})
+    assert a.shape == c.shape == trainer.pack(enc["latents"]).shape == (2, 16, 32)
+    assert not torch.allclose(a, b) and not torch.allclose(a, c)
+
+
+@pytest.mark.parametrize("references", [0, 1], ids=["plain", "reference"])
+def test_a_lora_trains_and_loads_into_the_pipeline(tmp_path, references):
+    task(compose_config([f"output_dir={tmp_path}", *FLUX2, f"data.references={references}", "model.train=lora",
+                         "model.lora_rank=4", "model.lora_targets=[to_q,to_k,to_v,to_out.0,to_qkv_mlp_proj]",
+                         "train.steps=3", "train.progress=false", "train.batch_size=2", "data.demo_size=4",
+                         "optimizer.lr=1e-2"]))
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(math.isfinite(r["loss"]) and r["nonfinite_skips"] == 0 for r in rows)
+    export = tmp_path / "checkpoints" / "step-00000003" / EXPORT_DIR
+    assert json.loads((export / INFO_FILE).read_text())["files"] == [DIFFUSERS_FILE]
+
+    trainer, base = build("model.train=full")
+    pipe = trainer.pipeline(base)
+    kwargs = {"prompt": "make the circle red", "num_inference_steps": 2, "height": 64, "width": 64,
+              "output_type": "pt", "guidance_scale": 2.5}
+    if references:
+        kwargs["image"] = [reference_image()]
+    without = pipe(**kwargs, generator=torch.Generator().manual_seed(0)).images
+    pipe.load_lora_weights(str(export / DIFFUSERS_FILE))
+    adapted = {n for n, _ in pipe.transformer.named_modules() if n.endswith("lora_A")}
+    assert any(".to_qkv_mlp_proj." in n for n in adapted) and any(".attn.to_q." in n for n in adapted)
+    with_lora = pipe(**kwargs, generator=torch.Generator().manual_seed(0)).images
+    assert with_lora.shape == (1, 3, 64, 64) and torch.isfinite(with_lora).all()
+    assert not torch.equal(with_lora, without)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["trainer.variant=pro"], r"trainer.variant='pro' is not a Flux.2 variant"),
+    (["export.lora_format=both"], r"export.lora_format=both: a Flux.2 LoRA is written in diffusers' layout only"),
+    (["data.references=5"], r"data.references=5: Flux.2 takes at most 4"),
+], ids=["variant", "comfy", "too-many-references"])
+def test_what_the_family_does_not_do_is_refused(overrides, match):
+    with pytest.raises(UserError, match=match):
+        build_trainer(compose_config([*FLUX2, "model.train=lora", *overrides]))
+
+
+def test_the_published_size_builds_on_meta():
+    """FLUX.2 dev: a 32 B transformer (8 double + 48 single blocks of width 6144) with Mistral-Small-3.1
+    (24 B, vision tower included); the example batch has 128-channel tokens at 1/16 of 1024 px and the
+    text stream at 3 x 5120."""
+    trainer = build_trainer(compose_config([*FLUX2, "model.size=full", "model.train=lora", "data.references=1"]))
+    models = trainer.build_models("meta")
+    base = sum(p.numel() for n, p in models["transformer"].named_parameters() if "lora_" not in n)
+    text = sum(p.numel() for p in models["text_encoder"].parameters())
+    assert base == pytest.approx(32.2e9, rel=1e-2) and text == pytest.approx(24.0e9, rel=1e-2)
+    ex = trainer.example_batch(2, "meta")
+    assert tuple(ex["latents"].shape) == (2, 128, 64, 64)
+    assert tuple(ex["prompt_embeds"].shape) == (2, 512, 15360)
+    assert tuple(ex["reference_latents"].shape) == (2, 1, 128, 64, 64)
