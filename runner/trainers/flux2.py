@@ -92,9 +92,11 @@ class Flux2Trainer(FlowMatchTrainer):
                             "(Flux2KleinPipeline, Qwen3 text encoder) is not implemented yet.")
         super().__init__(cfg, run)
         self.guidance = float(cfg.trainer.get("guidance", 1.0))
-        export = cfg.get("export") if hasattr(cfg, "get") else None
-        fmt = str(export.get("lora_format", "both")) if export is not None else "both"
-        if str(cfg.model.train) != "full" and fmt != "diffusers":
+        from runner.export.config import export_config
+
+        ec = export_config(cfg)
+        fmt = ec.lora_format
+        if ec.enabled and str(cfg.model.train) != "full" and fmt != "diffusers":
             raise UserError(
                 f"export.lora_format={fmt}: a Flux.2 LoRA is written in diffusers' layout only (what "
                 "Flux2Pipeline.load_lora_weights reads); the ComfyUI layout (BFL's fused qkv names) is not written "
