@@ -143,13 +143,45 @@ _MISTRAL_TINY = {
     "image_token_index": TINY_MISTRAL_SPECIALS["[IMG]"],  # must exist in the tiny vocabulary; no image is fed
 }
 
+# FLUX.2 klein (black-forest-labs/FLUX.2-klein-4B, FLUX.2-klein-9B): the same blocks, narrower and fewer, no
+# guidance embedding, Qwen3 as the text encoder (hidden states 9, 18, 27 stacked: 3 x its width). These values
+# are written from the published transformer/ and text_encoder/ config.json files as recalled, NOT checked
+# against a copy here (the docs corpus held none): the parameter counts on meta (~3.9 B and ~9.1 B) are what
+# tests/runner/trainers/test_flux2.py checks, and a real folder's config.json always wins (model.path).
+QWEN3_HIDDEN_LAYERS = (9, 18, 27)  # Flux2KleinPipeline._get_qwen3_prompt_embeds
+_KLEIN_4B = {**_TRANSFORMER, "num_layers": 5, "num_single_layers": 20, "num_attention_heads": 24,
+             "joint_attention_dim": 7680, "guidance_embeds": False}  # 3 x Qwen3-4B's 2560
+_KLEIN_9B = {**_TRANSFORMER, "num_layers": 8, "num_single_layers": 24, "num_attention_heads": 32,
+             "joint_attention_dim": 12288, "guidance_embeds": False}  # 3 x Qwen3-8B's 4096
+_KLEIN_TINY = {**_TRANSFORMER_TINY, "guidance_embeds": False}
+_QWEN3_4B = {  # Qwen/Qwen3-4B config.json (FLUX.2 klein 4B text_encoder/)
+    "vocab_size": 151936, "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu",
+    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True,
+    "attention_bias": False, "use_sliding_window": False,
+}
+_QWEN3_8B = {**_QWEN3_4B, "hidden_size": 4096, "intermediate_size": 12288, "tie_word_embeddings": False}  # Qwen/Qwen3-8B
+_QWEN3_TINY = {**_QWEN3_4B, "vocab_size": 264, "hidden_size": 32, "intermediate_size": 64,
+               "num_hidden_layers": 27,  # hidden_states[27] must exist (QWEN3_HIDDEN_LAYERS)
+               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 1024,
+               "bos_token_id": 256, "eos_token_id": 258}  # the tiny byte-level Qwen tokenizer's specials
+
 _FLUX2 = {
+    "klein": {
+        "full": {"transformer": _KLEIN_4B, "vae": _VAE, "text_encoder": _QWEN3_4B},
+        "tiny": {"transformer": _KLEIN_TINY, "vae": _VAE_TINY, "text_encoder": _QWEN3_TINY},
+    },
+    "klein-9b": {
+        "full": {"transformer": _KLEIN_9B, "vae": _VAE, "text_encoder": _QWEN3_8B},
+        "tiny": {"transformer": _KLEIN_TINY, "vae": _VAE_TINY, "text_encoder": _QWEN3_TINY},
+    },
     "dev": {
         "full": {"transformer": _TRANSFORMER, "vae": _VAE, "text_encoder": _MISTRAL_SMALL_31},
         "tiny": {"transformer": _TRANSFORMER_TINY, "vae": _VAE_TINY, "text_encoder": _MISTRAL_TINY},
     },
 }
 VARIANTS = tuple(_FLUX2)
+KLEIN = ("klein", "klein-9b")
 
 
 def flux2_configs(variant: str, size: str) -> dict[str, dict[str, Any]]:

@@ -148,3 +148,28 @@ def mistral_tokenizer(model_max_length: int = 1024) -> Any:
     tok.add_special_tokens({"additional_special_tokens": [s for s in TINY_MISTRAL_SPECIALS if s.startswith("[")]})
     tok.chat_template = MISTRAL_CHAT_TEMPLATE
     return tok
+
+
+# Qwen3's chat layout for one user turn with the generation prompt and thinking off, as Flux2KleinPipeline asks
+# for it (apply_chat_template(..., add_generation_prompt=True, enable_thinking=False)).
+QWEN3_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+    "{% endif %}"
+)
+
+
+@functools.lru_cache(maxsize=2)
+def qwen3_tokenizer(model_max_length: int = 1024) -> Any:
+    """:func:`qwen2_tokenizer`'s byte-level vocabulary with Qwen3's chat template, built offline (FLUX.2 klein).
+
+    A separate object from :func:`qwen2_tokenizer` (both are cached) because the template is state of the
+    tokenizer; the ids are the same. Trade-off as there: bytes, not Qwen3's merges, so only a real folder's
+    tokenizer gives the real ids; template, padding and truncation behave as the pipeline's.
+    """
+    import copy
+
+    tok = copy.deepcopy(qwen2_tokenizer(model_max_length))
+    tok.chat_template = QWEN3_CHAT_TEMPLATE
+    return tok
