@@ -32,8 +32,8 @@ class FluxKontextTrainerConfig:
 @dataclass
 class Flux2TrainerConfig:
     _target_: str = "runner.trainers.flux2.Flux2Trainer"
-    variant: str = "dev"  # dev (FLUX.2 dev, 32 B, Mistral-Small-3.1 text encoder)
-    guidance: float = 1.0  # value fed to the guidance embedding (FLUX.2 dev is guidance-distilled)
+    variant: str = "dev"  # dev (FLUX.2 dev, 32 B, Mistral-Small-3.1) | klein (4 B, Qwen3-4B) | klein-9b (9 B, Qwen3-8B)
+    guidance: float = 1.0  # value fed to the guidance embedding (dev is guidance-distilled; klein has none)
 
 
 @dataclass

@@ -24,6 +24,11 @@ so that training feeds the transformer what inference feeds it:
   target (one size per batch); the pipeline resizes each to at most 1024x1024 px on its own.
 * Timestep ``t`` in (0, 1) (the pipeline's ``timestep / 1000``); guidance ``trainer.guidance`` into
   the guidance embedding (FLUX.2 dev is guidance-distilled); target ``noise - x0``.
+
+FLUX.2 klein (``trainer.variant=klein``, 4 B, or ``klein-9b``) is the same transformer narrower, without a
+guidance embedding, with Qwen3 as the text encoder: ``Flux2KleinPipeline._get_qwen3_prompt_embeds`` (the
+caption as one user turn, generation prompt, thinking off, padded to 512; hidden states 9, 18, 27 stacked).
+Latents, ids, references and the loss are dev's.
 """
 from __future__ import annotations
 
@@ -39,11 +44,11 @@ from runner.trainers.configs import Flux2TrainerConfig
 from runner.trainers.flow import FlowMatchTrainer
 from runner.trainers.latents import vae_scale_factor
 from runner.trainers.loading import compute_dtype, pipeline_class
-from runner.trainers.tokenizers import mistral_tokenizer
+from runner.trainers.tokenizers import mistral_tokenizer, qwen3_tokenizer
 
 
-def _pipe() -> Any:
-    return pipeline_class("Flux2Pipeline")
+def _pipe(klein: bool = False) -> Any:
+    return pipeline_class("Flux2KleinPipeline" if klein else "Flux2Pipeline")
 
 
 def normalized_moments(vae: Any, mean: torch.Tensor, std: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
@@ -73,7 +78,7 @@ def flux2_inputs(noisy: torch.Tensor, references: torch.Tensor | None, dtype: to
 
 
 class Flux2Trainer(FlowMatchTrainer):
-    """FLUX.2 dev transformer, rectified-flow matching loss, optional reference images."""
+    """FLUX.2 dev / klein transformer, rectified-flow matching loss, optional reference images."""
 
     Config = Flux2TrainerConfig
     denoiser = "transformer"
@@ -88,10 +93,15 @@ class Flux2Trainer(FlowMatchTrainer):
         self.variant = str(cfg.trainer.get("variant", "dev"))
         if self.variant not in flux2_configs.VARIANTS:
             raise UserError(f"trainer.variant={self.variant!r} is not a Flux.2 variant this runner builds: valid "
-                            f"values are {', '.join(flux2_configs.VARIANTS)} (FLUX.2 dev, 32 B). FLUX.2 klein "
-                            "(Flux2KleinPipeline, Qwen3 text encoder) is not implemented yet.")
+                            f"values are {', '.join(flux2_configs.VARIANTS)} (klein: FLUX.2 klein 4B, klein-9b: "
+                            "FLUX.2 klein 9B, both with Qwen3; dev: FLUX.2 dev, 32 B, with Mistral-Small-3.1).")
+        self.klein = self.variant in flux2_configs.KLEIN
         super().__init__(cfg, run)
         self.guidance = float(cfg.trainer.get("guidance", 1.0))
+        if self.klein and self.guidance != 1.0:
+            raise UserError(f"trainer.guidance={self.guidance}: FLUX.2 {self.variant} has no guidance embedding (it is "
+                            "not guidance-distilled), so the value would be ignored. Leave trainer.guidance at 1.0; "
+                            "sampling guidance is classifier-free (the pipeline's guidance_scale).")
         from runner.export.config import export_config
 
         ec = export_config(cfg)
@@ -104,19 +114,22 @@ class Flux2Trainer(FlowMatchTrainer):
 
     def module_classes(self) -> dict[str, type]:
         from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
-        from transformers import Mistral3ForConditionalGeneration
+        from transformers import Mistral3ForConditionalGeneration, Qwen3ForCausalLM
 
         return {"transformer": Flux2Transformer2DModel, "vae": AutoencoderKLFlux2,
-                "text_encoder": Mistral3ForConditionalGeneration}
+                "text_encoder": Qwen3ForCausalLM if self.klein else Mistral3ForConditionalGeneration}
 
     def size_configs(self) -> dict[str, dict[str, Any]]:
         return flux2_configs.flux2_configs(self.variant, self.size)
 
     def default_tokenizer(self, name: str) -> Any:
-        return mistral_tokenizer(2 * flux2_configs.MAX_SEQUENCE_LENGTH)
+        make = qwen3_tokenizer if self.klein else mistral_tokenizer
+        return make(2 * flux2_configs.MAX_SEQUENCE_LENGTH)
 
     def pipeline_class(self) -> type:
-        return _pipe()
+        """``Flux2Pipeline`` (dev) or ``Flux2KleinPipeline`` (klein; its ``is_distilled`` left at the default,
+        False: samples with classifier-free guidance, as a LoRA trained on the base model needs)."""
+        return _pipe(self.klein)
 
     def inference_scheduler(self) -> Any:
         """FLUX.2 dev's scheduler: flow-matching Euler with dynamic shifting; ``Flux2Pipeline`` passes its
@@ -151,11 +164,18 @@ class Flux2Trainer(FlowMatchTrainer):
                 norm, _ = normalized_moments(vae, ref_mean)
                 out["reference_latents"] = norm.view(b, n, *norm.shape[1:])
             return out
+        captions, device = list(batch["caption"]), batch_device(batch)
+        if self.klein:
+            embeds = _pipe(True)._get_qwen3_prompt_embeds(
+                models["text_encoder"], self.tokenizer("tokenizer"), captions, device=device,
+                max_sequence_length=flux2_configs.MAX_SEQUENCE_LENGTH,
+                hidden_states_layers=flux2_configs.QWEN3_HIDDEN_LAYERS)
+            return {"prompt_embeds": embeds}
         pipe = _pipe()
         from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 
         embeds = pipe._get_mistral_3_small_prompt_embeds(
-            models["text_encoder"], self.tokenizer("tokenizer"), list(batch["caption"]), device=batch_device(batch),
+            models["text_encoder"], self.tokenizer("tokenizer"), captions, device=device,
             max_sequence_length=flux2_configs.MAX_SEQUENCE_LENGTH, system_message=SYSTEM_MESSAGE,
             hidden_states_layers=flux2_configs.MISTRAL_HIDDEN_LAYERS)
         return {"prompt_embeds": embeds}
@@ -205,8 +225,10 @@ class Flux2Trainer(FlowMatchTrainer):
 
     def example_batch(self, batch_size: int, device: str | torch.device = "meta") -> Batch:
         """An encoded batch with the shapes ``encode`` gives at :meth:`planned_size` (references included)."""
-        text_cfg = self.component_config("text_encoder")["text_config"]
-        width = len(flux2_configs.MISTRAL_HIDDEN_LAYERS) * int(text_cfg["hidden_size"])
+        text_cfg = self.component_config("text_encoder")
+        text_cfg = text_cfg if self.klein else text_cfg["text_config"]
+        layers = flux2_configs.QWEN3_HIDDEN_LAYERS if self.klein else flux2_configs.MISTRAL_HIDDEN_LAYERS
+        width = len(layers) * int(text_cfg["hidden_size"])
         b = batch_size
         batch = {
             "latents": self.example_latents(b, device),

@@ -64,6 +64,44 @@ def reference_image(index: int = 3) -> Image.Image:
     return Image.fromarray(((pixels + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).numpy())
 
 
+@pytest.fixture(scope="module")
+def klein():
+    trainer, models = build("data.references=1", "trainer.variant=klein")
+    for m in models.modules.values():
+        m.requires_grad_(False)
+    return trainer, models
+
+
+def test_klein_encode_and_predict_are_the_pipelines(klein):
+    """FLUX.2 klein: Qwen3's hidden states 9, 18, 27 stacked as Flux2KleinPipeline encodes the prompt, no
+    guidance, and the transformer call with a reference equals the pipeline's (guidance_scale 1: one pass)."""
+    trainer, models = klein
+    pipe = trainer.pipeline(models)
+    assert type(pipe).__name__ == "Flux2KleinPipeline" and not models["transformer"].config.guidance_embeds
+    cond = trainer.encode_part(models, "text", {"caption": ["make the circle red"], "sample_seed": torch.zeros(1)})
+    assert cond["prompt_embeds"].shape == (1, 512, 96)
+    seen = {}
+
+    def capture(module, args, kwargs, out):
+        seen.update({k: kwargs[k] for k in ("hidden_states", "img_ids", "timestep", "guidance",
+                                              "encoder_hidden_states")}, out=out[0])
+
+    handle = models["transformer"].register_forward_hook(capture, with_kwargs=True)
+    try:
+        pipe(image=[reference_image()], prompt="make the circle red", num_inference_steps=1, guidance_scale=1.0,
+             height=64, width=64, output_type="latent", generator=torch.Generator().manual_seed(0))
+    finally:
+        handle.remove()
+    assert seen["guidance"] is None
+    torch.testing.assert_close(cond["prompt_embeds"], seen["encoder_hidden_states"], rtol=0, atol=0)
+    tokens = 16
+    latents = pipe._unpack_latents_with_ids(seen["hidden_states"][:, :tokens], seen["img_ids"][:, :tokens])
+    reference = seen["hidden_states"][:, tokens:].transpose(1, 2).reshape(1, 1, 32, 4, 4)
+    with torch.no_grad():
+        ours = trainer.predict(models, latents, seen["timestep"], {**cond, "reference_latents": reference})
+    torch.testing.assert_close(ours, seen["out"][:, :tokens], rtol=1e-5, atol=1e-5)
+
+
 def test_encode_and_predict_are_the_pipelines(built):
     """The pipeline encodes the prompt and the reference itself; ours encode the same caption and pixels:
     equal prompt embeddings (Mistral's hidden states 10, 20, 30 stacked), equal reference tokens (patchified,
@@ -152,9 +190,11 @@ def test_the_reference_conditions_the_prediction_of_the_target_tokens(built):
     assert not torch.allclose(a, b) and not torch.allclose(a, c)
 
 
-@pytest.mark.parametrize("references", [0, 1], ids=["plain", "reference"])
-def test_a_lora_trains_and_loads_into_the_pipeline(tmp_path, references):
-    task(compose_config([f"output_dir={tmp_path}", *FLUX2, f"data.references={references}", "model.train=lora",
+@pytest.mark.parametrize("variant, references", [("dev", 0), ("dev", 1), ("klein", 1)],
+                         ids=["plain", "reference", "klein-reference"])
+def test_a_lora_trains_and_loads_into_the_pipeline(tmp_path, variant, references):
+    task(compose_config([f"output_dir={tmp_path}", *FLUX2, f"trainer.variant={variant}", f"data.references={references}",
+                         "model.train=lora",
                          "model.lora_rank=4", "model.lora_targets=[to_q,to_k,to_v,to_out.0,to_qkv_mlp_proj]",
                          "train.steps=3", "train.progress=false", "train.batch_size=2", "data.demo_size=4",
                          "optimizer.lr=1e-2"]))
@@ -164,7 +204,7 @@ def test_a_lora_trains_and_loads_into_the_pipeline(tmp_path, references):
     export = tmp_path / "checkpoints" / "step-00000003" / EXPORT_DIR
     assert json.loads((export / INFO_FILE).read_text())["files"] == [DIFFUSERS_FILE]
 
-    trainer, base = build("model.train=full")
+    trainer, base = build("model.train=full", f"trainer.variant={variant}")
     pipe = trainer.pipeline(base)
     kwargs = {"prompt": "make the circle red", "num_inference_steps": 2, "height": 64, "width": 64,
               "output_type": "pt", "guidance_scale": 2.5}
@@ -181,9 +221,10 @@ def test_a_lora_trains_and_loads_into_the_pipeline(tmp_path, references):
 
 @pytest.mark.parametrize("overrides, match", [
     (["trainer.variant=pro"], r"trainer.variant='pro' is not a Flux.2 variant"),
+    (["trainer.variant=klein", "trainer.guidance=3.5"], r"trainer.guidance=3.5: FLUX.2 klein has no guidance embedding"),
     (["export.lora_format=both"], r"export.lora_format=both: a Flux.2 LoRA is written in diffusers' layout only"),
     (["data.references=5"], r"data.references=5: Flux.2 takes at most 4"),
-], ids=["variant", "comfy", "too-many-references"])
+], ids=["variant", "klein-guidance", "comfy", "too-many-references"])
 def test_what_the_family_does_not_do_is_refused(overrides, match):
     with pytest.raises(UserError, match=match):
         build_trainer(compose_config([*FLUX2, "model.train=lora", *overrides]))
@@ -202,3 +243,15 @@ def test_the_published_size_builds_on_meta():
     assert tuple(ex["latents"].shape) == (2, 128, 64, 64)
     assert tuple(ex["prompt_embeds"].shape) == (2, 512, 15360)
     assert tuple(ex["reference_latents"].shape) == (2, 1, 128, 64, 64)
+
+
+@pytest.mark.parametrize("variant, transformer, text, width", [("klein", 3.9e9, 4.0e9, 7680),
+                                                              ("klein-9b", 9.1e9, 8.2e9, 12288)])
+def test_klein_builds_on_meta(variant, transformer, text, width):
+    """FLUX.2 klein 4B / 9B with Qwen3-4B / Qwen3-8B (counts of the configs in runner/trainers/flux2_configs.py)."""
+    trainer = build_trainer(compose_config([*FLUX2, "model.size=full", "model.train=lora", f"trainer.variant={variant}"]))
+    models = trainer.build_models("meta")
+    base = sum(p.numel() for n, p in models["transformer"].named_parameters() if "lora_" not in n)
+    enc = sum(p.numel() for p in models["text_encoder"].parameters())
+    assert base == pytest.approx(transformer, rel=0.05) and enc == pytest.approx(text, rel=0.05), (base, enc)
+    assert tuple(trainer.example_batch(2, "meta")["prompt_embeds"].shape) == (2, 512, width)
