@@ -42,6 +42,8 @@ VARIANTS: dict[str, list[list[str]]] = {
     "flux2_24gb": [["offload.stream.device_fraction=0.1"], ["offload.stream.prefetch=2"], ["offload.stream.prefetch=0"],
                    ["offload.stream.device_fraction=0.25"], ["quantization=[nf4]"],
                    ["quantization=[nf4]", "offload=[park]", "~offload.stream"]],
+    "flux2_klein_16gb": [["quantization=[nf4]"], ["checkpoint=none"], ["trainer.variant=klein-9b"],
+                         ["trainer.variant=klein-9b", "quantization=[nf4]"]],
 }
 
 
