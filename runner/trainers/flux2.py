@@ -141,7 +141,9 @@ class Flux2Trainer(FlowMatchTrainer):
                                                max_image_seq_len=4096)
 
     def sampling_family(self) -> Any:
-        return None  # no built-in samples during training yet (runner/sampling/): the exported LoRA samples
+        from runner.sampling.flux2 import Flux2Sampling
+
+        return Flux2Sampling(self.klein, self.references)
 
     # -- protocol -------------------------------------------------------------------------
     def encode_parts(self) -> dict[str, EncodePart]:

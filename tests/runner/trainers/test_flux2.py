@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from accelerate.utils import set_seed
@@ -197,7 +198,10 @@ def test_a_lora_trains_and_loads_into_the_pipeline(tmp_path, variant, references
                          "model.train=lora",
                          "model.lora_rank=4", "model.lora_targets=[to_q,to_k,to_v,to_out.0,to_qkv_mlp_proj]",
                          "train.steps=3", "train.progress=false", "train.batch_size=2", "data.demo_size=4",
-                         "optimizer.lr=1e-2"]))
+                         "optimizer.lr=1e-2", "sample.every=3", "sample.prompts=[make the circle red]", "sample.steps=2"]))
+    samples = {p.parent.name: np.asarray(Image.open(p).convert("RGB")) for p in (tmp_path / "samples").glob("*/*.png")}
+    assert sorted(samples) == ["step-0", "step-3"] and samples["step-0"].shape == (64, 64, 3)
+    assert not np.array_equal(samples["step-0"], samples["step-3"])  # sampled with the LoRA as it trains
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(math.isfinite(r["loss"]) and r["nonfinite_skips"] == 0 for r in rows)
@@ -255,3 +259,30 @@ def test_klein_builds_on_meta(variant, transformer, text, width):
     enc = sum(p.numel() for p in models["text_encoder"].parameters())
     assert base == pytest.approx(transformer, rel=0.05) and enc == pytest.approx(text, rel=0.05), (base, enc)
     assert tuple(trainer.example_batch(2, "meta")["prompt_embeds"].shape) == (2, 512, width)
+
+
+@pytest.mark.parametrize("fixture", ["built", "klein"])
+def test_a_sample_is_the_pipelines_image(request, fixture):
+    """Flux2Sampling (runner/sampling/flux2.py) hands the pipeline precomputed embeddings and the reference as
+    a PIL image, and decodes itself: the image equals the pipeline's own prompt-to-PIL call, byte for byte
+    (klein with classifier-free guidance and its "" negative prompt)."""
+    from contextlib import nullcontext
+
+    trainer, models = request.getfixturevalue(fixture)
+    family = trainer.sampling_family()
+    assert family.takes_references and family.negative_prompt == trainer.klein
+    image = reference_image()
+    pixels = _to_tensor(image)[None, None]
+    cond = {**family.encode(trainer, models, "make the circle red", torch.device("cpu")),
+            **family.encode_reference(trainer, models, pixels, torch.device("cpu"))}
+    negative = family.default_negative(4.0)
+    negative = None if negative is None else family.encode(trainer, models, negative, torch.device("cpu"))
+    ours = family.generate(trainer, models.modules, cond, negative, steps=2, guidance=4.0, resolution=64,
+                           generator=torch.Generator().manual_seed(0), device=torch.device("cpu"),
+                           vae_on_device=nullcontext)
+    pipe = trainer.pipeline(models)
+    pipe.set_progress_bar_config(disable=True)
+    theirs = pipe(image=[image], prompt="make the circle red", num_inference_steps=2, guidance_scale=4.0, height=64,
+                  width=64, generator=torch.Generator().manual_seed(0)).images[0]
+    assert ours.size == theirs.size == (64, 64)
+    assert np.array_equal(np.asarray(ours), np.asarray(theirs))
