@@ -286,3 +286,34 @@ def test_a_sample_is_the_pipelines_image(request, fixture):
                   width=64, generator=torch.Generator().manual_seed(0)).images[0]
     assert ours.size == theirs.size == (64, 64)
     assert np.array_equal(np.asarray(ours), np.asarray(theirs))
+
+
+@pytest.mark.parametrize("variant", ["dev", "klein"])
+def test_a_full_fine_tune_exports_a_folder_that_loads_back_from_a_path_and_a_hub_id(tmp_path, monkeypatch, variant):
+    """A full fine-tune's export is the family's diffusers folder (Flux2Pipeline / Flux2KleinPipeline); it
+    loads back through model.path, and as a hub id (black-forest-labs/FLUX.2-dev) from the local hub cache,
+    with every module's weights and the tokenizer (its chat template included) as written."""
+    from original_layouts import hub_cache
+
+    from runner.export.checkpoint import FULL_DIR
+
+    task(compose_config([f"output_dir={tmp_path / 'run'}", *FLUX2, f"trainer.variant={variant}", "model.train=full",
+                         "train.steps=1", "train.progress=false", "data.demo_size=2"]))
+    folder = tmp_path / "run" / "checkpoints" / "step-00000001" / EXPORT_DIR / FULL_DIR
+    index = json.loads((folder / "model_index.json").read_text())
+    assert index["_class_name"] == ("Flux2KleinPipeline" if variant == "klein" else "Flux2Pipeline")
+    repo = "black-forest-labs/FLUX.2-klein-4B" if variant == "klein" else "black-forest-labs/FLUX.2-dev"
+    hub_cache(tmp_path / "hub", repo, folder)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    trained = build_trainer(compose_config([*FLUX2, f"trainer.variant={variant}", f"model.path={folder}"]))
+    from_path = trained.build_models("cpu")
+    from_hub = build_trainer(compose_config([*FLUX2, f"trainer.variant={variant}", f"model.path={repo}"])).build_models("cpu")
+    fresh, base = build(f"trainer.variant={variant}")  # the run's initial weights (same seed, same order)
+    for name in ("transformer", "vae", "text_encoder"):
+        ours, hub = from_path[name].state_dict(), from_hub[name].state_dict()
+        assert all(torch.equal(hub[k], v) for k, v in ours.items()), name
+    changed = [k for k, v in from_path["transformer"].state_dict().items()
+               if not torch.equal(v, base["transformer"].state_dict()[k])]
+    assert changed  # the fine-tuned transformer, not a fresh one, while the frozen VAE is the run's own:
+    assert all(torch.equal(v, base["vae"].state_dict()[k]) for k, v in from_path["vae"].state_dict().items())
+    assert trained.tokenizer("tokenizer").chat_template == fresh.tokenizer("tokenizer").chat_template
