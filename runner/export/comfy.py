@@ -36,6 +36,7 @@ from torch import nn
 
 from runner.errors import UserError
 from runner.export.config import export_config
+from runner.export.flux2_comfy import FLUX2_NAMES
 
 COMFY_FILE = "lora_comfy.safetensors"
 COMFY_EMA_FILE = "lora_comfy_ema.safetensors"
@@ -91,6 +92,8 @@ LAYOUTS: dict[str, ComfyLayout] = {
     "sd3": ComfyLayout("kohya", "lora_transformer"),
     "qwen_image": ComfyLayout("dotted", "diffusion_model"),
     "wan": ComfyLayout("dotted", "diffusion_model", WAN_RENAMES),
+    # BFL's names, q/k/v fused and the scale in B: written by runner/export/flux2_comfy.py, not comfy_state_dict
+    "flux2": ComfyLayout("flux2", "diffusion_model", FLUX2_NAMES),
 }
 
 
