@@ -85,7 +85,8 @@ class Flux2Trainer(FlowMatchTrainer):
     display_name = "Flux.2"
     family = "flux2"  # no original-layout single file is converted (runner/trainers/single_file.py knows none)
     reference_repo = "black-forest-labs/FLUX.2-dev"
-    kohya_lora = False  # diffusers reads no kohya Flux.2 LoRA back: the diffusers file is written
+    kohya_lora = False  # no kohya file: the ComfyUI one below is what other tools read
+    comfy_layout = "flux2"  # BFL's names under diffusion_model., q/k/v fused (runner/export/flux2_comfy.py)
     latent_patch = 1  # the patchified latents' grid is the token grid
     max_references = 4  # reference images per target (Flux2Pipeline takes a list; BFL recommend up to ~10)
 
@@ -105,12 +106,12 @@ class Flux2Trainer(FlowMatchTrainer):
         from runner.export.config import export_config
 
         ec = export_config(cfg)
-        fmt = ec.lora_format
-        if ec.enabled and str(cfg.model.train) != "full" and fmt != "diffusers":
+        kind = str(cfg.model.train)
+        if ec.enabled and kind in ("lokr", "loha") and ec.wants("comfy"):
             raise UserError(
-                f"export.lora_format={fmt}: a Flux.2 LoRA is written in diffusers' layout only (what "
-                "Flux2Pipeline.load_lora_weights reads); the ComfyUI layout (BFL's fused qkv names) is not written "
-                "by this runner yet. Set export.lora_format=diffusers.")
+                f"export.lora_format={ec.lora_format} with model.train={kind}: the Flux.2 ComfyUI file fuses q/k/v "
+                "into BFL's qkv, which this runner does for LoRA only. Set export.lora_format=diffusers, or "
+                "model.train=lora.")
 
     def module_classes(self) -> dict[str, type]:
         from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
