@@ -19,6 +19,7 @@ import pytest
 import torch
 from accelerate.utils import set_seed
 from PIL import Image
+from safetensors.torch import load_file
 
 from runner.__main__ import task
 from runner.build import build_trainer, prepare_models
@@ -28,6 +29,7 @@ from runner.data.demo import demo_reference
 from runner.data.images import _to_tensor
 from runner.errors import UserError
 from runner.export.checkpoint import EXPORT_DIR, INFO_FILE
+from runner.export.comfy import COMFY_FILE
 from runner.export.lora import DIFFUSERS_FILE
 from runner.output.report import read_metrics
 from runner.resolved import resolve
@@ -35,7 +37,7 @@ from runner.trainers.flux2 import Flux2Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-FLUX2 = ["trainer=flux2", "train.device=cpu", "export.lora_format=diffusers"]
+FLUX2 = ["trainer=flux2", "train.device=cpu"]
 
 
 def build(*overrides: str):
@@ -206,7 +208,11 @@ def test_a_lora_trains_and_loads_into_the_pipeline(tmp_path, variant, references
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(math.isfinite(r["loss"]) and r["nonfinite_skips"] == 0 for r in rows)
     export = tmp_path / "checkpoints" / "step-00000003" / EXPORT_DIR
-    assert json.loads((export / INFO_FILE).read_text())["files"] == [DIFFUSERS_FILE]
+    assert json.loads((export / INFO_FILE).read_text())["files"] == [DIFFUSERS_FILE, COMFY_FILE]
+    comfy = load_file(str(export / COMFY_FILE))
+    assert "diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight" in comfy  # BFL's fused q/k/v
+    assert comfy["diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight"].shape[0] == 3 * 4
+    assert "diffusion_model.single_blocks.1.linear1.lora_B.weight" in comfy and not any(k.endswith(".alpha") for k in comfy)
 
     trainer, base = build("model.train=full", f"trainer.variant={variant}")
     pipe = trainer.pipeline(base)
@@ -221,14 +227,20 @@ def test_a_lora_trains_and_loads_into_the_pipeline(tmp_path, variant, references
     with_lora = pipe(**kwargs, generator=torch.Generator().manual_seed(0)).images
     assert with_lora.shape == (1, 3, 64, 64) and torch.isfinite(with_lora).all()
     assert not torch.equal(with_lora, without)
+    # The ComfyUI file (BFL's layout) read back by diffusers' own converter gives the same image.
+    pipe.unload_lora_weights()
+    pipe.load_lora_weights(str(export / COMFY_FILE))
+    from_comfy = pipe(**kwargs, generator=torch.Generator().manual_seed(0)).images
+    torch.testing.assert_close(from_comfy, with_lora, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("overrides, match", [
     (["trainer.variant=pro"], r"trainer.variant='pro' is not a Flux.2 variant"),
     (["trainer.variant=klein", "trainer.guidance=3.5"], r"trainer.guidance=3.5: FLUX.2 klein has no guidance embedding"),
-    (["export.lora_format=both"], r"export.lora_format=both: a Flux.2 LoRA is written in diffusers' layout only"),
+    (["export.lora_format=both", "model.train=lokr"], r"export.lora_format=both with model.train=lokr"),
+    (["export.lora_format=kohya"], r"export.lora_format=kohya: diffusers cannot read a kohya-layout Flux.2 LoRA"),
     (["data.references=5"], r"data.references=5: Flux.2 takes at most 4"),
-], ids=["variant", "klein-guidance", "comfy", "too-many-references"])
+], ids=["variant", "klein-guidance", "comfy-lokr", "kohya", "too-many-references"])
 def test_what_the_family_does_not_do_is_refused(overrides, match):
     with pytest.raises(UserError, match=match):
         build_trainer(compose_config([*FLUX2, "model.train=lora", *overrides]))
