@@ -329,3 +329,65 @@ def test_a_full_fine_tune_exports_a_folder_that_loads_back_from_a_path_and_a_hub
     assert changed  # the fine-tuned transformer, not a fresh one, while the frozen VAE is the run's own:
     assert all(torch.equal(v, base["vae"].state_dict()[k]) for k, v in from_path["vae"].state_dict().items())
     assert trained.tokenizer("tokenizer").chat_template == fresh.tokenizer("tokenizer").chat_template
+
+
+# BFL's FLUX.2 names of each diffusers weight (the facts diffusers' converter encodes), for writing a file in
+# the original layout; q/k/v are fused below, and the final adaLN's halves are BFL's (shift, scale).
+BFL_NAMES = (
+    (r"x_embedder", "img_in"), (r"context_embedder", "txt_in"), (r"proj_out", "final_layer.linear"),
+    (r"time_guidance_embed\.timestep_embedder\.linear_([12])", lambda m: f"time_in.{('in', 'out')[int(m[1]) - 1]}_layer"),
+    (r"time_guidance_embed\.guidance_embedder\.linear_([12])", lambda m: f"guidance_in.{('in', 'out')[int(m[1]) - 1]}_layer"),
+    (r"(double_stream_modulation_img|double_stream_modulation_txt|single_stream_modulation)\.linear", r"\1.lin"),
+    (r"transformer_blocks\.(\d+)\.attn\.norm_q", r"double_blocks.\1.img_attn.norm.query_norm"),
+    (r"transformer_blocks\.(\d+)\.attn\.norm_k", r"double_blocks.\1.img_attn.norm.key_norm"),
+    (r"transformer_blocks\.(\d+)\.attn\.norm_added_q", r"double_blocks.\1.txt_attn.norm.query_norm"),
+    (r"transformer_blocks\.(\d+)\.attn\.norm_added_k", r"double_blocks.\1.txt_attn.norm.key_norm"),
+    (r"transformer_blocks\.(\d+)\.attn\.to_out\.0", r"double_blocks.\1.img_attn.proj"),
+    (r"transformer_blocks\.(\d+)\.attn\.to_add_out", r"double_blocks.\1.txt_attn.proj"),
+    (r"transformer_blocks\.(\d+)\.ff\.linear_in", r"double_blocks.\1.img_mlp.0"),
+    (r"transformer_blocks\.(\d+)\.ff\.linear_out", r"double_blocks.\1.img_mlp.2"),
+    (r"transformer_blocks\.(\d+)\.ff_context\.linear_in", r"double_blocks.\1.txt_mlp.0"),
+    (r"transformer_blocks\.(\d+)\.ff_context\.linear_out", r"double_blocks.\1.txt_mlp.2"),
+    (r"single_transformer_blocks\.(\d+)\.attn\.to_qkv_mlp_proj", r"single_blocks.\1.linear1"),
+    (r"single_transformer_blocks\.(\d+)\.attn\.to_out", r"single_blocks.\1.linear2"),
+    (r"single_transformer_blocks\.(\d+)\.attn\.norm_q", r"single_blocks.\1.norm.query_norm"),
+    (r"single_transformer_blocks\.(\d+)\.attn\.norm_k", r"single_blocks.\1.norm.key_norm"),
+)
+
+
+def flux2_to_bfl(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    import re
+
+    out, state = {}, dict(state)
+    for stream, parts, fused in (("img", ("to_q", "to_k", "to_v"), "img_attn.qkv"),
+                                 ("txt", ("add_q_proj", "add_k_proj", "add_v_proj"), "txt_attn.qkv")):
+        for key in [k for k in state if k.endswith(f".attn.{parts[0]}.weight")]:
+            block = key.split(".")[1]
+            qkv = [state.pop(f"transformer_blocks.{block}.attn.{p}.weight") for p in parts]
+            out[f"model.diffusion_model.double_blocks.{block}.{fused}.weight"] = torch.cat(qkv)
+    scale, shift = state.pop("norm_out.linear.weight").chunk(2)
+    out["model.diffusion_model.final_layer.adaLN_modulation.1.weight"] = torch.cat([shift, scale])
+    for key, value in state.items():
+        module, param = key.rsplit(".", 1)
+        name = next(re.sub(f"^{p}$", r, module) for p, r in BFL_NAMES if re.fullmatch(p, module))
+        param = "scale" if "norm." in name else param
+        out[f"model.diffusion_model.{name}.{param}"] = value
+    return out
+
+
+def test_bfls_flux2_file_loads_bit_for_bit(built, tmp_path):
+    """flux2-dev.safetensors' layout (BFL's names under model.diffusion_model., fused qkv, (shift, scale)) is
+    recognised as FLUX.2, not FLUX.1, and converted back to the model it was written from; trainer=flux
+    refuses it naming its family."""
+    from safetensors.torch import save_file
+
+    _, models = built
+    file = tmp_path / "flux2-dev.safetensors"
+    save_file({k: v.contiguous() for k, v in flux2_to_bfl(models["transformer"].state_dict()).items()}, str(file))
+    loaded = build_trainer(compose_config([*FLUX2, f"model.path={file}"]))
+    assert loaded.layout is not None and loaded.layout.family == "flux2"
+    theirs = loaded.build_models("cpu")["transformer"].state_dict()
+    ours = models["transformer"].state_dict()
+    assert set(theirs) == set(ours) and all(torch.equal(theirs[k], v) for k, v in ours.items())
+    with pytest.raises(UserError, match="original FLUX.2 layout.*not a flux checkpoint"):
+        build_trainer(compose_config(["trainer=flux", "train.device=cpu", f"model.path={file}"]))
