@@ -1,4 +1,4 @@
-"""Built-in trainers. Importing this package registers ``trainer=sdxl``, ``flux``, ``flux_kontext``, ``flux2``, ``chroma``, ``sd15``, ``sd35``,
+"""Built-in trainers. Importing this package registers ``trainer=sdxl``, ``flux``, ``flux_kontext``, ``flux2`` (and ``flux2_klein``), ``chroma``, ``sd15``, ``sd35``,
 ``qwen_image`` and ``wan``.
 
 Registered by the path of their class, with their schema from runner/trainers/configs.py and their
@@ -11,6 +11,7 @@ from runner.trainers.configs import (
     SD15_NATIVE_RESOLUTION,
     WAN_NATIVE_RESOLUTION,
     ChromaTrainerConfig,
+    Flux2KleinTrainerConfig,
     Flux2TrainerConfig,
     FluxKontextTrainerConfig,
     FluxTrainerConfig,
@@ -31,6 +32,9 @@ register_trainer("flux_kontext", "runner.trainers.flux_kontext.FluxKontextTraine
 register_trainer("flux2", "runner.trainers.flux2.Flux2Trainer", Flux2TrainerConfig,
                  "Flux.2 dev transformer (32 B, Mistral-Small-3.1 text encoder), optional reference images "
                  "(data.references=1..4), rectified-flow matching loss", objective=FLOW)
+register_trainer("flux2_klein", "runner.trainers.flux2.Flux2Trainer", Flux2KleinTrainerConfig,
+                 "trainer=flux2 with trainer.variant=klein: FLUX.2 klein 4B (Qwen3-4B; trainer.variant=klein-9b for "
+                 "the 9B)", objective=FLOW)
 register_trainer("chroma", "runner.trainers.chroma.ChromaTrainer", ChromaTrainerConfig,
                  "Chroma transformer (8.9 B, Flux-derived, T5 only), rectified-flow matching loss", objective=FLOW)
 register_trainer("sd15", "runner.trainers.sd15.SD15Trainer", SD15TrainerConfig,

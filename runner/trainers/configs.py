@@ -36,6 +36,13 @@ class Flux2TrainerConfig:
     guidance: float = 1.0  # value fed to the guidance embedding (dev is guidance-distilled; klein has none)
 
 
+# FLUX.2 klein as a trainer option of its own (trainer=flux2 with the variant set): a preset for it names the
+# option instead of setting trainer.variant, so the preset still composes with any other trainer.
+@dataclass
+class Flux2KleinTrainerConfig(Flux2TrainerConfig):
+    variant: str = "klein"  # klein (4 B) | klein-9b
+
+
 @dataclass
 class ChromaTrainerConfig:
     """Chroma has no trainer option of its own: no guidance embedding (it is not guidance-distilled),
