@@ -1,6 +1,6 @@
 """The full-size plan of each model family's preset, and of the alternatives its comments cite.
 
-    python bench/family_plans.py [--presets sd15_8gb,sd35_24gb,chroma_16gb,flux_kontext_24gb,z_image_16gb,lumina2_16gb] [--no-write]
+    python bench/family_plans.py [--presets sd15_8gb,sd35_24gb,chroma_16gb,flux_kontext_24gb,z_image_16gb,lumina2_16gb,flux2_24gb] [--no-write]
 
 Plans, with the planner's command line exactly as a user runs it (a subprocess each, CPU only),
 
@@ -41,6 +41,11 @@ VARIANTS: dict[str, list[list[str]]] = {
     "flux_kontext_24gb": [["trainer=flux", "data.references=0"], ["checkpoint=none"]],  # without the reference
     "z_image_16gb": [["quantization=none"], ["checkpoint=none"]],
     "lumina2_16gb": [["checkpoint=none"]],
+    "flux2_24gb": [["offload.stream.device_fraction=0.1"], ["offload.stream.prefetch=2"], ["offload.stream.prefetch=0"],
+                   ["offload.stream.device_fraction=0.25"], ["quantization=[nf4]"],
+                   ["quantization=[nf4]", "offload=[park]", "~offload.stream"]],
+    "flux2_klein_16gb": [["quantization=[nf4]"], ["checkpoint=none"], ["trainer.variant=klein-9b"],
+                         ["trainer.variant=klein-9b", "quantization=[nf4]"]],
 }
 
 

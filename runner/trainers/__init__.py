@@ -1,5 +1,5 @@
-"""Built-in trainers. Importing this package registers ``trainer=sdxl``, ``flux``, ``flux_kontext``, ``chroma``, ``sd15``, ``sd35``,
-``qwen_image``, ``wan`` (and its Wan 2.2 options ``wan22_a14b``, ``wan22_5b``), ``z_image`` and ``lumina2``.
+"""Built-in trainers. Importing this package registers ``trainer=sdxl``, ``flux``, ``flux_kontext``, ``flux2`` (and ``flux2_klein``),
+``chroma``, ``sd15``, ``sd35``, ``qwen_image``, ``wan`` (and its Wan 2.2 options ``wan22_a14b``, ``wan22_5b``), ``z_image`` and ``lumina2``.
 
 Registered by the path of their class, with their schema from runner/trainers/configs.py and their
 loss objective: the trainer modules import torch and diffusers, and are imported only when a run
@@ -11,6 +11,8 @@ from runner.trainers.configs import (
     SD15_NATIVE_RESOLUTION,
     WAN_NATIVE_RESOLUTION,
     ChromaTrainerConfig,
+    Flux2KleinTrainerConfig,
+    Flux2TrainerConfig,
     FluxKontextTrainerConfig,
     FluxTrainerConfig,
     Lumina2TrainerConfig,
@@ -31,6 +33,12 @@ register_trainer("flux", "runner.trainers.flux.FluxTrainer", FluxTrainerConfig,
 register_trainer("flux_kontext", "runner.trainers.flux_kontext.FluxKontextTrainer", FluxKontextTrainerConfig,
                  "Flux.1 Kontext (edit) transformer: reference images (data.references=1) join the sequence, "
                  "rectified-flow matching loss on the target", objective=FLOW)
+register_trainer("flux2", "runner.trainers.flux2.Flux2Trainer", Flux2TrainerConfig,
+                 "Flux.2 dev transformer (32 B, Mistral-Small-3.1 text encoder), optional reference images "
+                 "(data.references=1..4), rectified-flow matching loss", objective=FLOW)
+register_trainer("flux2_klein", "runner.trainers.flux2.Flux2Trainer", Flux2KleinTrainerConfig,
+                 "trainer=flux2 with trainer.variant=klein: FLUX.2 klein 4B (Qwen3-4B; trainer.variant=klein-9b for "
+                 "the 9B)", objective=FLOW)
 register_trainer("chroma", "runner.trainers.chroma.ChromaTrainer", ChromaTrainerConfig,
                  "Chroma transformer (8.9 B, Flux-derived, T5 only), rectified-flow matching loss", objective=FLOW)
 register_trainer("sd15", "runner.trainers.sd15.SD15Trainer", SD15TrainerConfig,

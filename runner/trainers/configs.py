@@ -1,4 +1,4 @@
-"""The built-in trainers' option schemas (``trainer=sdxl|flux|flux_kontext|chroma|sd15|sd35|qwen_image|wan|z_image|lumina2``), importable without torch.
+"""The built-in trainers' option schemas (``trainer=sdxl|flux|flux_kontext|flux2|chroma|sd15|sd35|qwen_image|wan|z_image|lumina2``), importable without torch.
 
 Hydra composes every run against the selected trainer's schema, and ``trainer=sdxl`` is the
 default, so the schema must not import diffusers or torch (``--help`` and config errors answer
@@ -27,6 +27,20 @@ class FluxTrainerConfig:
 class FluxKontextTrainerConfig:
     _target_: str = "runner.trainers.flux_kontext.FluxKontextTrainer"
     guidance: float = 1.0  # value fed to the guidance embedding (FLUX.1 Kontext dev is guidance-distilled)
+
+
+@dataclass
+class Flux2TrainerConfig:
+    _target_: str = "runner.trainers.flux2.Flux2Trainer"
+    variant: str = "dev"  # dev (FLUX.2 dev, 32 B, Mistral-Small-3.1) | klein (4 B, Qwen3-4B) | klein-9b (9 B, Qwen3-8B)
+    guidance: float = 1.0  # value fed to the guidance embedding (dev is guidance-distilled; klein has none)
+
+
+# FLUX.2 klein as a trainer option of its own (trainer=flux2 with the variant set): a preset for it names the
+# option instead of setting trainer.variant, so the preset still composes with any other trainer.
+@dataclass
+class Flux2KleinTrainerConfig(Flux2TrainerConfig):
+    variant: str = "klein"  # klein (4 B) | klein-9b
 
 
 @dataclass

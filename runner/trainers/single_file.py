@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from runner.errors import UserError
+from runner.trainers.flux2_single_file import FLUX2_ROOTS, convert_flux2_transformer, is_flux2
 
 log = logging.getLogger("runner")
 
@@ -281,7 +282,8 @@ def _is_chroma(keys: list[str]) -> bool:
 
 
 def _is_flux(keys: list[str]) -> bool:
-    return any(k.removeprefix("model.diffusion_model.").startswith("double_blocks.") for k in keys) and not _is_chroma(keys)
+    return (any(k.removeprefix("model.diffusion_model.").startswith("double_blocks.") for k in keys)
+            and not _is_chroma(keys) and not is_flux2(keys))
 
 
 LAYOUTS: list[Layout] = [
@@ -296,6 +298,9 @@ LAYOUTS: list[Layout] = [
            }, _is_sdxl),
     # Recognised so that it is not taken for Flux; not converted (runner/trainers/chroma.py refuses it).
     Layout("Lodestone's original Chroma layout (double_blocks.*, distilled_guidance_layer.*)", "chroma", {}, _is_chroma),
+    Layout("Black Forest Labs' original FLUX.2 layout (double_blocks.*, single_stream_modulation.*)", "flux2", {
+        "transformer": Component(FLUX2_ROOTS + tuple("model.diffusion_model." + r for r in FLUX2_ROOTS),
+                                 convert_flux2_transformer)}, is_flux2),
     Layout("Black Forest Labs' original Flux layout (double_blocks.*, single_blocks.*)", "flux", {
         "transformer": Component(FLUX_ROOTS + tuple("model.diffusion_model." + r for r in FLUX_ROOTS),
                                  convert_flux_transformer),

@@ -128,5 +128,43 @@ def qwen3_tokenizer(model_max_length: int = 1024) -> Any:
     pipeline formats every prompt through ``apply_chat_template``, so the tiny model gets the same
     text around the caption as the real one."""
     tok = qwen2_tokenizer.__wrapped__(model_max_length)
-    tok.chat_template = QWEN3_ONE_TURN_TEMPLATE
+    tok.chat_template = QWEN3_ONE_TURN_TEMPLATE  # also FLUX.2 klein's (Flux2KleinPipeline asks enable_thinking=False)
+    return tok
+
+
+# Mistral's chat layout as FLUX.2 dev's tokenizer renders Flux2Pipeline's messages (a system turn,
+# then user turns whose content is a list of {"type": "text"} parts): [SYSTEM_PROMPT]..[/SYSTEM_PROMPT]
+# then [INST]..[/INST] per user turn, after <s>.
+MISTRAL_CHAT_TEMPLATE = (
+    "{{ '<s>' }}{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ '[SYSTEM_PROMPT]' }}{% else %}{{ '[INST]' }}{% endif %}"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for c in m['content'] %}{% if c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{% if m['role'] == 'system' %}{{ '[/SYSTEM_PROMPT]' }}{% else %}{{ '[/INST]' }}{% endif %}"
+    "{% endfor %}"
+)
+
+
+@functools.lru_cache(maxsize=2)
+def mistral_tokenizer(model_max_length: int = 1024) -> Any:
+    """A byte-level tokenizer with Mistral's chat specials and template, built offline (FLUX.2 dev).
+
+    ``Flux2Pipeline`` calls ``tokenizer.apply_chat_template(messages, padding="max_length", ...)`` on
+    its processor; any tokenizer with a chat template answers that call, so the tiny model gets a
+    ``Qwen2Tokenizer`` over the 256 byte symbols plus Mistral's specials
+    (:data:`~runner.trainers.flux2_configs.TINY_MISTRAL_SPECIALS`), ``<pad>`` for padding. Trade-off:
+    the byte spelling and pre-tokenization are not Tekken's (only a real folder's tokenizer gives the
+    real ids); what the pipeline does with the ids (template, padding, truncation) is the same.
+    """
+    from transformers import Qwen2Tokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from runner.trainers.flux2_configs import TINY_MISTRAL_SPECIALS
+
+    vocab = {s: i for i, s in enumerate(bytes_to_unicode().values())}
+    vocab.update(TINY_MISTRAL_SPECIALS)
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], model_max_length=model_max_length, unk_token=None,
+                         bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    tok.add_special_tokens({"additional_special_tokens": [s for s in TINY_MISTRAL_SPECIALS if s.startswith("[")]})
+    tok.chat_template = MISTRAL_CHAT_TEMPLATE
     return tok

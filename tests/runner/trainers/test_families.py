@@ -33,7 +33,7 @@ from runner.trainer import encode
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-FAMILIES = ["sd15", "sd35", "chroma", "flux_kontext", "z_image", "lumina2"]
+FAMILIES = ["sd15", "sd35", "chroma", "flux_kontext", "z_image", "lumina2", "flux2"]
 EDIT = {"flux_kontext": ["data.references=1"]}  # an edit family trains on the paired demo set (a reference per target)
 COMMON = ["train.device=cpu", "train.progress=false", "data.demo_size=4", "export.enabled=false"]
 
@@ -63,7 +63,7 @@ def fresh(family: str, *overrides: str):
 # ---- training works -------------------------------------------------------------------------------
 @pytest.mark.parametrize("family, lr, ratio", [("sd15", "1e-3", 0.8), ("sd35", "3e-3", 0.95), ("chroma", "3e-3", 0.95),
                                                    ("flux_kontext", "3e-3", 0.95), ("z_image", "3e-3", 0.95),
-                                                   ("lumina2", "3e-3", 0.95)])
+                                                   ("lumina2", "3e-3", 0.95), ("flux2", "3e-3", 0.95)])
 def test_the_loss_goes_down_over_a_short_run(tmp_path, family, lr, ratio):
     """Ten steps of a full fine-tune on the demo set lower the loss on a fixed evaluation batch (the
     four demo images, four fixed noise draws each): the same numbers before and after, so only
@@ -101,8 +101,10 @@ def test_the_loss_goes_down_over_a_short_run(tmp_path, family, lr, ratio):
     # Z-Image: captions truncated to 24 tokens, so every one is as long as the planner counts them (the
     # planner has no mask values and counts trainer.max_sequence_length; tests/runner/trainers/test_z_image.py)
     ["trainer=z_image", "model.train=lora", "checkpoint=blocks", "data.resolution=128", "trainer.max_sequence_length=24"],
+    ["trainer=flux2", "data.resolution=128"],
+    ["trainer=flux2", "data.references=1", "model.train=lora", "export.lora_format=diffusers", "data.resolution=128"],
 ], ids=["sd15", "sd21-lora-ckpt", "sd15_8gb", "sd35", "sd35-medium-lora-ckpt", "chroma", "chroma-lora-ckpt", "flux_kontext",
-        "z_image-lora-ckpt"])
+        "z_image-lora-ckpt", "flux2", "flux2-reference-lora"])
 def test_planned_peak_matches_a_real_cpu_step_within_5_percent(case):
     """sd35_24gb's own plugins but park: on a CPU run the parked VAE and the raw pixels sit on the only
     device, where a GPU run keeps them on the host (tests/planner_truth.py); at tiny size, with a LoRA
@@ -130,7 +132,8 @@ STREAM = {"sd15": ["offload.stream.device_fraction=0.3"],
           "chroma": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"],  # 3 tiny blocks
           "flux_kontext": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"],  # Flux's 3 tiny blocks
           "z_image": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"],  # 3 + 2 refiner blocks
-          "lumina2": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"]}  # 3 + 2 refiner blocks
+          "lumina2": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"],  # 3 + 2 refiner blocks
+          "flux2": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"]}  # 1 double + 2 single tiny blocks
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -1,4 +1,4 @@
-"""Built-in trainers (SDXL, Flux, Chroma, SD1.5/SD2.1, SD3.5 Medium/Large) on tiny random models (CPU, offline).
+"""Built-in trainers (SDXL, Flux, Chroma, SD1.5/SD2.1, SD3.5 Medium/Large, Flux.2 dev/klein) on tiny random models (CPU, offline).
 
 Batches are made here rather than through ``dataset()``, so these tests do not depend on the
 data module. Models are built once per module where a test does not change them.
@@ -18,7 +18,9 @@ from runner.errors import UserError
 from runner.loss.objectives import LossConfig
 from runner.trainer import ModelSet, encode, slice_batch
 from runner.trainers.chroma import ChromaTrainer, ChromaTrainerConfig
+from runner.trainers.configs import Flux2TrainerConfig
 from runner.trainers.flux import FluxTrainer, FluxTrainerConfig
+from runner.trainers.flux2 import Flux2Trainer
 from runner.trainers.loading import build_denoiser, load_single_file
 from runner.trainers.model_configs import sdxl_configs
 from runner.trainers.sd15 import SD15Trainer, SD15TrainerConfig
@@ -39,6 +41,8 @@ FAMILIES = {
     "sd35_medium": (SD35Trainer, SD35TrainerConfig, {"variant": "medium"}),
     "z_image": (ZImageTrainer, ZImageTrainerConfig, {}),
     "lumina2": (Lumina2Trainer, Lumina2TrainerConfig, {}),
+    "flux2": (Flux2Trainer, Flux2TrainerConfig, {}),
+    "flux2_klein": (Flux2Trainer, Flux2TrainerConfig, {"variant": "klein"}),
 }
 
 
@@ -192,7 +196,9 @@ def test_trainer_options_change_the_loss(full_setup):
               "sd35": {"loss": {"timestep_shift": "none"}},  # the family's default is SD3's fixed 3.0
               "sd35_medium": {"loss": {"logit_std": 2.0}},
               "z_image": {"loss": {"timestep_shift": "resolution"}},
-              "lumina2": {"loss": {"timestep_sampling": "uniform"}}}[family]
+              "lumina2": {"loss": {"timestep_sampling": "uniform"}},
+              "flux2": {"trainer": {"guidance": 4.0}},  # dev's guidance embedding
+              "flux2_klein": {"loss": {"timestep_sampling": "uniform"}}}[family]
     other = make_trainer(family, **option)
     with torch.no_grad():
         batch = tr.example_batch(2, "cpu")
@@ -267,6 +273,8 @@ def test_repeated_blocks_are_outermost(full_setup):
         "sd35": {"JointTransformerBlock"}, "sd35_medium": {"JointTransformerBlock"},
         "z_image": {"ZImageTransformerBlock"},  # the refiners' and the joint blocks
         "lumina2": {"Lumina2TransformerBlock"},  # the refiners' and the joint blocks
+        "flux2": {"Flux2TransformerBlock", "Flux2SingleTransformerBlock"},
+        "flux2_klein": {"Flux2TransformerBlock", "Flux2SingleTransformerBlock"},
     }
     assert names == expected[family]
 
@@ -361,5 +369,7 @@ def test_trainers_are_registered():
     assert reg["flux"].target == "runner.trainers.flux.FluxTrainer"
     assert reg["chroma"].target == "runner.trainers.chroma.ChromaTrainer"
     assert reg["flux_kontext"].target == "runner.trainers.flux_kontext.FluxKontextTrainer"
+    assert reg["flux2"].target == "runner.trainers.flux2.Flux2Trainer"
+    assert reg["flux2_klein"].target == "runner.trainers.flux2.Flux2Trainer" and reg["flux2_klein"].config().variant == "klein"
     assert reg["sd15"].target == "runner.trainers.sd15.SD15Trainer"
     assert reg["sd35"].target == "runner.trainers.sd35.SD35Trainer"
