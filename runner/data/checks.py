@@ -73,13 +73,14 @@ def _check_references(data_cfg: Any) -> int:
     return int(value)
 
 
-def family_references(data_cfg: Any, max_references: int, name: str) -> int:
+def family_references(data_cfg: Any, max_references: int, name: str, default: int = 0) -> int:
     """``data.references``, refused when it exceeds what trainer ``name`` takes (its ``max_references``):
-    a reference no family reads would be ignored silently. Unset (null), it is the family's own count:
-    an edit family trains on its references, any other family on plain images, so a preset written for
-    an edit family sets no data key another trainer would have to refuse."""
+    a reference no family reads would be ignored silently. Unset (null), it is the family's own count
+    (``default``): an edit family that needs references trains on them (Kontext: 1), any other family
+    on plain images (Flux.2 takes references but does not need them: 0), so a preset written for an
+    edit family sets no data key another trainer would have to refuse."""
     if data_cfg is None or _get(data_cfg, "references", None) is None:
-        return max_references
+        return default
     count = _check_references(data_cfg)
     if count > max_references:
         takes = (f"takes at most {max_references} reference image(s) per target" if max_references

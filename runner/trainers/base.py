@@ -107,6 +107,7 @@ class DiffusersTrainer(CacheKeys):
     kohya_base_model_version: str | None = None  # kohya's ss_base_model_version of this family's LoRAs
     comfy_layout: str = "kohya"  # the LoRA key layout ComfyUI maps for this family (runner/export/comfy.py LAYOUTS)
     max_references: int = 0  # reference images per target an edit family takes (data.references; 0: not an edit family)
+    default_references: int = 0  # data.references unset: how many it trains on (an edit family that needs them: its count)
 
     def __init__(self, cfg: Any, run: Any = None) -> None:
         """``run``: the :class:`~runner.resolved.ResolvedRun`, whose dtypes win over the config's
@@ -138,7 +139,7 @@ class DiffusersTrainer(CacheKeys):
         self.loss_options = loss_config(cfg)  # loss.* (runner/loss/objectives.py), read by the loss-family base
         data = cfg.get("data") if hasattr(cfg, "get") else None
         self.masks = bool(data.get("masks", False)) if data is not None and hasattr(data, "get") else False
-        self.references = family_references(data, self.max_references, name)  # data.references (unset: the family's)
+        self.references = family_references(data, self.max_references, name, self.default_references)
         if self.objective is not None:
             check_objective(self.loss_options, self.objective, f"trainer {name}")
         export = cfg.get("export") if hasattr(cfg, "get") else None

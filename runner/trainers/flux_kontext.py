@@ -62,6 +62,7 @@ class FluxKontextTrainer(FluxTrainer):
     family = "flux"  # BFL's flux1-kontext-dev.safetensors has FLUX.1 dev's layout (runner/trainers/single_file.py)
     reference_repo = "black-forest-labs/FLUX.1-Kontext-dev"
     max_references = 1  # FluxKontextPipeline takes one image
+    default_references = 1  # an edit model: data.references unset trains on one reference per target
 
     def __init__(self, cfg: Any, run: Any = None) -> None:
         super().__init__(cfg, run)
