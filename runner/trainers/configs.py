@@ -1,4 +1,4 @@
-"""The built-in trainers' option schemas (``trainer=sdxl|flux|flux_kontext|chroma|sd15|sd35|qwen_image|wan``), importable without torch.
+"""The built-in trainers' option schemas (``trainer=sdxl|flux|flux_kontext|chroma|sd15|sd35|qwen_image|qwen_image_edit|wan``), importable without torch.
 
 Hydra composes every run against the selected trainer's schema, and ``trainer=sdxl`` is the
 default, so the schema must not import diffusers or torch (``--help`` and config errors answer
@@ -58,6 +58,15 @@ class QwenImageTrainerConfig:
     _target_: str = "runner.trainers.qwen_image.QwenImageTrainer"
     # Text tokens after the template's dropped prefix; captions are truncated to it and padded to it
     # (masked). null: the pipeline's 512 (96 for the random tiny model's byte-level tokenizer).
+    max_sequence_length: Optional[int] = None
+
+
+@dataclass
+class QwenImageEditTrainerConfig:
+    _target_: str = "runner.trainers.qwen_image_edit.QwenImageEditTrainer"
+    variant: str = "edit"  # edit (Qwen-Image-Edit, one reference) | plus (2509/2511, QwenImageEditPlusPipeline, up to 3)
+    # Instruction tokens kept after the reference's vision tokens; captions are truncated to it and the
+    # embedding padded (masked) to the vision tokens plus it. null: 512 (96 for the tiny byte-level tokenizer).
     max_sequence_length: Optional[int] = None
 
 
