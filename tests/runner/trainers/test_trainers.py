@@ -350,5 +350,6 @@ def test_trainers_are_registered():
     assert reg["flux"].target == "runner.trainers.flux.FluxTrainer"
     assert reg["chroma"].target == "runner.trainers.chroma.ChromaTrainer"
     assert reg["flux_kontext"].target == "runner.trainers.flux_kontext.FluxKontextTrainer"
+    assert reg["qwen_image_edit"].target == "runner.trainers.qwen_image_edit.QwenImageEditTrainer"
     assert reg["sd15"].target == "runner.trainers.sd15.SD15Trainer"
     assert reg["sd35"].target == "runner.trainers.sd35.SD35Trainer"
