@@ -56,6 +56,9 @@ _SYSTEM = ("<|im_start|>system\nDescribe the key features of the input image (co
 IMAGE_SLOT = "<|vision_start|><|image_pad|><|vision_end|>"
 PLUS_IMAGE_PROMPT = "Picture {}: " + IMAGE_SLOT  # QwenImageEditPlusPipeline's img_prompt_template
 SUFFIX = "<|im_end|>\n<|im_start|>assistant\n"
+# Qwen2.5-VL's preprocessor_config.json (what Qwen-Image-Edit's processor/ has): images between these pixel
+# counts (transformers' own default caps at 28 * 28 * 1280, which would shrink a 1 MP reference to 980 px).
+QWEN25_VL_PIXELS = {"min_pixels": 3136, "max_pixels": 12845056}
 CONDITION_IMAGE_AREA = 384 * 384  # QwenImageEditPlusPipeline.CONDITION_IMAGE_SIZE: what the VL encoder sees
 
 
@@ -141,7 +144,7 @@ class QwenImageEditTrainer(QwenImageTrainer):
 
     def image_processor(self) -> Any:
         """Qwen2-VL's image processor (the PIL one: this runner has no torchvision): the folder's
-        ``processor/`` settings, else the library's defaults (Qwen2.5-VL's: 14 px patches, 2x2 merge)."""
+        ``processor/`` settings, else Qwen2.5-VL's published ones (14 px patches, 2x2 merge, up to 12.8 MP)."""
         if self._processor is None:
             from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -149,7 +152,7 @@ class QwenImageEditTrainer(QwenImageTrainer):
                 self._processor = Qwen2VLImageProcessorPil.from_pretrained(
                     os.path.join(self.source[1], "processor"), local_files_only=True)
             else:
-                self._processor = Qwen2VLImageProcessorPil()
+                self._processor = Qwen2VLImageProcessorPil(**QWEN25_VL_PIXELS)
         return self._processor
 
     def pipeline_kwargs(self) -> dict[str, Any]:

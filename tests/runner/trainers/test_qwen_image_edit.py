@@ -186,3 +186,34 @@ def test_a_lora_trains_on_the_paired_demo_set_samples_with_the_reference_and_loa
 def test_the_familys_limits_are_refused(overrides, match):
     with pytest.raises(UserError, match=match):
         build_trainer(compose_config(["trainer=qwen_image_edit", *overrides, "train.device=cpu"]))
+
+
+def test_the_published_size_builds_on_meta_with_the_longer_sequences_in_the_example_batch():
+    """Qwen-Image-Edit is Qwen-Image's 20.4 B MMDiT with Qwen2.5-VL-7B (vision tower included, 8.3 B); the
+    planner's example batch carries a reference latent of the target's size and the text stream at the edit
+    prompt's length: the 1 MP reference's vision tokens ((1036 / 28)^2, Qwen2-VL rounding 1024 px to 28 px
+    patches merged 2x2), the vision markers, the 512 instruction tokens and the template's closing tokens."""
+    trainer = build_trainer(compose_config([*EDIT, "model.size=full", "model.train=lora"]))
+    models = trainer.build_models("meta")
+    base = sum(p.numel() for n, p in models["transformer"].named_parameters() if "lora_" not in n)
+    vl = sum(p.numel() for p in models["text_encoder"].parameters())
+    assert base == pytest.approx(20.43e9, rel=1e-2) and vl == pytest.approx(8.29e9, rel=1e-2)
+    ex = trainer.example_batch(2, "meta")
+    assert tuple(ex["latents"].shape) == (2, 16, 128, 128) and tuple(ex["reference_latents"].shape) == (2, 1, 16, 128, 128)
+    vision = (round(1024 / 28) * 28 // 28) ** 2
+    closing = len(trainer.tokenizer("tokenizer")("<|im_end|>\n<|im_start|>assistant\n").input_ids)
+    assert ex["prompt_embeds"].shape[1] == vision + 2 + 512 + closing
+
+
+def test_a_lora_trains_with_the_embeddings_cached_per_instruction_and_reference(tmp_path):
+    """offload=park caches the latents (target and reference) and the text part keyed by caption and reference
+    (both orientations under data.random_flip): the losses equal the uncached run's bit for bit."""
+    common = [*EDIT, "data.demo_size=4", "data.random_flip=true", "model.train=lora", "train.steps=3",
+              "train.batch_size=2", "train.progress=false", "export.enabled=false", "optimizer.lr=1e-2"]
+    task(compose_config([f"output_dir={tmp_path / 'plain'}", *common]))
+    task(compose_config([f"output_dir={tmp_path / 'park'}", *common, "offload=park",
+                         f"offload.park.cache_dir={tmp_path / 'cache'}"]))
+    plain, park = (read_metrics(tmp_path / run / "metrics.jsonl") for run in ("plain", "park"))
+    assert len(plain) == 3 and all(math.isfinite(r["loss"]) for r in plain)
+    assert [r["loss"] for r in plain] == [r["loss"] for r in park]
+    assert len(list((tmp_path / "cache").glob("text/*/*.safetensors"))) == 8  # 4 pairs x 2 orientations
