@@ -39,6 +39,7 @@ VARIANTS: dict[str, list[list[str]]] = {
     "sd35_24gb": [["quantization=fp8"], ["quantization=nf4"], ["checkpoint=none"], ["trainer.variant=medium"]],
     "chroma_16gb": [["quantization=none"], ["checkpoint=none"]],
     "flux_kontext_24gb": [["trainer=flux", "data.references=0"], ["checkpoint=none"]],  # without the reference
+    "qwen_image_edit_24gb": [["trainer=qwen_image", "data.references=0"], ["train.grad_accum=1"]],  # without the reference
 }
 
 
