@@ -87,6 +87,12 @@ def vl_processor(image_processor: Any, tokenizer: Any) -> Any:
         def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
             return None if argument is None else super().check_argument_for_proper_class(argument_name, argument)
 
+        def save_pretrained(self, save_directory: str, **kwargs: Any) -> list[str]:
+            """The files a Qwen2VLProcessor folder holds for images and text (preprocessor_config.json and
+            the tokenizer's); the library's own save writes the absent video processor too, and fails."""
+            os.makedirs(save_directory, exist_ok=True)
+            return [*self.image_processor.save_pretrained(save_directory), *self.tokenizer.save_pretrained(save_directory)]
+
     return ImageOnlyQwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer)
 
 
@@ -164,6 +170,8 @@ class QwenImageEditTrainer(QwenImageTrainer):
         ``prompt_template_encode_start_idx`` = 64 is Qwen's tokenizer's; the tiny byte-level one spells more)."""
         pipe = super().pipeline(models)
         pipe.prompt_template_encode_start_idx = self.template_tokens()
+        # model_index.json: the processor/ folder is a Qwen2VLProcessor's (the class the published folder names)
+        pipe.register_to_config(processor=("transformers", "Qwen2VLProcessor"))
         return pipe
 
     def sampling_family(self) -> Any:

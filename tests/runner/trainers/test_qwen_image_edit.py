@@ -217,3 +217,24 @@ def test_a_lora_trains_with_the_embeddings_cached_per_instruction_and_reference(
     assert len(plain) == 3 and all(math.isfinite(r["loss"]) for r in plain)
     assert [r["loss"] for r in plain] == [r["loss"] for r in park]
     assert len(list((tmp_path / "cache").glob("text/*/*.safetensors"))) == 8  # 4 pairs x 2 orientations
+
+
+def test_the_diffusers_folder_saves_and_loads_back_through_model_path(tmp_path):
+    """The pipeline's folder (what a full fine-tune exports): model_index.json names the processor as the
+    published folder does (transformers' Qwen2VLProcessor, its preprocessor_config.json and tokenizer files);
+    model.path reads it back: equal weights, the same image processor settings and the same valid embedding."""
+    trainer, models = build()
+    trainer.pipeline(models).save_pretrained(tmp_path / "saved")
+    assert json.loads((tmp_path / "saved" / "model_index.json").read_text())["processor"] == ["transformers",
+                                                                                           "Qwen2VLProcessor"]
+    assert (tmp_path / "saved" / "processor" / "preprocessor_config.json").is_file()
+    loaded, back = build(f"model.path={tmp_path / 'saved'}")
+    for name in ("transformer", "vae", "text_encoder"):
+        theirs = back[name].state_dict()
+        assert all(torch.equal(theirs[k], v) for k, v in models[name].state_dict().items()), name
+    assert loaded.image_processor().size == trainer.image_processor().size
+    cpu, ref = torch.device("cpu"), demo_reference(2, 64, 0)[None, None]
+    a, b = (t.encode_text(m, [CAPTION], ref, cpu) for t, m in ((trainer, models), (loaded, back)))
+    n = int(a["prompt_embeds_mask"].sum())
+    assert n == int(b["prompt_embeds_mask"].sum())  # a folder pads to the pipeline's 512, the tiny default to 96
+    torch.testing.assert_close(a["prompt_embeds"][:, :n], b["prompt_embeds"][:, :n], rtol=0, atol=0)
