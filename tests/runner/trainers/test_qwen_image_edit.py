@@ -238,3 +238,25 @@ def test_the_diffusers_folder_saves_and_loads_back_through_model_path(tmp_path):
     n = int(a["prompt_embeds_mask"].sum())
     assert n == int(b["prompt_embeds_mask"].sum())  # a folder pads to the pipeline's 512, the tiny default to 96
     torch.testing.assert_close(a["prompt_embeds"][:, :n], b["prompt_embeds"][:, :n], rtol=0, atol=0)
+
+
+def test_a_plus_lora_trains_on_two_references_and_loads_into_the_plus_pipeline(tmp_path):
+    """trainer.variant=plus with data.references=2: both references' tokens join the sequence and both images
+    are in the prompt ("Picture 1: ... Picture 2: ..."); the LoRA loads into QwenImageEditPlusPipeline, handed
+    the two images, and changes its output without NaN."""
+    plus = ["trainer.variant=plus", "data.references=2"]
+    task(compose_config([f"output_dir={tmp_path}", *EDIT, *plus, "model.train=lora", "model.lora_rank=4",
+                         "train.steps=2", "train.progress=false", "train.batch_size=2", "data.demo_size=2",
+                         "optimizer.lr=1e-2"]))
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
+    trainer, base = build("model.train=full", *plus)
+    pipe = trainer.pipeline(base)
+    assert type(pipe).__name__ == "QwenImageEditPlusPipeline"
+    kwargs = {"image": [to_pil(demo_reference(3, 64, 0)), to_pil(demo_reference(1, 64, 0))], "prompt": CAPTION,
+              "num_inference_steps": 2, "height": 64, "width": 64, "output_type": "pt"}
+    without = pipe(**kwargs, generator=torch.Generator().manual_seed(0)).images
+    pipe.load_lora_weights(str(tmp_path / "checkpoints" / "step-00000002" / EXPORT_DIR / DIFFUSERS_FILE))
+    with_lora = pipe(**kwargs, generator=torch.Generator().manual_seed(0)).images
+    assert with_lora.shape == (1, 3, 64, 64) and torch.isfinite(with_lora).all()
+    assert not torch.equal(with_lora, without)
