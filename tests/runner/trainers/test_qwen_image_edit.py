@@ -260,3 +260,28 @@ def test_a_plus_lora_trains_on_two_references_and_loads_into_the_plus_pipeline(t
     with_lora = pipe(**kwargs, generator=torch.Generator().manual_seed(0)).images
     assert with_lora.shape == (1, 3, 64, 64) and torch.isfinite(with_lora).all()
     assert not torch.equal(with_lora, without)
+
+
+def test_a_comfyui_file_and_a_hub_id_load(tmp_path, monkeypatch):
+    """A single transformer file in diffusers' names (the layout of Qwen-Image's ComfyUI diffusion_models/ files,
+    which the family shares): model.path reads one back bit for bit; a hub id (Qwen/Qwen-Image-Edit)
+    resolves to its diffusers folder in the local hub cache."""
+    from original_layouts import hub_cache
+    from safetensors.torch import save_file
+
+    trainer, models = build()
+    file = tmp_path / "qwen_image_edit.safetensors"
+    save_file({k: v.contiguous() for k, v in models["transformer"].state_dict().items()}, str(file))
+    loaded = build_trainer(compose_config([*EDIT, f"model.path={file}"])).build_models("cpu")
+    for k, v in models["transformer"].state_dict().items():
+        assert torch.equal(loaded["transformer"].state_dict()[k], v), k
+
+    folder = tmp_path / "saved"
+    trainer.pipeline(models).save_pretrained(folder)
+    cache = tmp_path / "hub"
+    hub_cache(cache, "Qwen/Qwen-Image-Edit", folder)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    from_hub = build_trainer(compose_config([*EDIT, "model.path=Qwen/Qwen-Image-Edit"])).build_models("cpu")
+    for name in ("transformer", "vae", "text_encoder"):
+        theirs = from_hub[name].state_dict()
+        assert all(torch.equal(theirs[k], v) for k, v in models[name].state_dict().items()), name
