@@ -46,6 +46,7 @@ VARIANTS: dict[str, list[list[str]]] = {
                    ["quantization=[nf4]", "offload=[park]", "~offload.stream"]],
     "flux2_klein_16gb": [["quantization=[nf4]"], ["checkpoint=none"], ["trainer.variant=klein-9b"],
                          ["trainer.variant=klein-9b", "quantization=[nf4]"]],
+    "qwen_image_edit_24gb": [["trainer=qwen_image", "data.references=0"], ["train.grad_accum=1"]],  # without the reference
 }
 
 

@@ -158,6 +158,8 @@ class SampleFingerprints:
                 out[key] = {**fp, "flip": bool(flip)}  # it holds the mask's (data.masks) and references' sha256
             elif key == "caption":
                 out[key] = self.caption(index)
+            elif key in ("mask", "references"):  # pixels the loop mirrors with the image: the view is in the key
+                out[key] = {"sha256": _sha256_tensor(self._sample(index)[key]), "flip": bool(flip)}
             else:
                 value = self._sample(index)[key]
                 out[key] = _sha256_tensor(value) if isinstance(value, torch.Tensor) else repr(value)

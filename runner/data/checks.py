@@ -85,7 +85,7 @@ def family_references(data_cfg: Any, max_references: int, name: str, default: in
     if count > max_references:
         takes = (f"takes at most {max_references} reference image(s) per target" if max_references
                  else "is not an edit model: it takes no reference images")
-        other = "" if max_references else ", or train an edit family (trainer=flux_kontext)"
+        other = "" if max_references else ", or train an edit family (trainer=flux_kontext or qwen_image_edit)"
         raise UserError(f"data.references={count}: {name} {takes}. Set data.references={min(count, max_references)}"
                         f"{other}.")
     return count

@@ -11,7 +11,8 @@ only then move to the device. :class:`KnownValues` keeps them:
   of itself as its value;
 * an op whose tensor inputs all have values (or are small real tensors) computes its outputs'
   values from them, on the CPU, with the simulation's modes off (nothing it makes is counted);
-* a read of a value (``.item()``, ``bool()``, ``torch.equal``) is answered from it;
+* a read of a value (``.item()``, ``bool()``, ``torch.equal``, a move back to the host as ``tolist``
+  makes) is answered from it;
 * an in-place op on a tensor with a value, given an input without one, forgets the value.
 
 A read of a tensor with no value still fails as before, and the planner reports the call and the
@@ -54,6 +55,12 @@ def value_of(t: Any) -> torch.Tensor | None:
     return None
 
 
+def _to_host(args: Any, kwargs: Any) -> bool:
+    """Whether a move op's destination is the CPU (``_to_copy(device=cpu)``, ``to(cpu)``)."""
+    device = kwargs.get("device", next((a for a in args[1:] if isinstance(a, (torch.device, str))), None))
+    return device is not None and torch.device(device).type == "cpu"
+
+
 def _simulated(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and (t.device.type == "meta" or is_fake(t))
 
@@ -73,6 +80,9 @@ class KnownValues(TorchDispatchMode):
                 with without_dispatch_modes():
                     return func(*values[0], **values[1])
             return func(*args, **kwargs)
+        if func in _MOVES and _to_host(args, kwargs) and (value := value_of(args[0])) is not None and _simulated(args[0]):
+            with without_dispatch_modes():  # a read back to the host (``tolist``): the value, moved as asked
+                return func(value, *args[1:], **kwargs)
         out = func(*args, **kwargs)
         if func in _MOVES or self.alive:
             self._follow(func, args, kwargs, out)

@@ -156,9 +156,16 @@ class Sampler:
         ctx, trainer = self.ctx, self.ctx.trainer
         files = [str(f) for f in self.config.get("references", None) or []]
         pixels = reference_pixels(trainer, files, len(self.prompts), self.resolution)
-        with vae_on_device(ctx.models["vae"], ctx), ctx.accelerator.autocast():
-            for cond, ref in zip(self.cond, pixels):
-                cond.update(self.family.encode_reference(trainer, ctx.models, ref, ctx.device))
+        # A family whose text encoder sees the reference (Qwen-Image-Edit) encodes each prompt, and the
+        # negative prompt, with its reference here: the text encoders come to the device per call too.
+        sees = bool(getattr(self.family, "text_sees_reference", False))
+        encoders = [ctx.models[m] for m in trainer.encode_parts()["text"].modules if m in ctx.models] if sees else []
+        negative = self.negative_prompt if self.negative_prompt is not None else self.family.default_negative(self.guidance)
+        with vae_on_device(ctx.models["vae"], ctx), on_device_per_call(encoders, ctx.device, ctx.host), \
+                ctx.accelerator.autocast():
+            for prompt, cond, ref in zip(self.prompts, self.cond, pixels):
+                kw = {"prompt": prompt, "negative": negative} if sees else {}
+                cond.update(self.family.encode_reference(trainer, ctx.models, ref, ctx.device, **kw))
 
     @torch.no_grad()
     def _encode_prompts(self) -> None:

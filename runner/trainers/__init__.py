@@ -1,5 +1,6 @@
 """Built-in trainers. Importing this package registers ``trainer=sdxl``, ``flux``, ``flux_kontext``, ``flux2`` (and ``flux2_klein``),
-``chroma``, ``sd15``, ``sd35``, ``qwen_image``, ``wan`` (and its Wan 2.2 options ``wan22_a14b``, ``wan22_5b``), ``z_image`` and ``lumina2``.
+``chroma``, ``sd15``, ``sd35``, ``qwen_image``, ``qwen_image_edit``, ``wan`` (and its Wan 2.2 options ``wan22_a14b``,
+``wan22_5b``), ``z_image`` and ``lumina2``.
 
 Registered by the path of their class, with their schema from runner/trainers/configs.py and their
 loss objective: the trainer modules import torch and diffusers, and are imported only when a run
@@ -16,6 +17,7 @@ from runner.trainers.configs import (
     FluxKontextTrainerConfig,
     FluxTrainerConfig,
     Lumina2TrainerConfig,
+    QwenImageEditTrainerConfig,
     QwenImageTrainerConfig,
     SD15TrainerConfig,
     SD35TrainerConfig,
@@ -49,6 +51,10 @@ register_trainer("sd35", "runner.trainers.sd35.SD35Trainer", SD35TrainerConfig,
                  objective=FLOW)
 register_trainer("qwen_image", "runner.trainers.qwen_image.QwenImageTrainer", QwenImageTrainerConfig,
                  "Qwen-Image MMDiT (20 B), Qwen2.5-VL text encoder, rectified-flow matching loss", objective=FLOW)
+register_trainer("qwen_image_edit", "runner.trainers.qwen_image_edit.QwenImageEditTrainer", QwenImageEditTrainerConfig,
+                 "Qwen-Image-Edit MMDiT (trainer.variant=edit|plus): reference images (data.references) join the "
+                 "sequence and Qwen2.5-VL sees them with the instruction, rectified-flow matching loss on the target",
+                 objective=FLOW)
 register_trainer("wan", "runner.trainers.wan.WanTrainer", WanTrainerConfig,
                  "Wan 2.1/2.2 text-to-video transformer (trainer.variant=14b|1.3b|2.2-5b|2.2-a14b), rectified-flow matching loss",
                  native_resolution=WAN_NATIVE_RESOLUTION, objective=FLOW)

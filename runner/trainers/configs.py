@@ -1,4 +1,4 @@
-"""The built-in trainers' option schemas (``trainer=sdxl|flux|flux_kontext|flux2|chroma|sd15|sd35|qwen_image|wan|z_image|lumina2``), importable without torch.
+"""The built-in trainers' option schemas (``trainer=sdxl|flux|flux_kontext|flux2|chroma|sd15|sd35|qwen_image|qwen_image_edit|wan|z_image|lumina2``), importable without torch.
 
 Hydra composes every run against the selected trainer's schema, and ``trainer=sdxl`` is the
 default, so the schema must not import diffusers or torch (``--help`` and config errors answer
@@ -91,7 +91,16 @@ class Lumina2TrainerConfig:
     max_sequence_length: Optional[int] = None
 
 
-WAN_NATIVE_RESOLUTION = {"14b": 480, "1.3b": 480, "2.2-5b": 704}  # px at model.size=full, by trainer.variant
+@dataclass
+class QwenImageEditTrainerConfig:
+    _target_: str = "runner.trainers.qwen_image_edit.QwenImageEditTrainer"
+    variant: str = "edit"  # edit (Qwen-Image-Edit, one reference) | plus (2509/2511, QwenImageEditPlusPipeline, up to 3)
+    # Instruction tokens kept after the reference's vision tokens; captions are truncated to it and the
+    # embedding padded (masked) to the vision tokens plus it. null: 512 (96 for the tiny byte-level tokenizer).
+    max_sequence_length: Optional[int] = None
+
+
+WAN_NATIVE_RESOLUTION = {"14b": 480, "1.3b": 480, "2.2-5b": 704, "2.2-a14b": 480}  # px at model.size=full, by trainer.variant
 
 
 @dataclass

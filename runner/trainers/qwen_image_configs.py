@@ -21,6 +21,9 @@ from runner.trainers.model_configs import _check_size
 # symbols, then <|endoftext|> = 256, <|im_start|> = 257, <|im_end|> = 258.
 TINY_QWEN_VOCAB = 264  # 259 ids, rounded up to a multiple of 8
 TINY_QWEN_SPECIALS = {"<|endoftext|>": 256, "<|im_start|>": 257, "<|im_end|>": 258}
+# The vision specials Qwen-Image-Edit's prompt uses (runner.trainers.tokenizers.qwen2_vl_tokenizer), at the
+# ids the tiny Qwen2.5-VL config below gives them.
+TINY_QWEN_VISION_SPECIALS = {"<|image_pad|>": 259, "<|video_pad|>": 260, "<|vision_start|>": 261, "<|vision_end|>": 262}
 
 # The Wan 2.1 VAE's latent statistics, which the Qwen-Image VAE shares (its config.json).
 WAN21_LATENTS_MEAN = [-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
@@ -128,11 +131,12 @@ _QWEN25_VL_TINY = {
         "out_hidden_size": 32,
         "fullatt_block_indexes": [0],
     },
-    # The special image ids must exist in the tiny vocabulary; no image is ever fed.
-    "image_token_id": 259,
-    "video_token_id": 260,
-    "vision_start_token_id": 261,
-    "vision_end_token_id": 262,
+    # The special image ids exist in the tiny vocabulary; Qwen-Image feeds no image, Qwen-Image-Edit does
+    # (the vision tower above: 14 px patches, 2x2 merged).
+    "image_token_id": TINY_QWEN_VISION_SPECIALS["<|image_pad|>"],
+    "video_token_id": TINY_QWEN_VISION_SPECIALS["<|video_pad|>"],
+    "vision_start_token_id": TINY_QWEN_VISION_SPECIALS["<|vision_start|>"],
+    "vision_end_token_id": TINY_QWEN_VISION_SPECIALS["<|vision_end|>"],
 }
 
 _QWEN_IMAGE = {

@@ -168,3 +168,21 @@ def mistral_tokenizer(model_max_length: int = 1024) -> Any:
     tok.add_special_tokens({"additional_special_tokens": [s for s in TINY_MISTRAL_SPECIALS if s.startswith("[")]})
     tok.chat_template = MISTRAL_CHAT_TEMPLATE
     return tok
+
+
+@functools.lru_cache(maxsize=4)
+def qwen2_vl_tokenizer(model_max_length: int = 1024) -> Any:
+    """:func:`qwen2_tokenizer` plus Qwen2.5-VL's vision specials (Qwen-Image-Edit's prompt holds an image):
+    ``<|image_pad|>`` = 259, ``<|video_pad|>`` = 260, ``<|vision_start|>`` = 261, ``<|vision_end|>`` = 262,
+    the ids the tiny Qwen2.5-VL config gives them. A separate tokenizer so that Qwen-Image's stays as it was."""
+    from transformers import Qwen2Tokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from runner.trainers.qwen_image_configs import TINY_QWEN_SPECIALS, TINY_QWEN_VISION_SPECIALS
+
+    vocab = {s: i for i, s in enumerate(bytes_to_unicode().values())}
+    vocab.update(TINY_QWEN_SPECIALS)
+    vocab.update(TINY_QWEN_VISION_SPECIALS)
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], model_max_length=model_max_length)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", *TINY_QWEN_VISION_SPECIALS]})
+    return tok

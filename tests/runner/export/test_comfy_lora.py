@@ -46,12 +46,13 @@ FAMILIES = {  # test id -> trainer overrides
     "wan21": ["trainer=wan"], "wan22": ["trainer=wan", "trainer.variant=2.2-5b"], "z_image": ["trainer=z_image"],
     # Lumina 2: ComfyUI fuses q/k/v (attention.qkv), which its ComfyUI file does not write: other targets
     "lumina2": ["trainer=lumina2", "model.lora_targets=[to_out.0,feed_forward.linear_1,norm1.linear]"],
+    "qwen_image_edit": ["trainer=qwen_image_edit", "data.references=1"],
     "flux2": ["trainer=flux2", "model.lora_targets=[to_q,to_k,to_v,to_out.0,add_k_proj,to_qkv_mlp_proj]"],
 }
 # Which file ComfyUI loads at the trained strength, per family.
 COMFY = {"sdxl": KOHYA_FILE, "sd15": KOHYA_FILE, "sd21": KOHYA_FILE, "flux": KOHYA_FILE, "flux_kontext": KOHYA_FILE, "chroma": KOHYA_FILE,
          "sd35": COMFY_FILE, "qwen_image": COMFY_FILE, "wan21": COMFY_FILE, "wan22": COMFY_FILE, "z_image": COMFY_FILE,
-         "lumina2": COMFY_FILE, "flux2": COMFY_FILE}
+         "lumina2": COMFY_FILE, "flux2": COMFY_FILE, "qwen_image_edit": COMFY_FILE}
 
 # Key-layout reference: diffusers module -> the key ComfyUI reads for it (+ .lora_down/.lora_up
 # or .lora_A/.lora_B, and .alpha). U-Nets: lora_unet_ + diffusers name (unet_to_diffusers); Flux
@@ -81,6 +82,9 @@ REFERENCE = {
              "transformer_blocks.1.attn.to_v": "lora_transformer_transformer_blocks_1_attn_to_v"},
     "qwen_image": {"transformer_blocks.0.attn.to_q": "diffusion_model.transformer_blocks.0.attn.to_q",
                    "transformer_blocks.2.attn.to_out.0": "diffusion_model.transformer_blocks.2.attn.to_out.0"},
+    # Qwen-Image-Edit: ComfyUI loads it as a Qwen-Image model (the same MMDiT), keyed as Qwen-Image is.
+    "qwen_image_edit": {"transformer_blocks.1.attn.to_k": "diffusion_model.transformer_blocks.1.attn.to_k",
+                        "transformer_blocks.2.attn.to_v": "diffusion_model.transformer_blocks.2.attn.to_v"},
     "wan21": {"blocks.0.attn1.to_q": "diffusion_model.blocks.0.self_attn.q",
               "blocks.0.attn1.to_out.0": "diffusion_model.blocks.0.self_attn.o",
               "blocks.2.attn2.to_k": "diffusion_model.blocks.2.cross_attn.k"},
@@ -178,7 +182,7 @@ def test_the_comfy_file_has_comfyuis_keys_and_the_trained_alpha(exports, family)
     assert files == [DIFFUSERS_FILE, COMFY[family]]  # U-Nets, Flux: the kohya file is the ComfyUI file
     assert sorted(p.name for p in folder.iterdir()) == sorted(files)  # no second file with the kohya bytes
     sd = load_file(str(folder / COMFY[family]))
-    down, up = ("lora_A.weight", "lora_B.weight") if family in ("qwen_image", "wan21", "wan22", "z_image", "lumina2") else (
+    down, up = ("lora_A.weight", "lora_B.weight") if family in ("qwen_image", "qwen_image_edit", "wan21", "wan22", "z_image", "lumina2") else (
         "lora_down.weight", "lora_up.weight")
     modules = {k.rsplit(".", 2)[0] if k.endswith(".weight") else k.rsplit(".", 1)[0] for k in sd}
     adapted_modules = sum(1 for n, _ in module.named_parameters() if ".lora_A." in n)
@@ -198,6 +202,7 @@ def test_the_comfy_file_has_comfyuis_keys_and_the_trained_alpha(exports, family)
     ("flux_kontext", "_convert_kohya_flux_lora_to_diffusers"),  # FluxKontextPipeline: Flux's loader
     ("chroma", "_convert_kohya_flux_lora_to_diffusers"),  # ChromaPipeline reads LoRAs with Flux's loader
     ("qwen_image", "_convert_non_diffusers_qwen_lora_to_diffusers"),
+    ("qwen_image_edit", "_convert_non_diffusers_qwen_lora_to_diffusers"),  # QwenImageEditPipeline: Qwen-Image's loader
     ("wan21", "_convert_non_diffusers_wan_lora_to_diffusers"), ("wan22", "_convert_non_diffusers_wan_lora_to_diffusers"),
     ("z_image", "_convert_non_diffusers_z_image_lora_to_diffusers"),
     ("flux2", "_convert_non_diffusers_flux2_lora_to_diffusers"),  # BFL's layout, q/k/v fused (an unadapted v too)

@@ -54,6 +54,7 @@ def test_values_follow_small_tensors_and_only_them():
         m = mask.to("meta")
         assert value_of(m) is not None and int(m.sum()) == 3 and bool((m.sum(-1) > 0).all())
         assert torch.equal(value_of(m[:, 1:]), mask[:, 1:])
+        assert m.tolist() == mask.tolist() and torch.equal(m.cpu(), mask)  # a move back to the host reads the value
         big = torch.zeros(300, 300).to("meta")  # over the limit: activations never get values
         assert value_of(big) is None
         with pytest.raises(RuntimeError):
@@ -72,7 +73,8 @@ def test_a_trainer_with_masked_text_encoders_plans_at_full_size(tmp_path):
 @pytest.mark.parametrize("preset", PRESETS)
 def test_a_trainer_with_masked_text_encoders_plans_and_trains_on_every_preset(tmp_path, preset):
     """Planned for the preset's GPU (tiny), then trained on the CPU with its preflight plan made and checked."""
-    common = [*MASKED, f"+preset={preset}", "data.demo_size=4", "train.batch_size=2", "train.grad_accum=1"]
+    common = [*MASKED, f"+preset={preset}", "data.demo_size=4", "train.batch_size=2",
+              "train.grad_accum=1"]
     assert task(compose_config([*common, "mode=plan", f"output_dir={tmp_path / 'plan'}"])) is None
     assert json.loads((tmp_path / "plan" / "plan.json").read_text())["fits"]
     out = tmp_path / "run"

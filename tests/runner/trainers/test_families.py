@@ -33,8 +33,8 @@ from runner.trainer import encode
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-FAMILIES = ["sd15", "sd35", "chroma", "flux_kontext", "z_image", "lumina2", "flux2"]
-EDIT = {"flux_kontext": ["data.references=1"]}  # an edit family trains on the paired demo set (a reference per target)
+FAMILIES = ["sd15", "sd35", "chroma", "flux_kontext", "z_image", "lumina2", "flux2", "qwen_image_edit"]
+EDIT = {"flux_kontext": ["data.references=1"], "qwen_image_edit": ["data.references=1"]}  # an edit family trains on the paired demo set (a reference per target)
 COMMON = ["train.device=cpu", "train.progress=false", "data.demo_size=4", "export.enabled=false"]
 
 
@@ -103,8 +103,9 @@ def test_the_loss_goes_down_over_a_short_run(tmp_path, family, lr, ratio):
     ["trainer=z_image", "model.train=lora", "checkpoint=blocks", "data.resolution=128", "trainer.max_sequence_length=24"],
     ["trainer=flux2", "data.resolution=128"],
     ["trainer=flux2", "data.references=1", "model.train=lora", "export.lora_format=diffusers", "data.resolution=128"],
+    ["trainer=qwen_image_edit", "data.references=1", "data.resolution=128"],  # the VL encoder's vision path too
 ], ids=["sd15", "sd21-lora-ckpt", "sd15_8gb", "sd35", "sd35-medium-lora-ckpt", "chroma", "chroma-lora-ckpt", "flux_kontext",
-        "z_image-lora-ckpt", "flux2", "flux2-reference-lora"])
+        "z_image-lora-ckpt", "flux2", "flux2-reference-lora", "qwen_image_edit"])
 def test_planned_peak_matches_a_real_cpu_step_within_5_percent(case):
     """sd35_24gb's own plugins but park: on a CPU run the parked VAE and the raw pixels sit on the only
     device, where a GPU run keeps them on the host (tests/planner_truth.py); at tiny size, with a LoRA
@@ -133,7 +134,8 @@ STREAM = {"sd15": ["offload.stream.device_fraction=0.3"],
           "flux_kontext": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"],  # Flux's 3 tiny blocks
           "z_image": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"],  # 3 + 2 refiner blocks
           "lumina2": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"],  # 3 + 2 refiner blocks
-          "flux2": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"]}  # 1 double + 2 single tiny blocks
+          "flux2": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"],  # 1 double + 2 single tiny blocks
+          "qwen_image_edit": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"]}  # Qwen-Image's 3
 
 
 @pytest.mark.parametrize("family", FAMILIES)

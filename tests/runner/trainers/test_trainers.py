@@ -371,5 +371,6 @@ def test_trainers_are_registered():
     assert reg["flux_kontext"].target == "runner.trainers.flux_kontext.FluxKontextTrainer"
     assert reg["flux2"].target == "runner.trainers.flux2.Flux2Trainer"
     assert reg["flux2_klein"].target == "runner.trainers.flux2.Flux2Trainer" and reg["flux2_klein"].config().variant == "klein"
+    assert reg["qwen_image_edit"].target == "runner.trainers.qwen_image_edit.QwenImageEditTrainer"
     assert reg["sd15"].target == "runner.trainers.sd15.SD15Trainer"
     assert reg["sd35"].target == "runner.trainers.sd35.SD35Trainer"
