@@ -41,9 +41,11 @@ VARIANTS: dict[str, list[list[str]]] = {
     "flux_kontext_24gb": [["trainer=flux", "data.references=0"], ["checkpoint=none"]],  # without the reference
     "z_image_16gb": [["quantization=none"], ["checkpoint=none"]],
     "lumina2_16gb": [["checkpoint=none"]],
-    "flux2_24gb": [["offload.stream.device_fraction=0.1"], ["offload.stream.prefetch=2"], ["offload.stream.prefetch=0"],
-                   ["offload.stream.device_fraction=0.25"], ["quantization=[nf4]"],
-                   ["quantization=[nf4]", "offload=[park]", "~offload.stream"]],
+    "flux2_24gb": [["offload.stream.device_budget_gb=null", "offload.stream.device_fraction=0.1"],
+                   ["offload.stream.device_budget_gb=null", "offload.stream.device_fraction=0.2"],
+                   ["offload.stream.prefetch=2"], ["offload.stream.prefetch=0"],
+                   ["offload.stream.device_budget_gb=null", "offload.stream.device_fraction=0.25"],
+                   ["quantization=[nf4]"], ["quantization=[nf4]", "offload=[park]", "~offload.stream"]],
     "flux2_klein_16gb": [["quantization=[nf4]"], ["checkpoint=none"], ["trainer.variant=klein-9b"],
                          ["trainer.variant=klein-9b", "quantization=[nf4]"]],
     "qwen_image_edit_24gb": [["trainer=qwen_image", "data.references=0"], ["train.grad_accum=1"]],  # without the reference

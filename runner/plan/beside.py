@@ -54,8 +54,13 @@ class Beside(Generic[T]):
         self._pid = 0
         self._read = -1
         self.forked = False  # the work runs in a child (else it is done already)
+        self._redo_now = False  # in place, the work failed: result() redoes it, as after a failed child
         if not (fork and can_fork()):
-            self._done = (work(),)
+            try:
+                self._done = (work(),)
+            except Exception:  # noqa: BLE001 - as a failed child: result() redoes it (and raises what redo raises)
+                self._done = None
+                self._redo_now = True
             return
         read, write = os.pipe()
         pid = os.fork()
@@ -82,6 +87,8 @@ class Beside(Generic[T]):
 
     def result(self) -> T:
         """The work's result (waits for the child; redone in place if the child failed)."""
+        if self._done is None and self._redo_now:
+            self._done = (self._redo(),)
         if self._done is None:
             data = self._collect()
             self._done = (self._from_json(json.loads(data)) if data is not None else self._redo(),)

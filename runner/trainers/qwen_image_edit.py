@@ -29,6 +29,8 @@ shape per bucket for the cache and the planner, paid with padded (masked) text t
 """
 from __future__ import annotations
 
+import copy
+
 import math
 import os
 from typing import Any
@@ -164,7 +166,9 @@ class QwenImageEditTrainer(QwenImageTrainer):
 
     def pipeline_kwargs(self) -> dict[str, Any]:
         """The pipeline's ``processor``: this run's tokenizer and image processor (what encode uses)."""
-        return {"processor": vl_processor(self.image_processor(), self.tokenizer("tokenizer"))}
+        # A copy of the tokenizer: the pipeline's processor call may change state of the one it is given,
+        # and the run's (cached, shared by every run in this process) must stay as encode uses it.
+        return {"processor": vl_processor(copy.deepcopy(self.image_processor()), copy.deepcopy(self.tokenizer("tokenizer")))}
 
     def pipeline(self, models: ModelSet) -> Any:
         """The family's pipeline, dropping this run's count of system-line tokens (the pipeline's fixed
