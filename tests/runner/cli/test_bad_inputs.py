@@ -155,7 +155,7 @@ CASES = [
      ["reference 1 of", "target.png", "control/target.png", "target_ref1.png"]),
     ("unreadable reference", ["trainer=flux_kontext", "data.references=1", "data.path={edit_bad_reference}"],
      ["cannot read image", "control/target.png"]),
-    ("edit trainer without references", ["trainer=flux_kontext"], ["data.references=0", "data.references=1"]),
+    ("edit trainer without references", ["trainer=flux_kontext", "data.references=0"], ["data.references=0", "data.references=1"]),
     ("references for a family that takes none", ["data.references=1"], ["data.references=1", "not an edit model"]),
     ("caption dropout above 1", ["data.caption_dropout=1.5"], ["data.caption_dropout=1.5", "from 0 to 1"]),
     ("keep tokens negative", ["data.keep_tokens=-1"], ["data.keep_tokens=-1"]),

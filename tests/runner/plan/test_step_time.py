@@ -212,7 +212,9 @@ def test_plan_json_and_the_table_show_the_step_time_beside_the_peak(tmp_path):
     assert saved["step_time"]["device"].startswith("NVIDIA H100 SXM5")
     table = plan.format_table().splitlines()
     at = next(i for i, line in enumerate(table) if line.startswith("device memory:"))
-    assert table[at + 2].startswith("step time:") and "s/step" in table[at + 2]
+    # the verdict, the caching allocator's reserved bytes (a CUDA plan), then the step time
+    assert table[at + 2].startswith("  reserved by the caching allocator")
+    assert table[at + 3].startswith("step time:") and "s/step" in table[at + 3]
 
 
 def test_without_a_device_the_step_time_is_for_the_reference_card_and_says_so():
