@@ -12,11 +12,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from runner.sampling.families import VaeOnDevice, _folder_scheduler, _text, decode
-from runner.trainer import ModelSet
+from runner.sampling.families import VaeOnDevice, _GuidedFlowSampling, decode
 
 
-class Lumina2Sampling:
+class Lumina2Sampling(_GuidedFlowSampling):
     """``Lumina2Pipeline`` with Lumina-Image-2.0's scheduler (static shift 6.0, or the folder's own), and its
     classifier-free guidance (separate conditional and unconditional calls) above 1: the pipeline's 4.0."""
 
@@ -28,17 +27,8 @@ class Lumina2Sampling:
     def denoiser_batch(guidance: float) -> int:
         return 1  # the pipeline calls the transformer once for each half
 
-    @staticmethod
-    def default_negative(guidance: float) -> str | None:
-        return "" if guidance > 1 else None  # the pipeline's own default negative prompt
-
-    def encode(self, trainer: Any, models: ModelSet, prompt: str, device: torch.device) -> dict[str, torch.Tensor]:
-        return _text(trainer, models, prompt, device)
-
-    def scheduler(self, trainer: Any) -> Any:
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        return _folder_scheduler(trainer, FlowMatchEulerDiscreteScheduler) or trainer.inference_scheduler()
+    # default_negative, encode and scheduler: _GuidedFlowSampling's (an empty negative prompt above
+    # guidance 1, the trainer's text encoding, the folder's flow-matching scheduler or the trainer's)
 
     def generate(self, trainer: Any, modules: Mapping[str, nn.Module], cond: dict[str, torch.Tensor],
                  negative: dict | None, *, steps: int, guidance: float, resolution: int, generator: torch.Generator,

@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from runner.sampling.families import VaeOnDevice, _folder_scheduler, _text, decode
+from runner.sampling.families import VaeOnDevice, _GuidedFlowSampling, _text, decode
 from runner.trainer import ModelSet
 
 
-class ZImageSampling:
+class ZImageSampling(_GuidedFlowSampling):
     """``ZImagePipeline`` with Z-Image-Turbo's scheduler (static shift 3.0, or the folder's own)."""
 
     factor = 16  # VAE factor 8 times the transformer's 2x2 patches
@@ -41,10 +41,7 @@ class ZImageSampling:
         n = int(out["prompt_embeds_mask"][0].sum())
         return {"prompt_embeds": out["prompt_embeds"][0, :n]}
 
-    def scheduler(self, trainer: Any) -> Any:
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        return _folder_scheduler(trainer, FlowMatchEulerDiscreteScheduler) or trainer.inference_scheduler()
+    # scheduler: _GuidedFlowSampling's (the folder's flow-matching scheduler, else the trainer's)
 
     def generate(self, trainer: Any, modules: Mapping[str, nn.Module], cond: dict[str, torch.Tensor],
                  negative: dict | None, *, steps: int, guidance: float, resolution: int, generator: torch.Generator,
