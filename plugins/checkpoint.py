@@ -44,7 +44,7 @@ MARK = "checkpoint"  # runner.hooks mark on wrapped blocks: (the forward they ha
 
 
 # ---- the twin functions ------------------------------------------------------------------------
-def _checkpointed_forward(block: nn.Module, previous: Any) -> Any:
+def _checkpointed_forward(block: nn.Module, previous: Any, determinism_check: str = "default") -> Any:
     # Hold the block weakly: a strong reference from its own __dict__ would make a cycle that
     # keeps a dropped model alive until the next GC pass.
     ref = weakref.ref(block)
@@ -61,20 +61,24 @@ def _checkpointed_forward(block: nn.Module, previous: Any) -> Any:
         if blk.training and torch.is_grad_enabled():
             # kwargs travel in the closure (as torch does internally), so a block argument
             # named like a checkpoint option (context_fn, debug...) cannot be taken for one.
-            return checkpoint(run, *args, use_reentrant=False)
+            return checkpoint(run, *args, use_reentrant=False, determinism_check=determinism_check)
         return run(*args)
 
     return forward
 
 
-def apply_activation_checkpointing(blocks: list[nn.Module], every_n: int = 1) -> list[nn.Module]:
+def apply_activation_checkpointing(blocks: list[nn.Module], every_n: int = 1,
+                                   determinism_check: str = "default") -> list[nn.Module]:
     """Checkpoint blocks ``0, every_n, 2*every_n, ...`` of ``blocks``; return the wrapped ones.
 
     The block's ``forward`` is replaced by one that calls ``torch.utils.checkpoint.checkpoint(
     ..., use_reentrant=False)`` when grad is enabled and the block is in training mode, and the
     plain forward otherwise (inference, ``eval()``, ``no_grad``: nothing to save, nothing to
     recompute). Module hooks still run once, outside the checkpoint. Already wrapped blocks are
-    left alone. Undo with :func:`remove_activation_checkpointing`.
+    left alone. Undo with :func:`remove_activation_checkpointing`. ``determinism_check``:
+    torch.utils.checkpoint's check that recomputed tensors have the saved ones' shape, dtype and
+    device; "none" on ``train.device=cuda_sim``, whose card tensors read ``cpu`` where autograd
+    records them in forward and ``cpu:0`` where it compares them in backward (the same tensors).
     """
     if every_n < 1:
         raise ValueError(f"every_n must be >= 1, got {every_n}")
@@ -84,7 +88,7 @@ def apply_activation_checkpointing(blocks: list[nn.Module], every_n: int = 1) ->
             continue
         previous = block.__dict__.get("forward")  # another wrapper (e.g. an offload hook) or None
         mark(block, MARK, (previous,))
-        block.forward = _checkpointed_forward(block, previous)
+        block.forward = _checkpointed_forward(block, previous, determinism_check)
         wrapped.append(block)
     return wrapped
 
@@ -142,7 +146,8 @@ class BlockCheckpointing(ClaimsModules):
             if not blocks:
                 log.warning("checkpoint: found no repeated blocks in %s (%s); nothing checkpointed", name, type(module).__name__)
                 continue
-            wrapped = apply_activation_checkpointing(blocks, every_n)
+            wrapped = apply_activation_checkpointing(blocks, every_n,
+                                                     "none" if self.run.simulated_card else "default")
             for block in wrapped:
                 ctx.hooks.add(block, MARK, self.key, undo=lambda b=block: remove_activation_checkpointing([b]))
             done[name] = wrapped

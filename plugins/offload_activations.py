@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 import torch
 from torch import nn
 
-from runner.accel import is_real_accelerator, record_stream, stream_api
+from runner.accel import cuda_like, is_real_accelerator, record_stream, stream_api
 from runner.compat import current_graph_task_id, is_fake, queue_engine_callback
 from runner.context import Transfer
 from runner.hooks import composable
@@ -139,7 +139,7 @@ class ActivationOffloader:
         # The stream API of the target (runner/accel.py): the GPU's, the in-order simulation of a CUDA
         # target on meta or the CPU (the planner, tests), or None for the synchronous path.
         api = stream_api(self.device, cuda_like=False) if streams is DEFAULT_STREAMS else streams
-        self.pin = bool(pin_memory) and is_real_accelerator(self.device) and torch.cuda.is_available()
+        self.pin = bool(pin_memory) and cuda_like(self.device)
         self.use_streams = bool(use_streams) and api is not None
         self._api = api if self.use_streams else None
         self._stream = self._api.Stream(device=self.device) if self.use_streams else None

@@ -34,6 +34,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from runner.accel import cuda_like, is_simulated_cuda, record_stream, stream_api
 from runner.compat import is_fake
 from runner.optim.build import ForwardsToInner
 from runner.plugins.host_buffers import HostRegion, host_copy, tensor_bytes
@@ -126,9 +127,9 @@ class HostStepOptimizer(ForwardsToInner):
         # On a CPU run every parameter is its own master: there is nothing to offload (or to clip twice).
         self.offload_gradients = offload_gradients and all(copied)
         self.device = next((p.device for p, m in self.pairs if p is not m), self.host)
-        self.pin = pin_memory and self.device.type == "cuda"
-        self._api = torch.get_device_module(self.device) if self.device.type not in ("cpu", "meta") and not any(
-            is_fake(p) for p, _ in self.pairs) else None
+        self.pin = pin_memory and cuda_like(self.device)
+        # The GPU's streams, or the simulated card's (train.device=cuda_sim); none on the CPU or in the planner.
+        self._api = None if any(is_fake(p) for p, _ in self.pairs) else stream_api(self.device, is_simulated_cuda(self.device))
         self._d2h = self._api.Stream(device=self.device) if self._api is not None else None
         if self.offload_gradients:
             for p, m in self.pairs:
@@ -161,7 +162,7 @@ class HostStepOptimizer(ForwardsToInner):
         with self._api.stream(self._d2h):
             self._d2h.wait_stream(current)
             buf.copy_(g, non_blocking=True)
-            g.record_stream(self._d2h)
+            record_stream(g, self._d2h)
             self._pending.append(self._d2h.record_event())
 
     def _receive(self, master: nn.Parameter, g: torch.Tensor) -> None:

@@ -14,6 +14,9 @@ of it. A plugin therefore asks :func:`stream_api` whether the *target* is CUDA-l
   prefetch window), exactly as on the GPU, which is what the live-bytes tracker counts;
 * None when the target is the CPU: the synchronous path, which is what a CPU run executes.
 
+``train.device=cuda_sim`` (runner/memory/cuda_sim.py) trains with real values on :data:`SIM_DEVICE`,
+a CPU device the run treats as the card, and takes the simulated streams too.
+
 Trade-off: the simulation shows what a side stream keeps alive, not how long a copy takes; the
 step-time model (runner/plan/speed.py) prices the overlap from the plugins' recorded transfers.
 """
@@ -91,6 +94,24 @@ class SimulatedStreams:
 
 
 SIMULATED = SimulatedStreams()
+
+
+SIM_DEVICE = torch.device("cpu", 0)
+"""``train.device=cuda_sim``'s card (runner/memory/cuda_sim.py): CPU memory that ``.to()`` treats as a
+device other than the host (``cpu``), so a move to it or back is a real copy, as on a GPU."""
+
+
+def is_simulated_cuda(device: torch.device | str) -> bool:
+    """``device`` is the simulated card (``cpu:0``), not the host (``cpu``)."""
+    d = torch.device(device)
+    return d.type == "cpu" and d.index == 0
+
+
+def cuda_like(device: torch.device | str) -> bool:
+    """Tensors on ``device`` are on a CUDA card, real or simulated (``train.device=cuda_sim``): the
+    branches that pin host memory, use side streams or read the allocator's statistics apply."""
+    d = torch.device(device)
+    return (d.type == "cuda" and torch.cuda.is_available()) or is_simulated_cuda(d)
 
 
 def is_real_accelerator(device: torch.device | str) -> bool:

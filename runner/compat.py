@@ -98,7 +98,7 @@ __all__ = [
     "current_graph_task_id", "engine_run_backward", "foreach_lerp_", "foreach_mul_", "foreach_norm",
     "get_default_device", "get_proxy_mode", "has_compatible_shallow_copy_type", "is_fake", "outer_saved_tensors_hooks",
     "queue_engine_callback", "sdp_priority_order", "tree_flatten", "tree_iter", "tree_map", "unset_fake_temporarily",
-    "without_dispatch_modes",
+    "without_dispatch_modes", "TorchFunctionMode", "parse_to", "FAKE_VALUE_ERRORS",
     "FSDP_COMMS", "FSDPDefaultAllGather", "FSDPDefaultReduceScatter", "DTensor", "dtensor_local",
 ]
 
@@ -148,6 +148,23 @@ try:
 except ImportError as e:  # pragma: no cover - outside the tested range
     raise MissingTorchInternal("torch._subclasses.fake_tensor / torch.utils._python_dispatch / torch.utils._pytree",
                                "the planner's fake tensors and the live-bytes tracker", e) from e
+
+from torch.overrides import TorchFunctionMode  # noqa: E402  (public)
+
+try:
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    FAKE_VALUE_ERRORS: tuple[type[BaseException], ...] = (
+        DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
+    """What a fake tensor raises when code reads a value it does not have (.item(), nonzero)."""
+except ImportError:  # pragma: no cover - outside the tested range
+    FAKE_VALUE_ERRORS = ()
+    FALLBACKS["fake tensor value errors"] = "none caught: such a failure fails the plan"
+
+parse_to: Callable[..., Any] = torch._C._nn._parse_to
+"""``Tensor.to``'s argument parser: (device, dtype, non_blocking, memory_format); the simulated
+card (runner/memory/cuda_sim.py) reads where a ``.to()`` call moves a tensor."""
 
 try:
     from torch.utils._pytree import tree_iter

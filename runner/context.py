@@ -99,6 +99,12 @@ def _no_compile() -> Any:
     return NoCompile()
 
 
+def _no_card() -> Any:
+    from runner.memory.cuda_sim import NoSimulation
+
+    return NoSimulation()
+
+
 @dataclass
 class RunContext:
     run: ResolvedRun
@@ -127,6 +133,13 @@ class RunContext:
     dist: Any = None
     # train.compile (runner/compile/regional.py); a no-op by default and in the planner, which plans the eager step.
     compiler: Any = field(default_factory=_no_compile)
+    # train.device=cuda_sim: the simulated card (runner/memory/cuda_sim.py), entered with the plugins'
+    # placement and left at teardown; a no-op object on a real device.
+    card: Any = field(default_factory=_no_card)
+    # Inside the planner: runs one batch of each named encode part with the encoders as a plugin left
+    # them (``(parts, batch_size)``), so a plugin's encoding pre-pass in setup (park's cache fill) is
+    # planned; None in a real run.
+    simulated_encode: Callable[[list[str], int], None] | None = None
     _torn_down: bool = False
 
     def __post_init__(self) -> None:
@@ -185,6 +198,8 @@ class RunContext:
     # ---- setup --------------------------------------------------------------------------------
     def apply_setup_phases(self) -> None:
         """Claims, then the model phases on ``self.models``; modules no plugin placed go to the device."""
+        if not self.card.active:
+            self.card.__enter__()  # cuda_sim: every storage from here on is placed on the card or the host
         self.run_phase("claim_modules")
         self.run_phase("transform_models")
         self.run_phase("place_models")
@@ -210,4 +225,8 @@ class RunContext:
         try:
             self.run_phase("teardown")
         finally:
-            self.hooks.remove_all()
+            try:
+                self.hooks.remove_all()
+            finally:
+                if self.card.active:
+                    self.card.__exit__(None, None, None)

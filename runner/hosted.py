@@ -158,7 +158,7 @@ class HostedRun:
         self.ctx: RunContext = open_run(cfg, self.output_dir, None, checked, hosted=True)
         self.result = TrainResult(steps_done=0)
         self._metrics = MetricsWriter(self.output_dir / "metrics.jsonl")
-        self._memory = MemoryMonitor(self.run.device, self.run.budget_gb)
+        self._memory = MemoryMonitor(self.run.device, self.run.budget_gb, self.ctx.card)
         self._profiler = build_profiler(cfg, self.ctx)
         self._t0 = time.perf_counter()
         self._times: list[float] = []

@@ -152,7 +152,7 @@ class Loop:
         self.result = TrainResult(steps_done=self.state.step)
         self.recovery = MicroBatchRecovery(ctx, micro, run.rank_batch, self.params,  # OOM: discard the step, halve, retry
                                            unsplittable_because=self.fused.unsplittable_because)
-        self.memory = MemoryMonitor(ctx.device, run.budget_gb)  # per-step memory columns and pressure warnings
+        self.memory = MemoryMonitor(ctx.device, run.budget_gb, ctx.card)  # per-step memory columns and pressure warnings
         self.profiler = build_profiler(cfg, ctx) if self.dist.is_main else NullProfiler()  # a no-op unless profile.enabled
         self.guard = NonFiniteGuard(cfg.train.on_nonfinite, cfg.train.nonfinite_patience, lr=cfg.optimizer.get("lr"),
                                     scaler_active=ctx.accelerator.scaler is not None, precision=run.precision)

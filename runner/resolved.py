@@ -10,7 +10,8 @@ resolve through :func:`resolve` with the same answer.
 Two devices are distinguished:
 
 * ``device`` -- where tensors really live while this process runs (``cpu``, ``cuda``; ``meta``
-  inside the planner, see :meth:`ResolvedRun.simulated`);
+  inside the planner, see :meth:`ResolvedRun.simulated`; ``cpu:0`` for ``train.device=cuda_sim``,
+  a simulated card in CPU memory: runner/memory/cuda_sim.py);
 * ``target`` -- the device type the step is *for* (``cuda`` or ``cpu``): what the planner plans,
   and what precision and dtype policies are decided for. A plan made on a CPU-only machine for a
   GPU has ``device=meta``, ``target=cuda``.
@@ -30,6 +31,7 @@ from typing import Any, Optional
 
 import torch
 
+from runner.accel import SIM_DEVICE, is_simulated_cuda
 from runner.devices import DeviceSpec, device_spec
 from runner.dist.config import DistSpec, resolve_distribution
 from runner.errors import UserError
@@ -87,6 +89,11 @@ class ResolvedRun:
         return self.target == "cuda"
 
     @property
+    def simulated_card(self) -> bool:
+        """``train.device=cuda_sim``: the CUDA step, run with real values on a simulated card in CPU memory."""
+        return self.target == "cuda" and is_simulated_cuda(self.device)
+
+    @property
     def budget_gb(self) -> Optional[float]:
         return None if self.budget_bytes is None else self.budget_bytes / GiB
 
@@ -115,6 +122,8 @@ class ResolvedRun:
 def running_device(cfg: Any) -> torch.device:
     """The device this process trains on: ``train.device``, with ``auto`` meaning CUDA when present."""
     want = str(cfg.train.device)
+    if want == "cuda_sim":
+        return SIM_DEVICE
     if want == "cuda" and not torch.cuda.is_available():
         raise UserError("train.device=cuda but no CUDA device is available. Use train.device=cpu or auto.")
     if want == "auto":
@@ -141,7 +150,7 @@ def resolve(cfg: Any, *, target: Optional[str] = None, device: Optional[torch.de
         if device.type == "cuda" and dist.active:
             device = torch.device("cuda", dist.local_rank)  # one GPU per process: LOCAL_RANK's
     if target is None:
-        target = "cuda" if device.type == "cuda" else "cpu"
+        target = "cuda" if device.type == "cuda" or is_simulated_cuda(device) else "cpu"
     precision = str(cfg.train.mixed_precision)
     model = cfg.model
     train_dtype_name = str(model.get("train_dtype", "float32"))

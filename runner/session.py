@@ -63,9 +63,24 @@ def open_run(cfg: Any, out: Path, overrides: list[str] | None, checked: CheckedR
     schedule = PluginSchedule.build(checked.plugins) if checked is not None else build_plugins(cfg, run)
     log.info("plugin order:\n%s", schedule.describe())
     ctx = make_context(cfg, run, schedule, out, overrides)
+    ctx.card = simulated_card(cfg, run)  # train.device=cuda_sim: the card the run's steps are placed on
     ctx.run_phase("configure_process")  # before anything touches CUDA
     ctx.accelerator = make_accelerator(run, **({} if hosted else accelerator_kwargs(cfg.log, out)))
+    ctx.card.adopt(ctx.accelerator)  # cuda_sim: CUDA's autocast, not the CPU's
     return ctx
+
+
+def simulated_card(cfg: Any, run: ResolvedRun) -> Any:
+    """``train.device=cuda_sim``: a simulated card capped where the plan's fit check caps the allocator
+    (the budget less the kernel-workspace margin), with the run's allocator settings; else a no-op."""
+    from runner.memory.cuda_sim import NoSimulation, SimulatedCuda
+    from runner.plan.allocator import expandable_segments
+    from runner.plan.target import CUDA_WORKSPACE_MARGIN_BYTES
+
+    if not run.simulated_card:
+        return NoSimulation()
+    cap = None if run.budget_bytes is None else run.budget_bytes - CUDA_WORKSPACE_MARGIN_BYTES
+    return SimulatedCuda(cap, expandable_segments(cfg), run.precision)
 
 
 def make_accelerator(run: ResolvedRun, **tracking: Any) -> Accelerator:
@@ -79,7 +94,8 @@ def make_accelerator(run: ResolvedRun, **tracking: Any) -> Accelerator:
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    return Accelerator(mixed_precision=run.precision, cpu=run.device.type == "cpu", **accelerator_options(run),
+    precision = "no" if run.simulated_card else run.precision  # cuda_sim: CUDA's autocast, emulated (cuda_sim.py)
+    return Accelerator(mixed_precision=precision, cpu=run.device.type == "cpu", **accelerator_options(run),
                        **tracking)
 
 

@@ -73,6 +73,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
+from runner.accel import cuda_like
 from runner.compat import has_compatible_shallow_copy_type
 from runner.context import Transfer
 from runner.hooks import mark, marked, unmark
@@ -116,7 +117,7 @@ class ParkedModule:
     def __init__(self, module: nn.Module, device: torch.device, host: torch.device, pin_memory: bool) -> None:
         self.module_ref = weakref.ref(module)
         self.device, self.host = torch.device(device), torch.device(host)
-        self.pinned = bool(pin_memory) and self.device.type == "cuda" and torch.cuda.is_available()
+        self.pinned = bool(pin_memory) and cuda_like(self.device)
         self.depth = 0
         self.loads = 0
         self.swapped: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param or buffer, its host data)
@@ -291,6 +292,7 @@ def park_and_cache(
     simulate: bool = False,
     cache_setting: str = "offload.park.cache_dir",
     random_flip: bool = False,
+    simulated_fill: Callable[[list[str], int], None] | None = None,
 ) -> ParkResult:
     """Park every frozen module of ``models``; fill and use the encoder cache for ``trainer``.
 
@@ -316,6 +318,9 @@ def park_and_cache(
     result.all_parts_cached = set(parts) == set(specs)
     result.cached_parts = list(parts)
     if simulate:
+        if simulated_fill is not None:  # the planner: the first run's pre-pass, encoders parked as below
+            park_frozen()
+            simulated_fill(parts, encode_batch_size)
         _drop_modules(models, droppable, result)
         park_frozen()
         return result
@@ -425,6 +430,7 @@ class Park(Plugin):
                 cache_latents=c.cache_latents, cache_text=c.cache_text, encode_batch_size=batch,
                 pin_memory=c.pin_memory, extra_signature=self._signature(ctx), autocast=autocast,
                 simulate=ctx.simulate, cache_setting=self.setting("cache_dir"), random_flip=ctx.flip.enabled,
+                simulated_fill=ctx.simulated_encode,
             )
         self.result = result
         for name, parked in result.parked.items():

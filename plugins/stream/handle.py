@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from runner.accel import cuda_like as on_card
 from runner.accel import is_real_accelerator, record_stream, stream_api
 from runner.compat import has_compatible_shallow_copy_type
 from runner.hooks import mark, marked, unmark
@@ -69,9 +70,9 @@ class StreamHandle(_StreamHooks):
         # with its streams, in the planner (meta) and on the CPU with simulated ones, so what the
         # plan counts is what the GPU keeps (the copy stream's own allocator pool included).
         cuda_like = device.type == "cuda" if cuda_like is None else cuda_like
-        self._api = stream_api(device, cuda_like) if device.type != host.type else None
+        self._api = stream_api(device, cuda_like) if device != host else None
         self.async_copies = self._api is not None
-        self.pin = bool(pin_memory) and self.async_copies and is_real_accelerator(device) and device.type == "cuda"
+        self.pin = bool(pin_memory) and self.async_copies and on_card(device)
         self.same_storage = device == host and not always_copy
         self._h2d = self._api.Stream(device=device) if self.async_copies else None
         self._d2h = self._api.Stream(device=device) if self.async_copies else None

@@ -45,7 +45,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from runner.accel import record_stream
+from runner.accel import is_simulated_cuda, record_stream
 from runner.compat import (
     current_graph_task_id,
     outer_saved_tensors_hooks,
@@ -86,7 +86,7 @@ def _in_backward() -> bool:
 
 
 def _autocast_on(device: torch.device) -> bool:
-    if device.type == "meta":  # the planner simulates autocast itself; its cache is cleared by the plugin
+    if device.type == "meta" or is_simulated_cuda(device):  # autocast emulated (planner, cuda_sim); cache cleared by the plugin
         return True
     try:
         return torch.is_autocast_enabled(device.type)

@@ -119,7 +119,7 @@ def check_config(cfg: DictConfig) -> None:
                         f"but model.train={cfg.model.train}. Set model.train=lora, or model.lora_dora=false.")
     _one_of(cfg, "model.train_dtype", TRAIN_DTYPES)
     _one_of(cfg, "train.mixed_precision", PRECISIONS)
-    _one_of(cfg, "train.device", ("auto", "cpu", "cuda"))
+    _one_of(cfg, "train.device", ("auto", "cpu", "cuda", "cuda_sim"))
     for key in ("train.steps", "train.batch_size", "train.grad_accum", "optimizer.lr", "model.lora_rank"):
         _positive(cfg, key)
     for key in ("train.save_every", "train.max_grad_norm", "train.lr_warmup_steps"):
@@ -183,6 +183,14 @@ def check_run(cfg: DictConfig, keep: bool = True) -> CheckedRun:
     if cfg.mode == "train":  # a data.path folder (or data.sets) is scanned and checked now, not after the model build
         check_dataset(cfg.data, video=trainer_video_defaults(cfg))  # a video trainer's folder is read as clips
     run = resolve_for_mode(cfg)
+    if run.simulated_card and run.precision == "fp16":
+        raise UserError("train.device=cuda_sim runs CUDA's bf16 autocast on the CPU, but train.mixed_precision=fp16 "
+                        "also needs CUDA's gradient scaler, which the simulated card does not run. Use "
+                        "train.mixed_precision=bf16 or no with train.device=cuda_sim.")
+    if run.simulated_card and run.dist.active:
+        raise UserError(f"train.device=cuda_sim simulates one card in this process, but dist={run.dist.name} starts "
+                        "several processes, each with its own card. Drop dist (dist=none) to simulate the one-card "
+                        "run, or plan the distributed run with mode=plan, which plans per rank.")
     check_budget_fits_card(cfg, run)
     validate_dist(cfg, run.dist)  # dist=ddp|fsdp: batch split, refused combinations (runner/dist/config.py)
     validate_optimizer(cfg, run)

@@ -37,7 +37,7 @@ import gc
 import logging
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -97,14 +97,16 @@ def discard_gradients(params: Iterable[torch.nn.Parameter]) -> None:
         p.grad = None
 
 
-def release_memory(device: torch.device) -> None:
+def release_memory(device: torch.device, card: Any = None) -> None:
     """Collect garbage (autograd graphs in reference cycles) and return cached CUDA blocks.
 
     ``empty_cache`` matters after an OOM: the failed attempt's blocks are free but still
     reserved in sizes the smaller micro-batch may not reuse (fragmentation).
     """
     gc.collect()
-    if device.type == "cuda" and torch.cuda.is_initialized():
+    if card is not None and card.active:  # train.device=cuda_sim: the simulated card's allocator
+        card.empty_cache()
+    elif device.type == "cuda" and torch.cuda.is_initialized():
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
 
@@ -164,7 +166,7 @@ class MicroBatchRecovery:
         error.__traceback__ = None
         error.__context__ = None
         discard_gradients(self.params)
-        release_memory(self.ctx.device)
+        release_memory(self.ctx.device, self.ctx.card)
         self.ctx.run_phase("on_oom", step, error)
         old = self.micro_batch_size
         if old <= 1 or self.unsplittable_because:
@@ -198,7 +200,7 @@ class MicroBatchRecovery:
         error.__traceback__ = None
         line = first_line(error)
         discard_gradients(self.params)
-        release_memory(self.ctx.device)
+        release_memory(self.ctx.device, self.ctx.card)
         self.ctx.run_phase("on_oom", step, error)
         saved = (f" The last saved checkpoint is {latest} (train.resume={latest})." if latest is not None
                  else " No checkpoint was saved in this run.")

@@ -217,6 +217,10 @@ class CachingAllocatorModel:
         self.reserved += nbytes
         self.peak_reserved = max(self.peak_reserved, self.reserved)
 
+    def empty_cache(self) -> None:
+        """``torch.cuda.empty_cache()``: release the cached blocks no allocation uses."""
+        self._release_cached()
+
     def _release_cached(self) -> None:
         """What the allocator frees before it retries: whole free segments, or unused pages."""
         if not self.expandable:

@@ -322,7 +322,7 @@ class LiveBytesTracker(TrackerViews, TrackerScopes, TorchDispatchMode):
         in_module = self._modules[-1].name if (born and self._modules) else None
         module = label if label is not None else in_module
         self._seq += 1
-        rec = _Rec(s, self._on_dead, key, n, _device_name(t), category, serial, self._seq, module)
+        rec = _Rec(s, self._on_dead, key, n, self._device_key(t, born), category, serial, self._seq, module)
         self._live[key] = rec
         self._add(rec.device, category, module, n)
         if self.alloc_observer is not None:
@@ -331,6 +331,11 @@ class LiveBytesTracker(TrackerViews, TrackerScopes, TorchDispatchMode):
             st = self._module_stats[in_module]
             st["allocated_bytes"] += n
         return rec
+
+    def _device_key(self, t: torch.Tensor, born: bool) -> str:
+        """The device a newly seen storage counts under: the tensor's (a subclass may place it by
+        the op that made it: runner/memory/cuda_sim.py)."""
+        return _device_name(t)
 
     def _on_dead(self, rec: _Rec) -> None:
         # Runs wherever the storage died (any thread, any bytecode): only enqueue.

@@ -121,9 +121,11 @@ class PressureMonitor:
 class MemoryMonitor:
     """Per-step memory columns: call :meth:`sample` at the end of every step."""
 
-    def __init__(self, device: torch.device, budget_gb: float | None = None) -> None:
+    def __init__(self, device: torch.device, budget_gb: float | None = None, card: Any = None) -> None:
         self.device = device
-        self.cuda = device.type == "cuda" and torch.cuda.is_available()
+        # train.device=cuda_sim: the simulated card answers torch.cuda.memory_stats (runner/memory/cuda_sim.py)
+        self.card = card if card is not None and card.simulates else None
+        self.cuda = (device.type == "cuda" and torch.cuda.is_available()) or self.card is not None
         if budget_gb:
             budget, source = int(float(budget_gb) * GIB), f"budget_gb={budget_gb:g}"
         else:
@@ -132,7 +134,7 @@ class MemoryMonitor:
         self.pressure = PressureMonitor(budget, source)
         self._base_retries = self._base_ooms = 0
         if self.cuda:
-            stats = torch.cuda.memory_stats(self.device)
+            stats = self._stats()
             self._base_retries = stats.get("num_alloc_retries", 0)
             self._base_ooms = stats.get("num_ooms", 0)
 
@@ -141,7 +143,7 @@ class MemoryMonitor:
         rss = host_rss()
         row: dict[str, Any] = {"host_rss_gb": rss / GIB}
         if self.cuda:
-            s = torch.cuda.memory_stats(self.device)
+            s = self._stats()
             allocated = s.get("allocated_bytes.all.current", 0)
             reserved = s.get("reserved_bytes.all.current", 0)
             used = reserved
@@ -155,6 +157,8 @@ class MemoryMonitor:
                 cuda_alloc_retries=s.get("num_alloc_retries", 0) - self._base_retries,
                 cuda_ooms=s.get("num_ooms", 0) - self._base_ooms,
             )
+            if self.card is not None:  # the plan's peak counts live tensor bytes; so does this one
+                row.update(memory_peak_gb=s["live_bytes.all.peak"] / GIB, memory_source="cuda_sim")
         else:
             used = rss
             row.update(
@@ -170,6 +174,9 @@ class MemoryMonitor:
         level, fraction = self.pressure.update(used, step)
         row.update(mem_budget_gb=self.pressure.budget_bytes / GIB, mem_budget_used=fraction, mem_pressure=level)
         return row
+
+    def _stats(self) -> dict[str, Any]:
+        return self.card.memory_stats() if self.card is not None else torch.cuda.memory_stats(self.device)
 
     @staticmethod
     def postfix(row: dict[str, Any]) -> dict[str, str]:

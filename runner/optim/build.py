@@ -446,6 +446,11 @@ def validate_optimizer(cfg: Any, run: Any) -> None:
             f"optimizer={spec.name} needs the Python package {spec.pip}, which is not installed in this environment "
             f"({sys.executable}). Install it with `pip install {spec.pip}` (the runner's own setup, `make setup`, "
             "installs it), or choose another optimizer.")
+    if spec.needs_cuda and run.simulated_card:
+        raise UserError(
+            f"optimizer={spec.name} cannot run on train.device=cuda_sim: its state lives in CUDA unified memory, "
+            "which bitsandbytes pages through the CUDA driver, and a simulated card has no driver. Use "
+            "optimizer=adamw8bit on the simulated card (the same update and state size, not paged), or a real GPU.")
     if spec.needs_cuda and not run.on_cuda:
         where = "train.device=cpu" if str(cfg.train.device) == "cpu" else "train.device=auto and no CUDA device is available"
         raise UserError(

@@ -10,7 +10,8 @@ conf/config.yaml) collects them into ``sweep_summary.csv`` in the sweep director
 
 Columns that summarise: ``final_loss`` is the mean loss of the last 10% of the job's steps (at
 least one; ``final_loss_steps`` says how many), since a single step's loss is one batch's noise.
-``peak_memory_gb`` is device memory: on CUDA the run's peak allocated bytes (``memory_peak_gb``);
+``peak_memory_gb`` is device memory: on CUDA the run's peak allocated bytes (``memory_peak_gb``); on
+``train.device=cuda_sim`` the simulated card's peak live tensor bytes (what a plan's peak counts);
 on CPU the memory profile's tracked peak when the job was profiled, else the preflight plan's
 device peak, never the process RSS (which counts the interpreter and every library, and in a
 sweep run in one process what earlier jobs left behind). ``peak_memory_source`` says which figure
@@ -69,6 +70,8 @@ def peak_memory(out: Path, rows: list[dict[str, Any]]) -> tuple[float | None, st
     from runner.output.plots import GIB, planned_peak_bytes, tracked_peaks
 
     cuda_peaks = [r["memory_peak_gb"] for r in rows if r.get("memory_peak_gb") is not None]
+    if cuda_peaks and any(r.get("memory_source") == "cuda_sim" for r in rows):
+        return max(cuda_peaks), "cuda_sim: live tensor bytes on the simulated card (train.device=cuda_sim)"
     if cuda_peaks:
         return max(cuda_peaks), "cuda max allocated"
     tracked = tracked_peaks(out)

@@ -88,8 +88,14 @@ class DeviceSemantics(TorchFunctionMode):
     mode (below autograd) would not give; and ``torch.autocast`` has no ``meta`` backend.
     """
 
-    def __init__(self, target: str, precision: str) -> None:
+    def __init__(self, target: str, precision: str, on_device: Any = None, cpu_kernels: bool = False) -> None:
+        """``on_device``: whether a tensor is on the simulated device (default: on ``meta``, the
+        planner's); ``cpu_kernels``: tensors hold real CPU values (``train.device=cuda_sim``), so where
+        CUDA would run a fused attention kernel, PyTorch's CPU flash attention runs (the same O(L)
+        memory: the output and a float32 log-sum-exp per query), since CUDA's own cannot run there."""
         super().__init__()
+        self.on_device = on_device or (lambda x: x.device.type == DEVICE.type)
+        self.cpu_kernels = cpu_kernels
         self.target = target
         self.dtype = PRECISION_DTYPES.get(precision)  # None: float32, nothing to cast
         self.casting = False
@@ -119,7 +125,7 @@ class DeviceSemantics(TorchFunctionMode):
     # -- casting -----------------------------------------------------------------------------
     def _eligible(self, x: Any) -> bool:
         return (isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64
-                and x.device.type == DEVICE.type)
+                and self.on_device(x))
 
     def _cast(self, x: Any, to: torch.dtype) -> Any:
         if isinstance(x, (list, tuple)):
@@ -198,7 +204,7 @@ class DeviceSemantics(TorchFunctionMode):
         q, k, v = p.get("query"), p.get("key"), p.get("value")
         mask, dropout, causal = p.get("attn_mask"), float(p.get("dropout_p", 0.0)), bool(p.get("is_causal", False))
         scale = p.get("scale")
-        if (not all(isinstance(t, torch.Tensor) and t.device.type == DEVICE.type for t in (q, k, v))
+        if (not all(isinstance(t, torch.Tensor) and self.on_device(t) for t in (q, k, v))
                 or p.get("enable_gqa") or q.dim() != 4 or not (q.dtype == k.dtype == v.dtype)):
             return func(*args, **kwargs)
         head, dtype = q.shape[-1], q.dtype
@@ -211,6 +217,12 @@ class DeviceSemantics(TorchFunctionMode):
             return func(*args, **kwargs)
         half = dtype in (torch.float16, torch.bfloat16)
         needs_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        if self.cpu_kernels:
+            return self._cpu_attention(func, args, kwargs, q, k, v, mask, dropout, causal, scale, half, same_heads)
+        if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+            # SDPA's entry turns a boolean mask into an additive one in the query's dtype before any
+            # fused kernel sees it (attention.cpp: convert_boolean_attn_mask): a mask-sized allocation.
+            mask = _additive_mask(mask, dtype)
         for backend in sdp_priority_order():
             if backend == 1 and torch.backends.cuda.flash_sdp_enabled() and half and mask is None and same_heads \
                     and head <= 256 and head % 8 == 0:
@@ -227,6 +239,43 @@ class DeviceSemantics(TorchFunctionMode):
             if backend == 0 and torch.backends.cuda.math_sdp_enabled():
                 return func(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+    @staticmethod
+    def _cuda_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, half: bool, same_heads: bool) -> int:
+        """The backend CUDA would pick (sdp_priority_order's numbering: 0 math, 1 flash, 2 efficient, 3 cuDNN)."""
+        head = q.shape[-1]
+        for backend in sdp_priority_order():
+            if backend == 1 and torch.backends.cuda.flash_sdp_enabled() and half and mask is None and same_heads \
+                    and head <= 256 and head % 8 == 0:
+                return 1
+            if backend == 2 and torch.backends.cuda.mem_efficient_sdp_enabled() \
+                    and q.dtype in (torch.float32, torch.float16, torch.bfloat16) and head % (8 if half else 4) == 0 \
+                    and v.shape[-1] % (8 if half else 4) == 0:
+                return 2
+            if backend == 3 and torch.backends.cuda.cudnn_sdp_enabled() and half and same_heads and head <= 128 \
+                    and head % 8 == 0:
+                return 3
+            if backend == 0 and torch.backends.cuda.math_sdp_enabled():
+                return 0
+        return 0
+
+    def _cpu_attention(self, func: Any, args: tuple, kwargs: dict, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       mask: Any, dropout: float, causal: bool, scale: Any, half: bool, same_heads: bool) -> Any:
+        """Real values on the CPU for a CUDA target: a fused CUDA kernel becomes the CPU's fused one."""
+        if self._cuda_backend(q, k, v, mask, half, same_heads) == 0 or not same_heads:
+            return func(*args, **kwargs)
+        if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:  # as SDPA's own entry converts it
+            mask = _additive_mask(mask, q.dtype)
+        elif isinstance(mask, torch.Tensor) and mask.dtype != q.dtype:
+            mask = mask.to(q.dtype)  # the CPU kernel takes a float mask only in the query's dtype
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, dropout, causal, attn_mask=mask, scale=scale)[0]
+
+
+def _additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean attention mask as SDPA's entry converts it: 0 where attended, -inf elsewhere."""
+    return torch.zeros_like(mask, dtype=dtype).masked_fill_(~mask, float("-inf"))
 
 
 class SimulatedAccelerator:

@@ -61,6 +61,7 @@ from runner.plan.dist import measure as measure_rank
 from runner.plan.dist import rank_phase, rank_state_bytes
 from runner.plan.ema import plan_ema
 from runner.plan.fake import fake_module, simulation_mode, weights_left_uninitialised
+from runner.plan.prepass import simulate_cache_fill
 from runner.plan.process import import_model_classes, old_objects_frozen, one_thread
 from runner.plan.result import PhasePeak, Plan
 from runner.plan.sampling import plan_sampling
@@ -273,8 +274,10 @@ class _Simulation:
             tracker.track(module, "weights", module=name)
         memo.clear()  # a module a plugin drops must be freed, as in a real run
         ctx.models = self.models
+        ctx.simulated_encode = lambda parts, batch: simulate_cache_fill(self, parts, batch)
         with tracker.phase("setup", category="weights"):
             ctx.apply_setup_phases()
+        ctx.simulated_encode = None
         for name, module in ctx.models.items():  # device copies were born unlabelled
             tracker.track(module, "weights", module=name)
             for p in module.parameters():

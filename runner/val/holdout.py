@@ -284,7 +284,7 @@ class Validation:
                             raise
                         error = e
                     error.__traceback__ = None
-                    release_memory(ctx.device)
+                    release_memory(ctx.device, ctx.card)
                     ctx.run_phase("on_oom", step, error)
                     if micro == 1:
                         log.warning("validation: out of memory at step %d even one sample at a time (%s); no val_loss "

@@ -1,0 +1,333 @@
+"""``train.device=cuda_sim``: the CUDA code path of a whole run, executed on the CPU.
+
+Why: the planner plans what a GPU runs (side streams, prefetch and stash windows, pinned buffers,
+the caching allocator), and a CPU run takes the synchronous branches instead, so nothing but a
+lent GPU ran the path the plan describes. This device runs it on the CPU with real values, and
+answers the questions a user asks before renting a card: does it fit, what peaks, does OOM
+recovery work.
+
+How a CPU tensor is "on the card"
+---------------------------------
+The run's device is ``cpu:0`` (:data:`SIM_DEVICE`) and its host ``cpu``. PyTorch treats the two as
+different devices in ``.to()`` (so ``x.to(cpu:0)`` is a real copy, as a host-to-device copy is) while
+both are ordinary CPU memory. Every storage is *placed* when it is born, by the op that made it:
+a ``device=`` argument places it there; otherwise it is on the card when any input is, else on the
+host. A torch-function mode makes the rest of the CUDA semantics hold:
+
+* ``t.device`` of a storage on the card reads ``cpu:0``, so ``torch.arange(..., device=x.device)``
+  in model code lands on the card and ``p.device == run.device`` holds;
+* ``.to(place)`` aliases when the tensor is already there (as on a GPU) and copies otherwise;
+  ``.cpu()`` of a card tensor copies to the host;
+* ``pin_memory()`` / ``pin_memory=True`` give host tensors that :meth:`Tensor.is_pinned` reports
+  as pinned (a CPU-only torch has no pinned allocator), and their bytes are counted;
+* side streams and events are :mod:`runner.accel`'s simulated ones: work runs in order, so a
+  tensor used on a side stream lives exactly as long as the plugin keeps a reference to it
+  (its stash or prefetch window), which is what the caching allocator would keep.
+
+What is measured: the live-bytes tracker (:class:`runner.memory.live_bytes.LiveBytesTracker`)
+counts card storages under ``"cuda_sim"`` and host ones under ``"cpu"``; the card's births and deaths
+drive :class:`runner.memory.caching_allocator.CachingAllocatorModel` with the budget as its cap,
+so allocated and reserved bytes are the allocator's and a request the capped allocator cannot serve
+raises the real ``torch.OutOfMemoryError`` (OOM recovery runs as on a card).
+
+Trade-offs: every op goes through Python (a tiny model's step runs a few times slower than on the
+plain CPU); the simulated card is the one process's: ``dist`` is refused with it; a storage made
+before the simulation started (the prompts encoded for samples) counts as host memory.
+"""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from runner.accel import SIM_DEVICE, is_simulated_cuda
+from runner.compat import TorchFunctionMode, engine_run_backward, parse_to, tree_iter
+from runner.memory.caching_allocator import CachingAllocatorModel
+from runner.memory.live_bytes import LiveBytesTracker, _storage_of
+
+DEVICE_KEY = "cuda_sim"
+"""The tracker's name for storages on the simulated card."""
+
+HOST_KEY = "cpu"
+
+_HOST_MOVE = torch.device("cpu", 1)
+"""Where a move to the host goes: ``.to(cpu)`` of a tensor that reports ``cpu`` would alias, so the
+move is made to another CPU index, which PyTorch copies (as a device-to-host copy is a copy)."""
+
+
+_HOST = torch.device("cpu")
+
+
+def _requested_place(device: Any) -> str:
+    """Where a call that names ``device`` asks to be: ``cpu:0`` is the card, any other CPU the host."""
+    d = torch.device(device)
+    if d.type != "cpu":
+        return str(d)
+    return DEVICE_KEY if is_simulated_cuda(d) else HOST_KEY
+
+
+def _dispatched_place(device: Any) -> str | None:
+    """Where an op's ``device=`` argument places its output, at the dispatcher: ``cpu:0`` the card,
+    ``cpu:1`` the host (every user-level request is rewritten to one of the two), and a bare ``cpu``
+    nothing: PyTorch's own code passes a tensor's real device (autograd's ``ToCopyBackward`` returns
+    a gradient to its input's device), and for a card tensor that reads ``cpu``; None: inherit."""
+    d = torch.device(device)
+    if d.type != "cpu":
+        return str(d)
+    return None if d.index is None else _requested_place(d)
+
+_DEVICE_GETTER = torch.Tensor.device
+
+
+class _AllocatorFeed:
+    """The tracker's births and deaths of card storages, served by the caching allocator's model."""
+
+    def __init__(self, model: CachingAllocatorModel) -> None:
+        self.model = model
+        self.failed: int | None = None  # bytes of the last request the capped allocator could not serve
+
+    def born(self, device: str, serial: int, nbytes: int) -> None:
+        if device == DEVICE_KEY:
+            ooms = self.model.ooms
+            self.model.alloc(serial, nbytes)
+            if self.model.ooms != ooms:  # a real cudaMalloc that fails maps nothing: undo the request
+                self.model.free(serial)
+                self.model.empty_cache()
+                self.failed = nbytes
+
+    def died(self, device: str, serial: int) -> None:
+        if device == DEVICE_KEY:
+            self.model.free(serial)
+
+
+class PlacementTracker(LiveBytesTracker):
+    """Live bytes per place (card or host), each storage placed by the op that made it."""
+
+    def __init__(self, cap_bytes: int | None = None, expandable_segments: bool = True) -> None:
+        super().__init__(count_inputs=False)
+        self.allocator = CachingAllocatorModel(expandable_segments, cap_bytes)
+        self.alloc_observer = _AllocatorFeed(self.allocator)
+        self._op_key = HOST_KEY
+        self._pinning = 0
+        self._pinned: dict[int, tuple[weakref.ref, int]] = {}
+
+    def place_of(self, t: torch.Tensor) -> str:
+        """Where ``t``'s storage lives: :data:`DEVICE_KEY` or the host (also for one never seen)."""
+        s = _storage_of(t)
+        rec = self._live.get(s._cdata) if s is not None else None
+        return rec.device if rec is not None and rec() is s else HOST_KEY
+
+    def _device_key(self, t: torch.Tensor, born: bool) -> str:
+        return self._op_key if born else HOST_KEY  # first seen outside its birth: made before, on the host
+
+    def _placement(self, kwargs: dict, args: tuple) -> str:
+        if self._pinning:
+            return HOST_KEY
+        device = kwargs.get("device")
+        if device is not None and (place := _dispatched_place(device)) is not None:
+            return place
+        for t in tree_iter(args):
+            if isinstance(t, torch.Tensor) and self.place_of(t) == DEVICE_KEY:
+                return DEVICE_KEY
+        return HOST_KEY
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        self._op_key = self._placement(kwargs or {}, args)
+        self.alloc_observer.failed = None
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self._pinning:
+            for t in tree_iter(out):
+                if isinstance(t, torch.Tensor) and (s := _storage_of(t)) is not None:
+                    self._pinned[s._cdata] = (weakref.ref(s), int(s.nbytes()))
+        if self.alloc_observer.failed is not None:
+            raise torch.OutOfMemoryError(self._oom_message(func, self.alloc_observer.failed))
+        return out
+
+    def _oom_message(self, func: Any, nbytes: int) -> str:
+        a = self.allocator
+        gib = 2**30
+        return (f"CUDA out of memory (train.device=cuda_sim, in {func}): tried to allocate {nbytes / 2**20:.2f} MiB; "
+                f"the simulated card's caching allocator is capped at {a.cap / gib:.3f} GiB (budget_gb less the "
+                f"kernel-workspace margin) and holds {a.allocated / gib:.3f} GiB allocated, {a.reserved / gib:.3f} GiB "
+                "reserved.")
+
+    @contextmanager
+    def pinning(self) -> Iterator[None]:
+        """Storages born inside are pinned host memory."""
+        self._pinning += 1
+        try:
+            yield
+        finally:
+            self._pinning -= 1
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        s = _storage_of(t)
+        entry = self._pinned.get(s._cdata) if s is not None else None
+        return entry is not None and entry[0]() is s
+
+    def pinned_bytes(self) -> int:
+        """Bytes of live pinned host storages."""
+        self._pinned = {k: v for k, v in self._pinned.items() if v[0]() is not None}
+        return sum(n for _, n in self._pinned.values())
+
+    def memory_stats(self) -> dict[str, int]:
+        """``torch.cuda.memory_stats()``'s keys the runner reads, for the simulated card, plus the
+        unrounded live tensor bytes (what the planner's peak counts)."""
+        if self._dead:
+            self._drain()
+        a = self.allocator
+        return {
+            "allocated_bytes.all.current": a.allocated, "allocated_bytes.all.peak": a.peak_allocated,
+            "reserved_bytes.all.current": a.reserved, "reserved_bytes.all.peak": a.peak_reserved,
+            "num_alloc_retries": a.retries, "num_ooms": a.ooms,
+            "live_bytes.all.current": self.current.get(DEVICE_KEY, 0), "live_bytes.all.peak": self.peak.get(DEVICE_KEY, 0),
+        }
+
+    def empty_cache(self) -> None:
+        """``torch.cuda.empty_cache()``: the allocator releases what it holds unused."""
+        if self._dead:
+            self._drain()
+        self.allocator.empty_cache()
+
+
+class _PlacementCalls(TorchFunctionMode):
+    """The user-level calls whose meaning depends on where a tensor lives (module docstring)."""
+
+    def __init__(self, tracker: PlacementTracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        tracker = self.tracker
+        if getattr(func, "__self__", None) is _DEVICE_GETTER:
+            return SIM_DEVICE if tracker.place_of(args[0]) == DEVICE_KEY else func(*args, **kwargs)
+        if func is torch.Tensor.to:
+            return self._to(args, kwargs)
+        if func is torch.Tensor.cpu:
+            t = args[0]
+            return t.to(_HOST_MOVE) if tracker.place_of(t) == DEVICE_KEY else t
+        if func is torch.Tensor.pin_memory:
+            with tracker.pinning():
+                return args[0].clone()
+        if func is torch.Tensor.is_pinned:
+            return tracker.is_pinned(args[0])
+        device = kwargs.get("device")
+        if device is not None and torch.device(device) == _HOST:  # the caller asks for the host: say so
+            kwargs = {**kwargs, "device": _HOST_MOVE}
+        if kwargs.get("pin_memory"):
+            with tracker.pinning():
+                return func(*args, **{**kwargs, "pin_memory": False})
+        return func(*args, **kwargs)
+
+    def _to(self, args: tuple, kwargs: dict) -> Any:
+        t, rest = args[0], args[1:]
+        kwargs = dict(kwargs)
+        copy = bool(kwargs.pop("copy", False))
+        device, dtype, non_blocking, memory_format = parse_to(*rest, **kwargs)
+        dtype = dtype or t.dtype
+        fmt = memory_format or torch.preserve_format
+        here = self.tracker.place_of(t)
+        if rest and isinstance(rest[0], torch.Tensor):
+            want = self.tracker.place_of(rest[0])
+        elif device is None:
+            want = here
+        else:
+            want = _requested_place(device)
+        if want == here:  # no move: at most a dtype change where it is, as on a GPU
+            if copy:
+                return t.to(dtype, non_blocking=non_blocking, copy=True, memory_format=fmt)
+            return t.to(dtype, non_blocking=non_blocking, memory_format=fmt)
+        # A move: to an explicit CPU index, which PyTorch copies (also through a subclass's own .to,
+        # e.g. bitsandbytes' Params4bit, which takes no copy= argument).
+        target = SIM_DEVICE if want == DEVICE_KEY else _HOST_MOVE if want == HOST_KEY else torch.device(want)
+        return t.to(target, dtype, non_blocking=non_blocking, memory_format=fmt)
+
+
+class NoSimulation:
+    """The run's device is real (a GPU or the CPU): nothing is simulated, nothing to enter."""
+
+    active = False
+    simulates = False
+
+    def __enter__(self) -> NoSimulation:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def memory_stats(self) -> None:
+        return None
+
+    def empty_cache(self) -> None:
+        return None
+
+    def adopt(self, accelerator: Any) -> None:
+        return None
+
+
+class SimulatedCuda:
+    """The simulated card of one run: enter it around the run's placement and steps."""
+
+    simulates = True
+
+    def __init__(self, cap_bytes: int | None, expandable_segments: bool = True, precision: str = "no") -> None:
+        from runner.plan.semantics import DeviceSemantics  # CUDA's autocast and attention choice, as planned
+
+        self.tracker = PlacementTracker(cap_bytes, expandable_segments)
+        self._calls = _PlacementCalls(self.tracker)
+        on_card = lambda x: self.tracker.place_of(x) == DEVICE_KEY
+        self.semantics = DeviceSemantics("cuda", precision, on_device=on_card, cpu_kernels=True)
+        self.active = False
+
+    def adopt(self, accelerator: Any) -> None:
+        """The run's autocast is CUDA's (the planner's emulation of its op lists and weight-cast cache),
+        not the CPU's, whose lists differ (group_norm runs in bf16 there, in float32 on CUDA): the
+        accelerator is built without a mixed precision and its ``autocast()`` is this one's."""
+        accelerator.autocast = self.semantics.autocast
+        accelerator.semantics = self.semantics
+        accelerator.backward = self.backward
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """The backward pass, as the planner runs it: through the engine's entry (``loss.backward()``
+        is a call the function modes handle, and while one handles a call it is switched off, so a
+        checkpoint's recomputation would run without the card's placement and autocast), under the
+        emulated autocast without its cast cache (the forward ran under it: so do recomputations,
+        as torch.utils.checkpoint restores CUDA's autocast state)."""
+        with self.semantics.autocast(cache=False):
+            engine_run_backward((loss,), (torch.ones_like(loss),), False, False, (),
+                                allow_unreachable=True, accumulate_grad=True)
+
+    def __enter__(self) -> SimulatedCuda:
+        self.tracker.__enter__()
+        self._calls.__enter__()
+        self.semantics.__enter__()
+        self.active = True
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.active = False
+        try:
+            self.semantics.__exit__(*exc)
+        finally:
+            try:
+                self._calls.__exit__(*exc)
+            finally:
+                self.tracker.__exit__(*exc)
+
+    def memory_stats(self) -> dict[str, int]:
+        return self.tracker.memory_stats()
+
+    def empty_cache(self) -> None:
+        self.tracker.empty_cache()
+
+    @property
+    def peak_live_bytes(self) -> int:
+        return self.tracker.peak.get(DEVICE_KEY, 0)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.tracker.pinned_bytes()
