@@ -127,6 +127,8 @@ class QwenImageEditTrainer(QwenImageTrainer):
 
     Config = QwenImageEditTrainerConfig
     display_name = "Qwen-Image-Edit"
+    default_references = 1  # an edit model: data.references unset trains on one reference per target (a class
+    # attribute, so the data check of validation reads it before the trainer is built: runner/data/references.py)
 
     def __init__(self, cfg: Any, run: Any = None) -> None:
         self.variant = str(cfg.trainer.get("variant", "edit"))
@@ -134,7 +136,6 @@ class QwenImageEditTrainer(QwenImageTrainer):
             raise UserError(f"trainer.variant={self.variant!r} is not valid for trainer=qwen_image_edit: edit "
                             "(Qwen-Image-Edit, one reference) or plus (Qwen-Image-Edit-2509/2511, up to 3 references).")
         self.max_references = MAX_REFERENCES[self.variant]
-        self.default_references = 1  # an edit model: data.references unset trains on one reference per target
         self.reference_repo = REFERENCE_REPOS[self.variant]
         super().__init__(cfg, run)
         if self.references < 1:
