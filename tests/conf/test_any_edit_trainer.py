@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -159,3 +163,18 @@ def test_every_shipped_preset_plans_and_trains_the_edit_trainer(tmp_path, preset
     out = tmp_path / "run"
     assert_two_finite_steps(train(out, *common))
     assert (out / "plan.json").is_file()  # the preflight planned it (a failure would have stopped the run)
+
+
+def test_readme_edit_trainer_command_runs(tmp_path):
+    """The README's edit-trainer command ("Your own trainer"), as a user types it, two steps on the CPU."""
+    lines = [ln for ln in (ROOT / "README.md").read_text().splitlines()
+             if ln.startswith("PYTHONPATH=tests/assets python -m runner") and "edit_trainer." in ln]
+    assert len(lines) == 1, lines
+    args = shlex.split(lines[0])[4:]  # after PYTHONPATH=... python -m runner
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, ["tests/assets", os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "runner", *args, "train.steps=2", "train.device=cpu", "data.demo_size=4",
+                        "train.progress=false", f"output_dir={tmp_path}"], check=False, cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert_two_finite_steps(read_metrics(tmp_path / "metrics.jsonl"))
