@@ -331,3 +331,21 @@ def test_a_2511_transformers_zero_cond_t_is_honoured_and_predict_is_the_plus_pip
         without = trainer.predict(models, target, seen["t"], batch)  # the same weights, zero_cond_t off
     torch.testing.assert_close(ours, seen["out"][:, :tokens], rtol=1e-5, atol=1e-5)
     assert not torch.allclose(without, ours, rtol=1e-3, atol=1e-3)
+
+
+def test_trainer_zero_cond_t_builds_2511_where_no_folder_says_and_plans(tmp_path):
+    """``trainer.zero_cond_t=true``: a random build (and so a single file, built with the same config) has 2511's
+    flag and the plan runs its modulation; with variant=edit, or against a folder whose config.json says
+    otherwise, it is refused before anything is built."""
+    plus = ["trainer.variant=plus", "trainer.zero_cond_t=true"]
+    trainer, models = build(*plus)
+    assert models["transformer"].config.zero_cond_t is True
+    assert build("trainer.variant=plus")[1]["transformer"].config.zero_cond_t is False  # 2509: off
+    assert task(compose_config([*EDIT, *plus, "mode=plan", f"output_dir={tmp_path / 'plan'}"])) is None
+    assert json.loads((tmp_path / "plan" / "plan.json").read_text())["peak_bytes"] > 0
+    with pytest.raises(UserError, match=r"trainer.zero_cond_t=true is Qwen-Image-Edit-2511's.*trainer.variant=plus"):
+        build("trainer.zero_cond_t=true")
+    trainer.pipeline(build("trainer.variant=plus", "model.train=full")[1]).save_pretrained(tmp_path / "saved")
+    with pytest.raises(UserError, match=r"trainer.zero_cond_t=true but model.path's transformer/config.json says "
+                                        r"zero_cond_t: false"):
+        build(*plus, f"model.path={tmp_path / 'saved'}")
