@@ -49,7 +49,9 @@ and a cheap final step that adds the per-sample randomness:
 ``encode`` must equal ``finish_encode({p: encode_part(models, p, batch) for p in parts}, batch)``.
 
 Reference images (optional; an edit trainer: "target = instruction applied to the references").
-A trainer that takes reference images per target declares two attributes (class or instance):
+A trainer that takes reference images per target declares two class attributes (``__init__`` may
+change ``max_references``, as Qwen-Image-Edit's variant does; ``default_references`` is read from the
+class before the trainer is built, to check a data folder as the trainer will read it):
 
 * ``max_references``: the most it takes per target (``data.references`` above it is refused);
 * ``default_references``: how many an unset ``data.references`` trains on (1 for an edit model that
@@ -62,9 +64,10 @@ found as ``control/<stem>.png`` or ``<stem>_ref1.png`` beside each image and res
 bucketed and flipped with its target (runner/data/references.py); the demo set pairs grey copies.
 ``example_batch`` (and ``example_raw_batch``) carry ``references`` of that shape at the planned size
 (``runner.data.planned_size(cfg.data)``), so the planner counts their bytes and what the model does
-with them. Before step 1 (and before a plan) the runner refuses, in one paragraph naming the key:
-``data.references`` above ``max_references`` (a trainer that declares nothing takes none, so a
-reference would be ignored), a target without its references, and a reference beyond the count.
+with them. The runner refuses, in one paragraph naming the key: ``data.references`` above
+``max_references`` when the trainer is built, so before a plan too (a trainer that declares nothing
+takes none, so a reference would be ignored); a target without its references and a reference
+beyond the count when the data folder is checked, before the model build of a training run.
 """
 from __future__ import annotations
 

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from diffusers import FluxTransformer2DModel
 
 from runner.data import build_dataset, planned_size
+from runner.errors import UserError
 from runner.trainer import ModelSet, per_sample_rand, per_sample_randn, reference_count
 
 PATCH = 4  # pixels per token side: a token is 3 x 4 x 4 = 48 values
@@ -69,8 +70,6 @@ class PixelKontextTrainer:
         self.cfg = cfg
         self.references = reference_count(self, cfg)  # data.references, or 1 when unset
         if self.references < 1:
-            from runner.errors import UserError
-
             raise UserError("edit_trainer.PixelKontextTrainer trains an edit model, but data.references=0: set "
                             "data.references=1 (or 2) and give each image its reference (control/<stem>.png).")
 
