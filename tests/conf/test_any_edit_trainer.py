@@ -119,6 +119,8 @@ def test_the_plan_counts_the_references(tmp_path):
 @pytest.mark.parametrize("fault,overrides,said", [
     ("more than it takes", ["data.references=3"],
      ["data.references=3", "PixelKontextTrainer takes at most 2 reference image(s)", "data.references=2"]),
+    ("more than it takes, planned", ["data.references=3", "mode=plan"],
+     ["data.references=3", "PixelKontextTrainer takes at most 2 reference image(s)"]),
     ("none for an edit model", ["data.references=0"], ["data.references=0", "data.references=1"]),
     ("a target without its reference", ["data.path={missing}"],
      ["data.references=1 but 1 reference images are missing", "reference 1 of", "b.png"]),
