@@ -86,6 +86,20 @@ def test_the_trainer_reads_its_count_and_paired_data_through_the_protocol(tmp_pa
     assert not torch.equal(sample["references"][0], sample["references"][1])  # b_ref2.png is the second
 
 
+def test_the_references_condition_the_loss():
+    """The references' tokens join the sequence: other references give another loss for the same target."""
+    from edit_trainer import PixelKontextTrainer
+
+    trainer = PixelKontextTrainer(compose_config(EDIT))
+    torch.manual_seed(0)
+    models = trainer.build_models("cpu")
+    batch = trainer.example_batch(2, "cpu")
+    with torch.no_grad():
+        same = trainer.loss(models, batch)
+        other = trainer.loss(models, {**batch, "references": batch["references"].flip(0)})
+    assert torch.isfinite(same) and not torch.allclose(same, other)
+
+
 def test_the_trainer_trains_on_a_paired_folder_with_the_count_unset(tmp_path):
     """data.references unset: the trainer's own count (1), so control/ images are references, not samples."""
     folder = paired_folder(tmp_path / "data")
