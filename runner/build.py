@@ -26,11 +26,12 @@ from torch import nn
 from runner import registry
 from runner.config.adapters import is_adapter
 from runner.context import RunContext
+from runner.data.checks import EDIT_FAMILIES
 from runner.errors import UserError
 from runner.export.config import check_full_format
 from runner.plugin import Plugin, PluginSchedule
 from runner.resolved import ResolvedRun
-from runner.trainer import ModelSet, Trainer
+from runner.trainer import ModelSet, Trainer, reference_count
 from runner.trainers.loading import attach_lora
 
 log = logging.getLogger("runner")
@@ -81,6 +82,9 @@ def build_trainer(cfg: DictConfig, run: ResolvedRun | None = None) -> Trainer:
             f"trainer._target_={target!r} does not implement the trainer protocol: missing {', '.join(missing)}. "
             "See runner/trainer.py for the four methods a trainer needs."
         )
+    # data.references against what the trainer declares (runner/trainer.py "Reference images"): a user's
+    # trainer that declares nothing takes none, so a reference is refused here rather than ignored.
+    reference_count(trainer, cfg, None if not str(target).startswith("runner.") else EDIT_FAMILIES)
     check_full_format(cfg, trainer)  # export.full_format=single_file: refused now, not after training
     return trainer
 

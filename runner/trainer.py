@@ -47,6 +47,27 @@ and a cheap final step that adds the per-sample randomness:
 * ``cache_signature(part)`` -> a JSON-able dict of every setting that changes the part's result.
 
 ``encode`` must equal ``finish_encode({p: encode_part(models, p, batch) for p in parts}, batch)``.
+
+Reference images (optional; an edit trainer: "target = instruction applied to the references").
+A trainer that takes reference images per target declares two class attributes (``__init__`` may
+change ``max_references``, as Qwen-Image-Edit's variant does; ``default_references`` is read from the
+class before the trainer is built, to check a data folder as the trainer will read it):
+
+* ``max_references``: the most it takes per target (``data.references`` above it is refused);
+* ``default_references``: how many an unset ``data.references`` trains on (1 for an edit model that
+  needs its reference, as the built-in Kontext and Qwen-Image-Edit; 0 when references are optional).
+
+:func:`reference_count` resolves ``data.references`` against them, the trainer reads its count from
+it, and builds its data with ``runner.data.build_dataset(cfg.data, references=count)``: each sample
+then carries ``references``, float32 ``[N, 3, H, W]`` in [-1, 1] (``[B, N, 3, H, W]`` in a batch),
+found as ``control/<stem>.png`` or ``<stem>_ref1.png`` beside each image and resized, cropped,
+bucketed and flipped with its target (runner/data/references.py); the demo set pairs grey copies.
+``example_batch`` (and ``example_raw_batch``) carry ``references`` of that shape at the planned size
+(``runner.data.planned_size(cfg.data)``), so the planner counts their bytes and what the model does
+with them. The runner refuses, in one paragraph naming the key: ``data.references`` above
+``max_references`` when the trainer is built, so before a plan too (a trainer that declares nothing
+takes none, so a reference would be ignored); a target without its references and a reference
+beyond the count when the data folder is checked, before the model build of a training run.
 """
 from __future__ import annotations
 
@@ -116,6 +137,23 @@ class Trainer(Protocol):
     def loss(self, models: ModelSet, batch: Batch) -> torch.Tensor: ...
 
     def example_batch(self, batch_size: int, device: str | torch.device = "meta") -> Batch: ...
+
+
+def reference_count(trainer: Any, cfg: Any, other: str | None = None) -> int:
+    """How many reference images per target ``trainer`` (an instance or its class) trains on under
+    ``cfg``: ``data.references``, or the trainer's ``default_references`` when unset; a UserError when
+    it is above the trainer's ``max_references`` (0 when it declares none) or the declaration is not
+    valid. One rule for every trainer (runner/data/checks.py, as the built-in families use it), so a
+    preset that leaves ``data.references`` unset gives an edit trainer its own count and any other
+    trainer none. ``other``: what else the message offers when the trainer takes no references."""
+    from runner.data.checks import DECLARE, check_reference_declaration, family_references
+
+    cls = trainer if isinstance(trainer, type) else type(trainer)
+    name = str(getattr(trainer, "display_name", "") or cls.__name__)
+    most, default = check_reference_declaration(getattr(trainer, "max_references", 0),
+                                                getattr(trainer, "default_references", 0), name)
+    data = cfg.get("data") if hasattr(cfg, "get") else getattr(cfg, "data", None)
+    return family_references(data, most, name, default, DECLARE if other is None else other)
 
 
 def encode(trainer: Any, models: ModelSet, batch: Batch) -> Batch:

@@ -172,6 +172,7 @@ def check_run(cfg: DictConfig, keep: bool = True) -> CheckedRun:
     torch; still before anything is built or planned). ``keep``: hold the result for this config's
     job (:func:`validate` hands it over) rather than only returning it."""
     from runner.data import check_cache_compatible, check_dataset, check_options
+    from runner.data.references import run_references
     from runner.data.video import check_video_keys, trainer_video_defaults
     from runner.optim.build import validate_optimizer
     from runner.optim.fused import check_fused_backward
@@ -181,7 +182,8 @@ def check_run(cfg: DictConfig, keep: bool = True) -> CheckedRun:
     check_val_path(cfg)  # mode=train: a data.val_path folder is scanned now, like data.path below
     check_video_keys(cfg.data)  # data.frames, fps, frame_sampling, width, height
     if cfg.mode == "train":  # a data.path folder (or data.sets) is scanned and checked now, not after the model build
-        check_dataset(cfg.data, video=trainer_video_defaults(cfg))  # a video trainer's folder is read as clips
+        video = trainer_video_defaults(cfg)  # a video trainer's folder is read as clips
+        check_dataset(cfg.data, video=video, references=None if video else run_references(cfg))
     run = resolve_for_mode(cfg)
     if run.simulated_card and run.precision == "fp16":
         raise UserError("train.device=cuda_sim runs CUDA's bf16 autocast on the CPU, but train.mixed_precision=fp16 "

@@ -149,7 +149,7 @@ def build_dataset(data_cfg: Any, references: int | None = None) -> Dataset:
                                 priors=frozenset({1}))
         return TrainingData([(base, 1, None, "demo")], o.rules) if o.rules.active else base
 
-    handed_over = _CHECKED.pop(_folder_key(data_cfg), None)
+    handed_over = _CHECKED.pop(_folder_key(data_cfg, references=o.references), None)
     if handed_over is not None:
         return handed_over
     if not o.sets:
@@ -169,7 +169,7 @@ def build_dataset(data_cfg: Any, references: int | None = None) -> Dataset:
     return TrainingData(parts, o.rules, priors=frozenset(n for n, s in enumerate(o.sets) if s["role"] == "prior"))
 
 
-def check_dataset(data_cfg: Any, video: Any = None) -> None:
+def check_dataset(data_cfg: Any, video: Any = None, references: int | None = None) -> None:
     """Build the folder data set during validation, so that a broken image or caption fails before
     the plan and the model build, and hand it to the next :func:`build_dataset` of the same settings
     (the trainer's, seconds later) so the scan and header checks run once. Handed over once only:
@@ -177,7 +177,9 @@ def check_dataset(data_cfg: Any, video: Any = None) -> None:
     of a sweep is checked before the first starts, so each keeps its own hand-off until it builds.
 
     ``video``: a video trainer's ``(default_frames, default_fps)`` (its ``video_defaults``): the
-    folder is read as clips (:func:`build_video_dataset`) instead of images."""
+    folder is read as clips (:func:`build_video_dataset`) instead of images. ``references``: the trainer's
+    count of reference images per target (an unset ``data.references`` is its ``default_references``:
+    runner/data/references.py :func:`run_references`), so the folder is checked as the trainer reads it."""
     from runner.data.video import check_video_keys
 
     check_video_keys(data_cfg)
@@ -186,7 +188,8 @@ def check_dataset(data_cfg: Any, video: Any = None) -> None:
     if video is not None:
         _CHECKED[_folder_key(data_cfg, video)] = build_video_dataset(data_cfg, *video)
     else:
-        _CHECKED[_folder_key(data_cfg)] = build_dataset(data_cfg)
+        count = check_options(data_cfg).references if references is None else references
+        _CHECKED[_folder_key(data_cfg, references=count)] = build_dataset(data_cfg, references=count)
 
 
 def build_video_dataset(data_cfg: Any, default_frames: int, default_fps: float | None) -> Dataset:
@@ -254,9 +257,11 @@ _KEYED = ("path", "resolution", "center_crop", "missing_caption", "caption_ext",
           "masks", "demo_prior", "references")
 
 
-def _folder_key(data_cfg: Any, video: Any = None) -> tuple:
+def _folder_key(data_cfg: Any, video: Any = None, references: int = 0) -> tuple:
+    """What a checked data set is handed over by: its settings and the reference count it was read with
+    (an unset ``data.references`` is the trainer's own count, so the setting alone does not say it)."""
     keys = _KEYED + (("frames", "fps", "frame_sampling", "width", "height") if video is not None else ())
-    return (*(str(_get(data_cfg, k, None)) for k in keys), str(video))
+    return (*(str(_get(data_cfg, k, None)) for k in keys), str(video), int(references))
 
 
 def planned_size(data_cfg: Any) -> tuple[Size, str]:

@@ -73,22 +73,45 @@ def _check_references(data_cfg: Any) -> int:
     return int(value)
 
 
-def family_references(data_cfg: Any, max_references: int, name: str, default: int = 0) -> int:
+EDIT_FAMILIES = ", or train an edit family (trainer=flux_kontext or qwen_image_edit)"
+DECLARE = (", or declare it on the trainer: max_references = N (the most it takes) and default_references (what "
+           "an unset data.references trains on), see 'Reference images' in runner/trainer.py")
+
+
+def family_references(data_cfg: Any, max_references: int, name: str, default: int = 0,
+                      other: str = EDIT_FAMILIES) -> int:
     """``data.references``, refused when it exceeds what trainer ``name`` takes (its ``max_references``):
     a reference no family reads would be ignored silently. Unset (null), it is the family's own count
     (``default``): an edit family that needs references trains on them (Kontext: 1), any other family
     on plain images (Flux.2 takes references but does not need them: 0), so a preset written for an
-    edit family sets no data key another trainer would have to refuse."""
+    edit family sets no data key another trainer would have to refuse. ``other``: what else a user can
+    do when the trainer takes none (a built-in: train an edit family; a user's trainer: :data:`DECLARE`)."""
     if data_cfg is None or _get(data_cfg, "references", None) is None:
         return default
     count = _check_references(data_cfg)
     if count > max_references:
         takes = (f"takes at most {max_references} reference image(s) per target" if max_references
                  else "is not an edit model: it takes no reference images")
-        other = "" if max_references else ", or train an edit family (trainer=flux_kontext or qwen_image_edit)"
         raise UserError(f"data.references={count}: {name} {takes}. Set data.references={min(count, max_references)}"
-                        f"{other}.")
+                        f"{'' if max_references else other}.")
     return count
+
+
+def check_reference_declaration(max_references: Any, default: Any, name: str) -> tuple[int, int]:
+    """A trainer's declared ``max_references`` / ``default_references`` (runner/trainer.py), as ints:
+    whole numbers with ``0 <= default <= max``, else a UserError naming the attribute. Checked once,
+    when the trainer is built, so a wrong declaration is not read as "takes no references"."""
+    for attr, value in (("max_references", max_references), ("default_references", default)):
+        if not _whole(value) or value < 0:
+            raise UserError(f"{name}.{attr}={value!r} is not valid: a whole number >= 0 of reference images per "
+                            "target (max_references: the most the trainer takes; default_references: how many an "
+                            "unset data.references trains on, at most max_references). See 'Reference images' in "
+                            "runner/trainer.py.")
+    if default > max_references:
+        raise UserError(f"{name}.default_references={default} is more than its max_references={max_references}: an "
+                        "unset data.references would ask for more reference images than the trainer takes. Lower "
+                        f"default_references to at most {max_references}, or raise max_references.")
+    return int(max_references), int(default)
 
 
 def _check_demo_prior(data_cfg: Any) -> int:

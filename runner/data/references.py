@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 from runner.data.images import IMAGE_EXTENSIONS, _verify_header, oriented_size
 from runner.errors import UserError
@@ -123,3 +124,23 @@ def describe_references(refs: list[list[Path]]) -> str:
              if n]
     per = len(refs[0]) if refs else 0
     return f"references: {per} per target, " + ", ".join(parts)
+
+
+def run_references(cfg: Any) -> int:
+    """Reference images per target the run's trainer reads, known before it is built (for the data
+    check of validation, runner/config/checks.py): ``data.references`` when set, else the trainer
+    class's ``default_references`` (runner/trainer.py "Reference images"; 0 when it declares none or
+    cannot be imported: that is reported when it is built). Whether the trainer takes that many is
+    checked when it is built (:func:`runner.trainer.reference_count`)."""
+    from hydra.utils import get_class
+
+    data = cfg.get("data") if hasattr(cfg, "get") else None
+    value = data.get("references") if data is not None and hasattr(data, "get") else None
+    if value is not None:
+        return value  # checked by runner/data/checks.py with the other data.* values
+    try:
+        cls = get_class(str(cfg.trainer.get("_target_")))
+    except Exception:  # noqa: BLE001 - an unimportable trainer is reported when it is built
+        return 0
+    default = getattr(cls, "default_references", 0)
+    return default if isinstance(default, int) and not isinstance(default, bool) and default >= 0 else 0

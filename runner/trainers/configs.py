@@ -95,6 +95,10 @@ class Lumina2TrainerConfig:
 class QwenImageEditTrainerConfig:
     _target_: str = "runner.trainers.qwen_image_edit.QwenImageEditTrainer"
     variant: str = "edit"  # edit (Qwen-Image-Edit, one reference) | plus (2509/2511, QwenImageEditPlusPipeline, up to 3)
+    # Qwen-Image-Edit-2511's transformer flag (its config.json: zero_cond_t true): the reference tokens are modulated
+    # at t=0. null: a model.path folder's config.json says (off when built from model.size or a single file, as
+    # 2509); true: 2511 (variant=plus), for a single file or a random build; refused when a folder says otherwise.
+    zero_cond_t: Optional[bool] = None
     # Instruction tokens kept after the reference's vision tokens; captions are truncated to it and the
     # embedding padded (masked) to the vision tokens plus it. null: 512 (96 for the tiny byte-level tokenizer).
     max_sequence_length: Optional[int] = None

@@ -22,6 +22,10 @@ reused from runner/trainers/qwen_image.py. What differs is exactly what the diff
   transformer's ``img_shapes`` lists the target's grid then each reference's, so its RoPE frames
   tell them apart; the output is cut to the target's tokens (the loss is on the target alone).
 
+2511 differs from 2509 by one transformer flag, ``zero_cond_t`` (the reference tokens are modulated at
+t=0, from ``img_shapes``): a folder's config.json carries it, ``trainer.zero_cond_t=true`` sets it for a
+single file or a random build; ``predict`` passes the pipeline's ``img_shapes``, so the model applies it.
+
 Fixed length: the instruction is truncated to ``trainer.max_sequence_length`` tokens and each row
 zero-padded (masked) to the template's fixed tokens plus that, for the batch's reference size (a
 batch is one bucket, so one vision-token count). The trade-off is the same as Qwen-Image's: one
@@ -127,6 +131,8 @@ class QwenImageEditTrainer(QwenImageTrainer):
 
     Config = QwenImageEditTrainerConfig
     display_name = "Qwen-Image-Edit"
+    default_references = 1  # an edit model: data.references unset trains on one reference per target (a class
+    # attribute, so the data check of validation reads it before the trainer is built: runner/data/references.py)
 
     def __init__(self, cfg: Any, run: Any = None) -> None:
         self.variant = str(cfg.trainer.get("variant", "edit"))
@@ -134,9 +140,13 @@ class QwenImageEditTrainer(QwenImageTrainer):
             raise UserError(f"trainer.variant={self.variant!r} is not valid for trainer=qwen_image_edit: edit "
                             "(Qwen-Image-Edit, one reference) or plus (Qwen-Image-Edit-2509/2511, up to 3 references).")
         self.max_references = MAX_REFERENCES[self.variant]
-        self.default_references = 1  # an edit model: data.references unset trains on one reference per target
         self.reference_repo = REFERENCE_REPOS[self.variant]
+        self.zero_cond_t = cfg.trainer.get("zero_cond_t")
+        if self.zero_cond_t and self.variant != "plus":
+            raise UserError("trainer.zero_cond_t=true is Qwen-Image-Edit-2511's transformer flag, and 2511 runs in "
+                            "QwenImageEditPlusPipeline: set trainer.variant=plus, or leave trainer.zero_cond_t unset.")
         super().__init__(cfg, run)
+        self.check_zero_cond_t()
         if self.references < 1:
             raise UserError(
                 "trainer=qwen_image_edit trains an edit model: each target needs its reference image, but "
@@ -147,6 +157,27 @@ class QwenImageEditTrainer(QwenImageTrainer):
 
     def pipeline_class(self) -> type:
         return pipeline_class(VARIANTS[self.variant])
+
+    def size_configs(self) -> dict[str, dict[str, Any]]:
+        """Qwen-Image's, with 2511's ``zero_cond_t`` on the transformer when ``trainer.zero_cond_t=true`` (what
+        a random build and a single file are built with; a folder's config.json carries its own)."""
+        configs = super().size_configs()
+        if getattr(self, "zero_cond_t", None):
+            configs = {**configs, "transformer": {**configs["transformer"], "zero_cond_t": True}}
+        return configs
+
+    def check_zero_cond_t(self) -> None:
+        """``trainer.zero_cond_t`` against a model.path folder's transformer config: a contradiction is refused,
+        since one of the two would be ignored (the folder's config.json is what the transformer is built with)."""
+        if self.zero_cond_t is None or not self._folder_has("transformer"):
+            return
+        folder = bool(self.component_config("transformer").get("zero_cond_t", False))
+        if folder != bool(self.zero_cond_t):
+            raise UserError(
+                f"trainer.zero_cond_t={str(self.zero_cond_t).lower()} but model.path's transformer/config.json says "
+                f"zero_cond_t: {str(folder).lower()} (Qwen-Image-Edit-2511: true; Qwen-Image-Edit and -2509: false). "
+                "The folder's config is what the transformer is built with: leave trainer.zero_cond_t unset (null) "
+                "to use it, or point model.path at the model you mean.")
 
     def default_tokenizer(self, name: str) -> Any:
         return qwen2_vl_tokenizer(4096)

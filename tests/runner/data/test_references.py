@@ -143,3 +143,23 @@ def test_a_video_trainer_refuses_references():
 
     with pytest.raises(UserError, match=r"data.references applies to image edit trainers"):
         build_video_dataset({"references": 1, "resolution": 64}, 9, 16.0)
+
+
+@pytest.mark.parametrize("trainer", ["flux_kontext", "qwen_image_edit"])
+def test_an_unset_count_checks_the_folder_with_the_edit_trainers_own(tmp_path, trainer):
+    """The edit presets leave data.references unset (the trainer's own: 1). Validation reads the folder with
+    that count, so control/ images are references (not captionless samples, which refused the run), and
+    the data set it hands over is the one the trainer would read, references included."""
+    from runner.build import build_trainer
+    from runner.cli.compose import compose_config
+    from runner.config.checks import validate
+
+    for name in ("a", "b"):
+        write(tmp_path, name, size=(64, 64))
+    cfg = compose_config([f"trainer={trainer}", f"data.path={tmp_path}"])
+    validate(cfg)
+    ds = build_trainer(cfg).dataset()
+    assert len(ds) == 2 and ds[0]["references"].shape == (1, 3, 64, 64)
+    plain = compose_config(["trainer=flux", f"data.path={tmp_path}"])  # not an edit family: read as images
+    with pytest.raises(UserError, match=r"control/a.png.*looks like a reference image"):
+        validate(plain)

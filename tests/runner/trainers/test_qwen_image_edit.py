@@ -285,3 +285,67 @@ def test_a_comfyui_file_and_a_hub_id_load(tmp_path, monkeypatch):
     for name in ("transformer", "vae", "text_encoder"):
         theirs = from_hub[name].state_dict()
         assert all(torch.equal(theirs[k], v) for k, v in models[name].state_dict().items()), name
+
+
+def test_a_2511_transformers_zero_cond_t_is_honoured_and_predict_is_the_plus_pipelines_call(tmp_path):
+    """Qwen-Image-Edit-2511 (``trainer.variant=plus``) ships its transformer with ``zero_cond_t: true`` in
+    config.json: the reference tokens are modulated at t=0 (``modulate_index`` from ``img_shapes``). The flag is
+    the transformer's config, so a folder that sets it (model.path) builds a transformer that has it, and
+    ``predict`` (the pipeline's ``img_shapes``) equals the Plus pipeline's transformer call; the same weights
+    without the flag predict otherwise, so a dropped flag would fail here."""
+    trainer, models = build("trainer.variant=plus", "model.train=full")
+    trainer.pipeline(models).save_pretrained(tmp_path / "saved")
+    config_file = tmp_path / "saved" / "transformer" / "config.json"
+    config = json.loads(config_file.read_text())
+    assert not config.get("zero_cond_t")  # Qwen-Image's (and 2509's) transformer: off
+    config_file.write_text(json.dumps({**config, "zero_cond_t": True}))
+    loaded, back = build("trainer.variant=plus", "model.train=full", f"model.path={tmp_path / 'saved'}")
+    assert back["transformer"].config.zero_cond_t is True
+    for m in [*back.modules.values(), *models.modules.values()]:
+        m.requires_grad_(False)
+    seen = {}
+
+    def capture(module, args, kwargs, out):
+        if not seen:  # the first step's call
+            seen.update(hidden=kwargs["hidden_states"], shapes=kwargs["img_shapes"], t=kwargs["timestep"],
+                        text=kwargs["encoder_hidden_states"], out=out[0])
+
+    pipe = loaded.pipeline(back)
+    assert type(pipe).__name__ == "QwenImageEditPlusPipeline"
+    handle = back["transformer"].register_forward_hook(capture, with_kwargs=True)
+    try:
+        pipe(image=[to_pil(demo_reference(3, 64, 0))], prompt=CAPTION, num_inference_steps=2, height=64, width=64,
+             output_type="latent", generator=torch.Generator().manual_seed(0))
+    finally:
+        handle.remove()
+    tokens = (64 // 16) ** 2
+    (_, rh, rw) = seen["shapes"][0][1]
+    assert seen["shapes"] == [[(1, 4, 4), (1, rh, rw)]]
+    vae = pipe.vae_scale_factor
+    target = pipe._unpack_latents(seen["hidden"][:, :tokens], 64, 64, vae)[:, :, 0]
+    reference = pipe._unpack_latents(seen["hidden"][:, tokens:], rh * 2 * vae, rw * 2 * vae, vae)[:, :, 0]
+    batch = {"prompt_embeds": seen["text"], "prompt_embeds_mask": torch.ones(seen["text"].shape[:2], dtype=torch.bool),
+             "reference_latents": reference[:, None]}
+    with torch.no_grad():
+        ours = loaded.predict(back, target, seen["t"], batch)
+        without = trainer.predict(models, target, seen["t"], batch)  # the same weights, zero_cond_t off
+    torch.testing.assert_close(ours, seen["out"][:, :tokens], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(without, ours, rtol=1e-3, atol=1e-3)
+
+
+def test_trainer_zero_cond_t_builds_2511_where_no_folder_says_and_plans(tmp_path):
+    """``trainer.zero_cond_t=true``: a random build (and so a single file, built with the same config) has 2511's
+    flag and the plan runs its modulation; with variant=edit, or against a folder whose config.json says
+    otherwise, it is refused before anything is built."""
+    plus = ["trainer.variant=plus", "trainer.zero_cond_t=true"]
+    trainer, models = build(*plus)
+    assert models["transformer"].config.zero_cond_t is True
+    assert build("trainer.variant=plus")[1]["transformer"].config.zero_cond_t is False  # 2509: off
+    assert task(compose_config([*EDIT, *plus, "mode=plan", f"output_dir={tmp_path / 'plan'}"])) is None
+    assert json.loads((tmp_path / "plan" / "plan.json").read_text())["peak_bytes"] > 0
+    with pytest.raises(UserError, match=r"trainer.zero_cond_t=true is Qwen-Image-Edit-2511's.*trainer.variant=plus"):
+        build("trainer.zero_cond_t=true")
+    trainer.pipeline(build("trainer.variant=plus", "model.train=full")[1]).save_pretrained(tmp_path / "saved")
+    with pytest.raises(UserError, match=r"trainer.zero_cond_t=true but model.path's transformer/config.json says "
+                                        r"zero_cond_t: false"):
+        build(*plus, f"model.path={tmp_path / 'saved'}")
