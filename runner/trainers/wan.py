@@ -35,7 +35,7 @@ pipeline feeds it its scheduler's timesteps.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -66,14 +66,15 @@ class WanTrainer(FlowMatchTrainer):
     family = "wan"  # model.path reads (and export.full_format=single_file writes) the original Wan transformer layout
     default_timestep_shift = "fixed"
 
-    def __new__(cls, cfg: Any = None, run: Any = None) -> WanTrainer:
+    def __new__(cls, cfg: Any = None, run: Any = None) -> Self:
         """``trainer.variant=i2v-*``: the image-to-video trainer, a subclass (runner/trainers/wan_i2v.py).
         ``cfg`` is None when ``copy`` makes the instance (the planner deep-copies the trainer)."""
+        target = cls
         if cls is WanTrainer and cfg is not None and str(cfg.trainer.get("variant", "14b")) in wan_configs.I2V_VARIANTS:
             from runner.trainers.wan_i2v import WanI2VTrainer
 
-            cls = WanI2VTrainer
-        return super().__new__(cls)
+            target = WanI2VTrainer
+        return super().__new__(target)
 
     def __init__(self, cfg: Any, run: Any = None) -> None:
         self.variant = wan_configs.check_variant(str(cfg.trainer.get("variant", "14b")))
