@@ -210,3 +210,14 @@ def test_a_full_size_plan_counts_the_condition_channels_and_the_image_encoder():
     batch = trainer.example_batch(1, "meta")
     c, f, h, w = trainer.latent_shape()
     assert batch["condition"].shape == (1, 4 + c, f, h, w) and batch["image_embeds"].shape == (1, 257, 1280)
+
+
+def test_flipped_visits_flip_the_condition_cached_or_not(tmp_path):
+    """data.random_flip mirrors the clip before the encode, so the condition and CLIP tokens are the
+    flipped first frame's; the cache keeps both orientations of every part (CLIP tokens included)."""
+    common = ["train.steps=4", "export.enabled=false", "data.random_flip=true", "train.batch_size=2"]
+    park = ["offload=park", f"offload.park.cache_dir={tmp_path / 'cache'}"]
+    base = [r["loss"] for r in train(tmp_path / "base", "i2v-2.1-14b", *common)]
+    first = [r["loss"] for r in train(tmp_path / "first", "i2v-2.1-14b", *common, *park)]
+    second = [r["loss"] for r in train(tmp_path / "second", "i2v-2.1-14b", *common, *park)]
+    assert base == first == second, (base, first, second)
