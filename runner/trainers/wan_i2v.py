@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from runner.errors import UserError
 from runner.trainer import Batch, EncodePart, ModelSet
 from runner.trainers import wan_i2v_configs as configs
 from runner.trainers.loading import compute_dtype, pipeline_class
@@ -50,6 +51,27 @@ class WanI2VTrainer(WanTrainer):
         if self.expert is not None:
             self.boundary = configs.i2v_boundary(self.source)  # Wan 2.2 I2V's 0.9, or the folder's
         self._image_processor: Any = None
+        self.check_transformer()
+
+    def check_transformer(self) -> None:
+        """The transformer ``model.path`` gives must be this variant's (36 input channels; the image
+        cross-attention exactly for Wan 2.1), refused before step 1 rather than at the first forward."""
+        t = self.component_config("transformer")
+        want = configs.MASK_CHANNELS + 2 * int(self.component_config("vae")["z_dim"])
+        image_dim = t.get("image_dim")
+        problem = None
+        if int(t.get("in_channels", 0)) != want:
+            problem = (f"takes {t.get('in_channels')} input channels, where image-to-video takes {want} (noisy latents, "
+                       "the first-frame mask and the condition latents): it is a text-to-video model")
+        elif self.image_encoder and image_dim is None:
+            problem = "has no image cross-attention (image_dim): it is Wan 2.2 I2V A14B's, trainer.variant=i2v-2.2-a14b"
+        elif not self.image_encoder and image_dim is not None:
+            problem = f"has an image cross-attention (image_dim={image_dim}): it is Wan 2.1 I2V's, trainer.variant=i2v-2.1-14b"
+        if problem:
+            where = f"model.path={self.source[1]!r}" if self.source is not None else "the configured transformer"
+            raise UserError(f"{where}: its transformer {problem}; trainer.variant={self.variant} needs "
+                            f"{'Wan2.1-I2V-14B-480P/720P' if self.image_encoder else 'Wan2.2-I2V-A14B'} (diffusers "
+                            "folder or original file). Give that model, or the trainer.variant that matches this one.")
 
     def check_expert(self, expert: Any) -> str | None:
         return configs.check_i2v_expert(self.variant, expert)

@@ -221,3 +221,24 @@ def test_flipped_visits_flip_the_condition_cached_or_not(tmp_path):
     first = [r["loss"] for r in train(tmp_path / "first", "i2v-2.1-14b", *common, *park)]
     second = [r["loss"] for r in train(tmp_path / "second", "i2v-2.1-14b", *common, *park)]
     assert base == first == second, (base, first, second)
+
+
+@pytest.mark.parametrize(("variant", "transformer", "match"), [
+    ("i2v-2.1-14b", {"in_channels": 16, "image_dim": None}, r"takes 16 input channels, where image-to-video takes 36"),
+    ("i2v-2.1-14b", {"in_channels": 36, "image_dim": None}, r"no image cross-attention.*i2v-2.2-a14b"),
+    ("i2v-2.2-a14b", {"in_channels": 36, "image_dim": 32}, r"image_dim=32.*i2v-2.1-14b"),
+])
+def test_a_folder_of_another_wan_model_is_refused_before_step_1(tmp_path, variant, transformer, match):
+    """A text-to-video folder (16 channels) or the other I2V model's transformer: named before anything is built."""
+    import json
+
+    from runner.trainers.wan_i2v_configs import i2v_configs
+
+    folder = tmp_path / "Wan"
+    (folder / "transformer").mkdir(parents=True)
+    (folder / "transformer_2").mkdir()
+    config = {**i2v_configs("tiny", variant)["transformer"], **transformer}
+    for sub in ("transformer", "transformer_2"):
+        (folder / sub / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match=match):
+        build_trainer(compose_config([*VARIANTS[variant], "train.device=cpu", f"model.path={folder}"]))
