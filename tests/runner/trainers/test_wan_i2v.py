@@ -242,3 +242,11 @@ def test_a_folder_of_another_wan_model_is_refused_before_step_1(tmp_path, varian
         (folder / sub / "config.json").write_text(json.dumps(config))
     with pytest.raises(UserError, match=match):
         build_trainer(compose_config([*VARIANTS[variant], "train.device=cpu", f"model.path={folder}"]))
+
+
+def test_the_a14b_expert_samples_without_an_image_encoder(tmp_path):
+    """Wan 2.2 I2V A14B: the start image's condition alone (no CLIP tokens), a clip of the training size."""
+    train(tmp_path, "i2v-2.2-a14b", "sample.every=1", "sample.steps=2", "sample.prompts=[a red circle]",
+          "train.steps=1", "export.enabled=false", "sample.guidance=2.0")
+    with Image.open(next((tmp_path / "samples" / "step-1").glob("*.gif"))) as im:
+        assert im.n_frames == 5 and im.size == (64, 64)
