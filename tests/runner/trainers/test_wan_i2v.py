@@ -250,3 +250,23 @@ def test_the_a14b_expert_samples_without_an_image_encoder(tmp_path):
           "train.steps=1", "export.enabled=false", "sample.guidance=2.0")
     with Image.open(next((tmp_path / "samples" / "step-1").glob("*.gif"))) as im:
         assert im.n_frames == 5 and im.size == (64, 64)
+
+
+def test_a_prompts_start_image_is_its_clips_first_frame_or_the_file_fitted_to_the_clip(tmp_path):
+    from runner.sampling.wan_i2v import WanI2VSampling
+
+    trainer, _ = fresh("i2v-2.1-14b", "data.width=64", "data.height=32")
+    family = trainer.sampling_family()
+    assert isinstance(family, WanI2VSampling)
+    data = trainer.dataset()
+    starts = family.reference_pixels(trainer, [], 3, 64)
+    assert [tuple(s.shape) for s in starts] == [(1, 1, 3, 32, 64)] * 3
+    for i, s in enumerate(starts):  # prompt i: clip i's first frame (modulo the two demo clips)
+        assert torch.equal(s[0, 0], data[i % len(data)]["pixel_values"][:, 0])
+    image = Image.new("RGB", (100, 100), (0, 0, 0))
+    image.paste((255, 255, 255), (0, 0, 100, 50))  # white top half: a 64x32 crop of the middle is half white
+    image.save(tmp_path / "start.png")
+    (start,) = family.reference_pixels(trainer, [str(tmp_path / "start.png")], 1, 64)
+    assert start.shape == (1, 1, 3, 32, 64)
+    # covered (100 px -> 64 x 64, Lanczos) and centre-cropped to 32 rows: 16 white rows, then 16 black ones
+    assert bool((start[0, 0, :, :12] > 0.95).all()) and bool((start[0, 0, :, -12:] < -0.95).all())
