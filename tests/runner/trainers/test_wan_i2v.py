@@ -270,3 +270,20 @@ def test_a_prompts_start_image_is_its_clips_first_frame_or_the_file_fitted_to_th
     assert start.shape == (1, 1, 3, 32, 64)
     # covered (100 px -> 64 x 64, Lanczos) and centre-cropped to 32 rows: 16 white rows, then 16 black ones
     assert bool((start[0, 0, :, :12] > 0.95).all()) and bool((start[0, 0, :, -12:] < -0.95).all())
+
+
+@pytest.mark.parametrize("plugins", [["checkpoint=blocks"],
+                                     ["offload=stream", "offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"]],
+                         ids=["checkpoint", "stream"])
+def test_checkpointing_and_streaming_keep_the_losses_bit_identical(tmp_path, caplog, plugins):
+    """The 36-channel input and the image cross-attention through the block plugins: the same losses."""
+    import logging
+    import re
+
+    steps = ["train.steps=2", "export.enabled=false"]
+    base = [r["loss"] for r in train(tmp_path / "base", "i2v-2.1-14b", *steps)]
+    with caplog.at_level(logging.INFO, logger="runner"):
+        assert [r["loss"] for r in train(tmp_path / "with", "i2v-2.1-14b", *steps, *plugins)] == base
+    done = (r"stream: \w+: ([1-9]\d*) of \d+ blocks streamed" if "offload=stream" in plugins
+            else r"checkpoint: \w+: (\d+) of \1 trainer blocks wrapped")
+    assert re.search(done, caplog.text), caplog.text[-2000:]
