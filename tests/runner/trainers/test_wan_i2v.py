@@ -287,3 +287,19 @@ def test_checkpointing_and_streaming_keep_the_losses_bit_identical(tmp_path, cap
     done = (r"stream: \w+: ([1-9]\d*) of \d+ blocks streamed" if "offload=stream" in plugins
             else r"checkpoint: \w+: (\d+) of \1 trainer blocks wrapped")
     assert re.search(done, caplog.text), caplog.text[-2000:]
+
+
+@pytest.mark.slow
+def test_wan_24gb_with_the_i2v_variant_plans_more_than_text_to_video_and_fits():
+    """wan_24gb at full size with i2v-2.1-14b: the image cross-attention (2.1 B parameters, nf4 on the
+    device) and the 36-channel input cost device bytes the text-to-video plan does not hold; it still fits."""
+    from runner.config.checks import validate
+    from runner.plan import plan_step
+
+    plans = {}
+    for name, extra in (("t2v", []), ("i2v", ["trainer.variant=i2v-2.1-14b"])):
+        cfg = compose_config(["+preset=wan_24gb", "model.size=full", *extra])
+        validate(cfg)
+        plans[name] = plan_step(cfg)
+    assert plans["i2v"].fits, "\n" + plans["i2v"].format_table()
+    assert plans["i2v"].peak_bytes > plans["t2v"].peak_bytes
