@@ -137,9 +137,10 @@ class Sampler:
             )
         from runner.sampling.references import check_references
 
+        per_target = getattr(fam, "references_per_prompt", None)  # Wan I2V: one start image, no data.references
         check_references([str(f) for f in self.config.get("references", None) or []], self.prompts,
-                         bool(getattr(fam, "takes_references", False)), int(getattr(self.ctx.trainer, "references", 0)),
-                         name)
+                         bool(getattr(fam, "takes_references", False)),
+                         int(per_target if per_target is not None else getattr(self.ctx.trainer, "references", 0)), name)
         if self.negative_prompt is not None and not fam.negative_prompt:
             raise UserError(
                 f"sample.negative_prompt is set, but {name} samples a guidance-distilled model (Flux), which has no "
@@ -155,11 +156,16 @@ class Sampler:
 
         ctx, trainer = self.ctx, self.ctx.trainer
         files = [str(f) for f in self.config.get("references", None) or []]
-        pixels = reference_pixels(trainer, files, len(self.prompts), self.resolution)
+        # A family may read its own pixels (Wan I2V: a start image at the clip size, or a clip's first frame).
+        pixels = getattr(self.family, "reference_pixels", reference_pixels)(trainer, files, len(self.prompts),
+                                                                            self.resolution)
         # A family whose text encoder sees the reference (Qwen-Image-Edit) encodes each prompt, and the
-        # negative prompt, with its reference here: the text encoders come to the device per call too.
+        # negative prompt, with its reference here: the text encoders come to the device per call too, as
+        # do the modules a family names for its reference (Wan 2.1 I2V's image encoder).
         sees = bool(getattr(self.family, "text_sees_reference", False))
         encoders = [ctx.models[m] for m in trainer.encode_parts()["text"].modules if m in ctx.models] if sees else []
+        own = getattr(self.family, "reference_encoders", None)
+        encoders += [ctx.models[m] for m in (own(trainer) if callable(own) else ()) if m in ctx.models]
         negative = self.negative_prompt if self.negative_prompt is not None else self.family.default_negative(self.guidance)
         with vae_on_device(ctx.models["vae"], ctx), on_device_per_call(encoders, ctx.device, ctx.host), \
                 ctx.accelerator.autocast():

@@ -56,7 +56,8 @@ register_trainer("qwen_image_edit", "runner.trainers.qwen_image_edit.QwenImageEd
                  "sequence and Qwen2.5-VL sees them with the instruction, rectified-flow matching loss on the target",
                  objective=FLOW)
 register_trainer("wan", "runner.trainers.wan.WanTrainer", WanTrainerConfig,
-                 "Wan 2.1/2.2 text-to-video transformer (trainer.variant=14b|1.3b|2.2-5b|2.2-a14b), rectified-flow matching loss",
+                 "Wan 2.1/2.2 text-to-video transformer (trainer.variant=14b|1.3b|2.2-5b|2.2-a14b; image-to-video: "
+                 "i2v-2.1-14b|i2v-2.2-a14b), rectified-flow matching loss",
                  native_resolution=WAN_NATIVE_RESOLUTION, objective=FLOW)
 register_trainer("wan22_a14b", "runner.trainers.wan.WanTrainer", Wan22A14BTrainerConfig,
                  "trainer=wan with trainer.variant=2.2-a14b trainer.experts=high (set trainer.experts=low for the other "

@@ -104,12 +104,15 @@ class QwenImageEditTrainerConfig:
     max_sequence_length: Optional[int] = None
 
 
-WAN_NATIVE_RESOLUTION = {"14b": 480, "1.3b": 480, "2.2-5b": 704, "2.2-a14b": 480}  # px at model.size=full, by trainer.variant
+WAN_NATIVE_RESOLUTION = {"14b": 480, "1.3b": 480, "2.2-5b": 704, "2.2-a14b": 480, "i2v-2.1-14b": 480,
+                         "i2v-2.2-a14b": 480}  # px at model.size=full, by trainer.variant
 
 
 @dataclass
 class WanTrainerConfig:
     _target_: str = "runner.trainers.wan.WanTrainer"
+    # image-to-video: variant i2v-2.1-14b (Wan 2.1 I2V 14B, CLIP image encoder) | i2v-2.2-a14b (Wan 2.2 I2V A14B,
+    # trainer.experts=high|low at its 0.9 boundary): runner/trainers/wan_i2v.py
     variant: str = "14b"  # 14b | 1.3b (Wan 2.1 T2V) | 2.2-5b (Wan 2.2 TI2V-5B, text-to-video) | 2.2-a14b (Wan 2.2 T2V A14B)
     experts: Optional[str] = None  # 2.2-a14b only: high (t >= 0.875, transformer/) | low (transformer_2/): the expert trained
     # UMT5 tokens per caption (zero-padded); null: the pipeline's 512 (64 for the random tiny model).

@@ -35,7 +35,7 @@ pipeline feeds it its scheduler's timesteps.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -66,9 +66,19 @@ class WanTrainer(FlowMatchTrainer):
     family = "wan"  # model.path reads (and export.full_format=single_file writes) the original Wan transformer layout
     default_timestep_shift = "fixed"
 
+    def __new__(cls, cfg: Any = None, run: Any = None) -> Self:
+        """``trainer.variant=i2v-*``: the image-to-video trainer, a subclass (runner/trainers/wan_i2v.py).
+        ``cfg`` is None when ``copy`` makes the instance (the planner deep-copies the trainer)."""
+        target = cls
+        if cls is WanTrainer and cfg is not None and str(cfg.trainer.get("variant", "14b")) in wan_configs.I2V_VARIANTS:
+            from runner.trainers.wan_i2v import WanI2VTrainer
+
+            target = WanI2VTrainer
+        return super().__new__(target)
+
     def __init__(self, cfg: Any, run: Any = None) -> None:
         self.variant = wan_configs.check_variant(str(cfg.trainer.get("variant", "14b")))
-        self.expert = wan_configs.check_expert(self.variant, cfg.trainer.get("experts"))
+        self.expert = self.check_expert(cfg.trainer.get("experts"))
         super().__init__(cfg, run)
         self.boundary = wan_configs.a14b_boundary(self.source)  # the folder's model_index.json, else 0.875
         length = cfg.trainer.get("max_sequence_length")
@@ -95,6 +105,10 @@ class WanTrainer(FlowMatchTrainer):
                 raise UserError(f"{key}={value} is not usable for Wan {self.variant}: frames must be a multiple of {k} "
                                 f"pixels (VAE factor {k // 2} times the 2x2 patches), e.g. {key}={max(k, value // k * k)} "
                                 "(data.width/data.height default to data.resolution).")
+
+    def check_expert(self, expert: Any) -> str | None:
+        """``trainer.experts`` for this variant (wan_configs.check_expert); the I2V trainer has its own."""
+        return wan_configs.check_expert(self.variant, expert)
 
     @classmethod
     def video_defaults(cls, cfg: Any) -> tuple[int, float]:

@@ -30,7 +30,9 @@ from runner.errors import UserError, valid_list
 from runner.trainers.model_configs import _T5_XXL, TINY_T5_VOCAB, _check_size
 from runner.trainers.qwen_image_configs import WAN21_VAE
 
-VARIANTS = ("14b", "1.3b", "2.2-5b", "2.2-a14b")
+# Image-to-video (runner/trainers/wan_i2v.py, configs in wan_i2v_configs.py): Wan2.1-I2V-14B, Wan2.2-I2V-A14B.
+I2V_VARIANTS = ("i2v-2.1-14b", "i2v-2.2-a14b")
+VARIANTS = ("14b", "1.3b", "2.2-5b", "2.2-a14b", *I2V_VARIANTS)
 EXPERTS = ("high", "low")  # Wan 2.2 A14B: the expert a run trains (trainer.experts)
 # Wan2.2-T2V-A14B-Diffusers model_index.json boundary_ratio: t >= 0.875 (of 1, 1 = noise) is the
 # high-noise expert's, below it the low-noise one's.
@@ -125,6 +127,10 @@ WAN_PIPELINE = {
     "1.3b": {"flow_shift": 3.0, "fps": 16, "expand_timesteps": False},
     "2.2-5b": {"flow_shift": 5.0, "fps": 24, "expand_timesteps": True},
     "2.2-a14b": {"flow_shift": 12.0, "fps": 16, "expand_timesteps": False},
+    # Image-to-video: Wan 2.1 I2V 480P samples with shift 3.0 (diffusers' converter writes it), Wan 2.2
+    # I2V A14B with 5.0 (its original config's sample_shift); both 16 fps, one timestep per sample.
+    "i2v-2.1-14b": {"flow_shift": 3.0, "fps": 16, "expand_timesteps": False},
+    "i2v-2.2-a14b": {"flow_shift": 5.0, "fps": 16, "expand_timesteps": False},
 }
 
 
@@ -171,4 +177,8 @@ def wan_configs(size: str, variant: str = "14b") -> dict[str, dict[str, Any]]:
     """Config dicts of the Wan modules (transformer, vae, text_encoder) of one size and variant."""
     _check_size(size)
     check_variant(variant)
+    if variant in I2V_VARIANTS:  # with the image encoder of Wan 2.1 I2V
+        from runner.trainers.wan_i2v_configs import i2v_configs
+
+        return i2v_configs(size, variant)
     return copy.deepcopy((_FULL if size == "full" else _TINY)[variant])

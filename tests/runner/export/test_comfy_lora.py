@@ -44,6 +44,9 @@ FAMILIES = {  # test id -> trainer overrides
     "flux": ["trainer=flux"], "flux_kontext": ["trainer=flux_kontext", "data.references=1"], "chroma": ["trainer=chroma"],
     "sd35": ["trainer=sd35"], "qwen_image": ["trainer=qwen_image"],
     "wan21": ["trainer=wan"], "wan22": ["trainer=wan", "trainer.variant=2.2-5b"], "z_image": ["trainer=z_image"],
+    # Wan 2.1 I2V: the image cross-attention's own projections adapted too (ComfyUI's k_img / v_img)
+    "wan21_i2v": ["trainer=wan", "trainer.variant=i2v-2.1-14b", "data.frames=5",
+                  "model.lora_targets=[to_q,to_k,to_v,to_out.0,add_k_proj,add_v_proj]"],
     # Lumina 2: ComfyUI fuses q/k/v (attention.qkv), which its ComfyUI file does not write: other targets
     "lumina2": ["trainer=lumina2", "model.lora_targets=[to_out.0,feed_forward.linear_1,norm1.linear]"],
     "qwen_image_edit": ["trainer=qwen_image_edit", "data.references=1"],
@@ -51,7 +54,7 @@ FAMILIES = {  # test id -> trainer overrides
 }
 # Which file ComfyUI loads at the trained strength, per family.
 COMFY = {"sdxl": KOHYA_FILE, "sd15": KOHYA_FILE, "sd21": KOHYA_FILE, "flux": KOHYA_FILE, "flux_kontext": KOHYA_FILE, "chroma": KOHYA_FILE,
-         "sd35": COMFY_FILE, "qwen_image": COMFY_FILE, "wan21": COMFY_FILE, "wan22": COMFY_FILE, "z_image": COMFY_FILE,
+         "sd35": COMFY_FILE, "qwen_image": COMFY_FILE, "wan21": COMFY_FILE, "wan22": COMFY_FILE, "wan21_i2v": COMFY_FILE, "z_image": COMFY_FILE,
          "lumina2": COMFY_FILE, "flux2": COMFY_FILE, "qwen_image_edit": COMFY_FILE}
 
 # Key-layout reference: diffusers module -> the key ComfyUI reads for it (+ .lora_down/.lora_up
@@ -89,6 +92,8 @@ REFERENCE = {
               "blocks.0.attn1.to_out.0": "diffusion_model.blocks.0.self_attn.o",
               "blocks.2.attn2.to_k": "diffusion_model.blocks.2.cross_attn.k"},
     "wan22": {"blocks.1.attn2.to_out.0": "diffusion_model.blocks.1.cross_attn.o"},
+    "wan21_i2v": {"blocks.0.attn2.add_k_proj": "diffusion_model.blocks.0.cross_attn.k_img",
+                  "blocks.2.attn2.add_v_proj": "diffusion_model.blocks.2.cross_attn.v_img"},
     "z_image": {"layers.0.attention.to_q": "diffusion_model.layers.0.attention.to_q",
                 "layers.2.attention.to_out.0": "diffusion_model.layers.2.attention.to_out.0",
                 "noise_refiner.0.attention.to_k": "diffusion_model.noise_refiner.0.attention.to_k",
@@ -182,7 +187,8 @@ def test_the_comfy_file_has_comfyuis_keys_and_the_trained_alpha(exports, family)
     assert files == [DIFFUSERS_FILE, COMFY[family]]  # U-Nets, Flux: the kohya file is the ComfyUI file
     assert sorted(p.name for p in folder.iterdir()) == sorted(files)  # no second file with the kohya bytes
     sd = load_file(str(folder / COMFY[family]))
-    down, up = ("lora_A.weight", "lora_B.weight") if family in ("qwen_image", "qwen_image_edit", "wan21", "wan22", "z_image", "lumina2") else (
+    down, up = ("lora_A.weight", "lora_B.weight") if family in ("qwen_image", "qwen_image_edit", "wan21", "wan22", "wan21_i2v", "z_image",
+                                                          "lumina2") else (
         "lora_down.weight", "lora_up.weight")
     modules = {k.rsplit(".", 2)[0] if k.endswith(".weight") else k.rsplit(".", 1)[0] for k in sd}
     adapted_modules = sum(1 for n, _ in module.named_parameters() if ".lora_A." in n)
@@ -272,11 +278,11 @@ def test_full_size_keys_are_the_ones_comfyui_maps(layout, module, key, comfy_wei
 
 
 def test_every_linear_of_the_full_size_wan_has_a_comfyui_name():
-    """Wan 2.1 14B and 2.2 5B, built on meta: any module a user targets has an original name."""
+    """Wan 2.1 14B, 2.2 5B and 2.1 I2V 14B, built on meta: any module a user targets has an original name."""
     from runner.trainers.loading import build_module
     from runner.trainers.wan import WanTrainer
 
-    for variant in ("14b", "2.2-5b"):
+    for variant in ("14b", "2.2-5b", "i2v-2.1-14b"):  # I2V: the image cross-attention and img_emb too
         cfg = compose_config(["trainer=wan", f"trainer.variant={variant}", "model.size=full", "train.device=cpu"])
         trainer = build_trainer(cfg, resolve(cfg))
         assert isinstance(trainer, WanTrainer)

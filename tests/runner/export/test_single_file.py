@@ -235,7 +235,10 @@ def test_the_lazy_writer_writes_what_safetensors_reads(tmp_path):
 @pytest.mark.parametrize("family,overrides,tensors", [
     pytest.param("sdxl", [], 2513, marks=pytest.mark.slow), ("sd15", [], 1130), ("flux", [], 780), ("sd35", [], 923),
     ("sd35", ["trainer.variant=medium"], 665), ("wan", [], 1095), ("qwen_image", [], 1933),
-], ids=["sdxl", "sd15", "flux", "sd35-large", "sd35-medium", "wan-14b", "qwen-image"])
+    # Wan 2.1 I2V 14B: T2V's 1095 + per block cross_attn.k_img/v_img (weight, bias) and norm_k_img (5 x 40),
+    # + img_emb.proj.0/1/3/4 (weight, bias each: 8)
+    ("wan", ["trainer.variant=i2v-2.1-14b"], 1095 + 5 * 40 + 8),
+], ids=["sdxl", "sd15", "flux", "sd35-large", "sd35-medium", "wan-14b", "qwen-image", "wan-i2v-14b"])
 def test_full_size_layouts_convert_back_on_meta(family, overrides, tensors):
     """The published architectures (model.size=full, on meta: no weights): every original key the export
     would write converts back, through the reader's converters, onto the model's own keys and shapes. The

@@ -38,7 +38,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 FAMILIES = {
     "qwen_image": ["trainer=qwen_image"],
     "wan": ["trainer=wan", "data.frames=5"],  # 2 latent frames: a clip, at a CPU-friendly length
+    # image-to-video (test_wan_i2v.py has its own checks): the family-wide ones below, where marked
+    "wan_i2v": ["trainer=wan", "trainer.variant=i2v-2.1-14b", "data.frames=5"],
 }
+T2X = ["qwen_image", "wan"]  # the checks whose pipeline calls are text-to-X (test_wan_i2v.py covers I2V's)
 COMMON = ["train.device=cpu", "train.progress=false", "data.demo_size=2"]
 
 
@@ -122,6 +125,7 @@ TRUTH = {
     "qwen_image": ["trainer=qwen_image", "data.resolution=128"],
     "qwen_image_24gb": ["+preset=qwen_image_24gb", "data.resolution=128", "offload.park.cache_latents=false"],
     "wan": ["trainer=wan"],
+    "wan_i2v": ["trainer=wan", "trainer.variant=i2v-2.1-14b"],  # + the condition channels and the CLIP tower
     "wan_24gb": ["+preset=wan_24gb", "data.width=64", "data.height=48", "data.frames=5",
                  "offload.park.cache_latents=false"],
 }
@@ -143,15 +147,17 @@ def test_cached_and_uncached_losses_are_equal(tmp_path, family):
     second = [r["loss"] for r in train(tmp_path / "second", family, *steps, *park)]
     assert base == first == second, (base, first, second)
     entries = list((tmp_path / "cache").rglob("*.safetensors"))
-    assert len(entries) == 4  # two samples: latents and text each
-    if family == "wan":
+    assert len(entries) == 2 * (3 if family == "wan_i2v" else 2)  # two samples: latents and text (and CLIP tokens) each
+    if family != "qwen_image":
         from safetensors.torch import load_file
 
-        latents = [load_file(str(p)) for p in (tmp_path / "cache" / "latents").rglob("*.safetensors")]
-        assert latents[0]["latent_mean"].shape == (16, 2, 8, 8)  # a video latent: channels, frames, h, w
+        latents = [e for p in (tmp_path / "cache" / "latents").rglob("*.safetensors") if "latent_mean" in (e := load_file(str(p)))]
+        assert len(latents) == 2 and latents[0]["latent_mean"].shape == (16, 2, 8, 8)  # a video latent: channels, frames, h, w
+        if family == "wan_i2v":  # the first frame's condition is cached with the clip's latents
+            assert all(e["condition_mean"].shape == (16, 2, 8, 8) for e in latents)
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", T2X)
 def test_exported_lora_loads_into_the_pipeline_and_generates(tmp_path, family):
     lora = ["model.train=lora", "model.lora_rank=4", "model.lora_alpha=8"]
     train(tmp_path, family, "train.steps=2", "optimizer.lr=0.01", "train.batch_size=1", *lora)
