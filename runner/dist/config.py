@@ -79,6 +79,10 @@ class FSDPConfig:
     ranks_per_node: Optional[int] = None  # hybrid_shard: shard group size; null: LOCAL_WORLD_SIZE (mode=plan: required)
     reshard_after_forward: bool = True  # free a block's gathered weights after its forward (gather again in backward)
     cpu_offload: bool = False  # sharded weights, gradients and the optimizer step on the host (FSDP2 CPUOffloadPolicy)
+    # With bf16/fp16 autocast and float32 trained weights: each unit all-gathered in the autocast dtype from
+    # float32 shards, gradients reduce-scattered in float32 (FSDP2 MixedPrecisionPolicy); false: gathered in
+    # float32 and cast by autocast, which caches a low-precision copy of every weight through the forward
+    mixed_precision: bool = True
 
 
 OPTIONS = {"none": NoDistConfig, "ddp": DDPConfig, "fsdp": FSDPConfig}
@@ -96,6 +100,7 @@ class DistSpec:
     reshard_after_forward: bool = True
     cpu_offload: bool = False
     bucket_mb: float = 25.0
+    mixed_precision: bool = True  # fsdp: MixedPrecisionPolicy when autocast is low-precision (runner/resolved.py)
 
     @property
     def active(self) -> bool:
@@ -190,7 +195,8 @@ def resolve_distribution(cfg: Any, planning: bool) -> DistSpec:
         shard = per_node
     return DistSpec(name=name, world_size=size, rank=rank, local_rank=local, shard_size=shard,
                     reshard_after_forward=bool(get("reshard_after_forward", True)),
-                    cpu_offload=bool(get("cpu_offload", False)), bucket_mb=float(get("bucket_mb", 25.0)))
+                    cpu_offload=bool(get("cpu_offload", False)), bucket_mb=float(get("bucket_mb", 25.0)),
+                    mixed_precision=bool(get("mixed_precision", True)))
 
 
 def validate_dist(cfg: Any, spec: DistSpec) -> None:
