@@ -265,14 +265,15 @@ def _dist_problems(cfg: Any, spec: DistSpec) -> list[str]:
             "sharded weights on the host), or dist=ddp with offload=optimizer.")
     optimizer = str(cfg.optimizer.get("name", "adamw"))
     if optimizer not in FSDP_OPTIMIZERS:
-        why = {"lion": "bitsandbytes' kernels take whole tensors",
+        whole = ", not FSDP's sharded parameters"
+        why = {"lion": "bitsandbytes' kernels take whole tensors" + whole,
                "prodigy": "its step-size sums read each parameter whole (and its FSDP mode is FSDP1's flat parameters)",
                "came": "its factored moments need each matrix's whole rows and columns",
                "adamw_schedulefree": "its step and train/eval switches have been tested on whole parameters only"}.get(
-            optimizer, "bitsandbytes' 8-bit kernels take whole tensors" if "8bit" in optimizer else
-            "its update mixes FSDP's sharded parameters with plain tensors")
+            optimizer, "bitsandbytes' 8-bit kernels take whole tensors" + whole if "8bit" in optimizer else
+            "its update mixes FSDP's sharded parameters with plain tensors, which torch refuses")
         problems.append(
-            f"dist=fsdp and optimizer={optimizer} cannot be combined: {why}, not FSDP's sharded parameters. Use "
+            f"dist=fsdp and optimizer={optimizer} cannot be combined: {why}. Use "
             "optimizer=adamw (its state is sharded too; model.train_dtype=bfloat16 halves it), or dist=ddp with "
             f"optimizer={optimizer}.")
     return problems

@@ -106,6 +106,23 @@ def test_every_conflict_with_dist_is_listed_at_once():
         assert f"\n  {n}. " in text and needle in text.split(f"\n  {n}. ")[1].split("\n")[0], (n, text)
 
 
+def test_the_issue_29_command_learns_batch_stream_and_adafactor_from_one_refusal():
+    """Issue 29's Flux command before its fixes: a global batch of 2 over 4 ranks, offload=stream and
+    Adafactor (the preset's) under dist=fsdp. It took three commands to learn all three; one refusal
+    names them, each once, with its fix."""
+    cfg = compose_config(["+preset=flux_24gb_full", "mode=plan", "model.size=full", "dist=fsdp", "dist.world_size=4"])
+    with pytest.raises(UserError) as e:
+        validate(cfg)
+    text = str(e.value)
+    assert text.startswith("3 settings cannot be combined with dist=fsdp as given; all of them:"), text
+    for needle, fix in [("train.batch_size=2 does not split evenly over 4 ranks", "train.batch_size=4"),
+                        ("dist=fsdp and offload=stream cannot be combined", "dist.cpu_offload=true"),
+                        ("dist=fsdp and optimizer=adafactor cannot be combined", "optimizer=adamw")]:
+        line = next(x for x in text.splitlines() if needle in x)
+        assert fix in line and text.count(needle) == 1, (needle, text)
+    assert "not FSDP's sharded parameters" not in text  # the Adafactor reason reads as one sentence
+
+
 def test_a_launch_with_another_world_size_than_configured_is_refused(launched):
     launched(world=2, rank=0)
     with pytest.raises(UserError, match=r"dist.world_size=4, but this run was launched with 2 processes"):
