@@ -64,7 +64,7 @@ class ResolvedRun:
     # dist=fsdp with a bf16/fp16 autocast and float32 trained weights: the dtype FSDP2 all-gathers the
     # weights in (MixedPrecisionPolicy param_dtype; gradients reduced in float32). None: FSDP gathers the
     # stored dtype and autocast casts (see fsdp_param_dtype_of).
-    fsdp_param_dtype: Optional[torch.dtype] = None
+    fsdp_param_dtype: torch.dtype | None = None
 
     @property
     def rank_batch(self) -> int:
@@ -118,7 +118,7 @@ class ResolvedRun:
                 + ("" if not self.dist.active else f"; {self.dist.describe()}{gathered}"))
 
 
-def fsdp_param_dtype_of(dist: DistSpec, precision: str, train_dtype: torch.dtype) -> Optional[torch.dtype]:
+def fsdp_param_dtype_of(dist: DistSpec, precision: str, train_dtype: torch.dtype) -> torch.dtype | None:
     """The dtype FSDP2 all-gathers a sharded module's weights in, decided once (``ResolvedRun.fsdp_param_dtype``).
 
     Under ``dist=fsdp`` with a bf16/fp16 autocast and float32 trained weights: the autocast dtype, given to

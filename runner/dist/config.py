@@ -7,6 +7,12 @@ environment (runner/dist/launch.py) into the :class:`DistSpec` that ``ResolvedRu
 the choice, the world size and this process's rank, decided once. Nothing else reads
 ``WORLD_SIZE`` or ``cfg.dist``.
 
+Precision. ``dist.mixed_precision`` (default true): under a bf16/fp16 autocast with float32 trained
+weights, FSDP2 all-gathers each unit in the autocast dtype from float32 shards and reduce-scatters
+gradients in float32 (``MixedPrecisionPolicy``; decided once as ``ResolvedRun.fsdp_param_dtype``,
+runner/resolved.py). false: float32 gathers, and autocast keeps a bf16 copy of every weight it casts
+until the forward ends.
+
 World size. Training: the launcher's (``torchrun``/``accelerate launch``/a SLURM job's tasks);
 ``dist.world_size``, when set, must equal it (a guard against launching the wrong number of
 processes). ``mode=plan``: ``dist.world_size`` (default: the launcher's, else 1) is the number of

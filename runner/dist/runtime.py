@@ -8,7 +8,12 @@ What the loop asks of it, each behind one hook in runner/loop.py:
   another number of processes continues the same curve.
 * :meth:`Distribution.prepare_models`: before the optimizer is built, the trained modules are
   wrapped: DDP (torch's, prepared by accelerate) or FSDP2 (``fully_shard`` per repeated block,
-  runner/blocks.py, and on the module).
+  runner/blocks.py, and on the module). Under a bf16/fp16 autocast with float32 trained weights
+  each unit gets ``MixedPrecisionPolicy(param_dtype=<autocast dtype>, reduce_dtype=float32)``
+  (:func:`mixed_precision_policy`, decided as ``ResolvedRun.fsdp_param_dtype``): float32 masters in
+  the shards and in the optimizer, bf16 weights gathered one unit at a time, float32 gradient
+  reduction. Autocast still runs around the step for the activations; the weights it would cast
+  (and cache for the whole forward) arrive in bf16 already.
 * :meth:`Distribution.attempts`: each attempt of a step's passes agreed on by every rank
   (runner/dist/agree.py), the loss averaged over ranks.
 

@@ -27,7 +27,17 @@ the shard group, bytes exact per parameter)
   largest unit's unsharded gradients and the reduce-scatter input they are copied into;
 * optimizer state of ``m``: its share, ``shard(trainable) / trainable`` of it;
 * ``dist.cpu_offload=true``: sharded weights, gradients and optimizer state are on the host
-  (added to the host figures), only the gathered copies and reduce-scatter buffers on the device.
+  (added to the host figures), only the gathered copies and reduce-scatter buffers on the device;
+* mixed precision (``ResolvedRun.fsdp_param_dtype``: bf16/fp16 autocast, float32 trained weights,
+  FSDP2's ``MixedPrecisionPolicy``, runner/dist/runtime.py): every gathered byte above is counted in
+  the autocast dtype (a float32 unit is gathered at half its size), the unit's unsharded gradients
+  too, and the reduce-scatter input in float32; the shards, their gradients and the optimizer state
+  stay float32. The weights reach the unit's ops already in bf16, so no op casts them and autocast
+  caches no copy: the simulation's casts of these weights (runner/plan/semantics.py) are neither
+  cached nor counted (``LiveBytesTracker.uncounted``), since the gathered copy they stand for is
+  the window above, one unit at a time. Without the policy the simulation's autocast casts and
+  caches each float32 weight as one process does: a low-precision copy of every block's weights
+  through the forward (``dist.mixed_precision=false`` plans that).
 
 ``dist=ddp``: everything of one process, and DDP's gradient buckets (row ``(ddp buckets)``): the
 trained gradients live in them for the whole run (runner/dist/runtime.py), so every phase holds

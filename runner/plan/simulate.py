@@ -57,8 +57,8 @@ from runner.plan.batch import (
 )
 from runner.plan.calibrate import cpu_target
 from runner.plan.cost import CostCounter
-from runner.plan.dist import measure as measure_rank
 from runner.plan.dist import gathered_params, rank_phase, rank_state_bytes
+from runner.plan.dist import measure as measure_rank
 from runner.plan.ema import plan_ema
 from runner.plan.fake import fake_module, simulation_mode, weights_left_uninitialised
 from runner.plan.process import import_model_classes, old_objects_frozen, one_thread
