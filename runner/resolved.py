@@ -63,6 +63,10 @@ class ResolvedRun:
     ema_dtype: Optional[torch.dtype] = None  # ema.enabled: the dtype of the EMA copy (runner/ema/average.py); None: no EMA
     gpu: Optional[DeviceSpec] = None  # device.name / device.spec: the GPU the run is for (runner/devices.py)
     dist: DistSpec = DistSpec()  # dist=none|ddp|fsdp, world size and this rank (runner/dist/config.py)
+    # dist=fsdp with a bf16/fp16 autocast and float32 trained weights: the dtype FSDP2 all-gathers the
+    # weights in (MixedPrecisionPolicy param_dtype; gradients reduced in float32). None: FSDP gathers the
+    # stored dtype and autocast casts (see fsdp_param_dtype_of).
+    fsdp_param_dtype: torch.dtype | None = None
 
     @property
     def rank_batch(self) -> int:
@@ -114,9 +118,30 @@ class ResolvedRun:
                  f"global batch {self.batch_size}, {self.rank_batch} per rank as {self.grad_accum} x {self.micro_batch}")
         if own_batches:
             batch = "the loop's own batches"
+        gathered = (f", weights all-gathered in {name(self.fsdp_param_dtype)} and gradients reduced in float32"
+                    if self.fsdp_param_dtype is not None else "")
         return (f"run: on {self.device} for {self.target}, {autocast}, frozen weights {name(self.frozen_dtype)}, "
                 f"trained ({self.train_mode}) {name(self.train_dtype)}{ema}, {batch}, {budget}"
-                + ("" if not self.dist.active else f"; {self.dist.describe()}"))
+                + ("" if not self.dist.active else f"; {self.dist.describe()}{gathered}"))
+
+
+def fsdp_param_dtype_of(dist: DistSpec, precision: str, train_dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype FSDP2 all-gathers a sharded module's weights in, decided once (``ResolvedRun.fsdp_param_dtype``).
+
+    Under ``dist=fsdp`` with a bf16/fp16 autocast and float32 trained weights: the autocast dtype, given to
+    ``fully_shard`` as ``MixedPrecisionPolicy(param_dtype=..., reduce_dtype=float32)`` (runner/dist/runtime.py).
+    Why: without it each unit is gathered in float32 and autocast casts every weight to bf16 and keeps the copy
+    in its cast cache until the forward ends (with checkpointed blocks: a bf16 copy of the whole module per
+    rank); with it the shards stay float32 masters, each unit arrives in bf16 (half the all-gather traffic),
+    is freed after use, and the gradients are reduce-scattered in float32. Autocast still runs for the
+    activations (float32 ops such as norms and softmax, inputs of the matmuls); a weight that arrives in the
+    autocast dtype is never cast or cached. Trade-off: the unit's matmuls see bf16 weights, as under autocast.
+    None otherwise: one process, dist=ddp, no autocast, trained weights already stored in bf16/fp16, or
+    ``dist.mixed_precision=false`` (float32 gathers; autocast casts and caches, as before issue 29).
+    """
+    if dist.name != "fsdp" or not dist.active or not dist.mixed_precision or train_dtype != torch.float32:
+        return None
+    return AUTOCAST_DTYPES.get(precision)
 
 
 def running_device(cfg: Any) -> torch.device:
@@ -188,4 +213,5 @@ def resolve(cfg: Any, *, target: Optional[str] = None, device: Optional[torch.de
         ema_dtype=resolve_ema_dtype(cfg.get("ema"), DTYPES[train_dtype_name]),
         gpu=gpu,
         dist=dist,
+        fsdp_param_dtype=fsdp_param_dtype_of(dist, precision, DTYPES[train_dtype_name]),
     )

@@ -7,6 +7,12 @@ environment (runner/dist/launch.py) into the :class:`DistSpec` that ``ResolvedRu
 the choice, the world size and this process's rank, decided once. Nothing else reads
 ``WORLD_SIZE`` or ``cfg.dist``.
 
+Precision. ``dist.mixed_precision`` (default true): under a bf16/fp16 autocast with float32 trained
+weights, FSDP2 all-gathers each unit in the autocast dtype from float32 shards and reduce-scatters
+gradients in float32 (``MixedPrecisionPolicy``; decided once as ``ResolvedRun.fsdp_param_dtype``,
+runner/resolved.py). false: float32 gathers, and autocast keeps a bf16 copy of every weight it casts
+until the forward ends.
+
 World size. Training: the launcher's (``torchrun``/``accelerate launch``/a SLURM job's tasks);
 ``dist.world_size``, when set, must equal it (a guard against launching the wrong number of
 processes). ``mode=plan``: ``dist.world_size`` (default: the launcher's, else 1) is the number of
@@ -79,6 +85,10 @@ class FSDPConfig:
     ranks_per_node: Optional[int] = None  # hybrid_shard: shard group size; null: LOCAL_WORLD_SIZE (mode=plan: required)
     reshard_after_forward: bool = True  # free a block's gathered weights after its forward (gather again in backward)
     cpu_offload: bool = False  # sharded weights, gradients and the optimizer step on the host (FSDP2 CPUOffloadPolicy)
+    # With bf16/fp16 autocast and float32 trained weights: each unit all-gathered in the autocast dtype from
+    # float32 shards, gradients reduce-scattered in float32 (FSDP2 MixedPrecisionPolicy); false: gathered in
+    # float32 and cast by autocast, which caches a low-precision copy of every weight through the forward
+    mixed_precision: bool = True
 
 
 OPTIONS = {"none": NoDistConfig, "ddp": DDPConfig, "fsdp": FSDPConfig}
@@ -96,6 +106,7 @@ class DistSpec:
     reshard_after_forward: bool = True
     cpu_offload: bool = False
     bucket_mb: float = 25.0
+    mixed_precision: bool = True  # fsdp: MixedPrecisionPolicy when autocast is low-precision (runner/resolved.py)
 
     @property
     def active(self) -> bool:
@@ -190,7 +201,8 @@ def resolve_distribution(cfg: Any, planning: bool) -> DistSpec:
         shard = per_node
     return DistSpec(name=name, world_size=size, rank=rank, local_rank=local, shard_size=shard,
                     reshard_after_forward=bool(get("reshard_after_forward", True)),
-                    cpu_offload=bool(get("cpu_offload", False)), bucket_mb=float(get("bucket_mb", 25.0)))
+                    cpu_offload=bool(get("cpu_offload", False)), bucket_mb=float(get("bucket_mb", 25.0)),
+                    mixed_precision=bool(get("mixed_precision", True)))
 
 
 def validate_dist(cfg: Any, spec: DistSpec) -> None:
@@ -259,14 +271,15 @@ def _dist_problems(cfg: Any, spec: DistSpec) -> list[str]:
             "sharded weights on the host), or dist=ddp with offload=optimizer.")
     optimizer = str(cfg.optimizer.get("name", "adamw"))
     if optimizer not in FSDP_OPTIMIZERS:
-        why = {"lion": "bitsandbytes' kernels take whole tensors",
+        whole = ", not FSDP's sharded parameters"
+        why = {"lion": "bitsandbytes' kernels take whole tensors" + whole,
                "prodigy": "its step-size sums read each parameter whole (and its FSDP mode is FSDP1's flat parameters)",
                "came": "its factored moments need each matrix's whole rows and columns",
                "adamw_schedulefree": "its step and train/eval switches have been tested on whole parameters only"}.get(
-            optimizer, "bitsandbytes' 8-bit kernels take whole tensors" if "8bit" in optimizer else
-            "its update mixes FSDP's sharded parameters with plain tensors")
+            optimizer, "bitsandbytes' 8-bit kernels take whole tensors" + whole if "8bit" in optimizer else
+            "its update mixes FSDP's sharded parameters with plain tensors, which torch refuses")
         problems.append(
-            f"dist=fsdp and optimizer={optimizer} cannot be combined: {why}, not FSDP's sharded parameters. Use "
+            f"dist=fsdp and optimizer={optimizer} cannot be combined: {why}. Use "
             "optimizer=adamw (its state is sharded too; model.train_dtype=bfloat16 halves it), or dist=ddp with "
             f"optimizer={optimizer}.")
     return problems

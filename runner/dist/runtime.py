@@ -8,7 +8,12 @@ What the loop asks of it, each behind one hook in runner/loop.py:
   another number of processes continues the same curve.
 * :meth:`Distribution.prepare_models`: before the optimizer is built, the trained modules are
   wrapped: DDP (torch's, prepared by accelerate) or FSDP2 (``fully_shard`` per repeated block,
-  runner/blocks.py, and on the module).
+  runner/blocks.py, and on the module). Under a bf16/fp16 autocast with float32 trained weights
+  each unit gets ``MixedPrecisionPolicy(param_dtype=<autocast dtype>, reduce_dtype=float32)``
+  (:func:`mixed_precision_policy`, decided as ``ResolvedRun.fsdp_param_dtype``): float32 masters in
+  the shards and in the optimizer, bf16 weights gathered one unit at a time, float32 gradient
+  reduction. Autocast still runs around the step for the activations; the weights it would cast
+  (and cache for the whole forward) arrive in bf16 already.
 * :meth:`Distribution.attempts`: each attempt of a step's passes agreed on by every rank
   (runner/dist/agree.py), the loss averaged over ranks.
 
@@ -226,6 +231,9 @@ class DataParallel(Distribution):
         kwargs: dict[str, Any] = {"reshard_after_forward": self.spec.reshard_after_forward, "mesh": mesh}
         if self.spec.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy()
+        policy = mixed_precision_policy(self.run.fsdp_param_dtype)
+        if policy is not None:
+            kwargs["mp_policy"] = policy
         ignored = _unshardable_params(module)
         if ignored:
             kwargs["ignored_params"] = ignored
@@ -239,9 +247,11 @@ class DataParallel(Distribution):
         self.fsdp_root = fully_shard(module, **root_kwargs)
         units.append(self.fsdp_root)
         agree_before_fsdp_collectives(units, self.agreement)
-        log.info("dist=fsdp: %s sharded over %d rank(s) in %d units (%d repeated blocks + the rest)%s%s", name,
+        log.info("dist=fsdp: %s sharded over %d rank(s) in %d units (%d repeated blocks + the rest)%s%s%s", name,
                  self.spec.shard_size, len(units), len(blocks),
                  "; sharded weights on the host" if self.spec.cpu_offload else "",
+                 "" if policy is None else f"; float32 shards, each unit all-gathered in "
+                 f"{str(policy.param_dtype).replace('torch.', '')}, gradients reduce-scattered in float32",
                  f"; {len(ignored)} quantized tensors kept whole on every rank" if ignored else "")
 
     def _mesh(self, device: torch.device) -> Any:
@@ -332,6 +342,23 @@ class GradientSync(nn.Module):
 
 
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def mixed_precision_policy(param_dtype: torch.dtype | None) -> Any:
+    """FSDP2's ``MixedPrecisionPolicy`` for ``ResolvedRun.fsdp_param_dtype`` (None: none, FSDP's default).
+
+    ``param_dtype``: each unit's float32 shards are cast and all-gathered in the autocast dtype, so the
+    unit computes with bf16/fp16 weights that FSDP frees after the unit (no autocast cast cache of whole
+    float32 weights; half the all-gather bytes). ``reduce_dtype=float32``: the unit's gradients, computed
+    in the low dtype as under autocast, are reduce-scattered and kept in float32 for the float32 masters.
+    ``cast_forward_inputs=False``: autocast alone decides the activations' dtypes, as in one process
+    (FSDP's default would round every float input of a unit, timesteps included, to bf16 first).
+    """
+    if param_dtype is None:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
 
 
 def _unshardable_params(module: nn.Module) -> set[nn.Parameter]:

@@ -202,6 +202,9 @@ class LiveBytesTracker(TrackerViews, TrackerScopes, TorchDispatchMode):
         # (``died(device, serial)``) in order: the planner replays them through the caching
         # allocator's model (runner/plan/allocator.py). None: nothing extra per storage.
         self.alloc_observer: Any = None
+        # Storages born inside ``uncounted()`` (runner/memory/live_bytes_scopes.py): key -> weakref; never counted.
+        self._uncounting = 0
+        self._excluded: dict[int, weakref.ref] = {}
 
     # ---- storages resized in place ----------------------------------------------------------
     # FSDP2 frees a unit's gathered weights with ``storage.resize_(0)`` and allocates them again
@@ -298,6 +301,8 @@ class LiveBytesTracker(TrackerViews, TrackerScopes, TorchDispatchMode):
         if s is None:
             return None
         key = s._cdata
+        if self._excluded and self._is_excluded(key, s):
+            return None
         rec = self._live.get(key)
         if rec is not None and rec() is s:
             if born:  # out= / resize_: an existing storage may have grown
@@ -311,6 +316,9 @@ class LiveBytesTracker(TrackerViews, TrackerScopes, TorchDispatchMode):
             return rec
         if rec is not None:  # a dead storage whose address was reused: settle it first
             self._free(rec, None)
+        if born and self._uncounting:
+            self._excluded[key] = weakref.ref(s)
+            return None
         n = _int(s.nbytes())
         top = self._phases[-1] if self._phases else None
         if category is None:

@@ -61,6 +61,30 @@ class TrackerScopes:
     _module_stats: dict[str, dict[str, int]]
     _total: int
 
+    _uncounting: int
+    _excluded: dict[int, Any]
+
+    @contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Storages born inside (and views of them) are never counted: they stand for bytes that are
+        counted elsewhere. The planner's use: a weight cast to the compute dtype under ``dist=fsdp``
+        stands for FSDP2's all-gathered copy of its unit, which runner/plan/dist.py counts per unit
+        (one unit at a time, freed after use) rather than per op."""
+        self._uncounting += 1
+        try:
+            yield
+        finally:
+            self._uncounting -= 1
+
+    def _is_excluded(self, key: int, storage: Any) -> bool:
+        ref = self._excluded.get(key)
+        if ref is None:
+            return False
+        if ref() is storage:
+            return True
+        del self._excluded[key]  # a dead excluded storage whose address was reused
+        return False
+
     @contextmanager
     def phase(self, name: str, category: str | None = None) -> Iterator[None]:
         """Everything allocated inside belongs to phase ``name`` ("forward", "backward", ...).

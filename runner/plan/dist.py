@@ -27,7 +27,17 @@ the shard group, bytes exact per parameter)
   largest unit's unsharded gradients and the reduce-scatter input they are copied into;
 * optimizer state of ``m``: its share, ``shard(trainable) / trainable`` of it;
 * ``dist.cpu_offload=true``: sharded weights, gradients and optimizer state are on the host
-  (added to the host figures), only the gathered copies and reduce-scatter buffers on the device.
+  (added to the host figures), only the gathered copies and reduce-scatter buffers on the device;
+* mixed precision (``ResolvedRun.fsdp_param_dtype``: bf16/fp16 autocast, float32 trained weights,
+  FSDP2's ``MixedPrecisionPolicy``, runner/dist/runtime.py): every gathered byte above is counted in
+  the autocast dtype (a float32 unit is gathered at half its size), the unit's unsharded gradients
+  too, and the reduce-scatter input in float32; the shards, their gradients and the optimizer state
+  stay float32. The weights reach the unit's ops already in bf16, so no op casts them and autocast
+  caches no copy: the simulation's casts of these weights (runner/plan/semantics.py) are neither
+  cached nor counted (``LiveBytesTracker.uncounted``), since the gathered copy they stand for is
+  the window above, one unit at a time. Without the policy the simulation's autocast casts and
+  caches each float32 weight as one process does: a low-precision copy of every block's weights
+  through the forward (``dist.mixed_precision=false`` plans that).
 
 ``dist=ddp``: everything of one process, and DDP's gradient buckets (row ``(ddp buckets)``): the
 trained gradients live in them for the whole run (runner/dist/runtime.py), so every phase holds
@@ -84,6 +94,13 @@ class RankLayout:
     root: int = 0  # the root unit's shardable weights, full
     largest_unit: int = 0  # the largest block unit's shardable weights, full
     largest_unit_grads: int = 0  # its trainable parameters, full
+    # The same in the dtype FSDP2 all-gathers in (``ResolvedRun.fsdp_param_dtype``; the stored dtype without
+    # a MixedPrecisionPolicy): what is gathered in forward and backward, and the unsharded gradients.
+    param_dtype: Any = None
+    gathered: int = 0  # every shardable weight of the module, gathered
+    root_gathered: int = 0
+    largest_gathered: int = 0
+    largest_grads_gathered: int = 0
     trainable: int = 0  # trainable parameters of the trained modules, full (their gradients' bytes)
     trainable_shard: int = 0
     units: int = 0
@@ -94,9 +111,31 @@ class RankLayout:
         return self.trainable_shard / self.trainable if self.trainable else 1.0
 
 
-def measure(spec: Any, models: Any) -> RankLayout | None:
+def _gathered_bytes(p: torch.Tensor, param_dtype: torch.dtype | None) -> int:
+    """Bytes of ``p`` as FSDP2 all-gathers it: float32 weights in ``param_dtype`` under a
+    MixedPrecisionPolicy (runner/dist/runtime.py), every other weight in its stored dtype."""
+    if param_dtype is not None and p.dtype == torch.float32:
+        return p.numel() * param_dtype.itemsize
+    return _bytes(p)
+
+
+def gathered_params(layout: RankLayout | None, models: Any) -> frozenset[int]:
+    """ids of the weights FSDP2 all-gathers in the autocast dtype (none without a MixedPrecisionPolicy):
+    the simulation neither caches nor counts their casts (runner/plan/semantics.py), since the
+    layout counts them per unit (module docstring)."""
+    from runner.dist.runtime import _unshardable_params
+
+    if layout is None or layout.name != "fsdp" or layout.param_dtype is None:
+        return frozenset()
+    module = models[layout.module]
+    whole = _unshardable_params(module)
+    return frozenset(id(p) for p in module.parameters() if p not in whole and p.dtype == torch.float32)
+
+
+def measure(spec: Any, models: Any, param_dtype: torch.dtype | None = None) -> RankLayout | None:
     """The layout of one rank of ``spec`` (a :class:`~runner.dist.config.DistSpec`) on the simulated
-    ``models`` after the plugins' setup; None for one process."""
+    ``models`` after the plugins' setup; None for one process. ``param_dtype``: the run's
+    ``fsdp_param_dtype`` (runner/resolved.py), the dtype each unit is all-gathered in."""
     from runner.blocks import find_repeated_blocks
     from runner.dist.runtime import _unshardable_params
 
@@ -111,16 +150,23 @@ def measure(spec: Any, models: Any) -> RankLayout | None:
     whole = _unshardable_params(module)
     blocks = models.blocks.get(name) or find_repeated_blocks(module)
     in_blocks: set[int] = set()
-    unit_sizes, unit_grads = [], []
+    unit_sizes, unit_grads, unit_gathered, unit_grads_gathered = [], [], [], []
     for block in blocks:
         params = [p for p in block.parameters() if p not in whole]
         in_blocks.update(id(p) for p in block.parameters())
         unit_sizes.append(sum(_bytes(p) for p in params))
         unit_grads.append(sum(_bytes(p) for p in params if p.requires_grad))
+        unit_gathered.append(sum(_gathered_bytes(p, param_dtype) for p in params))
+        unit_grads_gathered.append(sum(_gathered_bytes(p, param_dtype) for p in params if p.requires_grad))
     n = spec.shard_size
     params = list(module.parameters())
+    rest = [p for p in params if id(p) not in in_blocks and p not in whole]
     return RankLayout(
-        "fsdp", module=name, world=spec.world_size, shards=n, reshard_after_forward=spec.reshard_after_forward,
+        "fsdp", param_dtype=param_dtype,
+        gathered=sum(_gathered_bytes(p, param_dtype) for p in params if p not in whole),
+        root_gathered=sum(_gathered_bytes(p, param_dtype) for p in rest),
+        largest_gathered=max(unit_gathered, default=0), largest_grads_gathered=max(unit_grads_gathered, default=0),
+        module=name, world=spec.world_size, shards=n, reshard_after_forward=spec.reshard_after_forward,
         cpu_offload=spec.cpu_offload,
         weights=sum(_bytes(p) for p in params),
         weights_shard=sum(_bytes(p) if p in whole else shard_bytes(p, n) for p in params),
@@ -165,14 +211,14 @@ def per_rank_phase(layout: RankLayout | None, phase: str, by_module: dict[str, d
         out[ALL_GATHER] = {"weights": max(layout.largest_unit, layout.root)}
     elif step in ("forward", "backward"):
         if not layout.reshard_after_forward:
-            window = layout.weights - layout.whole  # every unit stays gathered from its forward to its backward
+            window = layout.gathered  # every unit stays gathered from its forward to its backward
         elif step == "forward":
-            window = layout.root + 2 * layout.largest_unit
+            window = layout.root_gathered + 2 * layout.largest_gathered
         else:
-            window = layout.root + 3 * layout.largest_unit
+            window = layout.root_gathered + 3 * layout.largest_gathered
         out[ALL_GATHER] = {"weights": window}
-        if step == "backward":
-            out[REDUCE_SCATTER] = {"gradients": 2 * layout.largest_unit_grads}
+        if step == "backward":  # the unit's unsharded gradients (gathered dtype) and the float32 reduce-scatter input
+            out[REDUCE_SCATTER] = {"gradients": layout.largest_grads_gathered + layout.largest_unit_grads}
     return out, to_host
 
 

@@ -100,6 +100,11 @@ class DeviceSemantics(TorchFunctionMode):
         self.dtype = PRECISION_DTYPES.get(precision)  # None: float32, nothing to cast
         self.casting = False
         self.cache: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+        # dist=fsdp with a MixedPrecisionPolicy: ids of the float32 weights FSDP2 all-gathers in the autocast
+        # dtype. Their casts are neither cached nor counted (``uncounted``, the tracker's): they stand for the
+        # gathered copy of the unit, which runner/plan/dist.py counts one unit at a time.
+        self.gathered: frozenset[int] = frozenset()
+        self.uncounted: Any = contextlib.nullcontext
 
     @contextlib.contextmanager
     def autocast(self, cache: bool = True) -> Iterator[None]:
@@ -132,6 +137,9 @@ class DeviceSemantics(TorchFunctionMode):
             return type(x)(self._cast(y, to) for y in x)
         if not self._eligible(x) or x.dtype == to:
             return x
+        if self.gathered and to == self.dtype and id(x) in self.gathered:
+            with self.uncounted():  # FSDP2 hands the op this weight in ``to`` already (see __init__)
+                return x.to(to)
         if (self.cache is not None and to == self.dtype and x.dtype == torch.float32 and x.requires_grad
                 and x.is_leaf and not x._is_view()):
             hit = self.cache.get(id(x))

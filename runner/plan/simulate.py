@@ -57,8 +57,8 @@ from runner.plan.batch import (
 )
 from runner.plan.calibrate import cpu_target
 from runner.plan.cost import CostCounter
+from runner.plan.dist import gathered_params, rank_phase, rank_state_bytes
 from runner.plan.dist import measure as measure_rank
-from runner.plan.dist import rank_phase, rank_state_bytes
 from runner.plan.ema import plan_ema
 from runner.plan.fake import fake_module, simulation_mode, weights_left_uninitialised
 from runner.plan.prepass import simulate_cache_fill
@@ -284,7 +284,10 @@ class _Simulation:
                 self.owner[id(p)] = name
             tracker.attach_module_hooks(module, depth=1, prefix=name)
         self.recorder.take("setup")
-        self.rank_layout = measure_rank(self.run.dist, ctx.models)  # dist=ddp|fsdp: what one rank holds
+        self.rank_layout = measure_rank(self.run.dist, ctx.models, self.run.fsdp_param_dtype)  # what one rank holds
+        # dist=fsdp with a MixedPrecisionPolicy: the units' weights arrive in the autocast dtype (runner/plan/dist.py)
+        self.semantics.gathered = gathered_params(self.rank_layout, ctx.models)
+        self.semantics.uncounted = tracker.uncounted
         self.params = list(ctx.models.trainable_parameters())
         ctx.optimizer = build_optimizer(self.cfg.optimizer, self.params, simulate=True)
         ctx.run_phase("wrap_optimizer")

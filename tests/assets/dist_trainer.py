@@ -84,3 +84,44 @@ class OOMOnOneRankSDXL(SDXLTrainer):
         if self.oom.get("block", 3) < 0 and self._due():
             self._raise()
         return super().loss(models, batch)
+
+
+class RecordsDtypesSDXL(SDXLTrainer):
+    """The built-in SDXL trainer that records, per rank, the dtypes the U-Net computes with and stores.
+
+    ``RUNNER_TEST_DTYPES=<folder>``: each rank writes ``rank-<r>.json`` after every loss with
+
+    * ``forward``: the dtype, shape and tensor type of a Linear weight inside the first repeated block
+      (an FSDP unit under ``dist=fsdp``), seen from a hook on that Linear while the block's forward runs;
+    * ``stored``: the dtypes and tensor types of the U-Net's parameters outside the forward: under
+      FSDP2 the sharded parameters the optimizer was built on.
+    """
+
+    def __init__(self, cfg: Any, run: Any = None) -> None:
+        super().__init__(cfg, run)
+        self.seen: list[dict[str, Any]] = []
+
+    def build_models(self, device: Any = "cpu") -> Any:
+        models = super().build_models(device)
+        if str(device) != "meta":
+            block = find_repeated_blocks(models["unet"])[0]
+            linear = next(m for m in block.modules() if isinstance(m, torch.nn.Linear))
+
+            def pre_hook(module: Any, args: Any) -> None:
+                if torch.is_grad_enabled():
+                    w = module.weight
+                    self.seen.append({"dtype": str(w.dtype), "shape": list(w.shape), "type": type(w).__name__})
+
+            linear.register_forward_pre_hook(pre_hook)
+        return models
+
+    def loss(self, models: Any, batch: dict[str, Any]) -> torch.Tensor:
+        stored = sorted({(str(p.dtype), type(p).__name__) for p in models["unet"].parameters()})
+        self.seen.clear()
+        out = super().loss(models, batch)
+        folder = os.environ.get("RUNNER_TEST_DTYPES")
+        if folder:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            (Path(folder) / f"rank-{os.environ.get('RANK', '0')}.json").write_text(
+                json.dumps({"forward": self.seen, "stored": stored}))
+        return out

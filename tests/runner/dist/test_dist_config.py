@@ -106,6 +106,39 @@ def test_every_conflict_with_dist_is_listed_at_once():
         assert f"\n  {n}. " in text and needle in text.split(f"\n  {n}. ")[1].split("\n")[0], (n, text)
 
 
+def test_fsdp_gathers_in_the_autocast_dtype_only_over_float32_trained_weights():
+    """ResolvedRun.fsdp_param_dtype, decided once: the autocast dtype under dist=fsdp on several ranks with
+    float32 trained weights; None where FSDP2 has nothing to cast or was told not to."""
+    gpu = ["mode=plan", "train.device=cuda", "train.mixed_precision=bf16"]
+
+    def gathered(*overrides: str) -> torch.dtype | None:
+        return resolve_for_mode(compose_config([*gpu, *overrides])).fsdp_param_dtype
+
+    assert gathered("dist=fsdp", "dist.world_size=2") == torch.bfloat16
+    assert gathered("dist=fsdp", "dist.world_size=2", "train.mixed_precision=fp16") == torch.float16
+    assert gathered("dist=fsdp", "dist.world_size=2", "dist.mixed_precision=false") is None
+    assert gathered("dist=fsdp", "dist.world_size=2", "model.train_dtype=bfloat16") is None
+    assert gathered("dist=fsdp", "dist.world_size=2", "train.mixed_precision=no") is None
+    assert gathered("dist=ddp", "dist.world_size=2") is None and gathered("dist=fsdp") is None
+
+
+def test_the_issue_29_command_learns_batch_stream_and_adafactor_from_one_refusal():
+    """Issue 29's Flux command before its fixes: a global batch of 2 over 4 ranks, offload=stream and
+    Adafactor (the preset's) under dist=fsdp. It took three commands to learn all three; one refusal
+    names them, each once, with its fix."""
+    cfg = compose_config(["+preset=flux_24gb_full", "mode=plan", "model.size=full", "dist=fsdp", "dist.world_size=4"])
+    with pytest.raises(UserError) as e:
+        validate(cfg)
+    text = str(e.value)
+    assert text.startswith("3 settings cannot be combined with dist=fsdp as given; all of them:"), text
+    for needle, fix in [("train.batch_size=2 does not split evenly over 4 ranks", "train.batch_size=4"),
+                        ("dist=fsdp and offload=stream cannot be combined", "dist.cpu_offload=true"),
+                        ("dist=fsdp and optimizer=adafactor cannot be combined", "optimizer=adamw")]:
+        line = next(x for x in text.splitlines() if needle in x)
+        assert fix in line and text.count(needle) == 1, (needle, text)
+    assert "not FSDP's sharded parameters" not in text  # the Adafactor reason reads as one sentence
+
+
 def test_a_launch_with_another_world_size_than_configured_is_refused(launched):
     launched(world=2, rank=0)
     with pytest.raises(UserError, match=r"dist.world_size=4, but this run was launched with 2 processes"):

@@ -60,6 +60,27 @@ def test_views_do_not_double_count_and_keep_the_storage_alive():
     assert tr.peak_bytes() == 8000
 
 
+def test_storages_born_uncounted_stay_uncounted_with_their_views():
+    """``uncounted()``: what is born inside (the planner's FSDP-gathered weight casts) is never counted,
+    nor its views or in-place writes later; what is born after it is, and the peak never saw it."""
+    tr = LiveBytesTracker()
+    with tr:
+        a = torch.ones(1000)  # 4000 bytes, counted
+        with tr.uncounted():
+            b = a.to(torch.float64)  # 8000 bytes, not counted
+        assert tr.current_bytes() == 4000
+        v = b.view(10, 100).t()
+        v.mul_(2)
+        assert tr.current_bytes() == 4000
+        c = b * 2  # a new storage from an uncounted one: counted
+        assert tr.current_bytes() == 4000 + 8000
+        del b, v, c
+        d = torch.zeros(1000)  # may reuse b's address: counted
+        assert tr.current_bytes() == 8000
+        del a, d
+    assert tr.current_bytes() == 0 and tr.peak_bytes() == 12000
+
+
 def test_in_place_and_out_resize_are_counted():
     tr = LiveBytesTracker()
     with tr:

@@ -52,6 +52,24 @@ def test_each_ranks_plan_is_within_5_percent_of_its_real_step(tmp_path):
                 assert got["plan_phases"][phase] == pytest.approx(got["real_phases"][phase], rel=0.05), (dist, phase)
 
 
+@pytest.mark.slow
+def test_fsdp_mixed_precision_plan_is_within_5_percent_of_its_real_step(tmp_path):
+    """The same truth, for FSDP2 with a MixedPrecisionPolicy (bf16 units from float32 shards; bf16 autocast
+    kept on the CPU by train.cpu_autocast=true), a full fine-tune with checkpointed blocks."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
+           "RUNNER_TRUTH_DISTS": "fsdp"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "dist_truth", str(tmp_path), *TINY, "train.cpu_autocast=true",
+                           "train.mixed_precision=bf16", "model.train=full", "checkpoint=blocks"],
+                          check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"fsdp-rank-{rank}.json").read_text())
+        assert got["plan_peak"] == pytest.approx(got["real_peak"], rel=0.05), (rank, got)
+        for phase in ("forward", "backward"):
+            assert got["plan_phases"][phase] == pytest.approx(got["real_phases"][phase], rel=0.05), (phase, got)
+
+
 @pytest.fixture(scope="module")
 def unet_params():
     from runner.build import build_trainer, prepare_models
@@ -84,6 +102,39 @@ def test_fsdp_cpu_offload_and_kept_gathered_weights_move_the_bytes_where_fsdp_ke
     assert offload.peak_bytes < base.peak_bytes and offload.host_peak_bytes > base.host_peak_bytes
     kept = plan("dist=fsdp", "dist.world_size=2", "dist.reshard_after_forward=false")
     assert kept.peak_bytes > base.peak_bytes  # every unit stays gathered from its forward to its backward
+
+
+def test_fsdp_mixed_precision_plans_bf16_units_and_no_cast_cache_of_the_weights():
+    """Issue 29: with bf16 autocast and float32 trained weights FSDP2 gathers each unit in bf16
+    (runner/dist/runtime.py), so no op casts a weight and autocast caches none. Against the same plan
+    with ``dist.mixed_precision=false`` (float32 gathers, autocast's cast cache), the forward holds
+    exactly less: the cache (a bf16 copy of every Linear/Conv weight and bias of the U-Net, alive to
+    the end of the forward) and half the forward's gather window (the root unit and two blocks)."""
+    import torch
+    from torch import nn
+
+    from runner.blocks import find_repeated_blocks
+    from runner.build import build_trainer, prepare_models
+    from runner.plan.target import DEVICE
+    from runner.resolved import resolve
+
+    bf16 = ("dist=fsdp", "dist.world_size=2", "train.cpu_autocast=true", "train.mixed_precision=bf16",
+            "model.train=full")
+    mp, off = plan(*bf16), plan(*bf16, "dist.mixed_precision=false")
+    cfg = compose_config([*TINY, *bf16[2:]])
+    run = resolve(cfg)
+    unet = prepare_models(build_trainer(cfg, run).build_models(DEVICE), cfg.model, run)["unet"]
+    assert all(p.dtype == torch.float32 for p in unet.parameters())
+    half = torch.bfloat16.itemsize
+    blocks = find_repeated_blocks(unet)
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    root = sum(p.numel() * half for p in unet.parameters() if id(p) not in in_blocks)
+    largest = max(sum(p.numel() * half for p in b.parameters()) for b in blocks)
+    cache = sum(p.numel() * half for m in unet.modules() if isinstance(m, (nn.Linear, nn.Conv2d))
+                for p in m.parameters(recurse=False))
+    assert off.phases["forward"] - mp.phases["forward"] == cache + root + 2 * largest
+    assert mp.peak_bytes < off.peak_bytes
+    assert mp.run["rank_text"] == off.run["rank_text"]
 
 
 def test_ddp_keeps_the_trained_gradients_in_its_buckets(unet_params):
