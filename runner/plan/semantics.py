@@ -271,7 +271,11 @@ class DeviceSemantics(TorchFunctionMode):
     def _cpu_attention(self, func: Any, args: tuple, kwargs: dict, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        mask: Any, dropout: float, causal: bool, scale: Any, half: bool, same_heads: bool) -> Any:
         """Real values on the CPU for a CUDA target: a fused CUDA kernel becomes the CPU's fused one."""
-        if self._cuda_backend(q, k, v, mask, half, same_heads) == 0 or not same_heads:
+        if self._cuda_backend(q, k, v, mask, half, same_heads) == 0:
+            # CUDA's math path materialises the L x L scores; the CPU's own SDPA would pick its flash kernel
+            return torch.ops.aten._scaled_dot_product_attention_math(
+                q, k, v, mask, dropout, causal, scale=scale)[0]
+        if not same_heads:
             return func(*args, **kwargs)
         if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:  # as SDPA's own entry converts it
             mask = _additive_mask(mask, q.dtype)
