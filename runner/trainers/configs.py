@@ -107,7 +107,7 @@ WAN_NATIVE_RESOLUTION = {"14b": 480, "1.3b": 480, "2.2-5b": 704, "2.2-a14b": 480
 class WanTrainerConfig:
     _target_: str = "runner.trainers.wan.WanTrainer"
     variant: str = "14b"  # 14b | 1.3b (Wan 2.1 T2V) | 2.2-5b (Wan 2.2 TI2V-5B, text-to-video) | 2.2-a14b (Wan 2.2 T2V A14B)
-    experts: Optional[str] = None  # 2.2-a14b only: high (t >= 0.875, transformer/) | low (transformer_2/): the expert trained
+    experts: Optional[str] = None  # 2.2-a14b only: both (switch by timestep) | high (t >= 0.875, transformer/) | low (transformer_2/)
     # UMT5 tokens per caption (zero-padded); null: the pipeline's 512 (64 for the random tiny model).
     max_sequence_length: Optional[int] = None
 

@@ -6,8 +6,8 @@ runner/trainers/wan_configs.py has the architectures.
 
 Wan 2.2 A14B denoises the steps with t >= 0.875 (``boundary_ratio`` of the folder's
 ``model_index.json`` when it has one) with its high-noise expert and the rest with its
-low-noise one. A run trains one (``trainer.experts=high|low``, as musubi-tuner and ai-toolkit train
-them: two LoRAs, each loaded into its own model in ComfyUI): the expert's transformer is read from
+low-noise one. A run trains one (``trainer.experts=high|low``: two LoRAs, each loaded into its own
+model in ComfyUI; ``trainer.experts=both`` trains the two in one run, runner/trainers/wan_experts.py): the expert's transformer is read from
 its subfolder (``transformer/`` or ``transformer_2/``), and each sample's t is the family's draw
 scaled into the expert's range (``0.875 + 0.125 t`` or ``0.875 t``), so the loss sees only the
 noise levels that expert denoises. Samples during training use the trained expert for every step
@@ -65,6 +65,15 @@ class WanTrainer(FlowMatchTrainer):
     comfy_layout = "wan"  # ComfyUI's LoRA keys for the family: lora_comfy.safetensors (runner/export/comfy.py)
     family = "wan"  # model.path reads (and export.full_format=single_file writes) the original Wan transformer layout
     default_timestep_shift = "fixed"
+
+    def __new__(cls, cfg: Any = None, run: Any = None) -> WanTrainer:
+        """``trainer.experts=both`` builds the two-expert trainer (runner/trainers/wan_experts.py); no
+        ``cfg``: a copy (the planner deep-copies the trainer) keeps its class."""
+        if cls is WanTrainer and cfg is not None and cfg.trainer.get("experts") == wan_configs.BOTH:
+            from runner.trainers.wan_experts import WanExpertsTrainer
+
+            cls = WanExpertsTrainer
+        return super().__new__(cls)
 
     def __init__(self, cfg: Any, run: Any = None) -> None:
         self.variant = wan_configs.check_variant(str(cfg.trainer.get("variant", "14b")))
