@@ -118,7 +118,7 @@ class WanTrainerConfig:
 @dataclass
 class Wan22A14BTrainerConfig(WanTrainerConfig):
     variant: str = "2.2-a14b"
-    experts: Optional[str] = "high"
+    experts: Optional[str] = "both"  # both experts in one run (runner/trainers/wan_experts.py); high|low: one of them
 
 
 @dataclass

@@ -66,13 +66,13 @@ class WanTrainer(FlowMatchTrainer):
     family = "wan"  # model.path reads (and export.full_format=single_file writes) the original Wan transformer layout
     default_timestep_shift = "fixed"
 
-    def __new__(cls, cfg: Any = None, run: Any = None) -> WanTrainer:
+    def __new__(cls, cfg: Any = None, run: Any = None) -> Any:
         """``trainer.experts=both`` builds the two-expert trainer (runner/trainers/wan_experts.py); no
         ``cfg``: a copy (the planner deep-copies the trainer) keeps its class."""
         if cls is WanTrainer and cfg is not None and cfg.trainer.get("experts") == wan_configs.BOTH:
             from runner.trainers.wan_experts import WanExpertsTrainer
 
-            cls = WanExpertsTrainer
+            return super().__new__(WanExpertsTrainer)
         return super().__new__(cls)
 
     def __init__(self, cfg: Any, run: Any = None) -> None:

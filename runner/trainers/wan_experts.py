@@ -68,6 +68,7 @@ import torch
 from torch import nn
 
 from runner.compat import has_compatible_shallow_copy_type
+from runner.context import Transfer
 from runner.errors import UserError
 from runner.trainer import Batch, ModelSet
 from runner.trainers.loading import attach_lora
@@ -78,6 +79,7 @@ log = logging.getLogger("runner")
 
 MODULE = {"high": "transformer", "low": "transformer_2"}  # each expert's name in the ModelSet (= its diffusers folder)
 SUFFIX = {"high": "_high_noise", "low": "_low_noise"}  # export file names (module docstring)
+TRANSFER_KEY = "trainer/experts"  # ctx.facts.transfers: the expert switch's host -> device copies
 EXPERT_SALT = 0x5EED_E4E7  # the per-step expert draw, apart from every per-sample draw
 REFUSED_PLUGINS = {
     "offload/stream": "it streams each trained module's blocks from the host itself",
@@ -103,6 +105,15 @@ class WanExpertsTrainer(WanTrainer):
         if ema is not None and bool(ema.get("enabled", False)):
             raise UserError("ema.enabled=true is not built for trainer.experts=both (the EMA export writes one LoRA). Set "
                             "ema.enabled=false, or train one expert per run (trainer.experts=high or low).")
+        from runner import registry
+
+        for kind, name, _ in registry.selected(cfg):
+            why = REFUSED_PLUGINS.get(f"{kind}/{name}")
+            if why is not None:
+                raise UserError(f"{kind}={name} is not built for trainer.experts=both: {why}, while this trainer parks "
+                                "the inactive expert with its LoRA and optimizer state on the host. Remove it "
+                                "(offload=[park,activations] and quantization=[nf4] is the 24 GB setup), or train one "
+                                "expert per run (trainer.experts=high or low).")
         self.seed = int(run.seed if run is not None else cfg.train.seed)
         self.active = "high"  # the expert on the device; the planner plans its step (both have one architecture)
         self.switches = 0
@@ -162,18 +173,21 @@ class WanExpertsTrainer(WanTrainer):
     # -- placement and switching (runner/context.py and runner/loop.py call these) -------------------
     def place_models(self, ctx: Any) -> None:
         """Before the runner moves the modules: the inactive expert stays on the host (pinned on CUDA)."""
-        for key, why in REFUSED_PLUGINS.items():
-            if any(p.key == key for p in ctx.schedule.plugins):
-                raise UserError(f"{key.replace('/', '=')} is not built for trainer.experts=both: {why}, while this trainer "
-                                "parks the inactive expert with its LoRA and optimizer state on the host. Remove it "
-                                "(offload=[park,activations] and quantization=[nf4] is the 24 GB setup), or train one "
-                                "expert per run (trainer.experts=high or low).")
         parked = MODULE[other(self.active)]
         move_expert(ctx.models[parked], ctx.host, pin=_pins(ctx))
         ctx.facts.placed.add(parked)
         nbytes = module_bytes(ctx.models[parked])
-        ctx.notes["parked expert"] = (f"{parked} ({other(self.active)}-noise) on the host: "
-                                      f"{nbytes / 2**30:.2f} GiB of weights and LoRA, plus its LoRA's optimizer state")
+        if ctx.run.on_cuda:  # page-locked on the target GPU (the planner counts what a real run pins)
+            ctx.note_pinned_bytes(nbytes)
+        # The step-time model's copies: a switch (probability 2 b (1 - b) per step) brings one expert in.
+        b = self.boundary
+        ctx.facts.transfers[TRANSFER_KEY] = Transfer(h2d_bytes=int(2 * b * (1 - b) * nbytes))
+        ctx.notes["parked on the host"] = (
+            f"trainer.experts=both: {MODULE[self.active]} ({self.active}-noise expert) is the step planned; "
+            f"{parked} ({other(self.active)}-noise) waits on the host: {nbytes / 2**30:.2f} GiB of weights and LoRA "
+            "(in the host figures), and its LoRA's optimizer state once it has trained (as large as the active "
+            "expert's, not in the host figures); a switch moves one expert in on ~"
+            f"{200 * b * (1 - b):.0f}% of the steps")
         ctx.notes["parked expert bytes"] = nbytes
         log.info("trainer.experts=both: %s (%s-noise) on the device, %s parked on %s (%.1f MiB)", MODULE[self.active],
                  self.active, parked, ctx.host, nbytes / 2**20)
@@ -183,11 +197,13 @@ class WanExpertsTrainer(WanTrainer):
         want = self.expert_of_step(step)
         self.steps_by_expert[want] += 1
         if want == self.active:
+            ctx.facts.transfers[TRANSFER_KEY] = Transfer()
             return
         state = optimizer_state(ctx.optimizer)
         out, back = ctx.models[MODULE[self.active]], ctx.models[MODULE[want]]
         move_expert(out, ctx.host, state, pin=_pins(ctx))  # first: its device memory is free before the other arrives
         move_expert(back, ctx.device, state)
+        ctx.facts.transfers[TRANSFER_KEY] = Transfer(h2d_bytes=module_bytes(back))  # this step's copies (step time)
         log.debug("step %d: %s-noise expert (%s) on %s, %s parked", step + 1, want, MODULE[want], ctx.device,
                   MODULE[self.active])
         self.active = want
