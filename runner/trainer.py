@@ -47,6 +47,17 @@ and a cheap final step that adds the per-sample randomness:
 * ``cache_signature(part)`` -> a JSON-able dict of every setting that changes the part's result.
 
 ``encode`` must equal ``finish_encode({p: encode_part(models, p, batch) for p in parts}, batch)``.
+
+Optional hooks of a trainer with more than one trained module, not all on the device at once
+(Wan 2.2 A14B's two experts, runner/trainers/wan_experts.py):
+
+* ``place_models(ctx)``: called after the plugins' ``place_models`` phase, before the runner moves
+  the modules no one placed to the device; a module it adds to ``ctx.facts.placed`` stays where the
+  trainer put it (the planner runs it too, so the plan sees that placement);
+* ``on_step_start(ctx, step)``: called by the loop before each optimizer step's batch (``step``
+  0-based, after the plugins' ``on_step_start``): what changes for the whole step, every micro-batch;
+* ``write_lora_exports(pipeline_class, models, folder, info, export_config)``: the LoRA files of
+  every trained module (runner/export/checkpoint.py), the names written.
 """
 from __future__ import annotations
 

@@ -57,7 +57,9 @@ ComfyUI layout of a one-expert run, each loaded onto its own model.
 Not supported (refused before step 1): a full fine-tune (two 14 B experts' weights and optimizer
 state), ``offload=stream`` and ``offload=optimizer`` (they place the trained weights or their
 state themselves), samples during training (the two-expert pipeline is not wired to the sampler),
-``ema.enabled`` (its export writes one LoRA).
+``ema.enabled`` (its export writes one LoRA), a held-out validation loss (``data.val_fraction`` /
+``data.val_path``: it would be the active expert's alone), ``dist=ddp|fsdp`` (their wrappers hold every trained
+module on the device).
 """
 from __future__ import annotations
 
@@ -101,10 +103,22 @@ class WanExpertsTrainer(WanTrainer):
             raise UserError(f"sample.every={sample.get('every')}: samples during training are not built for "
                             "trainer.experts=both (the sampler renders one transformer). Set sample.every=0, or sample the "
                             "exported LoRAs in WanPipeline (transformer and transformer_2).")
+        from runner.val.config import val_source
+
+        fraction, path = val_source(cfg)
+        if fraction > 0 or path is not None:
+            raise UserError(f"{'data.val_fraction' if fraction > 0 else 'data.val_path'} (a held-out validation loss) is "
+                            "not built for trainer.experts=both: the loss would be each step's active expert's, on its "
+                            "range of t only. Unset it, or validate the exported LoRAs of each expert.")
         ema = cfg.get("ema") if hasattr(cfg, "get") else None
         if ema is not None and bool(ema.get("enabled", False)):
             raise UserError("ema.enabled=true is not built for trainer.experts=both (the EMA export writes one LoRA). Set "
                             "ema.enabled=false, or train one expert per run (trainer.experts=high or low).")
+        dist = getattr(getattr(run, "dist", None), "name", "none")
+        if dist != "none":
+            raise UserError(f"dist={dist} is not built for trainer.experts=both: the inactive expert's weights wait on the "
+                            "host, which a DDP/FSDP wrapper of the trained modules does not allow. Train in one process, "
+                            "or one expert per run (trainer.experts=high or low) with dist.")
         from runner import registry
 
         for kind, name, _ in registry.selected(cfg):

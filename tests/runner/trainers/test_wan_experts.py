@@ -216,6 +216,8 @@ def test_a_resumed_run_ends_on_the_uninterrupted_runs_loras(tmp_path) -> None:
     (["model.train=full"], ["model.train=full", "trainer.experts=high or low"]),
     (["sample.every=2"], ["sample.every=2", "trainer.experts=both"]),
     (["ema.enabled=true"], ["ema.enabled=true", "trainer.experts=both"]),
+    (["dist=ddp"], ["dist=ddp is not built for trainer.experts=both"]),
+    (["data.val_fraction=0.5"], ["data.val_fraction", "not built for trainer.experts=both"]),
 ])
 def test_what_both_experts_do_not_support_is_refused_before_step_1(overrides, names) -> None:
     with pytest.raises(UserError) as e:
@@ -227,3 +229,18 @@ def test_what_both_experts_do_not_support_is_refused_before_step_1(overrides, na
 def test_offloads_that_place_trained_weights_are_refused_with_both_experts(plugin) -> None:
     with pytest.raises(UserError, match=f"offload={plugin} is not built for trainer.experts=both"):
         trainer_of(f"offload=[park,{plugin}]")
+
+
+def test_mode_fit_holds_the_parked_expert_against_the_host_ram(tmp_path, monkeypatch) -> None:
+    """mode=fit plans the active expert's step; the parked expert's host bytes count against fit.host_ram_gb."""
+    from bad_input import run_main
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    common = ["mode=fit", *(o for o in BOTH if o != "train.device=cpu"), "budget_gb=1"]
+    parked = int(plan_step(compose_config(common[1:])).notes["parked expert bytes"])
+    r = run_main([*common, f"output_dir={tmp_path / 'roomy'}"])
+    assert r.code == 0, r.text[-3000:]
+    winner = json.loads((tmp_path / "roomy" / "fit.json").read_text())["winner"]
+    assert winner is not None and winner["confirmed"] and winner["host_bytes"] >= parked
+    run_main([*common, f"fit.host_ram_gb={parked / 2 / 2**30:.9f}", f"output_dir={tmp_path / 'tight'}"])
+    assert json.loads((tmp_path / "tight" / "fit.json").read_text())["winner"] is None  # no setting leaves the host room
