@@ -149,6 +149,9 @@ def test_the_plan_is_the_active_experts_step_and_the_other_waits_on_the_host() -
     assert parked == sum(t.numel() * t.element_size() for t in [*expert.parameters(), *expert.buffers()])
     assert plan.host_steady_bytes >= parked
     assert "transformer_2 (low-noise) waits on the host" in plan.notes["parked on the host"]
+    assert plan.host_pinned_bytes == parked  # pinned for the target GPU: nothing else of this run pins
+    nf4 = plan_step(compose_config([*(o for o in BOTH if o != "train.device=cpu"), "quantization=[nf4]"]))
+    assert 0 < nf4.host_pinned_bytes < int(nf4.notes["parked expert bytes"])  # bitsandbytes' layers move pageable
 
 
 def test_a_run_switches_experts_saves_both_and_exports_both(tmp_path) -> None:
