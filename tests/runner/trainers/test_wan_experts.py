@@ -150,6 +150,9 @@ def test_the_plan_is_the_active_experts_step_and_the_other_waits_on_the_host() -
     assert plan.host_steady_bytes >= parked
     assert "transformer_2 (low-noise) waits on the host" in plan.notes["parked on the host"]
     assert plan.host_pinned_bytes == parked  # pinned for the target GPU: nothing else of this run pins
+    one = plan_step(compose_config([*(o for o in BOTH if o != "train.device=cpu"), "trainer.experts=high"]))
+    update, update_one = (p.step_time["detail"]["optimizer_update"] for p in (plan, one))
+    assert update["host_elements"] == 0 and update["device_elements"] == update_one["device_elements"]  # one LoRA steps
     nf4 = plan_step(compose_config([*(o for o in BOTH if o != "train.device=cpu"), "quantization=[nf4]"]))
     assert 0 < nf4.host_pinned_bytes < int(nf4.notes["parked expert bytes"])  # bitsandbytes' layers move pageable
 
