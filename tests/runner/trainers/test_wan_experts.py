@@ -216,6 +216,17 @@ def test_a_resumed_run_ends_on_the_uninterrupted_runs_loras(tmp_path) -> None:
     b = load_file(str(part / "checkpoints" / f"step-{steps:08d}" / "trainable.safetensors"))
     assert a.keys() == b.keys() and {k.split(".")[0] for k in a} == set(MODULE.values())
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # mode=export of the checkpoint (a fresh CPU build with its trained weights loaded) writes both experts' files
+    from runner.export.checkpoint import export_checkpoint
+
+    ckpt = part / "checkpoints" / f"step-{steps:08d}"
+    export = export_checkpoint(compose_config([*BOTH, f"train.steps={steps}"]), ckpt)
+    for e in ("high", "low"):
+        exported = load_file(str(export / f"pytorch_lora_weights_{e}_noise.safetensors"))
+        module = MODULE[e]
+        trained = {k[len(module) + 1:]: v for k, v in b.items() if k.startswith(f"{module}.") and "lora_B" in k}
+        assert trained and all(torch.equal(exported[f"transformer.{k.replace('.default', '')}"], v)
+                               for k, v in trained.items())
 
 
 @pytest.mark.parametrize(("overrides", "names"), [
