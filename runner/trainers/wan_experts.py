@@ -62,7 +62,8 @@ Not supported (refused before step 1): a full fine-tune (two 14 B experts' weigh
 state), ``offload=stream`` and ``offload=optimizer`` (they place the trained weights or their
 state themselves), samples during training (the two-expert pipeline is not wired to the sampler),
 ``ema.enabled`` (its export writes one LoRA), a held-out validation loss (``data.val_fraction`` /
-``data.val_path``: it would be the active expert's alone), ``dist=ddp|fsdp`` (their wrappers hold every trained
+``data.val_path``: it would be the active expert's alone), a single-file ``model.path`` (one
+expert's weights), ``dist=ddp|fsdp`` (their wrappers hold every trained
 module on the device).
 """
 from __future__ import annotations
@@ -102,6 +103,10 @@ class WanExpertsTrainer(WanTrainer):
             raise UserError("trainer.experts=both trains a LoRA (model.train=lora, lokr, loha) of each Wan 2.2 A14B expert; "
                             "model.train=full would keep two 14 B experts' weights and optimizer state. Use model.train=lora, "
                             "or fine-tune one expert per run with trainer.experts=high or low.")
+        if self.source is not None and self.source[0] == "file":
+            raise UserError(f"model.path={self.source[1]} is one file, which holds one Wan 2.2 A14B expert; "
+                            "trainer.experts=both reads both from a Wan2.2-T2V-A14B-Diffusers folder (transformer/ and "
+                            "transformer_2/). Give the folder, or train this expert alone (trainer.experts=high or low).")
         sample = cfg.get("sample") if hasattr(cfg, "get") else None
         if sample is not None and int(sample.get("every", 0) or 0) > 0:
             raise UserError(f"sample.every={sample.get('every')}: samples during training are not built for "
@@ -307,6 +312,7 @@ def move_expert(module: nn.Module, device: torch.device | str, state: dict[Any, 
             _move(t, device, pin)
             if isinstance(t, nn.Parameter) and state and t in state:
                 for k, v in state[t].items():
+                    # "step": left where the optimizer keeps it (a host scalar, or fused AdamW's device one)
                     if isinstance(v, torch.Tensor) and k != "step" and v.device != device:
                         state[t][k] = _copy(v, device, pin)
     if device.type == "cpu":

@@ -229,14 +229,28 @@ def test_a_resumed_run_ends_on_the_uninterrupted_runs_loras(tmp_path) -> None:
                                for k, v in trained.items())
 
 
+def one_expert_file(folder) -> str:
+    """One expert's transformer as a diffusers-layout single file (what model.path=<file> reads)."""
+    from safetensors.torch import save_file
+
+    path = str(folder / "expert.safetensors")
+    set_seed(0)
+    expert = trainer_of("trainer.experts=high").build_models("cpu")["transformer"]
+    save_file({k: v.contiguous() for k, v in expert.state_dict().items() if "lora" not in k}, path)
+    return path
+
+
 @pytest.mark.parametrize(("overrides", "names"), [
     (["model.train=full"], ["model.train=full", "trainer.experts=high or low"]),
     (["sample.every=2"], ["sample.every=2", "trainer.experts=both"]),
     (["ema.enabled=true"], ["ema.enabled=true", "trainer.experts=both"]),
     (["dist=ddp"], ["dist=ddp is not built for trainer.experts=both"]),
     (["data.val_fraction=0.5"], ["data.val_fraction", "not built for trainer.experts=both"]),
+    (["model.path=FILE"], ["is one file", "transformer_2/"]),
 ])
-def test_what_both_experts_do_not_support_is_refused_before_step_1(overrides, names) -> None:
+def test_what_both_experts_do_not_support_is_refused_before_step_1(overrides, names, tmp_path) -> None:
+    if overrides == ["model.path=FILE"]:
+        overrides = [f"model.path={one_expert_file(tmp_path)}"]
     with pytest.raises(UserError) as e:
         trainer_of(*overrides)
     assert all(n in str(e.value) for n in names), str(e.value)
