@@ -99,6 +99,14 @@ class WanExpertsTrainer(WanTrainer):
 
     def __init__(self, cfg: Any, run: Any = None) -> None:
         super().__init__(cfg, run)
+        self.refuse_unsupported(cfg, run)
+        self.seed = int(run.seed if run is not None else cfg.train.seed)
+        self.active = "high"  # the expert on the device; the planner plans its step (both have one architecture)
+        self.switches = 0
+        self.steps_by_expert = {e: 0 for e in EXPERTS}
+
+    def refuse_unsupported(self, cfg: Any, run: Any) -> None:
+        """What both experts in one run do not do, refused before anything is built (module docstring)."""
         if str(cfg.model.train) == "full":
             raise UserError("trainer.experts=both trains a LoRA (model.train=lora, lokr, loha) of each Wan 2.2 A14B expert; "
                             "model.train=full would keep two 14 B experts' weights and optimizer state. Use model.train=lora, "
@@ -137,10 +145,6 @@ class WanExpertsTrainer(WanTrainer):
                                 "the inactive expert with its LoRA and optimizer state on the host. Remove it "
                                 "(offload=[park,activations] and quantization=[nf4] is the 24 GB setup), or train one "
                                 "expert per run (trainer.experts=high or low).")
-        self.seed = int(run.seed if run is not None else cfg.train.seed)
-        self.active = "high"  # the expert on the device; the planner plans its step (both have one architecture)
-        self.switches = 0
-        self.steps_by_expert = {e: 0 for e in EXPERTS}
 
     # -- modules ----------------------------------------------------------------------------------
     def folder_name(self, name: str) -> str:
