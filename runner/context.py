@@ -197,12 +197,16 @@ class RunContext:
 
     # ---- setup --------------------------------------------------------------------------------
     def apply_setup_phases(self) -> None:
-        """Claims, then the model phases on ``self.models``; modules no plugin placed go to the device."""
+        """Claims, then the model phases on ``self.models``; modules no plugin (nor the trainer's optional
+        ``place_models(ctx)``) placed go to the device."""
         if not self.card.active:
             self.card.__enter__()  # cuda_sim: every storage from here on is placed on the card or the host
         self.run_phase("claim_modules")
         self.run_phase("transform_models")
         self.run_phase("place_models")
+        place = getattr(self.trainer, "place_models", None)  # a trainer that keeps a trained module on the host
+        if callable(place):  # (Wan 2.2 A14B's parked expert, runner/trainers/wan_experts.py) adds it to facts.placed
+            place(self)
         self.dist.defer_placement(self)  # dist=fsdp: the trained module reaches the device unit by unit, sharded
         for name, m in self.models.items():
             if name not in self.facts.placed:

@@ -317,6 +317,7 @@ def train(ctx: RunContext) -> TrainResult:
             t0 = time.perf_counter()
             loop.profiler.begin_step(state.step + 1)
             ctx.run_phase("on_step_start", state.step)
+            trainer_step_start(ctx, state.step)  # a trainer that switches modules per step (Wan 2.2 A14B's experts)
             to_training_point(ctx.optimizer)  # schedule-free: back from the weights a checkpoint saved
             step_loss = loop.passes()
             loop.update(step_loss)
@@ -336,6 +337,14 @@ def train(ctx: RunContext) -> TrainResult:
                 break
         to_evaluation_point(ctx.optimizer)  # schedule-free: the run ends on the weights it saved (and exports)
     return loop.finish()
+
+
+def trainer_step_start(ctx: RunContext, step: int) -> None:
+    """The trainer's optional ``on_step_start(ctx, step)`` (0-based step), after the plugins' and before
+    the step's batch: what a trainer changes for a whole optimizer step, every micro-batch alike."""
+    hook = getattr(ctx.trainer, "on_step_start", None)
+    if callable(hook):
+        hook(ctx, step)
 
 
 def optimizer_columns(optimizer: Any) -> dict[str, float]:

@@ -68,6 +68,17 @@ with them. The runner refuses, in one paragraph naming the key: ``data.reference
 ``max_references`` when the trainer is built, so before a plan too (a trainer that declares nothing
 takes none, so a reference would be ignored); a target without its references and a reference
 beyond the count when the data folder is checked, before the model build of a training run.
+
+Optional hooks of a trainer with more than one trained module, not all on the device at once
+(Wan 2.2 A14B's two experts, runner/trainers/wan_experts.py):
+
+* ``place_models(ctx)``: called after the plugins' ``place_models`` phase, before the runner moves
+  the modules no one placed to the device; a module it adds to ``ctx.facts.placed`` stays where the
+  trainer put it (the planner runs it too, so the plan sees that placement);
+* ``on_step_start(ctx, step)``: called by the loop before each optimizer step's batch (``step``
+  0-based, after the plugins' ``on_step_start``): what changes for the whole step, every micro-batch;
+* ``write_lora_exports(pipeline_class, models, folder, info, export_config)``: the LoRA files of
+  every trained module (runner/export/checkpoint.py), the names written.
 """
 from __future__ import annotations
 

@@ -88,8 +88,12 @@ def export_models(trainer: Any, models: ModelSet, ckpt: Path, cfg: Any, step: in
     with _staging(ckpt) as tmp:
         files: list[str] = []
         if lora:
-            name = _denoiser(trainer, models)
-            files += write_lora_files(trainer, pipeline_class, name, models[name], tmp, info, ec)
+            own = getattr(trainer, "write_lora_exports", None)  # several trained LoRAs (Wan 2.2 A14B's two experts)
+            if callable(own):
+                files += own(pipeline_class, models, tmp, info, ec)
+            else:
+                name = _denoiser(trainer, models)
+                files += write_lora_files(trainer, pipeline_class, name, models[name], tmp, info, ec)
         else:
             files += write_full_files(trainer, models, tmp, info, ec)
         files += write_ema_exports(trainer, models, ckpt, tmp, info, cfg, _denoiser(trainer, models), FULL_DIR)  # ema.*

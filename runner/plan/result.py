@@ -188,6 +188,8 @@ def format_plan(plan: Plan) -> str:
         f"{format_size(plan.host_steady_bytes)}; pinned {format_size(plan.host_pinned_bytes)}, "
         f"pageable {format_size(plan.host_pageable_bytes)}",
     ]
+    if plan.notes.get("parked on the host"):  # a trained module the trainer keeps on the host (Wan 2.2 A14B's other expert)
+        lines.append(f"  {plan.notes['parked on the host']}")
     if plan.suggestions:
         lines += ["", "would save the most (estimates from the breakdown above, not re-planned; "
                       "confirm with mode=plan and the override):"]

@@ -193,6 +193,8 @@ def step_time_target(run: ResolvedRun) -> Target:
 def _step_time(sim: _Simulation, counter: CostCounter, timing: Target) -> StepTime:
     trained = Trained()
     for p in sim.params:
+        if not sim.fused and id(p) not in sim.with_grad:  # no gradient, no step (Wan 2.2 A14B's parked expert)
+            continue
         n, b = p.numel(), p.numel() * p.element_size()
         if getattr(p, "fake_device", p.device).type == HOST.type and sim.run.target != "cpu":
             trained.host_elements += n
@@ -233,6 +235,7 @@ class _Simulation:
         self.owner: dict[int, str] = {}  # id(parameter) -> top-level module
         self.mode = simulation_mode()
         self.params: list[nn.Parameter] = []
+        self.with_grad: set[int] = set()  # trained parameters a backward gave a gradient: the optimizer steps them
         self.raw = False
         self.cached: set[str] = set()
         self.state_by_dev: dict[str, dict[str, dict[str, int]]] = {}
@@ -339,6 +342,7 @@ class _Simulation:
         for p in self.params:
             if p.grad is not None:
                 tracker.track(p.grad, "gradients", module=self.owner.get(id(p)))
+                self.with_grad.add(id(p))
         self.recorder.take("backward" + suffix)
         if i == self.n_micro - 1:
             self.alloc_log.step_ended()

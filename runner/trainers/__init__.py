@@ -60,8 +60,8 @@ register_trainer("wan", "runner.trainers.wan.WanTrainer", WanTrainerConfig,
                  "i2v-2.1-14b|i2v-2.2-a14b), rectified-flow matching loss",
                  native_resolution=WAN_NATIVE_RESOLUTION, objective=FLOW)
 register_trainer("wan22_a14b", "runner.trainers.wan.WanTrainer", Wan22A14BTrainerConfig,
-                 "trainer=wan with trainer.variant=2.2-a14b trainer.experts=high (set trainer.experts=low for the other "
-                 "expert): Wan 2.2 T2V A14B, one expert per run", native_resolution=WAN_NATIVE_RESOLUTION, objective=FLOW)
+                 "trainer=wan with trainer.variant=2.2-a14b trainer.experts=both: Wan 2.2 T2V A14B, both experts in one "
+                 "run, switched by timestep (trainer.experts=high or low: one expert per run)", native_resolution=WAN_NATIVE_RESOLUTION, objective=FLOW)
 register_trainer("wan22_5b", "runner.trainers.wan.WanTrainer", Wan22_5BTrainerConfig,
                  "trainer=wan with trainer.variant=2.2-5b: Wan 2.2 TI2V-5B in its text-to-video mode",
                  native_resolution=WAN_NATIVE_RESOLUTION, objective=FLOW)

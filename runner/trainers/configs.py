@@ -114,7 +114,7 @@ class WanTrainerConfig:
     # image-to-video: variant i2v-2.1-14b (Wan 2.1 I2V 14B, CLIP image encoder) | i2v-2.2-a14b (Wan 2.2 I2V A14B,
     # trainer.experts=high|low at its 0.9 boundary): runner/trainers/wan_i2v.py
     variant: str = "14b"  # 14b | 1.3b (Wan 2.1 T2V) | 2.2-5b (Wan 2.2 TI2V-5B, text-to-video) | 2.2-a14b (Wan 2.2 T2V A14B)
-    experts: Optional[str] = None  # 2.2-a14b only: high (t >= 0.875, transformer/) | low (transformer_2/): the expert trained
+    experts: Optional[str] = None  # 2.2-a14b only: both (switch by timestep) | high (t >= 0.875, transformer/) | low (transformer_2/)
     # UMT5 tokens per caption (zero-padded); null: the pipeline's 512 (64 for the random tiny model).
     max_sequence_length: Optional[int] = None
 
@@ -125,7 +125,7 @@ class WanTrainerConfig:
 @dataclass
 class Wan22A14BTrainerConfig(WanTrainerConfig):
     variant: str = "2.2-a14b"
-    experts: Optional[str] = "high"
+    experts: Optional[str] = "both"  # both experts in one run (runner/trainers/wan_experts.py); high|low: one of them
 
 
 @dataclass

@@ -6,8 +6,8 @@ runner/trainers/wan_configs.py has the architectures.
 
 Wan 2.2 A14B denoises the steps with t >= 0.875 (``boundary_ratio`` of the folder's
 ``model_index.json`` when it has one) with its high-noise expert and the rest with its
-low-noise one. A run trains one (``trainer.experts=high|low``, as musubi-tuner and ai-toolkit train
-them: two LoRAs, each loaded into its own model in ComfyUI): the expert's transformer is read from
+low-noise one. A run trains one (``trainer.experts=high|low``: two LoRAs, each loaded into its own
+model in ComfyUI; ``trainer.experts=both`` trains the two in one run, runner/trainers/wan_experts.py): the expert's transformer is read from
 its subfolder (``transformer/`` or ``transformer_2/``), and each sample's t is the family's draw
 scaled into the expert's range (``0.875 + 0.125 t`` or ``0.875 t``), so the loss sees only the
 noise levels that expert denoises. Samples during training use the trained expert for every step
@@ -67,13 +67,19 @@ class WanTrainer(FlowMatchTrainer):
     default_timestep_shift = "fixed"
 
     def __new__(cls, cfg: Any = None, run: Any = None) -> Self:
-        """``trainer.variant=i2v-*``: the image-to-video trainer, a subclass (runner/trainers/wan_i2v.py).
-        ``cfg`` is None when ``copy`` makes the instance (the planner deep-copies the trainer)."""
+        """``trainer.variant=i2v-*``: the image-to-video trainer (runner/trainers/wan_i2v.py);
+        ``trainer.experts=both``: the two-expert trainer (runner/trainers/wan_experts.py). ``cfg`` is
+        None when ``copy`` makes the instance (the planner deep-copies the trainer): it keeps its class."""
         target = cls
-        if cls is WanTrainer and cfg is not None and str(cfg.trainer.get("variant", "14b")) in wan_configs.I2V_VARIANTS:
-            from runner.trainers.wan_i2v import WanI2VTrainer
+        if cls is WanTrainer and cfg is not None:
+            if str(cfg.trainer.get("variant", "14b")) in wan_configs.I2V_VARIANTS:
+                from runner.trainers.wan_i2v import WanI2VTrainer
 
-            target = WanI2VTrainer
+                target = WanI2VTrainer
+            elif cfg.trainer.get("experts") == wan_configs.BOTH:
+                from runner.trainers.wan_experts import WanExpertsTrainer
+
+                target = WanExpertsTrainer
         return super().__new__(target)
 
     def __init__(self, cfg: Any, run: Any = None) -> None:

@@ -12,7 +12,8 @@ UMT5 states, fp32-kept modules) at a few dozen channels:
 * ``2.2-a14b``: Wan-AI/Wan2.2-T2V-A14B-Diffusers, two experts of Wan 2.1 14B's architecture
   (``transformer/`` for the high-noise steps, ``transformer_2/`` for the low-noise ones, split at
   ``boundary_ratio`` 0.875 of the 1000 training timesteps, both ``config.json`` equal to 2.1 14B's)
-  over the Wan 2.1 VAE; one run trains one expert (``trainer.experts``).
+  over the Wan 2.1 VAE; a run trains one expert or both (``trainer.experts``; both:
+  runner/trainers/wan_experts.py).
 
 Wan 2.1 variants share the 16-channel Wan 2.1 VAE (8x spatial, 4x temporal compression); every
 variant uses UMT5-XXL (``google/umt5-xxl``'s encoder, 5.7 B) with 512 text tokens. Values from
@@ -34,6 +35,7 @@ from runner.trainers.qwen_image_configs import WAN21_VAE
 I2V_VARIANTS = ("i2v-2.1-14b", "i2v-2.2-a14b")
 VARIANTS = ("14b", "1.3b", "2.2-5b", "2.2-a14b", *I2V_VARIANTS)
 EXPERTS = ("high", "low")  # Wan 2.2 A14B: the expert a run trains (trainer.experts)
+BOTH = "both"  # trainer.experts=both: one run trains both, switching by timestep (runner/trainers/wan_experts.py)
 # Wan2.2-T2V-A14B-Diffusers model_index.json boundary_ratio: t >= 0.875 (of 1, 1 = noise) is the
 # high-noise expert's, below it the low-noise one's.
 A14B_BOUNDARY = 0.875
@@ -153,23 +155,19 @@ def a14b_boundary(source: tuple[str, str] | None) -> float:
 
 
 def check_expert(variant: str, expert: Any) -> str | None:
-    """``trainer.experts``: required with ``2.2-a14b`` (``high`` or ``low``), refused with the others."""
+    """``trainer.experts``: required with ``2.2-a14b`` (``both``, ``high`` or ``low``), refused with the others."""
     if variant != "2.2-a14b":
         if expert is not None:
             raise UserError(f"trainer.experts={expert} applies to trainer.variant=2.2-a14b only (Wan 2.2's two 14 B "
                             f"experts); trainer.variant={variant} has one transformer. Unset trainer.experts.")
         return None
-    if expert == "both":
+    if expert not in (*EXPERTS, BOTH):
         raise UserError(
-            "trainer.experts=both (one run training both Wan 2.2 A14B experts, switching by timestep, with the inactive "
-            "one and its optimizer state parked on the host) is not built yet. Train trainer.experts=high and "
-            "trainer.experts=low in two runs with the same data: each run loads only its expert.")
-    if expert not in EXPERTS:
-        raise UserError(
-            f"trainer.variant=2.2-a14b needs trainer.experts=high or low{'' if expert is None else f' (not {expert!r})'}: "
-            f"Wan 2.2 A14B is two 14 B transformers, one for the high-noise steps (t >= {A14B_BOUNDARY}: layout and "
-            "motion, its transformer/ folder) and one for the rest (detail, transformer_2/). A run trains one of them; "
-            "train the other in a second run with the same data.")
+            f"trainer.variant=2.2-a14b needs trainer.experts=both, high or low"
+            f"{'' if expert is None else f' (not {expert!r})'}: Wan 2.2 A14B is two 14 B transformers, one for the "
+            f"high-noise steps (t >= {A14B_BOUNDARY}: layout and motion, its transformer/ folder) and one for the rest "
+            "(detail, transformer_2/). both trains the two in one run (each step's timestep picks its expert, the other "
+            "waits on the host); high or low trains one of them.")
     return str(expert)
 
 

@@ -1,4 +1,5 @@
-"""Wan 2.2 A14B (trainer=wan trainer.variant=2.2-a14b): one run trains one of its two experts.
+"""Wan 2.2 A14B (trainer=wan trainer.variant=2.2-a14b): one run trains one of its two experts
+(``trainer.experts=high|low``; both in one run: test_wan_experts.py).
 
 The expert's transformer comes from its own subfolder of the diffusers folder, its timesteps stay
 in its range of the noise schedule, the choice is required and refused elsewhere, and a LoRA of
@@ -69,10 +70,10 @@ def test_the_low_noise_expert_is_read_from_transformer_2(tmp_path) -> None:
 
 
 @pytest.mark.parametrize(("overrides", "names"), [
-    ([], ["trainer.variant=2.2-a14b needs trainer.experts=high or low", "transformer_2/"]),
+    ([], ["trainer.variant=2.2-a14b needs trainer.experts=both, high or low", "transformer_2/"]),
     (["trainer.experts=middle"], ["not 'middle'"]),
     (["trainer.variant=14b", "trainer.experts=high"], ["trainer.experts=high applies to trainer.variant=2.2-a14b only"]),
-    (["trainer.experts=both"], ["trainer.experts=both", "not built yet", "two runs"]),
+    (["trainer.variant=14b", "trainer.experts=both"], ["trainer.experts=both applies to trainer.variant=2.2-a14b only"]),
 ])
 def test_the_expert_is_required_and_refused_elsewhere(overrides, names) -> None:
     with pytest.raises(UserError) as e:
@@ -108,7 +109,7 @@ def test_a_lora_of_the_high_noise_expert_trains_and_loads_into_wan_pipeline(tmp_
 def test_the_preset_composes_and_validates() -> None:
     cfg = compose_config(["+preset=wan22_a14b_24gb"])
     validate(cfg)
-    assert (cfg.trainer.variant, cfg.trainer.experts) == ("2.2-a14b", "high")
+    assert (cfg.trainer.variant, cfg.trainer.experts) == ("2.2-a14b", "both")
     low = compose_config(["+preset=wan22_a14b_24gb", "trainer.experts=low"])
     assert low.trainer.experts == "low"
     assert "variant" not in compose_config(["+preset=wan22_a14b_24gb", "trainer=sdxl"]).trainer  # any trainer
