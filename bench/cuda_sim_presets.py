@@ -2,6 +2,8 @@
 
     python bench/cuda_sim_presets.py [--presets a,b] [--steps 2] [--write]
 
+(``--presets`` with ``--write`` re-runs those rows and keeps the table's others.)
+
 Each preset runs as a user runs it (a subprocess of ``python -m runner +preset=NAME
 train.device=cuda_sim train.steps=2``) with an empty encoder cache (a first run: park fills it in
 setup), and its job_summary.json gives the card's peak live bytes and the preflight plan's peak. The
@@ -52,7 +54,27 @@ def run_one(preset: str, steps: int) -> dict:
             "wall_s": wall}
 
 
-def table(rows: list[dict], steps: int) -> str:
+def _row(r: dict) -> str:
+    f = lambda k, fmt: "" if r.get(k) is None else format(r[k], fmt)  # noqa: E731
+    return (f"| {r['preset']} | {r['status']} | {f('peak_mib', '.3f')} | {f('planned_mib', '.3f')} | "
+            f"{f('ratio', '.3f')} | {r.get('peak_phase') or ''} | {f('wall_s', '.0f')} |")
+
+
+def kept_rows(names: list[str]) -> dict[str, str]:
+    """The rows of the committed table for presets not re-run now (``--presets`` re-runs some)."""
+    doc = (ROOT / "docs" / "benchmarks.md").read_text()
+    if BEGIN not in doc:
+        return {}
+    section = doc.split(BEGIN, 1)[1].split(END, 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("| ") and cells[0] in presets() and cells[0] not in names:
+            rows[cells[0]] = line
+    return rows
+
+
+def table(rows: list[dict], steps: int, kept: dict[str, str] | None = None) -> str:
     lines = [BEGIN, "## The simulated card against the plan, every preset (bench/cuda_sim_presets.py)", "",
              f"`python bench/cuda_sim_presets.py --write`: each preset at model.size=tiny, `train.device=cuda_sim "
              f"train.steps={steps}`, a first run (empty encoder cache). Measured: the card's peak live tensor bytes "
@@ -60,10 +82,8 @@ def table(rows: list[dict], steps: int) -> str:
              "128 MiB kernel-workspace margin). Issue 26 asks for 0.97-1.03.", "",
              "| preset | status | card peak MiB | planned MiB | card / plan | planned peak in | wall s |",
              "|---|---|---:|---:|---:|---|---:|"]
-    for r in rows:
-        f = lambda k, fmt: "" if r.get(k) is None else format(r[k], fmt)  # noqa: E731
-        lines.append(f"| {r['preset']} | {r['status']} | {f('peak_mib', '.3f')} | {f('planned_mib', '.3f')} | "
-                     f"{f('ratio', '.3f')} | {r.get('peak_phase') or ''} | {f('wall_s', '.0f')} |")
+    by_name = {**(kept or {}), **{r["preset"]: _row(r) for r in rows}}
+    lines += [by_name[name] for name in sorted(by_name)]
     lines.append(END)
     return "\n".join(lines)
 
@@ -80,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(run_one(name, args.steps))
         r = rows[-1]
         print(f"{name}: {r['status']} ratio {r.get('ratio')}", flush=True)
-    text = table(rows, args.steps)
+    text = table(rows, args.steps, kept_rows(names) if args.presets else None)
     print(text)
     if args.write:
         replace_section(text, BEGIN, END)

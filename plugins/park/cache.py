@@ -475,6 +475,9 @@ def fill_cache(
                 entry = {k: v[row] for k, v in out.items()}
                 _refuse_nonfinite(entry, part, dataset, plan.index_and_flip(item)[0] if chunk is not None else None, item)
                 cache.save(part, key, entry)
+            # Not held across the next encode: the encoder's peak would carry this batch's pixels and
+            # outputs on the device too (the plan's pre-pass, runner/plan/prepass.py, holds neither).
+            del raw, batch, out, entry
             done += len(items)
             now = time.perf_counter()
             if now - last >= log_every_s or done == total:

@@ -38,6 +38,7 @@ from __future__ import annotations
 from typing import Any, Self
 
 import torch
+from hydra.utils import get_class
 
 from runner.errors import UserError
 from runner.trainer import Batch, EncodePart, ModelSet, batch_device
@@ -70,16 +71,14 @@ class WanTrainer(FlowMatchTrainer):
         """``trainer.variant=i2v-*``: the image-to-video trainer (runner/trainers/wan_i2v.py);
         ``trainer.experts=both``: the two-expert trainer (runner/trainers/wan_experts.py). ``cfg`` is
         None when ``copy`` makes the instance (the planner deep-copies the trainer): it keeps its class."""
-        target = cls
+        target: Any = cls
         if cls is WanTrainer and cfg is not None:
+            # By dotted path, as runner/trainers/__init__.py registers trainers: the subclasses import
+            # this module, so importing them here would make a three-module import circle.
             if str(cfg.trainer.get("variant", "14b")) in wan_configs.I2V_VARIANTS:
-                from runner.trainers.wan_i2v import WanI2VTrainer
-
-                target = WanI2VTrainer
+                target = get_class("runner.trainers.wan_i2v.WanI2VTrainer")
             elif cfg.trainer.get("experts") == wan_configs.BOTH:
-                from runner.trainers.wan_experts import WanExpertsTrainer
-
-                target = WanExpertsTrainer
+                target = get_class("runner.trainers.wan_experts.WanExpertsTrainer")
         return super().__new__(target)
 
     def __init__(self, cfg: Any, run: Any = None) -> None:
