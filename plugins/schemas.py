@@ -198,7 +198,8 @@ FP8_STORAGE_DTYPE_NAMES = ("float8_e4m3fn", "float8_e5m2")
 class QuantTargetsConfig(PluginConfig):
     """The settings every quantization plugin has: which modules, which layers to leave alone."""
 
-    modules: list[str] = field(default_factory=list)  # [] = every module holding frozen base weights, VAE excepted
+    # [] = every module holding frozen base weights, VAE excepted; "name?" = name if the trainer builds one
+    modules: list[str] = field(default_factory=list)
     skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))  # regexes (re.search) on layer names; replaces the defaults
 
 

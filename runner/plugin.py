@@ -108,7 +108,15 @@ class Plugin:
 
     def known_modules(self, models: Any, names: list[str]) -> list[str]:
         """``names`` (this plugin's ``modules`` setting), each checked to be a module the trainer
-        builds; a UserError names the key and the valid module names otherwise."""
+        builds; a UserError names the key and the valid module names otherwise. A name ending in
+        ``?`` is optional: ``text_encoder?`` is taken when the trainer builds a ``text_encoder`` and
+        skipped, said in the log, when it does not (a preset that composes with every trainer)."""
+        optional = [n[:-1] for n in names if n.endswith("?") and n[:-1]]
+        absent = [n for n in optional if n not in models]
+        if absent:
+            log.info("%s: %s not built by this trainer; skipped (optional, '?')", self.setting("modules"), ", ".join(absent))
+        names = [n[:-1] if n.endswith("?") and n[:-1] else n for n in names]
+        names = [n for n in names if n not in absent]
         unknown = [n for n in names if n not in models]
         if unknown:
             raise UserError(

@@ -132,3 +132,19 @@ def test_builtin_schedule_orders_real_plugins():
     assert keys(sched.by_phase["wrap_execution"]) == ["checkpoint/blocks"]
     # checkpointing is undone through ctx.hooks (ctx.teardown), not by a teardown phase of its own
     assert sched.by_phase["teardown"] == []
+
+
+def test_an_optional_module_name_is_taken_when_built_and_skipped_when_not():
+    # "name?" lets a preset name a module only some trainers build (flux2_24gb quantizes its text encoder
+    # and must still compose with a trainer that has none); a plain unknown name stays an error.
+    from torch import nn
+
+    from runner.trainer import ModelSet
+
+    plugin = make("quantization", "nf4")
+    built = ModelSet({"transformer": nn.Linear(2, 2), "text_encoder": nn.Linear(2, 2)})
+    other = ModelSet({"denoiser": nn.Linear(2, 2)})
+    assert plugin.known_modules(built, ["text_encoder?", "transformer"]) == ["text_encoder", "transformer"]
+    assert plugin.known_modules(other, ["text_encoder?"]) == []
+    with pytest.raises(UserError, match="'text_encoder', which the trainer does not build"):
+        plugin.known_modules(other, ["text_encoder"])
