@@ -475,9 +475,7 @@ def fill_cache(
                 entry = {k: v[row] for k, v in out.items()}
                 _refuse_nonfinite(entry, part, dataset, plan.index_and_flip(item)[0] if chunk is not None else None, item)
                 cache.save(part, key, entry)
-            # Not held across the next encode: the encoder's peak would carry this batch's pixels and
-            # outputs on the device too (the plan's pre-pass, runner/plan/prepass.py, holds neither).
-            del raw, batch, out, entry
+            del raw, batch, out, entry  # not held on the device across the next encode (as runner/plan/prepass.py)
             done += len(items)
             now = time.perf_counter()
             if now - last >= log_every_s or done == total:

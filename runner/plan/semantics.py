@@ -215,7 +215,7 @@ class DeviceSemantics(TorchFunctionMode):
         if (not all(isinstance(t, torch.Tensor) and self.on_device(t) for t in (q, k, v))
                 or p.get("enable_gqa") or q.dim() != 4 or not (q.dtype == k.dtype == v.dtype)):
             return func(*args, **kwargs)
-        head, dtype = q.shape[-1], q.dtype
+        dtype = q.dtype
         same_heads = q.shape[-1] == k.shape[-1] == v.shape[-1]
         ops = torch.ops.aten
         if self.target == "cpu":
@@ -231,22 +231,15 @@ class DeviceSemantics(TorchFunctionMode):
             # SDPA's entry turns a boolean mask into an additive one in the query's dtype before any
             # fused kernel sees it (attention.cpp: convert_boolean_attn_mask): a mask-sized allocation.
             mask = _additive_mask(mask, dtype)
-        for backend in sdp_priority_order():
-            if backend == 1 and torch.backends.cuda.flash_sdp_enabled() and half and mask is None and same_heads \
-                    and head <= 256 and head % 8 == 0:
-                return ops._scaled_dot_product_flash_attention(q, k, v, dropout, causal, False, scale=scale)[0]
-            if backend == 2 and torch.backends.cuda.mem_efficient_sdp_enabled() \
-                    and dtype in (torch.float32, torch.float16, torch.bfloat16) and head % (8 if half else 4) == 0 \
-                    and v.shape[-1] % (8 if half else 4) == 0:
-                return ops._scaled_dot_product_efficient_attention(
-                    q, k, v, mask, needs_lse, dropout, causal, scale=scale)[0]
-            if backend == 3 and torch.backends.cuda.cudnn_sdp_enabled() and half and same_heads and head <= 128 \
-                    and head % 8 == 0:
-                return ops._scaled_dot_product_cudnn_attention(
-                    q, k, v, mask, needs_lse, dropout, causal, False, scale=scale)[0]
-            if backend == 0 and torch.backends.cuda.math_sdp_enabled():
-                return func(*args, **kwargs)
-        return func(*args, **kwargs)
+        backend = self._cuda_backend(q, k, v, mask, half, same_heads)
+        if backend == 1:
+            return ops._scaled_dot_product_flash_attention(q, k, v, dropout, causal, False, scale=scale)[0]
+        if backend == 2:
+            return ops._scaled_dot_product_efficient_attention(q, k, v, mask, needs_lse, dropout, causal, scale=scale)[0]
+        if backend == 3:
+            return ops._scaled_dot_product_cudnn_attention(
+                q, k, v, mask, needs_lse, dropout, causal, False, scale=scale)[0]
+        return func(*args, **kwargs)  # the math path
 
 
     @staticmethod

@@ -143,15 +143,16 @@ def check_variant(variant: str) -> str:
     return variant
 
 
-def a14b_boundary(source: tuple[str, str] | None) -> float:
-    """The expert boundary: ``boundary_ratio`` of a diffusers folder's model_index.json, else :data:`A14B_BOUNDARY`."""
+def a14b_boundary(source: tuple[str, str] | None, default: float = A14B_BOUNDARY) -> float:
+    """The expert boundary: ``boundary_ratio`` of a diffusers folder's model_index.json, else ``default``
+    (:data:`A14B_BOUNDARY`, the T2V model's; the I2V model's is 0.9)."""
     if source is not None and source[0] == "folder":
         index = Path(source[1]) / "model_index.json"
         if index.is_file():
             ratio = json.loads(index.read_text()).get("boundary_ratio")
             if isinstance(ratio, (int, float)) and 0 < ratio < 1:
                 return float(ratio)
-    return A14B_BOUNDARY
+    return default
 
 
 def check_expert(variant: str, expert: Any) -> str | None:

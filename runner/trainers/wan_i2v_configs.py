@@ -25,8 +25,6 @@ Torch-free: the trainer config checks import it.
 from __future__ import annotations
 
 import copy
-import json
-from pathlib import Path
 from typing import Any
 
 from runner.errors import UserError
@@ -40,6 +38,7 @@ from runner.trainers.wan_configs import (
     _WAN21_14B,
     A14B_FOLDER,
     EXPERTS,
+    a14b_boundary,
 )
 
 I2V_A14B_BOUNDARY = 0.9  # Wan2.2-I2V-A14B-Diffusers model_index.json boundary_ratio
@@ -126,11 +125,5 @@ def check_i2v_expert(variant: str, expert: Any) -> str | None:
 
 def i2v_boundary(source: tuple[str, str] | None) -> float:
     """The expert boundary: ``boundary_ratio`` of a diffusers folder's model_index.json, else 0.9."""
-    if source is not None and source[0] == "folder":
-        index = Path(source[1]) / "model_index.json"
-        if index.is_file():
-            ratio = json.loads(index.read_text()).get("boundary_ratio")
-            if isinstance(ratio, (int, float)) and 0 < ratio < 1:
-                return float(ratio)
-    return I2V_A14B_BOUNDARY
+    return a14b_boundary(source, I2V_A14B_BOUNDARY)
 
