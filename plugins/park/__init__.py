@@ -9,7 +9,10 @@ VAE and text encoders of the built-in trainers):
    returns. Device memory then holds at most one frozen module at a time (plus the trained
    denoiser), instead of all of them for the whole run. Method wrappers are used rather than
    forward pre/post hooks because ``AutoencoderKL.encode`` does not go through ``forward``, so
-   hooks would never fire for the VAE.
+   hooks would never fire for the VAE. Every submodule gets a pre/post forward hook too: a trainer
+   may call an inner model directly (Z-Image's Qwen3 ``.model`` and Qwen-Image's
+   ``.model.language_model``, skipping the LM head), and its weights must be on the device then
+   as well (calls nest, so inside the root's call the hooks only count depth).
 
    Moving out is a pointer swap, not a copy: frozen weights never change, so the host tensor
    taken once at park time (pinned on CUDA with ``pin_memory``, so copies in are asynchronous)
@@ -152,6 +155,9 @@ class ParkedModule:
             if callable(getattr(type(module), name, None)):
                 self.wrapped[name] = module.__dict__.get(name)
                 setattr(module, name, self._wrapper(name, self.wrapped[name]))
+        self.hooks = [h for sub in list(module.modules())[1:]
+                      for h in (sub.register_forward_pre_hook(lambda *_: self.enter()),
+                                sub.register_forward_hook(lambda *_: self.exit(), always_call=True))]
         mark(module, MARK, self)
 
     def _wrapper(self, name: str, previous: Any) -> Callable[..., Any]:
@@ -208,6 +214,8 @@ class ParkedModule:
                 module.__dict__.pop(name, None)
             else:
                 setattr(module, name, previous)
+        for h in self.hooks:
+            h.remove()
         unmark(module, MARK)
 
 

@@ -11,8 +11,14 @@ How a CPU tensor is "on the card"
 The run's device is ``cpu:0`` (:data:`SIM_DEVICE`) and its host ``cpu``. PyTorch treats the two as
 different devices in ``.to()`` (so ``x.to(cpu:0)`` is a real copy, as a host-to-device copy is) while
 both are ordinary CPU memory. Every storage is *placed* when it is born, by the op that made it:
-a ``device=`` argument places it there; otherwise it is on the card when any input is, else on the
-host. A torch-function mode makes the rest of the CUDA semantics hold:
+a ``device=`` argument places it there; otherwise it is on the card when any input is, or when
+the user-level call it is made in has an input on the card (a C++ op such as ``pad_sequence`` makes
+its output with its inputs' real device, a bare ``cpu`` at the dispatcher), else on the host. An op
+that mixes card and host tensors raises the error CUDA raises (0-dim host scalars, empty tensors,
+copies and host index tensors excepted, as on CUDA): both are CPU memory here, and without the
+check a device mismatch that stops a GPU run at its first encode would pass (it found three:
+park's encoders called through an inner model, FLUX.2 klein's ids on the parked encoder's host
+device). A torch-function mode makes the rest of the CUDA semantics hold:
 
 * ``t.device`` of a storage on the card reads ``cpu:0``, so ``torch.arange(..., device=x.device)``
   in model code lands on the card and ``p.device == run.device`` holds;
@@ -59,6 +65,12 @@ move is made to another CPU index, which PyTorch copies (as a device-to-host cop
 
 
 _HOST = torch.device("cpu")
+_aten = torch.ops.aten
+# Ops that legitimately take card and host tensors together on CUDA: copies and moves between the
+# two, in-place storage swaps, and indexing with host index tensors (moved by the op).
+_CROSSING_OPS = {_aten._to_copy, _aten.copy_, _aten.copy, _aten._copy_from, _aten._copy_from_and_resize, _aten.to,
+                 _aten.set_, _aten.index, _aten.index_put_, _aten.index_put, _aten._index_put_impl_, _aten.lift_fresh,
+                 _aten.detach, _aten.alias, _aten.record_stream}
 
 
 def _requested_place(device: Any) -> str:
@@ -111,6 +123,7 @@ class PlacementTracker(LiveBytesTracker):
         self.allocator = CachingAllocatorModel(expandable_segments, cap_bytes)
         self.alloc_observer = _AllocatorFeed(self.allocator)
         self._op_key = HOST_KEY
+        self.call_place: str | None = None  # the user-level call's inputs are on the card (_PlacementCalls)
         self._pinning = 0
         self._pinned: dict[int, tuple[weakref.ref, int]] = {}
 
@@ -132,9 +145,26 @@ class PlacementTracker(LiveBytesTracker):
         for t in tree_iter(args):
             if isinstance(t, torch.Tensor) and self.place_of(t) == DEVICE_KEY:
                 return DEVICE_KEY
-        return HOST_KEY
+        return self.call_place or HOST_KEY
+
+    def _refuse_mixed(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """Raise what CUDA raises for an op that mixes card tensors with host tensors (not 0-dim
+        scalars or empty tensors; not a copy or an indexing op, which move their inputs): without this a device
+        mismatch that fails at step 1 on a GPU (a parked module's inner model called with its weights
+        still on the host) would pass on the simulated card, where both are CPU memory."""
+        if func.overloadpacket in _CROSSING_OPS:
+            return
+        places = {self.place_of(t) for t in tree_iter((args, kwargs))
+                  if isinstance(t, torch.Tensor) and t.dim() > 0 and t.numel() > 0}  # empty: no storage to place
+        if DEVICE_KEY in places and HOST_KEY in places:
+            host = [tuple(t.shape) for t in tree_iter((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim() > 0
+                    and t.numel() > 0 and self.place_of(t) == HOST_KEY]
+            raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
+                               f"cuda:0 and cpu! (train.device=cuda_sim, in {func}, host tensors of shapes {host}: "
+                               "a GPU raises this too)")
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        self._refuse_mixed(func, args, kwargs or {})
         self._op_key = self._placement(kwargs or {}, args)
         self.alloc_observer.failed = None
         out = super().__torch_dispatch__(func, types, args, kwargs)
@@ -221,7 +251,15 @@ class _PlacementCalls(TorchFunctionMode):
         if kwargs.get("pin_memory"):
             with tracker.pinning():
                 return func(*args, **{**kwargs, "pin_memory": False})
-        return func(*args, **kwargs)
+        # A call with card inputs: tensors its C++ implementation makes with the inputs' real device
+        # (``pad_sequence``'s output, at the dispatcher a bare ``cpu``) are on the card, as on a GPU.
+        outer = tracker.call_place
+        tracker.call_place = DEVICE_KEY if any(isinstance(t, torch.Tensor) and tracker.place_of(t) == DEVICE_KEY
+                                               for t in tree_iter((args, kwargs))) else None
+        try:
+            return func(*args, **kwargs)
+        finally:
+            tracker.call_place = outer
 
     def _to(self, args: tuple, kwargs: dict) -> Any:
         t, rest = args[0], args[1:]

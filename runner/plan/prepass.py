@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from runner.compat import FAKE_VALUE_ERRORS
+from runner.compat import FAKE_VALUE_ERRORS, unset_fake_temporarily
 from runner.plan.batch import example_batch, fake_batch, move_batch
 from runner.plan.target import DEVICE, HOST
 from runner.plan.values import known_values
@@ -34,6 +34,7 @@ def simulate_cache_fill(sim: Any, parts: list[str], batch_size: int) -> None:
         for part in parts:
             keep = set(specs[part].inputs) | {"sample_seed"}
             batch = move_batch({k: v for k, v in host_batch.items() if k in keep}, DEVICE)
+            batch["sample_seed"] = device_seeds(batch_size)  # as fill_cache: a text-only part computes on the device
             try:
                 with ctx.accelerator.autocast(), torch.no_grad():
                     out = trainer.encode_part(ctx.models, part, batch)
@@ -45,3 +46,12 @@ def simulate_cache_fill(sim: Any, parts: list[str], batch_size: int) -> None:
     if skipped:
         sim.notes["cache fill"] = ("first-run encoder pre-pass not planned for " + ", ".join(skipped)
                                     + ": its encoder reads values a shape-only plan does not have")
+
+
+def device_seeds(n: int) -> torch.Tensor:
+    """``n`` zero seeds on the simulated device, as park's fill_cache gives each encode call: a part
+    without pixels (the captions) takes its compute device from them (runner/trainer.py:batch_device).
+    A real CPU tensor moved inside :func:`known_values`, so the value stays readable."""
+    with unset_fake_temporarily():
+        seeds = torch.zeros(n, dtype=torch.int64)
+    return seeds.to(DEVICE)

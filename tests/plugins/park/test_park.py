@@ -246,6 +246,28 @@ def test_park_swaps_weights_onto_the_device_only_for_the_call():
     assert not {"forward", "encode", "decode"} & set(vae.__dict__)
 
 
+def test_an_inner_model_called_directly_gets_its_weights_on_the_device():
+    """Z-Image calls Qwen3's ``.model`` (no LM head), Qwen-Image ``.model.language_model``: not the
+    parked root's forward. Its weights must be on the device for that call too (on a GPU the call
+    would otherwise mix host weights with device inputs), and leave it afterwards."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    qwen = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=8)).eval()
+    qwen.requires_grad_(False)
+    parked = park_module(qwen, "meta")
+    seen = {}
+    qwen.model.layers[0].register_forward_pre_hook(lambda m, a: seen.update(device=m.mlp.up_proj.weight.device))
+    out = qwen.model(input_ids=torch.zeros(1, 4, dtype=torch.long, device="meta")).last_hidden_state
+    assert out.device.type == "meta" and seen["device"].type == "meta" and parked.loads == 1 and parked.depth == 0
+    assert all(p.device.type == "cpu" for p in qwen.parameters())
+    qwen(input_ids=torch.zeros(1, 4, dtype=torch.long, device="meta"))  # the root: one move in, inner calls nest
+    assert parked.loads == 2 and parked.depth == 0
+    parked.remove()
+    qwen.model(input_ids=torch.zeros(1, 4, dtype=torch.long))  # hooks gone: no move
+    assert parked.loads == 2
+
+
 def test_park_on_cpu_is_the_same_path_and_exact():
     vae = tiny_vae()
     x = torch.rand(2, 3, 32, 32) * 2 - 1
