@@ -22,19 +22,23 @@ Two conventions differ from the other flow families, and ``predict`` converts bo
   negates its output), so ``predict`` returns minus the output.
 
 Trade-off: reading the caption lengths needs the mask's values. The planner's tensors have none,
-so there every caption counts as ``max_sequence_length`` tokens: the longest sequence a run can
-see, i.e. the plan is the step's worst case rather than a given batch's.
+so there every caption counts as the longest caption of the run's data (:meth:`ZImageTrainer.
+longest_caption_tokens`: the data set's captions, and the empty one with caption dropout, through the
+same chat template and tokenizer): the step whose batch holds the data's longest captions. Where the
+captions cannot be listed (``data.shuffle_tags``: each visit joins the tags anew; data the planning
+machine cannot read) it is ``max_sequence_length``, the longest any caption can be, and the log says so.
 
 Loss: the flow-matching family's (runner/trainers/flow.py), ``t`` logit-normal and unshifted by
 default (``loss.*`` changes it).
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
-from runner.compat import is_fake
+from runner.compat import is_fake, without_dispatch_modes
 from runner.errors import UserError
 from runner.trainer import Batch, EncodePart, ModelSet, batch_device
 from runner.trainers import z_image_configs
@@ -45,6 +49,8 @@ from runner.trainers.tokenizers import qwen3_tokenizer
 
 # Z-Image-Turbo's scheduler/scheduler_config.json (diffusers 0.36: num_train_timesteps 1000, use_dynamic_shifting
 # false, shift 3.0, as mirrors of the folder show it); ComfyUI's Z-Image samples with shift 3.0 too.
+log = logging.getLogger("runner")
+
 Z_IMAGE_SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": False}
 
 
@@ -54,11 +60,23 @@ def text_model(text_encoder: Any) -> Any:
     return getattr(text_encoder, "model", text_encoder)
 
 
-def caption_lengths(mask: torch.Tensor) -> list[int]:
+def chat_texts(tok: Any, captions: list[str]) -> list[str]:
+    """Each caption as the pipeline renders it: one user turn, generation prompt, thinking enabled."""
+    return [tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True,
+                                    enable_thinking=True) for c in captions]
+
+
+def simulated(t: torch.Tensor) -> bool:
+    """A planner's tensor: a shape without values."""
+    return t.device.type == "meta" or is_fake(t)
+
+
+def caption_lengths(mask: torch.Tensor, longest: int | None = None) -> list[int]:
     """Valid tokens per caption from its mask; without values (the planner's simulated tensors)
-    every caption is taken at its full padded length, the longest a run can see."""
-    if mask.device.type == "meta" or is_fake(mask):
-        return [int(mask.shape[1])] * int(mask.shape[0])
+    every caption is taken at ``longest`` tokens (the run's longest caption), at most the padded length."""
+    if simulated(mask):
+        width = int(mask.shape[1])
+        return [width if longest is None else min(int(longest), width)] * int(mask.shape[0])
     return [int(n) for n in mask.sum(dim=1).tolist()]
 
 
@@ -81,6 +99,7 @@ class ZImageTrainer(FlowMatchTrainer):
         if self.max_sequence_length < 1 or (length is not None and int(length) != float(length)):
             raise UserError(f"trainer.max_sequence_length={length!r} is not valid: give a whole number of tokens "
                             f">= 1 (the caption with its chat template), or null for {default}.")
+        self._longest: int | None = None
 
     def module_classes(self) -> dict[str, type]:
         from diffusers import AutoencoderKL, ZImageTransformer2DModel
@@ -119,14 +138,46 @@ class ZImageTrainer(FlowMatchTrainer):
             return self.encode_latents(models, batch)
         device = batch_device(batch)
         tok = self.tokenizer("tokenizer")
-        texts = [tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True,
-                                         enable_thinking=True) for c in batch["caption"]]
-        tokens = tok(texts, padding="max_length", max_length=self.max_sequence_length, truncation=True,
+        tokens = tok(chat_texts(tok, batch["caption"]), padding="max_length", max_length=self.max_sequence_length, truncation=True,
                      return_tensors="pt")
         mask = tokens.attention_mask.to(device).bool()
         hidden = text_model(models["text_encoder"])(input_ids=tokens.input_ids.to(device), attention_mask=mask,
                                                     output_hidden_states=True).hidden_states[-2]
         return {"prompt_embeds": hidden.masked_fill(~mask.unsqueeze(-1), 0.0), "prompt_embeds_mask": mask}
+
+    def longest_caption_tokens(self) -> int:
+        """Tokens (chat template included, at most ``max_sequence_length``) of the longest caption this
+        run's data can train on: what the planner counts for every caption of a batch (module
+        docstring). Computed once; ``max_sequence_length`` where the captions cannot be listed."""
+        if self._longest is None:
+            with without_dispatch_modes():  # asked inside the planner's simulation: data and tokenizer are real work
+                self._longest = self._longest_listed()
+        return self._longest
+
+    def _longest_listed(self) -> int:
+        texts, why = self._listed_captions()
+        if texts is None:
+            log.info("Z-Image plan: every caption counted at trainer.max_sequence_length=%d tokens (%s).",
+                     self.max_sequence_length, why)
+            return self.max_sequence_length
+        tok = self.tokenizer("tokenizer")
+        longest = max(len(x) for x in tok(chat_texts(tok, sorted(texts)), truncation=True, max_length=self.max_sequence_length).input_ids)
+        log.info("Z-Image plan: every caption counted at the data's longest, %d tokens of %d "
+                 "(trainer.max_sequence_length).", longest, self.max_sequence_length)
+        return longest
+
+    def _listed_captions(self) -> tuple[set[str] | None, str]:
+        """Every caption text a visit of this run's data can train on, or None and why not."""
+        if self.cfg.data.get("shuffle_tags", False):
+            return None, "data.shuffle_tags=true joins the tags anew on every visit"
+        try:
+            data = self.dataset()
+        except UserError as e:  # a plan made on a machine without the data: the longest a caption can be
+            return None, f"the data set could not be read here: {str(e).splitlines()[0]}"
+        if not callable(getattr(data, "caption", None)):
+            return None, "the data set does not list its captions"
+        extra = data.extra_captions() if callable(getattr(data, "extra_captions", None)) else set()
+        return {data.caption(i) for i in range(len(data))} | (extra or set()), ""
 
     # -- the denoiser ----------------------------------------------------------------------------
     def predict(self, models: ModelSet, noisy: torch.Tensor, timesteps: torch.Tensor, batch: Batch) -> torch.Tensor:
@@ -135,7 +186,9 @@ class ZImageTrainer(FlowMatchTrainer):
         transformer = models["transformer"]
         dt = compute_dtype(transformer)
         embeds = batch["prompt_embeds"]
-        caps = [embeds[i, :n].to(dt) for i, n in enumerate(caption_lengths(batch["prompt_embeds_mask"]))]
+        mask = batch["prompt_embeds_mask"]
+        lengths = caption_lengths(mask, self.longest_caption_tokens() if simulated(mask) else None)
+        caps = [embeds[i, :n].to(dt) for i, n in enumerate(lengths)]
         out = transformer(list(noisy.to(dt).unsqueeze(2).unbind(0)), 1.0 - timesteps.float(), caps,
                           return_dict=False)[0]
         return -torch.stack(out).squeeze(2)

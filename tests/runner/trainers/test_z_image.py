@@ -119,10 +119,24 @@ def test_predict_is_the_pipelines_transformer_call(built):
     torch.testing.assert_close(ours, -seen["out"], rtol=1e-5, atol=1e-6)
 
 
-def test_the_planners_masks_count_every_caption_at_full_length():
+def test_the_planners_masks_count_every_caption_at_the_runs_longest():
     mask = torch.zeros(2, 7, dtype=torch.bool, device="meta")
-    assert caption_lengths(mask) == [7, 7]
-    assert caption_lengths(torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)) == [2, 1]
+    assert caption_lengths(mask) == [7, 7]  # no longest given: the padded length
+    assert caption_lengths(mask, 5) == [5, 5] and caption_lengths(mask, 9) == [7, 7]
+    assert caption_lengths(torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool), 3) == [2, 1]  # values: read
+
+
+def test_the_longest_caption_is_the_datas_through_the_chat_template(built):
+    """The planner's caption length: the longest of the data set's captions (with dropout, the empty
+    one too) as encode_part tokenizes them; shuffled tags cannot be listed: max_sequence_length."""
+    trainer, models = built
+    data = trainer.dataset()
+    captions = [data.caption(i) for i in range(len(data))]
+    masks = trainer.encode_part(models, "text", {"caption": captions, "sample_seed": torch.zeros(len(captions))})
+    assert trainer.longest_caption_tokens() == max(caption_lengths(masks["prompt_embeds_mask"]))
+    assert trainer.longest_caption_tokens() < trainer.max_sequence_length
+    shuffled, _ = fresh("data.shuffle_tags=true")
+    assert shuffled.longest_caption_tokens() == shuffled.max_sequence_length
 
 
 def test_loss_goes_down_over_a_short_run(tmp_path):
@@ -139,15 +153,12 @@ def test_planned_peak_matches_a_real_cpu_step():
     assert_plan_matches_a_real_cpu_step(cfg)
 
 
-def test_the_plan_is_the_worst_case_when_captions_are_shorter():
-    """Default length (512): the demo captions are shorter, the planner (no mask values) counts 512
-    tokens each, so it plans more than the real step takes, never less."""
-    from planner_truth import plan_step, real_step
-
+def test_the_plan_at_the_datas_longest_caption_matches_a_real_cpu_step():
+    """Default length (512): the plan counts every caption at the demo set's longest (far fewer tokens;
+    it counted all 512 before), and agrees with a real step within 5 %."""
     cfg = compose_config([*COMMON, "data.resolution=128"])
     validate(cfg)
-    plan, real = plan_step(cfg), real_step(cfg)
-    assert plan.peak_bytes > real["peak_bytes"]
+    assert_plan_matches_a_real_cpu_step(cfg)
 
 
 def test_cached_and_uncached_losses_are_equal(tmp_path):
