@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runner.accel import cuda_like
 from runner.plugins.quantization.common import (
     DEFAULT_SKIP,
     LinearQuantization,
@@ -261,8 +262,9 @@ def dequantized_weight(layer: nn.Module) -> torch.Tensor:
 
 # ---- the plugins ---------------------------------------------------------------------------------
 def quantize_device(ctx: RunContext) -> torch.device | None:
-    """Quantize on the training GPU when there is one (fast); on the layer's own device otherwise."""
-    return ctx.device if ctx.device.type == "cuda" else None
+    """Quantize on the training GPU when there is one (fast; one layer's weights there at a time); on
+    the layer's own device otherwise. The simulated card takes the GPU's branch (runner/accel.py)."""
+    return ctx.device if cuda_like(ctx.device) else None
 
 
 @register_plugin

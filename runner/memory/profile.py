@@ -46,7 +46,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from runner.errors import UserError
+from runner.memory.cuda_sim import DEVICE_KEY as SIM_DEVICE_KEY
 from runner.memory.live_bytes import LiveBytesTracker
 from runner.memory.live_bytes_views import CATEGORIES, OPTIONAL_CATEGORIES
 from runner.memory.stats import host_rss
@@ -131,7 +132,20 @@ class NullProfiler:
 
 
 class _ProfilingTracker(LiveBytesTracker):
-    """The tracker plus a view of its live records, for the largest-allocation lists."""
+    """The tracker plus a view of its live records, for the largest-allocation lists. ``place``: on
+    the simulated card (``train.device=cuda_sim``) every tensor is CPU memory, so each storage counts
+    where the card's own tracker placed it (card or host), not under its CPU device."""
+
+    def __init__(self, place: Callable[[torch.Tensor], str] | None = None) -> None:
+        super().__init__()
+        self._place = place
+
+    def _device_key(self, t: torch.Tensor, born: bool) -> str:
+        return self._place(t) if self._place is not None else super()._device_key(t, born)
+
+    def device_type(self, t: torch.Tensor) -> str:
+        """Where ``t`` counts: ``cuda``, ``cpu``, or the simulated card's key."""
+        return self._device_key(t, False).split(":")[0]
 
     def largest(self, k: int, device_type: str) -> list[Any]:
         self._drain()
@@ -151,9 +165,10 @@ class MemoryProfiler:
         self.out_dir = Path(out_dir)
         self.first = int(cfg.start)
         self.last = int(cfg.start) + int(cfg.steps) - 1
-        self.device_type = ctx.device.type
+        card = ctx.card if getattr(ctx.card, "simulates", False) else None  # train.device=cuda_sim
+        self.device_type = SIM_DEVICE_KEY if card is not None else ctx.device.type
         self.cuda = self.device_type == "cuda" and torch.cuda.is_available()
-        self.tracker = _ProfilingTracker()
+        self.tracker = _ProfilingTracker(card.tracker.place_of if card is not None else None)
         self.leaks = LeakDetector(int(cfg.leak_steps), int(float(cfg.leak_threshold_mb) * MIB))
         self.points: list[dict[str, Any]] = []
         self.leak_reports: list[dict[str, Any]] = []
@@ -301,7 +316,7 @@ class MemoryProfiler:
         tensors = []
         for p, st in getattr(opt, "state", {}).items():
             for k, v in st.items():
-                if isinstance(v, torch.Tensor) and v.device.type == self.device_type:
+                if isinstance(v, torch.Tensor) and self.tracker.device_type(v) == self.device_type:
                     tensors.append(v)
                     self._name(v, f"optimizer {k} of {pnames.get(id(p), '?')}")
         if tensors:
