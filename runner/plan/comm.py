@@ -17,9 +17,11 @@ measured on the simulated models), per micro-batch:
 * ``dist=ddp``: one all-reduce of every trained gradient (stored dtype) per optimizer step.
 
 Over which link. A ring within one node runs at ``dist.interconnect`` (default: the device's
-``link`` in conf/devices.yaml); a ring whose ranks span nodes (``world_size > dist.ranks_per_node``)
-is bounded by its slowest hop, so it runs at the lower of that and ``dist.inter_node_interconnect``
-(one NIC per GPU assumed, conf/devices.yaml says how to read the figures). Seconds per collective:
+``link`` in conf/devices.yaml). A ring whose ranks span nodes (``world_size > dist.ranks_per_node``)
+crosses the network: NCCL runs parallel rings (channels), each crossing nodes on its own NIC, so
+with one NIC per GPU (the assumption conf/devices.yaml states) the network gives each rank
+``ranks of the ring per node x one NIC's rate`` (``dist.inter_node_interconnect``), bounded by the
+node's link; hybrid_shard's replica ring (one rank per node) gets one NIC's rate. Seconds per collective:
 NCCL's own cost model, ``latency + bytes / (bandwidth x LINK_EFFICIENCY)``, with its base latency
 and a hop latency per ring step (intra-node steps at the node's link, inter-node ones at the network's).
 
@@ -54,11 +56,14 @@ class Collective:
     phase: str  # forward | backward | optimizer
     what: str
     group: int  # ranks in the ring
+    nodes: int  # nodes the ring spans (its inter-node steps)
     gathered_bytes: int  # per micro-batch: the bytes of the full tensors (all-gather output, reduce-scatter input)
     sent_bytes: int  # per micro-batch: what one rank sends, (n-1)/n (all-reduce 2(n-1)/n) of gathered_bytes
     calls: int  # collectives per micro-batch (one per unit, or per parameter)
+    repeats: int  # micro-batches it runs in per optimizer step (dist=ddp: once per step)
     link: str
     seconds: float  # per optimizer step (every micro-batch)
+    exposed: bool = False  # the part of a phase's communication no compute hides (counted within another row too)
 
 
 @dataclass
@@ -66,6 +71,7 @@ class CommTime:
     """A rank's communication per optimizer step: seconds by phase, the part no compute hides, and its collectives."""
 
     links: str
+    micro_batches: int = 1
     phases: dict[str, float] = field(default_factory=dict)
     exposed: dict[str, float] = field(default_factory=dict)
     overlap: str = ""
@@ -76,7 +82,8 @@ class CommTime:
         return sum(self.phases.values())
 
     def to_dict(self) -> dict[str, Any]:
-        return {"links": self.links, "seconds": self.seconds, "phases": dict(self.phases), "exposed": dict(self.exposed),
+        return {"links": self.links, "micro_batches": self.micro_batches, "seconds": self.seconds,
+                "phases": dict(self.phases), "exposed": dict(self.exposed),
                 "overlap": self.overlap, "collectives": [asdict(c) for c in self.collectives]}
 
 
@@ -98,42 +105,71 @@ class Ring:
     inter: LinkSpec
 
     @property
-    def link(self) -> LinkSpec:
-        return self.intra if self.nodes <= 1 or self.inter.gbps >= self.intra.gbps else self.inter
+    def gbps(self) -> float:
+        """GB/s per rank of the ring: the node's link within one node; across nodes each node's ranks run
+        parallel rings (NCCL's channels), each crossing on its own GPU's NIC, so the network gives
+        ``ranks of the ring per node x one NIC``, and the node's link still bounds the hops inside it."""
+        if self.nodes <= 1:
+            return self.intra.gbps
+        per_node = max(self.n // self.nodes, 1)
+        net = self.inter.gbps * per_node
+        return net if per_node == 1 else min(net, self.intra.gbps)
+
+    @property
+    def link(self) -> str:
+        """The name of the link that bounds the ring."""
+        if self.nodes <= 1:
+            return self.intra.name
+        return self.inter.name if self.inter.gbps * max(self.n // self.nodes, 1) <= self.gbps else self.intra.name
 
     def seconds(self, sent: int, calls: int, kind: str) -> float:
         """NCCL's ring model: base + hop latencies per call, the sent bytes over the slowest link."""
         if self.n <= 1 or not calls:
             return 0.0
         steps = 2 * (self.n - 1) if kind == "all-reduce" else self.n - 1
-        inter_steps = (2 if kind == "all-reduce" else 1) * (self.nodes - 1)
+        inter_steps = min(steps, (2 if kind == "all-reduce" else 1) * (self.nodes - 1))
         lat_us = NCCL_BASE_LATENCY_US + (steps - inter_steps) * self.intra.hop_latency_us \
             + inter_steps * self.inter.hop_latency_us
-        return calls * lat_us * 1e-6 + sent / (self.link.gbps * 1e9 * LINK_EFFICIENCY)
+        return calls * lat_us * 1e-6 + sent / (self.gbps * 1e9 * LINK_EFFICIENCY)
 
 
 def _ring(n: int, ranks_per_node: int, intra: LinkSpec, inter: LinkSpec) -> Ring:
     return Ring(n=n, nodes=-(-n // max(ranks_per_node, 1)), intra=intra, inter=inter)
 
 
+def _add(out: list[Collective], kind: str, phase: str, what: str, r: Ring, nbytes: int, calls: int,
+         micro_batches: int, exposed: bool = False) -> None:
+    sent = ring_sent(nbytes, r.n, kind)
+    out.append(Collective(kind, phase, what, r.n, r.nodes, nbytes, sent, calls, micro_batches, r.link,
+                          micro_batches * r.seconds(sent, calls, kind), exposed))
+
+
 def fsdp_collectives(layout: Any, ring: Ring, replicas: Ring | None, micro_batches: int) -> list[Collective]:
-    """The collectives of ``dist=fsdp`` per the module docstring, from ``layout``'s unit sizes."""
-    n, out = ring.n, []
-
-    def add(kind: str, phase: str, what: str, r: Ring, nbytes: int, calls: int) -> None:
-        sent = ring_sent(nbytes, r.n, kind)
-        out.append(Collective(kind, phase, what, r.n, nbytes, sent, calls, r.link.name,
-                              micro_batches * r.seconds(sent, calls, kind)))
-
+    """The collectives of ``dist=fsdp`` per the module docstring, from ``layout``'s unit sizes; the
+    ``exposed`` rows are the first gather and the last reduce-scatters (also inside the full rows)."""
+    out: list[Collective] = []
     blocks = layout.units - 1
-    add("all-gather", "forward", "every unit's weights", ring, layout.gathered, layout.units)
+    _add(out, "all-gather", "forward", "every unit's weights", ring, layout.gathered, layout.units, micro_batches)
     if layout.reshard_after_forward:
-        add("all-gather", "backward", "the blocks' weights again (resharded after forward)", ring,
-            layout.gathered - layout.root_gathered, blocks)
-    add("reduce-scatter", "backward", "every trainable unit's gradients", ring, layout.grads_reduced, layout.units)
+        _add(out, "all-gather", "backward", "the blocks' weights again (resharded after forward)", ring,
+             layout.gathered - layout.root_gathered, blocks, micro_batches)
+    _add(out, "reduce-scatter", "backward", "every trainable unit's gradients", ring, layout.grads_reduced,
+         layout.units, micro_batches)
     if replicas is not None and replicas.n > 1:
-        add("all-reduce", "backward", "each gradient shard across the replicas (hybrid_shard)", replicas,
-            layout.grads_reduced // n, layout.units)
+        _add(out, "all-reduce", "backward", "each gradient shard across the replicas (hybrid_shard)", replicas,
+             layout.grads_reduced // ring.n, layout.units, micro_batches)
+    _add(out, "all-gather", "forward", "the first gather: the root's rest and one block, before any compute", ring,
+         layout.root_gathered + layout.largest_gathered, 2, micro_batches, exposed=True)
+    _add(out, "reduce-scatter", "backward", "the last reduce-scatters: one block's and the root's, after the "
+         "last compute", ring, layout.root_grads + layout.largest_unit_grads, 2, micro_batches, exposed=True)
+    return out
+
+
+def _sum_phases(out: CommTime) -> CommTime:
+    out.phases, out.exposed = {}, {}
+    for c in out.collectives:
+        into = out.exposed if c.exposed else out.phases
+        into[c.phase] = into.get(c.phase, 0.0) + c.seconds
     return out
 
 
@@ -146,35 +182,56 @@ def comm_time(spec: Any, layout: Any, *, intra: LinkSpec, inter: LinkSpec, micro
         return None
     rpn = spec.ranks_per_node
     world = _ring(spec.world_size, rpn, intra, inter)
-    links = intra.name if world.nodes <= 1 else f"{intra.name} within a node, {inter.name} between {world.nodes} nodes"
-    out = CommTime(links=links)
+    out = CommTime(links=_links_text(world), micro_batches=micro_batches)
     if spec.name == "fsdp":
-        shard = _ring(spec.shard_size, rpn, intra, inter)
         replicas = None
-        if spec.shard_size < spec.world_size:  # hybrid_shard: one rank per replica, each on another node
+        if spec.shard_size < spec.world_size:  # hybrid_shard: the shard's replicas, one per node
             k = spec.world_size // spec.shard_size
-            replicas = Ring(n=k, nodes=k, intra=inter, inter=inter)
-        out.collectives = fsdp_collectives(layout, shard, replicas, micro_batches)
-        first = shard.seconds(ring_sent(layout.root_gathered + layout.largest_gathered, shard.n, "all-gather"), 2,
-                              "all-gather")
-        last = shard.seconds(ring_sent(layout.root_grads + layout.largest_unit_grads, shard.n, "reduce-scatter"), 2,
-                             "reduce-scatter")
-        out.exposed = {"forward": micro_batches * first, "backward": micro_batches * last}
+            replicas = Ring(n=k, nodes=k, intra=intra, inter=inter)
+        out.collectives = fsdp_collectives(layout, _ring(spec.shard_size, rpn, intra, inter), replicas, micro_batches)
         out.overlap = ("FSDP2 prefetches gathers and reduce-scatters on their own streams: a phase takes "
                        "max(compute, communication) + the first gather (forward) / last reduce-scatters (backward)")
     else:
-        sent = ring_sent(grad_bytes, world.n, "all-reduce")
         calls = grad_tensors if fused else max(1, -(-grad_bytes // max(int(spec.bucket_mb * 2**20), 1)))
         phase = "backward" if fused else "optimizer"
-        seconds = world.seconds(sent, calls, "all-reduce")
-        out.collectives = [Collective("all-reduce", phase, "every trained gradient", world.n, grad_bytes, sent, calls,
-                                      world.link.name, seconds)]
-        out.exposed = {phase: seconds}
+        _add(out.collectives, "all-reduce", phase, "every trained gradient", world, grad_bytes, calls, 1)
+        _add(out.collectives, "all-reduce", phase, "all of it: nothing overlaps", world, grad_bytes, calls, 1,
+             exposed=True)
         out.overlap = ("not overlapped: the gradients are all-reduced " +
                        ("in each parameter's hook, before it steps" if fused else "once, after the passes"))
-    for c in out.collectives:
-        out.phases[c.phase] = out.phases.get(c.phase, 0.0) + c.seconds
-    return out
+    return _sum_phases(out)
+
+
+def _links_text(world: Ring) -> str:
+    if world.nodes <= 1:
+        return world.intra.name
+    return f"{world.intra.name} within a node, {world.inter.name} between {world.nodes} nodes"
+
+
+def repriced(comm: dict[str, Any], intra: LinkSpec, inter: LinkSpec, ranks_per_node: int | None = None) -> CommTime:
+    """A plan's communication (``step_time["comm"]`` of plan.json) over other links: the same collectives,
+    bytes and calls, priced again (bench/dist_plan.py's interconnect columns, without planning again).
+    ``ranks_per_node``: the ranks placed on nodes of that size instead (rings of one rank per node, as
+    hybrid_shard's replicas, stay so)."""
+    out = CommTime(links="", micro_batches=int(comm["micro_batches"]), overlap=str(comm["overlap"]))
+    for c in comm["collectives"]:
+        n, nodes = int(c["group"]), int(c["nodes"])
+        if ranks_per_node and nodes < n:
+            nodes = -(-n // ranks_per_node)
+        c = {**c, "nodes": nodes}
+        r = Ring(n=n, nodes=nodes, intra=intra, inter=inter)
+        seconds = int(c["repeats"]) * r.seconds(int(c["sent_bytes"]), int(c["calls"]), c["kind"])
+        out.collectives.append(Collective(**{**c, "link": r.link, "seconds": seconds}))
+    widest = max((Ring(n=c.group, nodes=c.nodes, intra=intra, inter=inter) for c in out.collectives),
+                 key=lambda r: r.n)
+    out.links = _links_text(widest)
+    return _sum_phases(out)
+
+
+def step_seconds(step_time: dict[str, Any], comm: CommTime) -> float:
+    """A plan's s/step (``step_time`` of plan.json) with ``comm`` in place of its own communication."""
+    compute = step_time["comm"]["compute_phases"]
+    return sum(phase_with_comm(t, comm.phases.get(k, 0.0), comm.exposed.get(k, 0.0)) for k, t in compute.items())
 
 
 def rank_comm(run: Any, layout: Any, *, grad_bytes: int, grad_tensors: int, fused: bool) -> CommTime | None:

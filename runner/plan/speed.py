@@ -271,5 +271,5 @@ def predict(counter: CostCounter, target: Target, *, micro_batches: int, simulat
                 "copies_overlapped_share": share, "first_window_bytes": window,
                 "transfers": {k: asdict(t) if dataclasses.is_dataclass(t) else dict(t) for k, t in transfers.items()}},
         comm=None if comm is None else {**comm.to_dict(), "compute_seconds": sum(compute_only.values()),
-                                        "compute_phases": {k: round(v, 6) for k, v in compute_only.items()}},
+                                        "compute_phases": dict(compute_only)},
     )
