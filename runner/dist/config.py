@@ -18,6 +18,11 @@ World size. Training: the launcher's (``torchrun``/``accelerate launch``/a SLURM
 processes). ``mode=plan``: ``dist.world_size`` (default: the launcher's, else 1) is the number of
 ranks the plan is for; the plan is one rank's.
 
+Links. ``dist.interconnect`` (between one node's GPUs; null: the device's ``link`` in
+conf/devices.yaml), ``dist.inter_node_interconnect`` and ``dist.ranks_per_node`` (null: the launcher's
+LOCAL_WORLD_SIZE; ``mode=plan``: min(world_size, 8)) price the step's collectives in the plan's s/step
+(runner/plan/comm.py); nothing in training reads them. An unknown link name is refused with the valid ones.
+
 Combinations refused before anything is built, each naming both sides:
 
 * ``dist=none`` under a launcher with more than one process (each process would train the whole
