@@ -136,3 +136,16 @@ def test_rings_across_nodes_are_bounded_by_the_network_and_a_replan_equals_its_r
         assert step_seconds(p.step_time, again) == pytest.approx(p.step_time["seconds"])
     moved = repriced(one_node.step_time["comm"], nv, ib, ranks_per_node=8)
     assert moved.seconds == pytest.approx(two_nodes.step_time["comm"]["seconds"])
+
+
+def test_hybrid_shard_all_reduces_each_gradient_shard_across_nodes_on_one_nic():
+    """hybrid_shard over 2 nodes of 2: gathers and reduce-scatters stay in the node (its link), then each
+    rank's float32 gradient shard (1/2 of them) is all-reduced with its replica on the other node."""
+    unet, _ = unet_and_blocks()
+    grads = sum(p.numel() * 4 for p in unet.parameters())
+    p = plan("dist=fsdp", "dist.world_size=4", "dist.sharding_strategy=hybrid_shard", "dist.ranks_per_node=2",
+             "dist.interconnect=nvlink4", "dist.inter_node_interconnect=ib_400")
+    (rs,), (ar,) = rows(p, "reduce-scatter", "backward"), rows(p, "all-reduce", "backward")
+    assert (rs["group"], rs["nodes"], rs["link"], rs["sent_bytes"]) == (2, 1, "nvlink4", grads // 2)
+    assert (ar["group"], ar["nodes"], ar["link"]) == (2, 2, "ib_400")
+    assert ar["gathered_bytes"] == grads // 2 and ar["sent_bytes"] == ring_sent(grads // 2, 2, "all-reduce")
