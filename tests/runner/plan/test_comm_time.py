@@ -152,3 +152,16 @@ def test_hybrid_shard_all_reduces_each_gradient_shard_across_nodes_on_one_nic():
     assert (rs["group"], rs["nodes"], rs["link"], rs["sent_bytes"]) == (2, 1, "nvlink4", grads // 2)
     assert (ar["group"], ar["nodes"], ar["link"]) == (2, 2, "ib_400")
     assert ar["gathered_bytes"] == grads // 2 and ar["sent_bytes"] == ring_sent(grads // 2, 2, "all-reduce")
+
+
+def test_a_device_spec_of_ones_own_names_its_link_or_is_refused(tmp_path):
+    import yaml
+
+    row = dict(device_table()["rtx4090"])
+    good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
+    good.write_text(yaml.safe_dump({"name": "my_card", **row, "link": "pcie5_x16"}))
+    bad.write_text(yaml.safe_dump({"name": "my_card", **row, "link": "nvlink9"}))
+    validate(compose_config(["mode=plan", *BASE, f"device.spec={good}"]))
+    with pytest.raises(UserError) as e:
+        validate(compose_config(["mode=plan", *BASE, f"device.spec={bad}"]))
+    assert "'nvlink9'" in str(e.value) and "pcie5_x16" in str(e.value)
