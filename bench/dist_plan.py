@@ -1,7 +1,8 @@
 """One rank's plan for multi-GPU fine-tunes: Flux full fine-tune on 2, 4 and 8 GPUs of 24 GiB, SDXL full
-fine-tune on 2 GPUs of 16 GiB (issue 17).
+fine-tune on 2 GPUs of 16 GiB (issue 17); the cluster table (issue 29): Flux, Qwen-Image and Wan full
+fine-tunes on 8 GPUs of 24/48/80 GiB, with s/step over each interconnect.
 
-    python bench/dist_plan.py [--no-write]
+    python bench/dist_plan.py [--table cases|cluster|all] [--no-write]
 
 Each case is planned with its own command, as a user would run it (``mode=plan dist=... dist.world_size=N``:
 the per-rank plan of runner/plan/dist.py), and its predicted per-GPU peak, breakdown and fit go into
@@ -22,6 +23,12 @@ Settings of the cases (each a shipped preset plus what multi-GPU changes):
   ~44.3 GiB on 4 GPUs, so these rows are for 48/80 GB cards (the budget column stays the preset's 24).
 * SDXL (2.6 B U-Net) full fine-tune on two 16 GiB cards: ``+preset=sdxl_24gb budget_gb=16``; FSDP
   needs a non-8-bit optimizer (``optimizer=adamw``), DDP keeps the preset's AdamW8bit.
+
+The cluster table (bench/dist_cluster.py builds it): each model's full fine-tune with FSDP on 8 GPUs of one
+named card per budget (RTX 4090 24 GB, L40S 48 GB, H100 SXM 80 GB: ``device.name``, whose usable memory is
+the budget and whose peaks price the compute), planned once per card; the communication of that plan is
+then priced over each interconnect of conf/devices.yaml (runner/plan/comm.py's ``repriced``: the same
+collectives and bytes, no second plan).
 """
 from __future__ import annotations
 
@@ -108,7 +115,20 @@ def section(rows: list[tuple[str, list[str], dict, float]], load: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-write", action="store_true", help="print the section, leave docs/benchmarks.md alone")
+    parser.add_argument("--table", choices=("cases", "cluster", "all"), default="all",
+                        help="which section to plan and write (default: both)")
     args = parser.parse_args()
+    if args.table in ("cluster", "all"):
+        from dist_cluster import CLUSTER_BEGIN, CLUSTER_END, cluster_section
+
+        text = cluster_section(plan)
+        if args.no_write:
+            print(text)
+        else:
+            replace_section(text, CLUSTER_BEGIN, CLUSTER_END)
+            print(f"wrote {CLUSTER_BEGIN} ... {CLUSTER_END} in docs/benchmarks.md")
+        if args.table == "cluster":
+            return
     load = os.getloadavg()[0]
     rows = []
     for name, overrides in CASES:

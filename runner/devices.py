@@ -7,6 +7,10 @@ not code: ``conf/devices.yaml`` cites each figure's datasheet. A user adds a car
 it: ``device.spec=my_gpu.yaml`` holds one entry's fields (and a ``name``), and single fields can be
 overridden on the command line (``device.name=rtx4090 device.h2d_gbps=25``).
 
+The same file's ``interconnects`` rows are the links between GPUs (NVLink, PCIe, InfiniBand): the
+communication time of ``dist=ddp|fsdp`` plans (runner/plan/comm.py), chosen with ``dist.interconnect``
+(default: the device row's ``link``) and ``dist.inter_node_interconnect``.
+
 This module stays light (a YAML read, no torch): runner/config/__init__.py imports it for the schema and
 runner/resolved.py resolves the spec once per run.
 """
@@ -53,6 +57,7 @@ class DeviceSpec:
     h2d_gbps: float
     memory_gib: float
     usable_gib: float
+    link: str = ""  # the interconnects row two of these cards in one server use (conf/devices.yaml); "": not said
 
     def describe(self) -> str:
         return (f"{self.label}: {self.bf16_tflops:g} TFLOP/s bf16, {self.hbm_gbps:g} GB/s memory, "
@@ -125,7 +130,8 @@ def device_spec(node: Any) -> Optional[DeviceSpec]:
     values.update(overrides)
     _check_fields(values, where)
     key = str(values.get("name") or name or (Path(str(spec_file)).stem if spec_file else "custom"))
-    return DeviceSpec(name=key, label=str(values.get("label") or key), **{f: float(values[f]) for f in FIELDS})
+    return DeviceSpec(name=key, label=str(values.get("label") or key), link=str(values.get("link") or ""),
+                      **{f: float(values[f]) for f in FIELDS})
 
 
 def reference_spec() -> DeviceSpec:
@@ -133,9 +139,57 @@ def reference_spec() -> DeviceSpec:
     return DeviceSpec(name=REFERENCE, **{k: (float(v) if k in FIELDS else v) for k, v in device_table()[REFERENCE].items()})
 
 
+LINK_FIELDS = ("gbps", "hop_latency_us")
+DEFAULT_LINK = "pcie4_x16"  # between GPUs whose device names no link (or no device named): the common PCIe card
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """One interconnect (a row of conf/devices.yaml's ``interconnects``): what a ring collective's step
+    is bounded by. ``gbps``: GB/s one GPU sends in one direction while receiving as much."""
+
+    name: str
+    label: str
+    gbps: float
+    hop_latency_us: float
+
+    def describe(self) -> str:
+        return f"{self.label} ({self.gbps:g} GB/s per direction, {self.hop_latency_us:g} us per ring step)"
+
+
+@functools.cache
+def link_table() -> dict[str, dict[str, Any]]:
+    """conf/devices.yaml's ``interconnects`` rows by name."""
+    return dict(yaml.safe_load(_table_path().read_text()).get("interconnects") or {})
+
+
+def link_spec(name: str, key: str = "dist.interconnect") -> LinkSpec:
+    """The interconnect ``name`` names; UserError naming ``key`` and the valid names when it names none."""
+    table = link_table()
+    if str(name) not in table:
+        raise UserError(f"{key}={name!r} is not a known interconnect. Valid names: {valid_list(str(name), table)} "
+                        "(conf/devices.yaml, interconnects: each row's bandwidth per direction and its source).")
+    row = table[str(name)]
+    for f in LINK_FIELDS:
+        v = row.get(f)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise UserError(f"conf/devices.yaml, interconnects.{name}.{f}={v!r} is not valid: give a number > 0.")
+    return LinkSpec(name=str(name), label=str(row.get("label") or name), **{f: float(row[f]) for f in LINK_FIELDS})
+
+
+def intra_node_link(configured: str, gpu: DeviceSpec | None) -> LinkSpec:
+    """The link between the GPUs of one node: ``dist.interconnect`` when set, else the device's ``link``
+    (conf/devices.yaml), else :data:`DEFAULT_LINK` (the reference card's PCIe)."""
+    if configured:
+        return link_spec(configured)
+    return link_spec((gpu.link if gpu is not None and gpu.link else DEFAULT_LINK), "device link")
+
+
 def check_device_config(cfg: Any) -> None:
     """``device.*`` is valid, and names a GPU only for a run that is for one."""
     spec = device_spec(cfg.get("device"))
+    if spec is not None and spec.link:
+        link_spec(spec.link, f"the device's link ({spec.name})")
     if spec is not None and str(cfg.train.device) == "cpu":
         raise UserError(f"device.name/device.spec describe a GPU ({spec.label}), but train.device=cpu plans and runs "
                         "on this CPU (its step time comes from a short measurement of the CPU). Drop the device.* "

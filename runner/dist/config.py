@@ -18,6 +18,11 @@ World size. Training: the launcher's (``torchrun``/``accelerate launch``/a SLURM
 processes). ``mode=plan``: ``dist.world_size`` (default: the launcher's, else 1) is the number of
 ranks the plan is for; the plan is one rank's.
 
+Links. ``dist.interconnect`` (between one node's GPUs; null: the device's ``link`` in
+conf/devices.yaml), ``dist.inter_node_interconnect`` and ``dist.ranks_per_node`` (null: the launcher's
+LOCAL_WORLD_SIZE; ``mode=plan``: min(world_size, 8)) price the step's collectives in the plan's s/step
+(runner/plan/comm.py); nothing in training reads them. An unknown link name is refused with the valid ones.
+
 Combinations refused before anything is built, each naming both sides:
 
 * ``dist=none`` under a launcher with more than one process (each process would train the whole
@@ -71,6 +76,9 @@ class DDPConfig:
     name: str = "ddp"
     world_size: Optional[int] = None  # processes; null: the launcher's (WORLD_SIZE); mode=plan: ranks to plan for
     bucket_mb: float = 25.0  # size of DDP's gradient all-reduce buckets (MiB)
+    ranks_per_node: Optional[int] = None  # GPUs per node; null: the launcher's LOCAL_WORLD_SIZE (mode=plan: min(world_size, 8))
+    interconnect: Optional[str] = None  # link between one node's GPUs (conf/devices.yaml interconnects); null: the device's
+    inter_node_interconnect: str = "ib_100"  # link between nodes, when world_size > ranks_per_node (conf/devices.yaml)
 
 
 @dataclass
@@ -82,7 +90,11 @@ class FSDPConfig:
     world_size: Optional[int] = None  # processes; null: the launcher's (WORLD_SIZE); mode=plan: ranks to plan for
     # full_shard: over every rank | hybrid_shard: within a node, replicated across nodes
     sharding_strategy: str = "full_shard"
-    ranks_per_node: Optional[int] = None  # hybrid_shard: shard group size; null: LOCAL_WORLD_SIZE (mode=plan: required)
+    # GPUs per node (hybrid_shard's shard group; where the ring crosses nodes); null: the launcher's LOCAL_WORLD_SIZE,
+    # mode=plan: min(world_size, 8) (hybrid_shard in mode=plan: required, it decides what each rank holds)
+    ranks_per_node: Optional[int] = None
+    interconnect: Optional[str] = None  # link between one node's GPUs (conf/devices.yaml interconnects); null: the device's
+    inter_node_interconnect: str = "ib_100"  # link between nodes, when world_size > ranks_per_node (conf/devices.yaml)
     reshard_after_forward: bool = True  # free a block's gathered weights after its forward (gather again in backward)
     cpu_offload: bool = False  # sharded weights, gradients and the optimizer step on the host (FSDP2 CPUOffloadPolicy)
     # With bf16/fp16 autocast and float32 trained weights: each unit all-gathered in the autocast dtype from
@@ -107,6 +119,14 @@ class DistSpec:
     cpu_offload: bool = False
     bucket_mb: float = 25.0
     mixed_precision: bool = True  # fsdp: MixedPrecisionPolicy when autocast is low-precision (runner/resolved.py)
+    ranks_per_node: int = 1  # GPUs per node: ranks beyond it talk over the inter-node link (runner/plan/comm.py)
+    interconnect: str = ""  # conf/devices.yaml interconnects row between one node's GPUs; "": the device's link
+    inter_node_interconnect: str = "ib_100"  # the row between nodes
+
+    @property
+    def nodes(self) -> int:
+        """Nodes the ranks span (the last one may be partly used)."""
+        return -(-self.world_size // max(self.ranks_per_node, 1))
 
     @property
     def active(self) -> bool:
@@ -189,6 +209,11 @@ def resolve_distribution(cfg: Any, planning: bool) -> DistSpec:
             "or dist=fsdp (sharded weights), or run one process.")
     get = (lambda k, d: node.get(k, d)) if hasattr(node, "get") else (lambda k, d: getattr(node, k, d))
     shard = size
+    per_node_cfg = get("ranks_per_node", None)
+    if per_node_cfg is not None:
+        ranks_per_node = int(per_node_cfg)
+    else:
+        ranks_per_node = min(size, 8) if planning else world.local_world_size
     if name == "fsdp" and str(get("sharding_strategy", "full_shard")) == "hybrid_shard":
         per_node = get("ranks_per_node", None)
         per_node = int(per_node) if per_node is not None else (None if planning else world.local_world_size)
@@ -202,7 +227,9 @@ def resolve_distribution(cfg: Any, planning: bool) -> DistSpec:
     return DistSpec(name=name, world_size=size, rank=rank, local_rank=local, shard_size=shard,
                     reshard_after_forward=bool(get("reshard_after_forward", True)),
                     cpu_offload=bool(get("cpu_offload", False)), bucket_mb=float(get("bucket_mb", 25.0)),
-                    mixed_precision=bool(get("mixed_precision", True)))
+                    mixed_precision=bool(get("mixed_precision", True)), ranks_per_node=ranks_per_node,
+                    interconnect=str(get("interconnect", None) or ""),
+                    inter_node_interconnect=str(get("inter_node_interconnect", "ib_100") or "ib_100"))
 
 
 def validate_dist(cfg: Any, spec: DistSpec) -> None:
@@ -226,6 +253,8 @@ def _dist_problems(cfg: Any, spec: DistSpec) -> list[str]:
         if strategy not in SHARDING_STRATEGIES:
             problems.append(f"dist.sharding_strategy={strategy!r} is not valid. "
                             f"Valid values: {valid_list(strategy, SHARDING_STRATEGIES)}.")
+    if spec.name != "none":
+        problems += _link_problems(get, spec)
     if spec.name == "ddp" and float(get("bucket_mb", 25.0)) <= 0:
         problems.append(f"dist.bucket_mb={get('bucket_mb', 25.0)!r} is not valid: it must be a number > 0 (MiB).")
     if spec.world_size <= 1 or spec.name == "none":
@@ -282,6 +311,24 @@ def _dist_problems(cfg: Any, spec: DistSpec) -> list[str]:
             f"dist=fsdp and optimizer={optimizer} cannot be combined: {why}. Use "
             "optimizer=adamw (its state is sharded too; model.train_dtype=bfloat16 halves it), or dist=ddp with "
             f"optimizer={optimizer}.")
+    return problems
+
+
+def _link_problems(get: Any, spec: DistSpec) -> list[str]:
+    """``dist.ranks_per_node`` and the interconnect names (conf/devices.yaml, runner/devices.py)."""
+    from runner.devices import link_spec
+
+    problems: list[str] = []
+    if spec.ranks_per_node < 1:
+        problems.append(f"dist.ranks_per_node={spec.ranks_per_node} is not valid: give the GPUs of one node (>= 1), "
+                        "or leave it unset (the launcher's LOCAL_WORLD_SIZE; mode=plan: min(world_size, 8)).")
+    for key, value in (("dist.interconnect", spec.interconnect), ("dist.inter_node_interconnect",
+                                                                   spec.inter_node_interconnect)):
+        if value:
+            try:
+                link_spec(value, key)
+            except UserError as e:
+                problems.append(str(e))
     return problems
 
 

@@ -102,6 +102,10 @@ class RankLayout:
     largest_gathered: int = 0
     largest_grads_gathered: int = 0
     trainable: int = 0  # trainable parameters of the trained modules, full (their gradients' bytes)
+    # fsdp, for the communication time (runner/plan/comm.py): the gradients reduce-scattered (trainable shardable
+    # parameters, stored dtype: float32 under the MixedPrecisionPolicy's reduce dtype), all and the root's rest
+    grads_reduced: int = 0
+    root_grads: int = 0
     trainable_shard: int = 0
     units: int = 0
     last_forward: Any = None  # the previous forward phase's per-rank peak (see rank_phase)
@@ -171,7 +175,9 @@ def measure(spec: Any, models: Any, param_dtype: torch.dtype | None = None) -> R
         weights=sum(_bytes(p) for p in params),
         weights_shard=sum(_bytes(p) if p in whole else shard_bytes(p, n) for p in params),
         whole=sum(_bytes(p) for p in params if p in whole),
-        root=sum(_bytes(p) for p in params if id(p) not in in_blocks and p not in whole),
+        root=sum(_bytes(p) for p in rest),
+        grads_reduced=sum(_bytes(p) for p in params if p.requires_grad and p not in whole),
+        root_grads=sum(_bytes(p) for p in rest if p.requires_grad),
         largest_unit=max(unit_sizes, default=0), largest_unit_grads=max(unit_grads, default=0),
         trainable=trainable, trainable_shard=sum(shard_bytes(p, n) for p in params if p.requires_grad),
         units=len(blocks) + 1,

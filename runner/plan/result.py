@@ -108,8 +108,10 @@ def _step_time_line(st: dict[str, Any]) -> str:
     per = ", ".join(f"{k} {v:.3g}" for k, v in st["phases"].items() if v)
     moved = st["h2d_bytes"] + st["d2h_bytes"]
     copies = f", {format_size(moved)} host<->device" if moved else ""
+    from runner.plan.speed import comm_text
+
     return (f"step time: {st['seconds']:.3g} s/step predicted on {st['device']} ({per} s; {st['bound']}; "
-            f"{st['flops'] / 1e12:.3g} TFLOP{copies})")
+            f"{st['flops'] / 1e12:.3g} TFLOP{copies}{comm_text(st.get('comm'))})")
 
 
 def _reserved_line(plan: Plan) -> str:

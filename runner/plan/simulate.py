@@ -56,6 +56,7 @@ from runner.plan.batch import (
     start_encode_part_shapes,
 )
 from runner.plan.calibrate import cpu_target
+from runner.plan.comm import rank_comm
 from runner.plan.cost import CostCounter
 from runner.plan.dist import gathered_params, rank_phase, rank_state_bytes
 from runner.plan.dist import measure as measure_rank
@@ -206,7 +207,9 @@ def _step_time(sim: _Simulation, counter: CostCounter, timing: Target) -> StepTi
             trained.device_params += 1
     return predict(counter, timing, micro_batches=sim.run.grad_accum, simulated_micro=sim.n_micro,
                    transfers=sim.ctx.facts.transfers, optimizer=str(sim.cfg.optimizer.get("name", "adamw")),
-                   trained=trained, fused=sim.fused)
+                   trained=trained, fused=sim.fused,
+                   comm=rank_comm(sim.run, sim.rank_layout, grad_bytes=trained.device_bytes + trained.host_bytes,
+                                  grad_tensors=trained.device_params + trained.host_params, fused=sim.fused))
 
 
 class _Simulation:

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from runner.plan.comm import CommTime, phase_with_comm
 from runner.plan.cost import CostCounter, PhaseCost, Roofline
 
 # Achieved fractions of a GPU's published peaks (assumptions; see the module docstring).
@@ -132,6 +133,9 @@ class StepTime:
     ops: int
     utilisation: float  # FLOPs / (seconds x peak)
     detail: dict[str, Any] = field(default_factory=dict)
+    # dist=ddp|fsdp: one rank's collectives (runner/plan/comm.py: seconds by phase, exposed, links) and the
+    # step's seconds without them ("compute_seconds"); None for one process
+    comm: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -139,7 +143,16 @@ class StepTime:
     def line(self) -> str:
         per = ", ".join(f"{k} {v:.3g}" for k, v in self.phases.items() if v)
         return (f"predicted step time: {self.seconds:.3g} s/step on {self.device} ({per}; {self.bound}; "
-                f"{self.flops / 1e12:.3g} TFLOP, {self.utilisation:.0%} of peak)")
+                f"{self.flops / 1e12:.3g} TFLOP, {self.utilisation:.0%} of peak){comm_text(self.comm)}")
+
+
+def comm_text(comm: dict[str, Any] | None) -> str:
+    """``; communication 0.41 s over nvlink4, 0.02 s of it not hidden by compute (compute alone 1.9 s)``
+    (empty for one process)."""
+    if not comm:
+        return ""
+    return (f"; communication {comm['seconds']:.3g} s over {comm['links']}, {comm['added_seconds']:.3g} s of it not "
+            f"hidden by compute (compute alone {comm['compute_seconds']:.3g} s)")
 
 
 @dataclass
@@ -178,8 +191,10 @@ def _optimizer_work(optimizer: str, trained: Trained) -> tuple[float, float, int
 
 
 def predict(counter: CostCounter, target: Target, *, micro_batches: int, simulated_micro: int,
-            transfers: dict[str, Any], optimizer: str, trained: Trained, fused: bool) -> StepTime:
-    """The step time of the simulated step whose ops ``counter`` counted (see the module docstring)."""
+            transfers: dict[str, Any], optimizer: str, trained: Trained, fused: bool,
+            comm: CommTime | None = None) -> StepTime:
+    """The step time of the simulated step whose ops ``counter`` counted (see the module docstring);
+    ``comm``: a rank's collectives under dist=ddp|fsdp, added per phase as runner/plan/comm.py says."""
     scale = micro_batches / max(simulated_micro, 1)
     phases: dict[str, PhaseCost] = {}
     for name in STEP_PHASES:
@@ -202,6 +217,7 @@ def predict(counter: CostCounter, target: Target, *, micro_batches: int, simulat
     upd_device_s = dev_b / target.device.bytes_per_s + dev_k * target.device.kernel_floor_s
     upd_host_s = host_b / target.host.bytes_per_s + host_k * target.update_op_s
     seconds: dict[str, float] = {}
+    compute_only: dict[str, float] = {}
     bound: dict[str, str] = {}
     for name, c in phases.items():
         device_s = c.device_s + (upd_device_s if name == upd_phase else 0.0)
@@ -223,6 +239,12 @@ def predict(counter: CostCounter, target: Target, *, micro_batches: int, simulat
             t += upd_host_s
             if upd_host_s > compute:
                 why = "the optimizer step on the host CPU"
+        compute_only[name] = t
+        if comm is not None and comm.phases.get(name):
+            hidden = comm.phases[name] - comm.exposed.get(name, 0.0)
+            if hidden > t or comm.exposed.get(name, 0.0) > t:
+                why = f"communication over {comm.links}"
+            t = phase_with_comm(t, comm.phases[name], comm.exposed.get(name, 0.0))
         seconds[name] = t
         bound[name] = why
     total = sum(seconds.values())
@@ -249,4 +271,7 @@ def predict(counter: CostCounter, target: Target, *, micro_batches: int, simulat
                           "update_op_s": target.update_op_s, "serial": target.serial},
                 "copies_overlapped_share": share, "first_window_bytes": window,
                 "transfers": {k: asdict(t) if dataclasses.is_dataclass(t) else dict(t) for k, t in transfers.items()}},
+        comm=None if comm is None else {**comm.to_dict(), "compute_seconds": sum(compute_only.values()),
+                                        "compute_phases": dict(compute_only),
+                                        "added_seconds": total - sum(compute_only.values())},
     )

@@ -286,6 +286,8 @@ CASES = [
     ("hybrid shard over ranks that do not divide",
      ["mode=plan", "dist=fsdp", "dist.world_size=4", "dist.sharding_strategy=hybrid_shard", "dist.ranks_per_node=3"],
      ["dist.ranks_per_node=3"]),
+    ("unknown interconnect", ["mode=plan", "dist=fsdp", "dist.world_size=2", "dist.interconnect=nvlink9"],
+     ["dist.interconnect='nvlink9'", "nvlink4"]),
 ]
 
 
