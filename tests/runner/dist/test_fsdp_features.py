@@ -8,6 +8,8 @@ run in one process and under ``torchrun --nproc_per_node=2 dist=fsdp``:
   within float tolerance;
 * the exported ``diffusers_ema`` U-Net (rank 0 reads the sharded checkpoint whole) is that EMA;
 * ``val_loss`` is one process's within float tolerance;
+* samples with the EMA swapped in (``sample.use_ema``) are one process's, and training goes on after them
+  with the trained weights;
 * a resume continues the EMA: from the sharded checkpoint on 2 ranks (bit for bit the uninterrupted
   run's), from one process's full checkpoint into 2 ranks, and from the sharded one into one process.
 
@@ -30,6 +32,7 @@ pytestmark = pytest.mark.slow
 
 EXTRA = ["ema.enabled=true", "ema.decay=0.5", "data.val_fraction=0.25", "val.every=1", "model.train=full",
          "train.save_every=2"]
+SAMPLES = ["sample.every=1", "sample.prompts=[a red cube]", "sample.steps=2", "sample.use_ema=true"]
 
 
 def read_sharded(ckpt: Path, key: str) -> dict[str, torch.Tensor]:
@@ -59,8 +62,8 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("fsdp_features")
-    one_process(d / "one", *EXTRA, "train.steps=3")
-    launch("torchrun", d / "run", "dist=fsdp", *COMMON, *EXTRA, "train.steps=3", "export.enabled=true",
+    one_process(d / "one", *EXTRA, *SAMPLES, "train.steps=3")
+    launch("torchrun", d / "run", "dist=fsdp", *COMMON, *EXTRA, *SAMPLES, "train.steps=3", "export.enabled=true",
            f"output_dir={d / 'two'}")
     return {"one": d / "one", "two": d / "two", "root": d}
 
@@ -105,6 +108,23 @@ def test_fsdp_keeps_a_sharded_ema_like_one_process_and_exports_it(runs):
     assert json.loads((ckpt / "export" / "export.json").read_text())["ema"]["updates"] == 3
 
 
+def test_fsdp_samples_with_the_ema_swapped_in_and_trains_on_after_it(runs):
+    """``sample.use_ema=true`` under dist=fsdp: every rank copies its EMA shards into its weight shards for
+    the pass (the units resharded around it, so no unit keeps weights gathered before or during the swap),
+    rank 0 writes one process's images; the next steps train on the trained weights again: their losses
+    are one process's (test_fsdp_keeps_a_sharded_ema_like_one_process_and_exports_it)."""
+    import numpy as np
+    from PIL import Image
+
+    for step in (0, 1, 2, 3):
+        ones = sorted((runs["one"] / "samples" / f"step-{step}").glob("*.png"))
+        twos = sorted((runs["two"] / "samples" / f"step-{step}").glob("*.png"))
+        assert [p.name for p in twos] == [p.name for p in ones] and ones, step
+        for a, b in zip(ones, twos):
+            diff = np.abs(np.asarray(Image.open(a), dtype=np.int16) - np.asarray(Image.open(b), dtype=np.int16))
+            assert int(diff.max()) <= 2, (step, a.name, int(diff.max()))
+
+
 def test_fsdp_logs_the_validation_loss_of_one_process(runs):
     """``dist=fsdp data.val_fraction=0.25``: every rank runs every held-out forward (they are collective);
     rank 0 logs val_loss after each step, one process's value within float tolerance."""
@@ -144,3 +164,22 @@ def test_a_resume_continues_the_sharded_ema_in_any_world_size(runs):
     ckpt = back / "checkpoints" / "step-00000003"
     assert max_diff(safetensors(ckpt / "ema.safetensors"), ref_ema) \
         <= max_diff(safetensors(ckpt / "trainable.safetensors"), ref_weights) + 1e-9
+
+
+def test_an_oom_on_one_rank_in_the_held_out_pass_is_retried_by_every_rank(runs, tmp_path):
+    """The held-out forwards under dist=fsdp are collective: an out-of-memory error on rank 1 alone, in the
+    middle of the U-Net's forward, is agreed on (runner/dist/agree.py): both ranks halve the validation
+    micro-batch and retry, and val_loss is still one process's (the mean weights each sample equally)."""
+    counts = tmp_path / "counts"
+    proc = launch("torchrun", tmp_path / "run", "dist=fsdp", *COMMON, *EXTRA, "train.steps=2",
+                  f"output_dir={tmp_path / 'out'}",
+                  env={"RUNNER_TEST_OOM": "rank=1,val=1,above=1,block=3", "RUNNER_TEST_COUNTS": str(counts)})
+    assert json.loads((counts / "rank-1.json").read_text())["raised"] == 1
+    assert not (counts / "rank-0.json").exists() or json.loads((counts / "rank-0.json").read_text())["raised"] == 0
+    log = proc.stdout + proc.stderr + "".join(p.read_text() for p in (tmp_path / "out").glob("*.log"))
+    assert "validation: out of memory at step 1: validation micro-batch 2 -> 1" in log
+    rows = read_metrics(tmp_path / "out" / "metrics.jsonl")
+    ref = read_metrics(runs["one"] / "metrics.jsonl")[:2]
+    assert_same_losses(rows, ref)
+    for r, want in zip(rows, ref):
+        assert r["val_loss"] == pytest.approx(want["val_loss"], rel=REL), (r["step"], r["val_loss"], want["val_loss"])
