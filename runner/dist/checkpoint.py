@@ -9,7 +9,9 @@ runner/state/checkpoint.py: a hidden folder, fsynced, renamed; ``latest`` replac
 * **sharded** (``dist=fsdp``): the trained weights and the optimizer state, keyed by parameter
   name, go through ``torch.distributed.checkpoint`` (DCP) into ``sharded/``: every rank writes
   its own shards at once, nothing is gathered on one rank. Rank 0 writes the small files
-  (``state.json``, ``scheduler.pt``, ``rng.pt``, ``config.yaml``, ``trained.json``).
+  (``state.json``, ``scheduler.pt``, ``rng.pt``, ``config.yaml``, ``trained.json``). With
+  ``ema.enabled`` each rank's EMA shards go into the same DCP folder (key ``ema``) and rank 0
+  writes ``ema.json`` beside them (runner/ema/shards.py, which also resumes them).
 
 Resume (``train.resume``), in any combination:
 

@@ -40,6 +40,9 @@ weights (``sample.use_ema``) backs the trained weights up in host RAM for the pa
 
 Checkpoints: ``ema.safetensors`` beside ``trainable.safetensors`` (same names, the EMA dtype; the
 update count and settings in its metadata), so a resume continues the average bit for bit.
+Resume may turn EMA on (it starts from the resumed weights), off (the checkpoint keeps its copy),
+or change its device, dtype, decay and schedule: none of them changes the trained weights or the
+optimizer state (runner/state/resume.py).
 
 Sharded weights (``dist=fsdp``: each trained parameter is an FSDP2 DTensor holding this rank's
 dim-0 shard): the copy is kept per rank as plain tensors the shape of the local shards, so it is
@@ -50,9 +53,6 @@ gathered before the swap. In a checkpoint the copy is part of the sharded DCP ch
 ``ema``, runner/ema/shards.py; every rank writes its own shards, nothing is gathered) beside
 ``ema.json`` (the names, shapes and metadata). Either format resumes into either kind of run, in
 any world size: runner/ema/shards.py.
-Resume may turn EMA on (it starts from the resumed weights), off (the checkpoint keeps its copy),
-or change its device, dtype, decay and schedule: none of them changes the trained weights or the
-optimizer state (runner/state/resume.py).
 
 Why our own and not a library's (measured on the CPU by bench/ema_update.py, docs/benchmarks.md):
 diffusers' ``EMAModel`` keeps its shadow on the parameters' device and in their dtype (its

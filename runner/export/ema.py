@@ -20,7 +20,9 @@ How: the EMA tensors are copied into the trained parameters (cast to their dtype
 has the trained weights' dtype, like the other files), the same writers run, and every parameter
 then gets the checkpoint's trained value back from ``trainable.safetensors`` (what the models held:
 the export is of that checkpoint). Both files are read a tensor at a time, so no second copy of
-the weights is held in RAM.
+the weights is held in RAM. A sharded checkpoint (``dist=fsdp``) is read whole in this process
+through DCP instead, its EMA (runner/ema/shards.py) and then its weights, as ``mode=export`` reads
+the weights of one (a whole copy of the trained weights' size in RAM while it loads).
 """
 from __future__ import annotations
 
