@@ -223,7 +223,8 @@ class Loop:
         to_evaluation_point(ctx.optimizer)  # schedule-free: a checkpoint holds the evaluated weights (runner/optim/modes.py)
         return self.dist.save_checkpoint(self.out / "checkpoints", self.state, ctx.models, ctx.optimizer, self.scheduler,
                                          cfg.train.keep_saved, config_text=saved_config_text(cfg, ctx.overrides),
-                                         optimizer_name=cfg.optimizer.get("name"), more_files=ctx.ema.write_checkpoint)
+                                         optimizer_name=cfg.optimizer.get("name"), more_files=ctx.ema.write_checkpoint,
+                                         more_shards=ctx.ema.shards())  # dist=fsdp: the EMA's shards, in its DCP folder
 
     def stop_resumably(self, error: ResumableStop) -> None:
         """Before a stop that loses no completed step: save the last completed step (when there is

@@ -9,7 +9,9 @@ runner/state/checkpoint.py: a hidden folder, fsynced, renamed; ``latest`` replac
 * **sharded** (``dist=fsdp``): the trained weights and the optimizer state, keyed by parameter
   name, go through ``torch.distributed.checkpoint`` (DCP) into ``sharded/``: every rank writes
   its own shards at once, nothing is gathered on one rank. Rank 0 writes the small files
-  (``state.json``, ``scheduler.pt``, ``rng.pt``, ``config.yaml``, ``trained.json``).
+  (``state.json``, ``scheduler.pt``, ``rng.pt``, ``config.yaml``, ``trained.json``). With
+  ``ema.enabled`` each rank's EMA shards go into the same DCP folder (key ``ema``) and rank 0
+  writes ``ema.json`` beside them (runner/ema/shards.py, which also resumes them).
 
 Resume (``train.resume``), in any combination:
 
@@ -49,6 +51,7 @@ log = logging.getLogger("runner")
 
 SHARDED = "sharded"  # the DCP folder inside a checkpoint of dist=fsdp
 SMALL_FILES = ("state.json", "scheduler.pt", "rng.pt")
+EMA_KEY = "ema"  # the EMA's shards in the DCP state dict (runner/ema/shards.py reads them)
 
 
 def is_sharded(ckpt: Path) -> bool:
@@ -89,8 +92,11 @@ def _set_state_dicts(holder: nn.Module, optimizer: Any, msd: dict[str, Any], osd
 
 # ---- save ------------------------------------------------------------------------------------------
 def save_sharded(dist_: Any, root: Path, state: Any, models: ModelSet, optimizer: Any, scheduler: Any, keep: int,
-                 config_text: str | None, optimizer_name: str | None) -> Path:
-    """``dist=fsdp``: every rank writes its shards through DCP; rank 0 the rest (module docstring)."""
+                 config_text: str | None, optimizer_name: str | None, more_files: Any = None,
+                 more_shards: dict[str, Any] | None = None) -> Path:
+    """``dist=fsdp``: every rank writes its shards through DCP; rank 0 the rest (module docstring).
+    ``more_shards``: more sharded tensors by name, saved under key ``ema`` (the EMA's, runner/ema/shards.py);
+    ``more_files(folder)``: rank 0's files that describe them (names written)."""
     import torch.distributed as tdist
     import torch.distributed.checkpoint as dcp
 
@@ -123,7 +129,10 @@ def save_sharded(dist_: Any, root: Path, state: Any, models: ModelSet, optimizer
         raise _failed(error, root, state.step)
     try:
         _, msd, osd = _state_dicts(models, optimizer)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp / SHARDED))
+        content = {"model": msd, "optim": osd}
+        if more_shards:
+            content[EMA_KEY] = more_shards
+        dcp.save(content, checkpoint_id=str(tmp / SHARDED))
     except Exception as e:  # noqa: BLE001 - DCP gathers every rank's failure into one exception on all ranks
         error = e
     if main and error is None:
@@ -136,6 +145,8 @@ def save_sharded(dist_: Any, root: Path, state: Any, models: ModelSet, optimizer
                 (tmp / "config.yaml").write_text(config_text)
                 (tmp / "trained.json").write_text(json.dumps(describe_trained_state(params, optimizer, optimizer_name)))
                 names += ["config.yaml", "trained.json"]
+            if more_files is not None:
+                names += more_files(tmp)
             for name in names:
                 _fsync_file(tmp / name)
             for f in (tmp / SHARDED).iterdir():

@@ -333,12 +333,14 @@ def _link_problems(get: Any, spec: DistSpec) -> list[str]:
 
 
 def _refuse_single_process_features(cfg: Any, spec: DistSpec) -> list[str]:
-    """Features built for one process that no multi-process test covers yet: refused by name, not
-    run untested (FSDP2 reduce-scatters after the hooks fused backward steps in; the settings search
+    """Features built for one process that no multi-process test covers: refused by name, not run
+    untested (FSDP2 reduce-scatters after the hooks fused backward steps in; the settings search
     plans one process). Under dist=ddp fused backward averages each gradient in its hook before its
-    parameter steps (runner/dist/runtime.py), and the EMA and the validation loss run as in one process on every rank: the
-    trained weights are the same on every rank after each step, so every rank's EMA and held-out
-    loss are the same, rank 0 logs and saves them (tests/runner/dist/test_dist_features.py)."""
+    parameter steps (runner/dist/runtime.py). The EMA and the validation loss run under both: with
+    DDP every rank holds the same weights, EMA and held-out loss, and rank 0 saves and logs them;
+    with FSDP each rank keeps the EMA of its own shards (runner/ema/average.py, saved in the sharded
+    checkpoint) and every rank runs each held-out forward together (runner/val/holdout.py)
+    (tests/runner/dist/test_dist_training.py, test_fsdp_features.py)."""
     problems: list[str] = []
     opt = cfg.get("optimizer") or {}
     if bool(opt.get("fused_backward", False)) and spec.name == "fsdp":
@@ -351,19 +353,4 @@ def _refuse_single_process_features(cfg: Any, spec: DistSpec) -> list[str]:
         problems.append(
             f"dist={spec.name} and train.auto_fit=true cannot be combined: the settings search plans one process. "
             "Run mode=fit once (one process), then launch the ranks with +preset=fit.")
-    if spec.name != "fsdp":
-        return problems  # dist=ddp: every rank holds the whole trained module (EMA, validation: see below)
-    ema = cfg.get("ema") or {}
-    if bool(ema.get("enabled", False)):
-        problems.append(
-            "dist=fsdp and ema.enabled=true cannot be combined yet: each rank holds a shard of the trained weights, "
-            "and the EMA copy is built, saved and swapped in for samples whole (runner/ema/average.py). Use dist=ddp "
-            "(every rank keeps the same EMA and rank 0 saves it), or set ema.enabled=false.")
-    data = cfg.get("data") or {}
-    if float(data.get("val_fraction", 0.0) or 0.0) > 0 or data.get("val_path") is not None:
-        problems.append(
-            "dist=fsdp and a validation loss (data.val_fraction / data.val_path) cannot be combined yet: the held-out "
-            "pass runs the sharded module's forward outside the training step, which no multi-process test covers "
-            "yet. Use dist=ddp (every rank evaluates the same held-out samples; rank 0 logs val_loss), or unset "
-            "data.val_fraction and data.val_path.")
     return problems

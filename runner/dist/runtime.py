@@ -95,6 +95,15 @@ class Distribution:
     def barrier(self) -> None:
         return None
 
+    def reshard(self) -> None:
+        """dist=fsdp: every unit back to its shards (a no-grad forward leaves the root unit gathered)."""
+        return None
+
+    def agreed(self, passes: Callable[[int], float]) -> Callable[[int], float]:
+        """A pass outside training (the held-out loss) that every rank runs together: agreed on like a step
+        under dist=fsdp, whose forwards are collectives; else as it is (every rank's forward is its own)."""
+        return passes
+
     def all_agree(self, ok: bool) -> bool:
         return ok
 
@@ -103,9 +112,11 @@ class Distribution:
 
     def save_checkpoint(self, root: Path, state: Any, models: Any, optimizer: Any, scheduler: Any, keep: int,
                         config_text: str | None, optimizer_name: str | None,
-                        more_files: Callable[[Path], list[str]] | None = None) -> Path:
+                        more_files: Callable[[Path], list[str]] | None = None,
+                        more_shards: dict[str, Any] | None = None) -> Path:
         """runner/state/checkpoint.py's checkpoint (every rank's, when several hold the same state).
-        ``more_files``: what else one process's checkpoint holds (the EMA: runner/ema/average.py)."""
+        ``more_files``: what else one process's checkpoint holds (the EMA: runner/ema/average.py);
+        ``more_shards``: sharded tensors by key for the DCP checkpoint of dist=fsdp (the EMA's shards)."""
         from runner.state.checkpoint import save_checkpoint
 
         state.world_size = self.run.dist.world_size if self.active else 1
@@ -146,6 +157,7 @@ class DataParallel(Distribution):
         self.agreement = Agreement(run.dist.world_size)
         self.ddp: Any = None
         self.fsdp_root: Any = None
+        self.units: list[Any] = []  # dist=fsdp: every fully_shard unit (the blocks, then the root)
         self.reduce_in_hooks = False  # dist=ddp with fused backward: each gradient averaged in its hook (_replicate)
 
     # ---- the global batch ---------------------------------------------------------------------
@@ -246,6 +258,7 @@ class DataParallel(Distribution):
         root_kwargs = {k: v for k, v in kwargs.items() if k != "reshard_after_forward"}  # the root keeps its rest
         self.fsdp_root = fully_shard(module, **root_kwargs)
         units.append(self.fsdp_root)
+        self.units = units
         agree_before_fsdp_collectives(units, self.agreement)
         log.info("dist=fsdp: %s sharded over %d rank(s) in %d units (%d repeated blocks + the rest)%s%s%s", name,
                  self.spec.shard_size, len(units), len(blocks),
@@ -291,6 +304,17 @@ class DataParallel(Distribution):
 
         dist.barrier(group=cpu_group())
 
+    def reshard(self) -> None:
+        for unit in self.units:
+            unit.reshard()
+
+    def agreed(self, passes: Callable[[int], float]) -> Callable[[int], float]:
+        """dist=fsdp: every attempt agreed on as a training step's (an OOM on one rank is retried by all, the
+        loss is the ranks' mean); dist=ddp: as in one process (no collective in the forward)."""
+        if self.fsdp_root is None:
+            return passes
+        return self.agreement.attempts(passes, self._after_failure, lambda: None)
+
     def agree_stop(self, signum: int | None) -> int | None:
         """A stop signal received by any rank, on every rank (they stop after the same step)."""
         import torch.distributed as dist
@@ -303,14 +327,17 @@ class DataParallel(Distribution):
 
     def save_checkpoint(self, root: Path, state: Any, models: Any, optimizer: Any, scheduler: Any, keep: int,
                         config_text: str | None, optimizer_name: str | None,
-                        more_files: Callable[[Path], list[str]] | None = None) -> Path:
+                        more_files: Callable[[Path], list[str]] | None = None,
+                        more_shards: dict[str, Any] | None = None) -> Path:
         """DDP: rank 0 writes the full checkpoint, with ``more_files`` (the EMA, the same on every rank);
-        FSDP: a sharded one (runner/dist/checkpoint.py), which validate_dist keeps from having an EMA."""
+        FSDP: a sharded one (runner/dist/checkpoint.py): ``more_shards`` (the EMA's shards) in its DCP
+        folder, written by every rank, and ``more_files`` (the EMA's ema.json) by rank 0."""
         from runner.dist.checkpoint import save_replicated, save_sharded
 
         state.world_size = self.spec.world_size
         if self.spec.sharded:
-            return save_sharded(self, root, state, models, optimizer, scheduler, keep, config_text, optimizer_name)
+            return save_sharded(self, root, state, models, optimizer, scheduler, keep, config_text, optimizer_name,
+                                more_files=more_files, more_shards=more_shards)
         parent = super().save_checkpoint
         return save_replicated(self, lambda: parent(root, state, models, optimizer, scheduler, keep, config_text,
                                                     optimizer_name, more_files))

@@ -44,6 +44,16 @@ Resume may turn EMA on (it starts from the resumed weights), off (the checkpoint
 or change its device, dtype, decay and schedule: none of them changes the trained weights or the
 optimizer state (runner/state/resume.py).
 
+Sharded weights (``dist=fsdp``: each trained parameter is an FSDP2 DTensor holding this rank's
+dim-0 shard): the copy is kept per rank as plain tensors the shape of the local shards, so it is
+sharded exactly like the weights (a 1/N share per rank) and every update is a local lerp, with no
+gather. Swapping it in (:meth:`EMA.applied`) copies each rank's shard into its parameter's shard;
+the FSDP units are resharded before and after (``reshard``), so that no unit still holds weights
+gathered before the swap. In a checkpoint the copy is part of the sharded DCP checkpoint (key
+``ema``, runner/ema/shards.py; every rank writes its own shards, nothing is gathered) beside
+``ema.json`` (the names, shapes and metadata). Either format resumes into either kind of run, in
+any world size: runner/ema/shards.py.
+
 Why our own and not a library's (measured on the CPU by bench/ema_update.py, docs/benchmarks.md):
 diffusers' ``EMAModel`` keeps its shadow on the parameters' device and in their dtype (its
 ``step`` subtracts the parameters from the shadow, so a host shadow of device weights fails), its
@@ -60,7 +70,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, ContextManager, Optional
@@ -74,6 +84,7 @@ from runner.errors import UserError
 log = logging.getLogger("runner")
 
 FILE = "ema.safetensors"
+SHARDED_META = "ema.json"  # a sharded checkpoint's EMA: names, shapes and metadata (the tensors are in its DCP folder)
 FORMAT = 1
 CHUNK_BYTES = 64 * 2**20  # EMA bytes averaged per foreach call: bounds the update's temporaries
 CATEGORY = "ema"  # the live-bytes tracker's category of the copy (runner/memory/live_bytes_views.py)
@@ -107,6 +118,9 @@ class NoEMA:
     def write_checkpoint(self, folder: Path) -> list[str]:
         return []
 
+    def shards(self) -> dict[str, torch.Tensor]:
+        return {}
+
     def tensors(self) -> list[torch.Tensor]:
         return []
 
@@ -118,14 +132,18 @@ class EMA:
 
     def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], *, decay: float, warmup: bool = True,
                  every: int = 1, start: int = 0, on_host: bool = False, dtype: torch.dtype = torch.float32,
-                 host: torch.device | str = "cpu", chunk_bytes: int = CHUNK_BYTES) -> None:
+                 host: torch.device | str = "cpu", chunk_bytes: int = CHUNK_BYTES,
+                 reshard: Callable[[], None] | None = None) -> None:
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self.decay, self.warmup, self.every, self.start = float(decay), bool(warmup), int(every), int(start)
         self.on_host, self.dtype, self.host = bool(on_host), dtype, torch.device(host)
         self.chunk_bytes = int(chunk_bytes)
+        self.reshard = reshard or (lambda: None)  # dist=fsdp: every unit back to its shards (module docstring)
         self.updates = 0  # updates since the average started (the warm-up's k)
-        self.shadow = [torch.empty(p.shape, dtype=dtype, device=self.host if self.on_host else p.device)
+        self.sharded = any(is_sharded_param(p) for p in self.params)
+        # the local shard's shape under dist=fsdp (each rank averages its own shard), else the parameter's
+        self.shadow = [torch.empty(local(p).shape, dtype=dtype, device=self.host if self.on_host else local(p).device)
                        for p in self.params]
         self.copy_weights()
 
@@ -151,7 +169,7 @@ class EMA:
     def _source(self, p: torch.Tensor, shadow: torch.Tensor) -> torch.Tensor:
         """``p`` where and as ``shadow`` is: moved in its own dtype first (a device-side cast to
         float32 would allocate a float32 temporary on the device), then cast."""
-        t = p.detach()
+        t = local(p).detach()
         if t.device != shadow.device:
             t = t.to(shadow.device)
         return t if t.dtype == shadow.dtype else t.to(shadow.dtype)
@@ -202,17 +220,19 @@ class EMA:
     def applied(self) -> Iterator[None]:
         """The trained parameters hold the EMA weights inside the block, and exactly their own
         values again after it (backed up on the host in their own dtype: host RAM of the
-        trained weights' size while the block runs)."""
+        trained weights' size while the block runs; under dist=fsdp this rank's shards only)."""
+        self.reshard()  # no FSDP unit keeps weights gathered before the swap
         with torch.no_grad():
-            backup = [p.detach().to(self.host, copy=True) for p in self.params]
+            backup = [local(p).detach().to(self.host, copy=True) for p in self.params]
             for p, s in zip(self.params, self.shadow):
-                p.copy_(s)
+                local(p).copy_(s)
         try:
             yield
         finally:
+            self.reshard()  # ... nor the EMA weights gathered inside the block
             with torch.no_grad():
                 for p, b in zip(self.params, backup):
-                    p.copy_(b)
+                    local(p).copy_(b)
 
     # ---- checkpoints -------------------------------------------------------------------------
     def metadata(self) -> dict[str, str]:
@@ -221,36 +241,63 @@ class EMA:
                 "start": str(self.start)}
 
     def write_checkpoint(self, folder: Path) -> list[str]:
-        """``folder/ema.safetensors`` (names of the trained parameters); the files written."""
+        """``folder/ema.safetensors`` (names of the trained parameters); the files written. Sharded
+        (dist=fsdp, rank 0): ``ema.json`` only; every rank's shards go with the DCP checkpoint (:meth:`shards`)."""
         from safetensors.torch import save_file
 
+        if self.sharded:
+            from runner.ema.shards import write_sharded_meta
+
+            return write_sharded_meta(self, folder / SHARDED_META)
         tensors = {n: s.detach().to("cpu").contiguous() for n, s in zip(self.names, self.shadow)}
         save_file(tensors, str(folder / FILE), metadata=self.metadata())
         return [FILE]
 
+    def shards(self) -> dict[str, torch.Tensor]:
+        """Sharded (dist=fsdp): the copy as DTensors placed like the parameters (views, no copy), by
+        parameter name, for the DCP checkpoint; else nothing (the copy goes in ``ema.safetensors``)."""
+        if not self.sharded:
+            return {}
+        from runner.ema.shards import placed_like
+
+        return {n: placed_like(s, p) for n, s, p in zip(self.names, self.shadow, self.params)}
+
     @torch.no_grad()
     def load_checkpoint(self, ckpt: Path) -> bool:
-        """Continue the average saved in ``ckpt`` (False, and the copy stays the weights, when it has none)."""
-        path = ckpt / FILE
-        if not path.is_file():
+        """Continue the average saved in ``ckpt`` (False, and the copy stays the weights, when it has none).
+        Either format (``ema.safetensors`` or a sharded checkpoint's), into whole or sharded parameters."""
+        from runner.ema.shards import read_saved_ema
+
+        found = read_saved_ema(ckpt)
+        if found is None:
             return False
-        tensors, meta = read_ema_file(path)
-        mine = dict(zip(self.names, self.shadow))
-        missing, unexpected = sorted(set(mine) - set(tensors)), sorted(set(tensors) - set(mine))
-        wrong = [n for n in mine.keys() & tensors.keys() if tuple(tensors[n].shape) != tuple(mine[n].shape)]
+        path, shapes, meta, tensors = found
+        mine = {n: tuple(p.shape) for n, p in zip(self.names, self.params)}  # global shapes
+        missing, unexpected = sorted(set(mine) - set(shapes)), sorted(set(shapes) - set(mine))
+        wrong = [n for n in mine.keys() & shapes.keys() if shapes[n] != mine[n]]
         if missing or unexpected or wrong:
             raise UserError(
                 f"Checkpoint file {path} does not match this run's trained parameters ({len(missing)} missing, e.g. "
                 f"{missing[:2]}; {len(unexpected)} unexpected, e.g. {unexpected[:2]}; {len(wrong)} of another shape). "
                 "Resume with the settings it was saved with, or set ema.enabled=false to resume without it.")
-        for n, s in mine.items():
-            s.copy_(tensors[n])
+        from runner.ema.shards import load_into
+
+        load_into(self, ckpt, meta, tensors)
         self.updates = int(meta.get("updates", 0))
         saved = meta.get("dtype")
         if saved and saved != str(self.dtype).replace("torch.", ""):
             log.warning("ema: the checkpoint's average is %s, this run keeps it in %s (ema.dtype)", saved,
                         str(self.dtype).replace("torch.", ""))
         return True
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP2 parameter (a DTensor), or the tensor itself."""
+    return t.to_local() if is_sharded_param(t) else t
+
+
+def is_sharded_param(t: torch.Tensor) -> bool:
+    return hasattr(t, "device_mesh") and hasattr(t, "to_local")
 
 
 def read_ema_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -266,12 +313,20 @@ def read_ema_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
                         "set ema.enabled=false to resume without the average.") from None
 
 
-def ema_info(path: Path) -> dict[str, Any]:
-    """The saved settings and update count of an ``ema.safetensors`` (for export.json), without its tensors."""
+def has_ema(ckpt: Path) -> bool:
+    """Whether checkpoint ``ckpt`` holds an EMA of the weights (either format)."""
+    return (ckpt / FILE).is_file() or (ckpt / SHARDED_META).is_file()
+
+
+def ema_info(ckpt: Path) -> dict[str, Any]:
+    """The saved settings and update count of ``ckpt``'s EMA (for export.json), without its tensors."""
     from safetensors import safe_open
 
-    with safe_open(str(path), framework="pt", device="cpu") as f:
-        meta = dict(f.metadata() or {})
+    if (ckpt / SHARDED_META).is_file():
+        meta = json.loads((ckpt / SHARDED_META).read_text())["metadata"]
+    else:
+        with safe_open(str(ckpt / FILE), framework="pt", device="cpu") as f:
+            meta = dict(f.metadata() or {})
     numbers = ("format", "updates", "every", "start", "decay")
     return {k: json.loads(v) if k in numbers else (v == "True") if k == "warmup" else v for k, v in meta.items()}
 
@@ -280,7 +335,7 @@ def build_ema(ctx: Any, checkpoint: Path | None = None) -> EMA | NoEMA:
     """The run's EMA (``ctx.cfg.ema``) over ``ctx.models``' trained parameters as the plugins placed
     them; with ``checkpoint`` (a resume), the average saved there is continued."""
     c = ctx.cfg.get("ema") if ctx.cfg is not None else None
-    saved = checkpoint is not None and (checkpoint / FILE).is_file()
+    saved = checkpoint is not None and has_ema(checkpoint)
     if c is None or not c.enabled:
         if saved:
             log.info("ema: %s holds an EMA of the weights; this run does not continue it (ema.enabled=false); the "
@@ -289,7 +344,7 @@ def build_ema(ctx: Any, checkpoint: Path | None = None) -> EMA | NoEMA:
     run = ctx.run
     ema = EMA(list(ctx.models.named_trainable_parameters()), decay=float(c.decay), warmup=bool(c.warmup),
               every=int(c.every), start=int(c.start), on_host=str(c.device) == "cpu",
-              dtype=run.ema_dtype or torch.float32, host=ctx.host)
+              dtype=run.ema_dtype or torch.float32, host=ctx.host, reshard=ctx.dist.reshard)
     if checkpoint is not None:
         if ema.load_checkpoint(checkpoint):
             log.info("ema: continuing the average of %s (%d updates so far)", checkpoint, ema.updates)

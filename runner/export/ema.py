@@ -20,10 +20,13 @@ How: the EMA tensors are copied into the trained parameters (cast to their dtype
 has the trained weights' dtype, like the other files), the same writers run, and every parameter
 then gets the checkpoint's trained value back from ``trainable.safetensors`` (what the models held:
 the export is of that checkpoint). Both files are read a tensor at a time, so no second copy of
-the weights is held in RAM.
+the weights is held in RAM. A sharded checkpoint (``dist=fsdp``) is read whole in this process
+through DCP instead, its EMA (runner/ema/shards.py) and then its weights, as ``mode=export`` reads
+the weights of one (a whole copy of the trained weights' size in RAM while it loads).
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Iterator
@@ -33,7 +36,7 @@ from typing import Any
 
 import torch
 
-from runner.ema.average import FILE, ema_info
+from runner.ema.average import FILE, ema_info, has_ema
 from runner.export.config import export_config
 from runner.export.lora import write_lora_files
 from runner.trainer import ModelSet
@@ -55,13 +58,36 @@ def _copy_file_into(params: dict[str, torch.nn.Parameter], path: Path) -> None:
 
 @contextmanager
 def ema_weights_in(models: ModelSet, ckpt: Path) -> Iterator[None]:
-    """Inside the block the trained parameters hold ``ckpt``'s EMA weights; after it, its trained weights."""
+    """Inside the block the trained parameters hold ``ckpt``'s EMA weights; after it, its trained weights.
+    A sharded checkpoint (dist=fsdp) is read whole in this process, both the EMA and the weights."""
+    from runner.dist.checkpoint import is_sharded
+
     params = dict(models.named_trainable_parameters())
-    _copy_file_into(params, ckpt / FILE)
+    if is_sharded(ckpt):
+        _copy_sharded_into(params, ckpt)
+    else:
+        _copy_file_into(params, ckpt / FILE)
     try:
         yield
     finally:
-        _copy_file_into(params, ckpt / "trainable.safetensors")
+        if is_sharded(ckpt):
+            from runner.state.checkpoint import load_trainable_weights
+
+            load_trainable_weights(ckpt, models)
+        else:
+            _copy_file_into(params, ckpt / "trainable.safetensors")
+
+
+def _copy_sharded_into(params: dict[str, torch.nn.Parameter], ckpt: Path) -> None:
+    """The EMA of a sharded checkpoint (runner/ema/shards.py), read whole, into ``params``."""
+    from runner.ema.average import SHARDED_META
+    from runner.ema.shards import DTYPES, read_sharded
+
+    dtype = DTYPES.get(json.loads((ckpt / SHARDED_META).read_text())["metadata"].get("dtype", "float32"), torch.float32)
+    loaded = read_sharded(ckpt, list(params), list(params.values()), dtype)
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(loaded[name])
 
 
 def _link_tree(src: Path, dst: Path, skip: str) -> None:
@@ -83,7 +109,7 @@ def write_ema_exports(trainer: Any, models: ModelSet, ckpt: Path, folder: Path, 
     """Write the EMA files of ``ckpt`` into ``folder`` (the export being staged, whose ``full_dir``
     is written already for a full fine-tune); the names written, and ``info["ema"]``. Nothing
     when the checkpoint has no EMA."""
-    if not (ckpt / FILE).is_file():
+    if not has_ema(ckpt):
         return []
     lora = str(cfg.model.train) != "full"  # any adapter (lora, lokr, loha)
     ec = export_config(cfg)
@@ -104,5 +130,5 @@ def write_ema_exports(trainer: Any, models: ModelSet, ckpt: Path, folder: Path, 
         files.append(FULL_EMA_DIR)
     if not lora and ec.wants_full("single_file"):
         files.append(single.name)
-    info["ema"] = {**ema_info(ckpt / FILE), "files": files}
+    info["ema"] = {**ema_info(ckpt), "files": files}
     return files

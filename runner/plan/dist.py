@@ -25,8 +25,11 @@ the shard group, bytes exact per parameter)
   forward to its backward: the whole module instead;
 * gradients of ``m``: ``shard(gradients)``, plus in backward (row ``(fsdp reduce-scatter)``) the
   largest unit's unsharded gradients and the reduce-scatter input they are copied into;
-* optimizer state of ``m``: its share, ``shard(trainable) / trainable`` of it;
-* ``dist.cpu_offload=true``: sharded weights, gradients and optimizer state are on the host
+* optimizer state of ``m``: its share, ``shard(trainable) / trainable`` of it; the EMA copy of ``m``
+  (``ema.enabled``, category ``ema``) the same share: each rank keeps the EMA of its own shards
+  (runner/ema/average.py), on the device or the host wherever the one-process copy was;
+* ``dist.cpu_offload=true``: sharded weights, gradients, optimizer state (and an EMA kept beside the
+  weights, ``ema.device=device``) are on the host
   (added to the host figures), only the gathered copies and reduce-scatter buffers on the device;
 * mixed precision (``ResolvedRun.fsdp_param_dtype``: bf16/fp16 autocast, float32 trained weights,
   FSDP2's ``MixedPrecisionPolicy``, runner/dist/runtime.py): every gathered byte above is counted in
@@ -64,6 +67,7 @@ from torch import nn
 ALL_GATHER = "(fsdp all-gather)"
 REDUCE_SCATTER = "(fsdp reduce-scatter)"
 DDP_BUCKETS = "(ddp buckets)"
+EMA = "ema"  # runner.ema.average.CATEGORY (not imported: the plan's dist terms stay free of the EMA's code)
 
 
 def _bytes(p: torch.Tensor) -> int:
@@ -207,12 +211,15 @@ def per_rank_phase(layout: RankLayout | None, phase: str, by_module: dict[str, d
     weights = layout.weights_shard
     sharded_grads = int(grads * share)
     state = int(mine.get("optimizer_state", 0) * share)
+    ema = int(mine.get(EMA, 0) * share)  # the EMA of this rank's shards
     if layout.cpu_offload:  # sharded weights, gradients and optimizer state on the host; quantized ones stay
-        to_host = weights - layout.whole + sharded_grads + state
-        weights, sharded_grads, state = layout.whole, 0, 0
+        to_host = weights - layout.whole + sharded_grads + state + ema
+        weights, sharded_grads, state, ema = layout.whole, 0, 0, 0
     mine["weights"] = weights
     mine["gradients"] = sharded_grads
     mine["optimizer_state"] = state
+    if EMA in mine:
+        mine[EMA] = ema
     if step == "setup":  # fully_shard moves one unit (or the root's rest) whole to the device, then keeps a shard
         out[ALL_GATHER] = {"weights": max(layout.largest_unit, layout.root)}
     elif step in ("forward", "backward"):
@@ -249,15 +256,21 @@ def rank_phase(layout: RankLayout, pk: Any, on_device: bool, moved: int) -> tupl
             f = layout.last_forward
             out = PhasePeak(pk.name, f.where, f.peak_bytes, {m: dict(c) for m, c in f.by_module.items()})
         return out, moved
-    if not moved:
-        return pk, moved
     by_module = {m: dict(c) for m, c in pk.by_module.items()}
-    by_module.setdefault(layout.module, {})["weights"] = by_module.get(layout.module, {}).get("weights", 0) + moved
-    return PhasePeak(pk.name, pk.where, pk.peak_bytes + moved, by_module), moved
+    mine = by_module.get(layout.module, {})
+    less = 0
+    if layout.name == "fsdp" and mine.get(EMA):  # ema.device=cpu: this rank's share of the host copy
+        less = mine[EMA] - int(mine[EMA] * layout.state_share)
+        mine[EMA] -= less
+    if not moved and not less:
+        return pk, moved
+    by_module.setdefault(layout.module, mine)["weights"] = mine.get("weights", 0) + moved
+    return PhasePeak(pk.name, pk.where, pk.peak_bytes + moved - less, by_module), moved
 
 
 def rank_state_bytes(layout: RankLayout | None, by_device: dict[str, int]) -> dict[str, int]:
-    """The plan's optimizer-state line for one rank: FSDP's share (on the host with cpu_offload)."""
+    """The plan's optimizer-state line for one rank: FSDP's share (on the host with cpu_offload); the EMA
+    line's too (runner/plan/ema.py), which is sharded and placed like the optimizer state."""
     if layout is None or layout.name != "fsdp":
         return by_device
     from runner.plan.target import DEVICE, HOST

@@ -9,7 +9,9 @@ one update runs (phase ``ema update``), which counts its temporaries (at most
 :data:`runner.ema.average.CHUNK_BYTES` of weights cast to the EMA dtype or staged on the host).
 
 What the plan reports (``Plan.ema``, a line of the table): the copy's bytes on the device and on
-the host, its dtype and placement. With EMA off nothing is simulated and the plan is byte for
+the host, its dtype and placement; under ``dist=fsdp`` one rank's (its shards' EMA, a
+``1/shard group`` share, moved to the host with ``dist.cpu_offload``: runner/plan/dist.py), as in
+each phase's ``ema`` column. With EMA off nothing is simulated and the plan is byte for
 byte what it was without this module (bench/plan_snapshot.py).
 """
 from __future__ import annotations
@@ -33,6 +35,9 @@ class NoEMAPlan:
 
     def report(self, plan: Any) -> None:
         pass
+
+    def host_excess(self) -> int:
+        return 0
 
 
 class EMAPlan:
@@ -65,15 +70,28 @@ class EMAPlan:
             self.ema.average(1.0 - self.ema.decay_at(0))
         sim.recorder.take(UPDATE_PHASE)
 
+    def host_excess(self) -> int:
+        """Bytes of a host copy (``ema.device=cpu``) the simulated process holds beyond one rank's share
+        under dist=fsdp: what the host's steady figure, counted by the tracker, loses for one rank."""
+        from runner.plan.target import HOST
+
+        layout = self.sim.rank_layout
+        if layout is None or layout.name != "fsdp":
+            return 0
+        held = self.bytes.get(HOST.type, 0)
+        return held - int(held * layout.state_share)
+
     def report(self, plan: Any) -> None:
+        from runner.plan.dist import rank_state_bytes
         from runner.plan.target import DEVICE, HOST
 
         ema = self.ema
+        where = rank_state_bytes(self.sim.rank_layout, self.bytes)  # dist=fsdp: this rank's shards
         plan.ema = {
             "device": str(self.config.device),  # ema.device: device (beside each weight) | cpu
             "dtype": str(ema.dtype).replace("torch.", ""),
-            "device_bytes": self.bytes.get(DEVICE.type, 0),
-            "host_bytes": self.bytes.get(HOST.type, 0),
+            "device_bytes": where.get(DEVICE.type, 0),
+            "host_bytes": where.get(HOST.type, 0),
             "parameters": sum(p.numel() for p in ema.params),
             "tensors": len(ema.params),
             "update_peak_bytes": plan.phases.get(UPDATE_PHASE, 0),

@@ -485,7 +485,7 @@ def _assemble(sim: _Simulation, seconds: float) -> Plan:
         phases=phases,
         host_peak_bytes=host_peak.peak_bytes,
         host_peak_phase=host_peak.name,
-        host_steady_bytes=sim.host_steady,
+        host_steady_bytes=sim.host_steady - sim.ema.host_excess(),  # dist=fsdp: one rank's share of a host EMA
         host_pinned_bytes=ctx.facts.pinned_host_bytes,
         optimizer_state_bytes=rank_state_bytes(sim.rank_layout, {dev: sum(v.values()) for dev, v in state.items()}),
         run=_run_description(sim),

@@ -36,6 +36,18 @@ restored, no gradient is made, and the training losses are bit-identical with an
 retries; at one sample the evaluation is skipped with a warning: validation must never cost the
 run. It runs between optimizer steps, where the gradients are freed; the planner plans it only
 when it can raise the peak (``val.batch_size`` above the training micro-batch; runner/plan/val.py).
+
+Several processes. ``dist=ddp``: every rank holds the same weights and evaluates every held-out
+sample on its own; rank 0 logs the value. ``dist=fsdp``: each forward all-gathers the sharded units,
+so every rank must run every forward; every rank evaluates *every* held-out sample too, each attempt
+agreed on like a training step (runner/dist/agree.py: an out-of-memory error on one rank halves the
+micro-batch on all of them; the value is the ranks' mean, of equal numbers). Why not a share per
+rank: the forwards are collective, so all ranks would still have to run the same number of them,
+padding the held-out set to a multiple of the world size and weighting the padded samples out;
+evaluating all of them costs the world size times the compute of a share, but the value is the one
+process's formula on the same samples, micro-batches and seeds (equal within float tolerance, the
+weights themselves differing by reduction order), and the held-out set is small beside training.
+After the pass the FSDP units are resharded (a no-grad forward leaves the root unit gathered).
 """
 from __future__ import annotations
 
@@ -277,8 +289,8 @@ class Validation:
                     module.eval()
                 while True:
                     error: BaseException | None = None
-                    try:
-                        return self._passes(micro)
+                    try:  # dist=fsdp: an attempt every rank agrees on (module docstring); else the passes
+                        return ctx.dist.agreed(self._passes)(micro)
                     except Exception as e:
                         if not is_out_of_memory(e):
                             raise
@@ -295,6 +307,7 @@ class Validation:
                     micro //= 2
                     self.batch_size = micro
         finally:
+            ctx.dist.reshard()  # dist=fsdp: the root unit stays gathered after a no-grad forward
             for m, training in flags:
                 m.training = training
 

@@ -5,7 +5,9 @@ process with ``RANK`` 1, while optimizer step 2 runs micro-batches of more than 
 forward of the U-Net's 4th repeated block (index 3) raises a real ``torch.OutOfMemoryError``:
 in the middle of the model's forward, after FSDP has all-gathered the blocks before it. The
 other ranks run on; they must learn of it and retry the step with the same smaller micro-batch.
-``block=-1`` raises in the trainer's loss instead, before the model is called.
+``block=-1`` raises in the trainer's loss instead, before the model is called. With ``val=1`` the
+error is raised in the held-out pass instead (a forward without gradients, micro-batches of more
+than ``above`` samples, whatever the step), where the other ranks are in the same forward too.
 
 ``RUNNER_TEST_COUNTS=<folder>``: each rank writes ``rank-<r>.json`` there with how many samples it
 encoded through ``encode_part`` (the encoder cache's pre-pass) and how many OOMs it raised.
@@ -45,7 +47,9 @@ class OOMOnOneRankSDXL(SDXLTrainer):
         if not o or self.current is None or int(os.environ.get("RANK", "0")) != o.get("rank", 1):
             return False
         step, n = self.current
-        return step == o.get("step", 2) and n > o.get("above", 1)
+        if o.get("val", 0):  # the held-out pass: no gradients
+            return not torch.is_grad_enabled() and n > o.get("above", 1)
+        return torch.is_grad_enabled() and step == o.get("step", 2) and n > o.get("above", 1)
 
     def _raise(self) -> None:
         self.raised += 1
@@ -59,7 +63,7 @@ class OOMOnOneRankSDXL(SDXLTrainer):
             target = find_repeated_blocks(models["unet"])[block]
 
             def pre_hook(module: Any, args: Any) -> None:
-                if torch.is_grad_enabled() and self._due():
+                if self._due():
                     self._raise()
 
             target.register_forward_pre_hook(pre_hook)

@@ -95,6 +95,30 @@ def test_fsdp_plans_this_ranks_shards_and_the_gather_and_scatter_buffers(unet_pa
     assert four.peak_bytes < two.peak_bytes
 
 
+def test_fsdp_plans_the_ema_of_this_ranks_shards(unet_params):
+    """Issue 29: each FSDP rank keeps the EMA of its own shards (runner/ema/average.py). The plan's EMA
+    line and its column at the peak are this rank's share of one process's copy (the shards' share of
+    the trained bytes), on the host with ema.device=cpu (the host's steady figure too), and the rest of
+    the rank's plan is its plan without an EMA."""
+    off = plan("dist=fsdp", "dist.world_size=2")
+    on = plan("dist=fsdp", "dist.world_size=2", "ema.enabled=true")
+    host = plan("dist=fsdp", "dist.world_size=2", "ema.enabled=true", "ema.device=cpu")
+    one = plan("ema.enabled=true")
+    trained = [p for p in unet_params if p.requires_grad]
+    share = sum(shard_bytes(p, 2) for p in trained) / sum(p.numel() * p.element_size() for p in trained)
+    copy = one.ema["device_bytes"]
+    assert copy == 4 * one.ema["parameters"] and 0.5 <= share < 0.51
+    assert on.ema["device_bytes"] == int(copy * share) and on.ema["host_bytes"] == 0
+    assert on.by_category["ema"] == on.ema["device_bytes"]
+    assert on.peak_bytes == off.peak_bytes + on.ema["device_bytes"]
+    assert host.ema["host_bytes"] == on.ema["device_bytes"] and host.ema["device_bytes"] == 0
+    assert host.peak_bytes == off.peak_bytes and "ema" not in host.by_category
+    assert host.host_steady_bytes - off.host_steady_bytes == on.ema["device_bytes"]
+    offload = plan("dist=fsdp", "dist.world_size=2", "ema.enabled=true", "dist.cpu_offload=true")
+    assert offload.ema["host_bytes"] == on.ema["device_bytes"] and offload.ema["device_bytes"] == 0
+    assert offload.peak_bytes == plan("dist=fsdp", "dist.world_size=2", "dist.cpu_offload=true").peak_bytes
+
+
 def test_fsdp_cpu_offload_and_kept_gathered_weights_move_the_bytes_where_fsdp_keeps_them():
     base = plan("dist=fsdp", "dist.world_size=2")
     offload = plan("dist=fsdp", "dist.world_size=2", "dist.cpu_offload=true")
