@@ -101,10 +101,14 @@ _QWEN25_VL_7B = {  # Qwen/Qwen-Image text_encoder/config.json (Qwen2.5-VL-7B-Ins
         "fullatt_block_indexes": [7, 15, 23, 31],
         "tokens_per_second": 2,
     },
-    "image_token_id": 151655,
-    "video_token_id": 151656,
-    "vision_start_token_id": 151652,
-    "vision_end_token_id": 151653,
+    # The published ids are 151655 / 151656 / 151652 / 151653 (a folder's config.json keeps them, with its
+    # own tokenizer). A random build tokenizes with the offline tokenizer (runner/trainers/tokenizers.py),
+    # whose vision specials are these: with the published ids the prompt would hold no image token the
+    # model can find (the planner, which knows the ids' values, stopped at Qwen2.5-VL's count check).
+    "image_token_id": TINY_QWEN_VISION_SPECIALS["<|image_pad|>"],
+    "video_token_id": TINY_QWEN_VISION_SPECIALS["<|video_pad|>"],
+    "vision_start_token_id": TINY_QWEN_VISION_SPECIALS["<|vision_start|>"],
+    "vision_end_token_id": TINY_QWEN_VISION_SPECIALS["<|vision_end|>"],
     "tie_word_embeddings": False,
 }
 _QWEN25_VL_TINY = {
