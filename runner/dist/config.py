@@ -334,8 +334,8 @@ def _link_problems(get: Any, spec: DistSpec) -> list[str]:
 
 def _refuse_single_process_features(cfg: Any, spec: DistSpec) -> list[str]:
     """Features built for one process that no multi-process test covers: refused by name, not run
-    untested (FSDP2 reduce-scatters after the hooks fused backward steps in; the settings search
-    plans one process). Under dist=ddp fused backward averages each gradient in its hook before its
+    untested (FSDP2 reduce-scatters after the hooks fused backward steps in). ``train.auto_fit`` runs
+    on rank 0 with per-rank plans, every rank trains with its answer (runner/fit/output.py). Under dist=ddp fused backward averages each gradient in its hook before its
     parameter steps (runner/dist/runtime.py). The EMA and the validation loss run under both: with
     DDP every rank holds the same weights, EMA and held-out loss, and rank 0 saves and logs them;
     with FSDP each rank keeps the EMA of its own shards (runner/ema/average.py, saved in the sharded
@@ -349,8 +349,4 @@ def _refuse_single_process_features(cfg: Any, spec: DistSpec) -> list[str]:
             "in its own hook after the unit's backward, so a parameter's hook would step on an unreduced, unsharded "
             "gradient. Use dist=ddp (each gradient is averaged in its hook, then steps), or "
             "optimizer.fused_backward=false (dist=fsdp already frees each rank's full gradients by sharding them).")
-    if bool(cfg.train.get("auto_fit", False)):
-        problems.append(
-            f"dist={spec.name} and train.auto_fit=true cannot be combined: the settings search plans one process. "
-            "Run mode=fit once (one process), then launch the ranks with +preset=fit.")
     return problems

@@ -27,11 +27,14 @@ log file handler and keeps their console to warnings (prefixed with the rank); t
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 log = logging.getLogger("runner")
 
@@ -131,6 +134,43 @@ def cpu_group():  # noqa: ANN201 - a torch ProcessGroup
         backend = dist.get_backend()
         _CPU_GROUP = dist.group.WORLD if backend in ("gloo", "cpu:gloo,cuda:nccl") else dist.new_group(backend="gloo")
     return _CPU_GROUP
+
+
+def from_rank0(make: Callable[[], Any]) -> Any:
+    """``make()`` run on rank 0 only, its result (JSON-able) on every rank; a UserError it raises is
+    raised on every rank with the same message. For work that every rank would otherwise repeat and
+    that must end the same everywhere (``train.auto_fit``'s search). One process: ``make()``.
+    JSON over the gloo group, not pickled objects: nothing a rank receives is unpickled."""
+    world = process_world()
+    if world.world_size <= 1:
+        return make()
+    import torch
+    import torch.distributed as dist
+
+    from runner.errors import UserError
+
+    failed: BaseException | None = None
+    if world.rank == 0:
+        try:
+            payload = {"ok": make()}
+        except UserError as e:
+            payload = {"error": str(e)}
+        except BaseException as e:  # rank 0 fails: the others must not wait in the broadcast forever
+            failed, payload = e, {"crash": f"{type(e).__name__} on rank 0"}
+        data = json.dumps(payload).encode()
+    size = torch.tensor([len(data) if world.rank == 0 else 0], dtype=torch.int64)
+    dist.broadcast(size, src=0, group=cpu_group())
+    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if world.rank == 0
+           else torch.empty(int(size.item()), dtype=torch.uint8))
+    dist.broadcast(buf, src=0, group=cpu_group())
+    if failed is not None:
+        raise failed
+    payload = json.loads(bytes(buf.tolist()).decode())
+    if "error" in payload:
+        raise UserError(payload["error"])
+    if "crash" in payload:
+        raise RuntimeError(f"{payload['crash']}: its log has the error")
+    return payload["ok"]
 
 
 def start_time() -> float | None:

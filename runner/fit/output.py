@@ -236,13 +236,19 @@ def auto_fit(cfg: Any, overrides: Sequence[str], out: Path) -> tuple[Any, list[s
     if cfg.train.get("resume"):
         raise UserError("train.auto_fit=true with train.resume: a resumed run keeps the settings it was saved with "
                         "(those auto_fit chose before). Drop train.auto_fit.")
-    result = fit_command(cfg, overrides, out)
-    chosen = [*fitted_overrides(result.winner.overrides), *[o for o in overrides if _keeps(o)], "train.auto_fit=false"]
-    winner = compose_config(chosen)
-    log.info("auto_fit: training with %s (%.3g s/step predicted, peak %.2f GiB planned)",
-             result.winner.knobs.describe(int(cfg.train.batch_size)), result.winner.seconds,
-             result.winner.required_bytes / GiB)
-    return winner, chosen
+    from runner.dist.launch import from_rank0
+
+    def searched() -> list[str]:
+        result = fit_command(cfg, overrides, out)
+        log.info("auto_fit: training with %s (%.3g s/step predicted, peak %.2f GiB planned)",
+                 result.winner.knobs.describe(int(cfg.train.batch_size)), result.winner.seconds,
+                 result.winner.required_bytes / GiB)
+        return [*fitted_overrides(result.winner.overrides), *[o for o in overrides if _keeps(o)], "train.auto_fit=false"]
+
+    # Several processes: rank 0 searches (each plan is one rank's: the launcher's world size), every
+    # rank trains with its answer. One process: the search, here.
+    chosen = from_rank0(searched)
+    return compose_config(chosen), chosen
 
 
 def _keeps(override: str) -> bool:

@@ -171,7 +171,8 @@ def search(cfg: Any, overrides: Sequence[str]) -> FitResult:
     allow = frozenset(str(a) for a in c.allow)
     space = Space(base=base, batch=run.batch_size, allow=allow, on_cuda=run.on_cuda, max_grad_norm=run.max_grad_norm,
                   precision=run.precision, trained_gib=inventory.trained_bytes / GiB,
-                  streamable=_streamable(base, inventory), cacheable=_cacheable(base_cfg, target))
+                  streamable=_streamable(base, inventory), cacheable=_cacheable(base_cfg, target),
+                  ranks=run.dist.world_size, dist=run.dist.name)
     candidates = []
     for knobs in space.candidates():
         if not estimator.can_estimate(knobs):

@@ -140,12 +140,15 @@ class Space:
     trained_gib: float  # the trained modules' weights, for the stream budgets
     streamable: bool  # the trained module has repeated blocks that are not bitsandbytes-quantized
     cacheable: bool  # the trainer has an encode step park can cache
+    ranks: int = 1  # dist's world size: the search is per rank, each rank takes micro / ranks samples
+    dist: str = "none"
 
     def values(self) -> dict[str, list[Any]]:
         b, allow = self.base, self.allow
         v: dict[str, list[Any]] = {
             "checkpoint": _uniq(["none", "every_n", "full", b.checkpoint]),
-            "micro": sorted({m for m in range(1, self.batch + 1) if self.batch % m == 0} | {b.micro}),
+            "micro": sorted({m for m in range(1, self.batch + 1) if self.batch % m == 0 and m % self.ranks == 0}
+                            | {b.micro}),
             "park": _uniq([b.park, True] if (self.cacheable and not b.park) else [b.park]),
             "stream_gb": [b.stream_gb],
             "activations": [b.activations],
@@ -156,7 +159,9 @@ class Space:
             "train": [b.train],
             "train_dtype": [b.train_dtype],
         }
-        if self.on_cuda:
+        if self.dist == "fsdp":
+            v["fused"] = [b.fused]  # refused under FSDP (runner/dist/config.py)
+        if self.on_cuda and self.dist == "none":  # host offloads: refused under dist (runner/dist/config.py)
             if self.streamable:
                 budgets = [round(self.trained_gib * f * 2) / 2 for f in STREAM_FRACTIONS]
                 v["stream_gb"] = _uniq([b.stream_gb, None, *[g for g in budgets if g > 0]])

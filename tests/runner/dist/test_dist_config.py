@@ -74,12 +74,10 @@ def test_a_plan_is_for_one_rank_of_dist_world_size_without_a_launcher():
 
 @pytest.mark.parametrize("kind, extra, needle", [
     ("fsdp", ["optimizer.fused_backward=true"], "optimizer.fused_backward=true cannot be combined"),
-    ("ddp", ["train.auto_fit=true", "budget_gb=12"], "train.auto_fit=true cannot be combined"),
-    ("fsdp", ["train.auto_fit=true", "budget_gb=12"], "train.auto_fit=true cannot be combined"),
-], ids=["fsdp-fused_backward", "ddp-auto_fit", "fsdp-auto_fit"])
+], ids=["fsdp-fused_backward"])
 def test_one_process_features_are_refused_by_name_with_several(kind, extra, needle):
-    """Fused backward under FSDP and auto-fit are built for one process: several processes refuse them,
-    naming the key and what works instead."""
+    """Fused backward under FSDP is built for one process: several processes refuse it, naming the key
+    and what works instead."""
     cfg = compose_config(["mode=plan", f"dist={kind}", "dist.world_size=2", "train.batch_size=4", *extra])
     with pytest.raises(UserError, match=needle):
         validate(cfg)
@@ -105,12 +103,12 @@ def test_fsdp_takes_the_ema_and_the_validation_loss(extra):
 def test_every_conflict_with_dist_is_listed_at_once():
     """A dist=fsdp command that breaks three rules learns all three from one refusal, each with its fix."""
     cfg = compose_config(["mode=plan", "dist=fsdp", "dist.world_size=2", "train.batch_size=3",
-                          "train.auto_fit=true", "budget_gb=12", "optimizer=adamw8bit"])
+                          "optimizer.fused_backward=true", "optimizer=adamw8bit"])
     with pytest.raises(UserError) as e:
         validate(cfg)
     text = str(e.value)
     assert text.startswith("3 settings cannot be combined with dist=fsdp as given; all of them:"), text
-    for n, needle in enumerate(["train.batch_size=3 does not split evenly", "train.auto_fit=true cannot be combined",
+    for n, needle in enumerate(["train.batch_size=3 does not split evenly", "optimizer.fused_backward=true cannot be combined",
                                 "optimizer=adamw8bit cannot be combined"], 1):
         assert f"\n  {n}. " in text and needle in text.split(f"\n  {n}. ")[1].split("\n")[0], (n, text)
 

@@ -26,6 +26,7 @@ models (~30-45 s on 2 busy cores); marked ``slow``.
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -272,3 +273,27 @@ def test_fsdp_gathers_bf16_units_from_float32_shards_like_one_process_autocast(t
         assert all(f["shape"] == shape and f["type"] != "DTensor" for f in two["forward"])
         # between forwards: float32 shards (DTensors), what the optimizer holds and steps
         assert two["stored"] == [["torch.float32", "DTensor"]], two["stored"]
+
+
+def test_auto_fit_searches_on_rank_0_and_every_rank_trains_with_its_answer(tmp_path):
+    """``train.auto_fit=true`` under ``dist=ddp`` on 2 ranks: rank 0 alone runs the search (its plans are
+    one rank's), writes the fit preset, and both ranks train with the settings it chose; a budget the
+    base does not fit forces a change (block checkpointing or a smaller micro-batch, a multiple of 2)."""
+    out = tmp_path / "run"
+    base = ["dist=ddp", *BASE, "data.resolution=128", "train.steps=3", f"output_dir={out}", "fit.confirm=4"]
+    plan = subprocess.run([sys.executable, "-m", "runner", "mode=plan", "dist.world_size=2", *base],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    planned = json.loads((out / "plan.json").read_text())  # one rank's, as the search plans
+    budget = (planned["required_bytes"] - 0.12 * planned["peak_bytes"]) / 2**30  # the base needs 12 % less
+    proc = launch("torchrun", tmp_path / "cwd", *base, "train.auto_fit=true", f"budget_gb={budget:.6f}")
+    console = proc.stdout + proc.stderr
+    assert plan.returncode == 0 and console.count("auto_fit: training with") == 1, console[-4000:]
+    fit = json.loads((out / "fit.json").read_text())
+    winner = fit["winner"]
+    assert winner["knobs"] != fit["base"]["knobs"] and winner["planned_peak_bytes"] < planned["peak_bytes"]
+    assert all(c["knobs"]["micro"] % 2 == 0 for c in fit["candidates"])  # each rank takes micro / 2 samples
+    assert all(not c["knobs"]["stream_gb"] and not c["knobs"]["optimizer_offload"] for c in fit["candidates"])
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in rows)
+    assert rows[-1]["micro_batch_size"] == winner["knobs"]["micro"] // 2  # both ranks trained with the winner
