@@ -215,3 +215,15 @@ def test_a_hosted_main_returns_what_the_loop_returned(tmp_path, monkeypatch):
     finally:
         GlobalHydra.instance().clear()
     assert value == {"device": "cpu", "params": sum(p.numel() for p in make_unet().parameters())}
+
+
+def test_a_hosted_loop_runs_on_the_simulated_card_like_managed_mode(tmp_path):
+    """``train.device=cuda_sim`` in hosted mode: the user's loop on the simulated card (the model and the
+    loader's batches on the card, CUDA's branches of the plugins) trains the plain loop's losses, and
+    the card's measured peak is the preflight plan's (a CUDA plan) within 3 %."""
+    losses, _, _ = hosted_losses(tmp_path, "train.device=cuda_sim")
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain_losses()), rtol=0, atol=0)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert {r["memory_source"] for r in rows} == {"cuda_sim"} and plan["target"] == "cuda"
+    assert 0.97 <= max(r["memory_peak_gb"] for r in rows) * 2**30 / plan["peak_bytes"] <= 1.03
