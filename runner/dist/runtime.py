@@ -69,6 +69,7 @@ class Distribution:
     active = False
     is_main = True
     grads_to_none = True  # the loop's zero_grad(set_to_none=...)
+    pending: Any = None  # dist=fsdp: the trained module's weights still to fill in after fully_shard (dist/loading.py)
 
     def __init__(self, run: ResolvedRun) -> None:
         self.run = run
@@ -240,12 +241,20 @@ class DataParallel(Distribution):
             for sub in module.modules():  # fully_shard leaves ignored parameters where they are: move them now
                 if any(p in ignored for p in sub.parameters(recurse=False)):
                     sub.to(ctx.device)
+        pending, self.pending = self.pending, None
+        # broadcast loading: rank 0's whole module, referenced before fully_shard replaces its parameters by shards
+        full_state = module.state_dict() if pending is not None and pending.mode == "broadcast" and self.is_main else None
         units = []
         for block in blocks:
             units.append(fully_shard(block, **kwargs))
         root_kwargs = {k: v for k, v in kwargs.items() if k != "reshard_after_forward"}  # the root keeps its rest
         self.fsdp_root = fully_shard(module, **root_kwargs)
         units.append(self.fsdp_root)
+        if pending is not None:  # built on meta (runner/dist/loading.py): this rank's shards from the files or rank 0
+            from runner.dist.loading import fill_sharded
+
+            fill_sharded(pending, module, full_state, ctx.device, self.is_main)
+            del full_state
         agree_before_fsdp_collectives(units, self.agreement)
         log.info("dist=fsdp: %s sharded over %d rank(s) in %d units (%d repeated blocks + the rest)%s%s%s", name,
                  self.spec.shard_size, len(units), len(blocks),

@@ -1,0 +1,187 @@
+"""``dist=fsdp``: the trained module built on ``meta`` on every rank, sharded, then filled shard by shard.
+
+Why. Before this, every rank loaded the whole trained module on the host and then ``fully_shard``
+kept its shard: for a Flux full fine-tune 44 GiB of float32 weights per rank at setup, ~430 GB of
+host RAM on an 8-GPU node. Now each rank holds its shards of the trained weights and, briefly, one
+slice at a time. Two ways, picked per run by :func:`build_models_for_rank`:
+
+* ``slices``: the trained module's weights lie in safetensors files as stored (a diffusers folder's
+  ``diffusion_pytorch_model*.safetensors``, or a single file in diffusers' key layout:
+  ``DiffusersTrainer.weight_files``). Every rank builds the module with its parameters on ``meta``
+  (``DiffusersTrainer.empty_modules``; its buffers real), ``fully_shard`` turns them into shards,
+  and each rank reads only its rows of each tensor (``safe_open(...).get_slice``), converted to the
+  parameter's dtype as the one-process load converts it. Host peak per rank: its shards plus one
+  slice. The frozen modules are loaded as before, by every rank.
+* ``broadcast``: no file to slice (random init from ``model.size``, an original-layout single file
+  that must be converted whole, ``.bin`` weights). Rank 0 builds every module exactly as one
+  process does; the other ranks build them with their parameters on ``meta`` (no random draws, so
+  nothing depends on what rank 0 drew) and receive the frozen modules' tensors from rank 0 right
+  away, the trained module's after ``fully_shard`` through torch's
+  ``set_model_state_dict(..., StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))``:
+  each tensor is broadcast whole, and each rank keeps its shard. Trade-off: rank 0 holds the whole
+  trained module once, briefly (from its build until the broadcast ends), the others one tensor at
+  a time; the frozen modules cross the network instead of being built on each rank.
+
+Either way the weights are the bits one process would have: the same reads and conversions, or rank
+0's own module. Not covered (loaded whole on every rank as before, said in the log): ``model.train``
+other than ``full`` (peft adapters are drawn at random over a loaded base, and a quantized base must
+be quantized whole: it stays whole on every rank, runner/dist/runtime.py ``_unshardable_params``),
+a trainer that is not a :class:`~runner.trainers.base.DiffusersTrainer`, and hosted mode (the loop
+builds its own modules).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from runner.trainer import ModelSet
+
+log = logging.getLogger("runner")
+
+
+@dataclass
+class PendingLoad:
+    """What :meth:`DataParallel._shard` fills in after ``fully_shard`` (runner/dist/runtime.py)."""
+
+    name: str  # the trained module
+    mode: str  # slices | broadcast
+    files: dict[str, tuple[str, str]] = field(default_factory=dict)  # slices: model key -> (file, key in it)
+
+
+def sharded_load_refused(ctx: Any) -> str | None:
+    """Why this run loads the trained module whole on every rank (None: it loads it sharded)."""
+    trainer, run = ctx.trainer, ctx.run
+    if not run.dist.sharded or run.simulate:
+        return "not dist=fsdp"
+    if str(run.train_mode) != "full":
+        return (f"model.train={run.train_mode}: the adapters are drawn at random over the loaded base, and a quantized "
+                "base is quantized whole")
+    if not callable(getattr(trainer, "weight_files", None)) or not hasattr(trainer, "empty_modules"):
+        return f"{type(trainer).__name__} is not a built-in (DiffusersTrainer) trainer"
+    return None
+
+
+def build_models_for_rank(ctx: Any) -> ModelSet:
+    """The trainer's models on this rank (module docstring); ``ctx.dist.pending`` says what ``_shard`` fills in."""
+    trainer, spec = ctx.trainer, ctx.run.dist
+    why = sharded_load_refused(ctx)
+    if why is not None:
+        if spec.sharded:
+            log.info("dist=fsdp: every rank loads the trained module whole before sharding (%s)", why)
+        return trainer.build_models("cpu")
+    name = trainer.denoiser
+    files = trainer.weight_files(name)
+    if files is not None:
+        models = _build(trainer, frozenset({name}))
+        if set(files) != set(models[name].state_dict()):  # a layout the slices cannot follow: read it whole
+            log.info("dist=fsdp: %s's files do not hold its keys as stored; every rank loads it whole", name)
+            return trainer.build_models("cpu")
+        ctx.dist.pending = PendingLoad(name, "slices", files)
+        log.info("dist=fsdp: %s built on meta; each rank reads its shard's rows from %d safetensors file(s)", name,
+                 len({f for f, _ in files.values()}))
+        return models
+    models = trainer.build_models("cpu") if spec.is_main else _build(trainer, frozenset(trainer.module_classes()))
+    for other, module in models.items():
+        if other != name:
+            broadcast_module(module, spec.is_main)
+    _same_generator_as_rank0()
+    ctx.dist.pending = PendingLoad(name, "broadcast")
+    log.info("dist=fsdp: rank 0 builds %s whole (%s); the other ranks receive their shards from it", name,
+             "random init" if trainer.source is None else "weights read whole")
+    return models
+
+
+def _build(trainer: Any, empty: frozenset[str]) -> ModelSet:
+    trainer.empty_modules = empty
+    try:
+        return trainer.build_models("cpu")
+    finally:
+        trainer.empty_modules = frozenset()
+
+
+def materialize(module: nn.Module, device: torch.device) -> None:
+    """Storage for a module whose parameters are on ``meta`` (``to_empty``), keeping its real buffers."""
+    buffers = {n: b for n, b in module.named_buffers() if b.device.type != "meta"}
+    module.to_empty(device=device)
+    with torch.no_grad():
+        for n, b in buffers.items():
+            module.get_buffer(n).copy_(b)
+
+
+def broadcast_module(module: nn.Module, is_main: bool) -> None:
+    """Every parameter and buffer of a (not sharded) module from rank 0, in place."""
+    import torch.distributed as dist
+
+    if not is_main:
+        materialize(module, torch.device("cpu"))
+    with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(torch.view_as_real(t.data) if t.is_complex() else t.data, src=0)
+
+
+def _same_generator_as_rank0() -> None:
+    """Rank 0 drew the random init; the others take its generator state, so later draws agree with one process."""
+    import torch.distributed as dist
+
+    state = torch.get_rng_state()
+    dist.broadcast(state, src=0)
+    torch.set_rng_state(state)
+
+
+def fill_sharded(pending: PendingLoad, module: nn.Module, full_state: dict[str, torch.Tensor] | None,
+                 device: torch.device, is_main: bool) -> None:
+    """After ``fully_shard``: this rank's shards of ``module`` from the files or from rank 0.
+    ``full_state``: rank 0's whole module (broadcast mode), taken before ``fully_shard``."""
+    if pending.mode == "broadcast":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        if not is_main:
+            materialize(module, device)
+        set_model_state_dict(module, full_state if is_main else {},
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        return
+    materialize(module, device)
+    _read_slices(module, pending.files)
+
+
+def _read_slices(module: nn.Module, files: dict[str, tuple[str, str]]) -> None:
+    """Each tensor's rows this rank keeps (FSDP2's dim-0 chunks), read with ``get_slice`` and
+    converted to the parameter's dtype; buffers (every rank holds them whole) read whole."""
+    from safetensors import safe_open
+
+    tensors = dict(module.named_parameters())
+    tensors.update(module.named_buffers())
+    by_file: dict[str, list[str]] = {}
+    for key, (file, _) in files.items():
+        by_file.setdefault(file, []).append(key)
+    with torch.no_grad():
+        for file, keys in by_file.items():
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for key in keys:
+                    target = tensors[key]
+                    local = target.to_local() if hasattr(target, "to_local") else target
+                    rows = _rows(target, local)
+                    stored = f.get_slice(files[key][1])
+                    part = stored[rows[0]:rows[1]] if rows is not None else stored[:]
+                    local.copy_(part.to(local.dtype))
+
+
+def _rows(target: torch.Tensor, local: torch.Tensor) -> tuple[int, int] | None:
+    """The rows [lo, hi) of ``target`` this rank holds (torch.chunk's split over the shard mesh
+    dimension, as FSDP2 shards dim 0); None for a tensor held whole."""
+    if local.shape == target.shape or target.dim() == 0:
+        return None
+    mesh = target.device_mesh
+    k = mesh.size(mesh.ndim - 1)
+    index = mesh.get_local_rank(mesh.ndim - 1)
+    n = target.shape[0]
+    size = -(-n // k)
+    lo = min(index * size, n)
+    hi = min(lo + size, n)
+    if hi - lo != local.shape[0]:
+        raise RuntimeError(f"dist=fsdp: a shard of {tuple(target.shape)} has {local.shape[0]} rows, expected {hi - lo}")
+    return lo, hi
