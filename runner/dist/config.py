@@ -71,6 +71,7 @@ class DDPConfig:
     name: str = "ddp"
     world_size: Optional[int] = None  # processes; null: the launcher's (WORLD_SIZE); mode=plan: ranks to plan for
     bucket_mb: float = 25.0  # size of DDP's gradient all-reduce buckets (MiB)
+    ranks_per_node: Optional[int] = None  # ranks (GPUs) on one node; null: min(world_size, 8)
 
 
 @dataclass
@@ -82,7 +83,7 @@ class FSDPConfig:
     world_size: Optional[int] = None  # processes; null: the launcher's (WORLD_SIZE); mode=plan: ranks to plan for
     # full_shard: over every rank | hybrid_shard: within a node, replicated across nodes
     sharding_strategy: str = "full_shard"
-    ranks_per_node: Optional[int] = None  # hybrid_shard: shard group size; null: LOCAL_WORLD_SIZE (mode=plan: required)
+    ranks_per_node: Optional[int] = None  # ranks (GPUs) on one node; null: min(world_size, 8)
     reshard_after_forward: bool = True  # free a block's gathered weights after its forward (gather again in backward)
     cpu_offload: bool = False  # sharded weights, gradients and the optimizer step on the host (FSDP2 CPUOffloadPolicy)
     # With bf16/fp16 autocast and float32 trained weights: each unit all-gathered in the autocast dtype from
@@ -107,6 +108,7 @@ class DistSpec:
     cpu_offload: bool = False
     bucket_mb: float = 25.0
     mixed_precision: bool = True  # fsdp: MixedPrecisionPolicy when autocast is low-precision (runner/resolved.py)
+    ranks_per_node: int = 1  # ranks on one node: the plan's host RAM per node (runner/plan/dist.py)
 
     @property
     def active(self) -> bool:
@@ -200,9 +202,21 @@ def resolve_distribution(cfg: Any, planning: bool) -> DistSpec:
                             "(hybrid_shard shards within each node and replicates across nodes).")
         shard = per_node
     return DistSpec(name=name, world_size=size, rank=rank, local_rank=local, shard_size=shard,
+                    ranks_per_node=_ranks_per_node(get("ranks_per_node", None), size, planning, world),
                     reshard_after_forward=bool(get("reshard_after_forward", True)),
                     cpu_offload=bool(get("cpu_offload", False)), bucket_mb=float(get("bucket_mb", 25.0)),
                     mixed_precision=bool(get("mixed_precision", True)))
+
+
+def _ranks_per_node(given: Any, size: int, planning: bool, world: Any) -> int:
+    """``dist.ranks_per_node``: as given; null: ``min(world_size, 8)`` in a plan (8 GPUs a node), the
+    launcher's ``LOCAL_WORLD_SIZE`` in training. (``hybrid_shard`` takes its shard group from it too,
+    and in a plan refuses to guess it: above.)"""
+    if given is not None:
+        if int(given) < 1:
+            raise UserError(f"dist.ranks_per_node={given} is not valid: give the ranks (GPUs) of one node, >= 1.")
+        return min(int(given), size)
+    return min(size, 8) if planning else max(1, min(size, int(world.local_world_size)))
 
 
 def validate_dist(cfg: Any, spec: DistSpec) -> None:

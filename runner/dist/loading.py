@@ -52,30 +52,34 @@ class PendingLoad:
     files: dict[str, tuple[str, str]] = field(default_factory=dict)  # slices: model key -> (file, key in it)
 
 
-def sharded_load_refused(ctx: Any) -> str | None:
-    """Why this run loads the trained module whole on every rank (None: it loads it sharded)."""
-    trainer, run = ctx.trainer, ctx.run
-    if not run.dist.sharded or run.simulate:
-        return "not dist=fsdp"
-    if str(run.train_mode) != "full":
-        return (f"model.train={run.train_mode}: the adapters are drawn at random over the loaded base, and a quantized "
-                "base is quantized whole")
+def load_mode(trainer: Any, spec: Any, train_mode: str) -> tuple[str, str]:
+    """How this run's ranks get the trained module (module docstring), and why: ``whole`` (every rank
+    loads it whole, as one process), ``slices`` or ``broadcast``. The planner asks the same
+    (runner/plan/dist.py: host RAM per rank)."""
+    if not spec.sharded:
+        return "whole", f"dist={spec.name}: every rank holds the whole module"
+    if str(train_mode) != "full":
+        return "whole", (f"model.train={train_mode}: the adapters are drawn at random over the loaded base, and a "
+                         "quantized base is quantized whole")
     if not callable(getattr(trainer, "weight_files", None)) or not hasattr(trainer, "empty_modules"):
-        return f"{type(trainer).__name__} is not a built-in (DiffusersTrainer) trainer"
-    return None
+        return "whole", f"{type(trainer).__name__} is not a built-in (DiffusersTrainer) trainer"
+    if trainer.weight_files(trainer.denoiser) is not None:
+        return "slices", "each rank reads its rows from the safetensors files"
+    why = "random init" if trainer.source is None else "weights converted or read whole"
+    return "broadcast", f"rank 0 builds the module whole ({why}) and broadcasts it"
 
 
 def build_models_for_rank(ctx: Any) -> ModelSet:
     """The trainer's models on this rank (module docstring); ``ctx.dist.pending`` says what ``_shard`` fills in."""
     trainer, spec = ctx.trainer, ctx.run.dist
-    why = sharded_load_refused(ctx)
-    if why is not None:
+    mode, why = load_mode(trainer, spec, ctx.run.train_mode)
+    if mode == "whole":
         if spec.sharded:
             log.info("dist=fsdp: every rank loads the trained module whole before sharding (%s)", why)
         return trainer.build_models("cpu")
     name = trainer.denoiser
-    files = trainer.weight_files(name)
-    if files is not None:
+    if mode == "slices":
+        files = trainer.weight_files(name)
         models = _build(trainer, frozenset({name}))
         if set(files) != set(models[name].state_dict()):  # a layout the slices cannot follow: read it whole
             log.info("dist=fsdp: %s's files do not hold its keys as stored; every rank loads it whole", name)

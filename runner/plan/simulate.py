@@ -57,7 +57,8 @@ from runner.plan.batch import (
 )
 from runner.plan.calibrate import cpu_target
 from runner.plan.cost import CostCounter
-from runner.plan.dist import gathered_params, rank_phase, rank_state_bytes
+from runner.dist.loading import load_mode
+from runner.plan.dist import gathered_params, host_per_node, rank_phase, rank_state_bytes
 from runner.plan.dist import measure as measure_rank
 from runner.plan.ema import plan_ema
 from runner.plan.fake import fake_module, simulation_mode, weights_left_uninitialised
@@ -287,7 +288,10 @@ class _Simulation:
                 self.owner[id(p)] = name
             tracker.attach_module_hooks(module, depth=1, prefix=name)
         self.recorder.take("setup")
-        self.rank_layout = measure_rank(self.run.dist, ctx.models, self.run.fsdp_param_dtype)  # what one rank holds
+        self.rank_layout = measure_rank(self.run.dist, ctx.models, self.run.fsdp_param_dtype,  # what one rank holds
+                                        load_mode(self.trainer, self.run.dist, self.run.train_mode))
+        if self.rank_layout is not None:  # what the plugins' setup left on the host (runner/plan/dist.py host_setup)
+            self.rank_layout.host_after_setup = tracker.current_bytes(HOST.type)
         # dist=fsdp with a MixedPrecisionPolicy: the units' weights arrive in the autocast dtype (runner/plan/dist.py)
         self.semantics.gathered = gathered_params(self.rank_layout, ctx.models)
         self.semantics.uncounted = tracker.uncounted
@@ -484,6 +488,7 @@ def _assemble(sim: _Simulation, seconds: float) -> Plan:
         host_peak_phase=host_peak.name,
         host_steady_bytes=sim.host_steady,
         host_pinned_bytes=ctx.facts.pinned_host_bytes,
+        host_ranks=host_per_node(sim.rank_layout, host_peak.peak_bytes),
         optimizer_state_bytes=rank_state_bytes(sim.rank_layout, {dev: sum(v.values()) for dev, v in state.items()}),
         run=_run_description(sim),
         notes=notes,

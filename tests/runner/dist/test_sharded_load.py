@@ -51,3 +51,36 @@ def test_fsdp_at_random_init_broadcasts_rank_0s_module_like_one_process(tmp_path
     logs = proc.stdout + proc.stderr
     assert "rank 0 builds unet whole (random init); the other ranks receive their shards from it" in logs
     assert_same_losses(read_metrics(tmp_path / "two" / "metrics.jsonl"), reference)
+
+
+def test_each_rank_holds_about_half_the_trained_weights_while_loading(tmp_path):
+    """The tracker's host peak on each of 2 ranks, from the build through FSDP2's sharding
+    (tests/shard_load_truth.py), less what every rank holds whole (frozen modules, the U-Net's
+    buffers): from a file, every rank's trained bytes stay within its shards and one tensor read and
+    converted (about half the U-Net; before this change each rank loaded it whole); at random init
+    rank 1 holds as little, rank 0 the whole U-Net (it builds and broadcasts it)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from test_dist_training import ASSETS, ROOT
+
+    file = tiny_unet_file(tmp_path / "unet.safetensors")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(ASSETS)])}
+    for label, extra in (("file", [f"model.path={file}"]), ("random", [])):
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                               "-m", "shard_load_truth", str(tmp_path), label, *FULL, *extra], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    for label in ("file", "random"):
+        ranks = [json.loads((tmp_path / f"{label}-rank-{r}.json").read_text()) for r in (0, 1)]
+        for r in ranks:
+            held = r["host_peak"] - r["frozen"] - r["buffers"]  # the trained weights' share of the peak
+            assert r["whole"] / 2 <= r["shards"] < r["whole"] / 2 * 1.01
+            if label == "random" and r["rank"] == 0:
+                assert held >= r["whole"], (label, r)  # rank 0 built it whole
+            else:
+                assert held <= r["shards"] + 2 * r["largest"], (label, r)
+                assert held < 0.6 * r["whole"], (label, r)
