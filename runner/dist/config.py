@@ -18,6 +18,11 @@ World size. Training: the launcher's (``torchrun``/``accelerate launch``/a SLURM
 processes). ``mode=plan``: ``dist.world_size`` (default: the launcher's, else 1) is the number of
 ranks the plan is for; the plan is one rank's.
 
+Ranks per node. ``dist.ranks_per_node`` (null: ``min(world_size, 8)`` in a plan, the launcher's
+``LOCAL_WORLD_SIZE`` in training): the ranks sharing one machine's host RAM, for the plan's host RAM
+per node (runner/plan/dist.py); ``hybrid_shard`` shards within that many ranks (a plan of it needs the
+key set: the shard group is not guessed).
+
 Combinations refused before anything is built, each naming both sides:
 
 * ``dist=none`` under a launcher with more than one process (each process would train the whole

@@ -23,11 +23,12 @@ slice at a time. Two ways, picked per run by :func:`build_models_for_rank`:
   a time; the frozen modules cross the network instead of being built on each rank.
 
 Either way the weights are the bits one process would have: the same reads and conversions, or rank
-0's own module. Not covered (loaded whole on every rank as before, said in the log): ``model.train``
-other than ``full`` (peft adapters are drawn at random over a loaded base, and a quantized base must
-be quantized whole: it stays whole on every rank, runner/dist/runtime.py ``_unshardable_params``),
-a trainer that is not a :class:`~runner.trainers.base.DiffusersTrainer`, and hosted mode (the loop
-builds its own modules).
+0's own module. LoRA (``model.train`` other than ``full``) is loaded by broadcast: its adapters are
+drawn at random over the loaded base, and only rank 0 draws them as one process does. Not covered
+(loaded whole on every rank as before, said in the log): LoRA over a quantized base (a
+``quantization`` plugin quantizes the base whole after it is loaded in ``model.dtype``; it stays whole
+on every rank, runner/dist/runtime.py ``_unshardable_params``), a trainer that is not a
+:class:`~runner.trainers.base.DiffusersTrainer`, and hosted mode (the loop builds its own modules).
 """
 from __future__ import annotations
 
@@ -52,17 +53,22 @@ class PendingLoad:
     files: dict[str, tuple[str, str]] = field(default_factory=dict)  # slices: model key -> (file, key in it)
 
 
-def load_mode(trainer: Any, spec: Any, train_mode: str) -> tuple[str, str]:
+def load_mode(trainer: Any, spec: Any, train_mode: str, cfg: Any = None) -> tuple[str, str]:
     """How this run's ranks get the trained module (module docstring), and why: ``whole`` (every rank
     loads it whole, as one process), ``slices`` or ``broadcast``. The planner asks the same
     (runner/plan/dist.py: host RAM per rank)."""
+    from runner import registry
+
     if not spec.sharded:
         return "whole", f"dist={spec.name}: every rank holds the whole module"
-    if str(train_mode) != "full":
-        return "whole", (f"model.train={train_mode}: the adapters are drawn at random over the loaded base, and a "
-                         "quantized base is quantized whole")
     if not callable(getattr(trainer, "weight_files", None)) or not hasattr(trainer, "empty_modules"):
         return "whole", f"{type(trainer).__name__} is not a built-in (DiffusersTrainer) trainer"
+    quantized = [name for kind, name, _ in (registry.selected(cfg) if cfg is not None else []) if kind == "quantization"]
+    if str(train_mode) != "full" and quantized:
+        return "whole", (f"model.train={train_mode} with quantization={','.join(quantized)}: every rank loads the base "
+                         "whole in model.dtype, then quantizes it; a quantized base stays whole on every rank")
+    if str(train_mode) != "full":  # the adapters are drawn over the loaded base: rank 0's draws, as in one process
+        return "broadcast", f"model.train={train_mode}: rank 0 builds the base and draws the adapters, and broadcasts them"
     if trainer.weight_files(trainer.denoiser) is not None:
         return "slices", "each rank reads its rows from the safetensors files"
     why = "random init" if trainer.source is None else "weights converted or read whole"
@@ -72,7 +78,7 @@ def load_mode(trainer: Any, spec: Any, train_mode: str) -> tuple[str, str]:
 def build_models_for_rank(ctx: Any) -> ModelSet:
     """The trainer's models on this rank (module docstring); ``ctx.dist.pending`` says what ``_shard`` fills in."""
     trainer, spec = ctx.trainer, ctx.run.dist
-    mode, why = load_mode(trainer, spec, ctx.run.train_mode)
+    mode, why = load_mode(trainer, spec, ctx.run.train_mode, ctx.cfg)
     if mode == "whole":
         if spec.sharded:
             log.info("dist=fsdp: every rank loads the trained module whole before sharding (%s)", why)
@@ -95,7 +101,7 @@ def build_models_for_rank(ctx: Any) -> ModelSet:
     _same_generator_as_rank0()
     ctx.dist.pending = PendingLoad(name, "broadcast")
     log.info("dist=fsdp: rank 0 builds %s whole (%s); the other ranks receive their shards from it", name,
-             "random init" if trainer.source is None else "weights read whole")
+             why if str(ctx.run.train_mode) != "full" else "random init" if trainer.source is None else "weights read whole")
     return models
 
 
@@ -108,12 +114,14 @@ def _build(trainer: Any, empty: frozenset[str]) -> ModelSet:
 
 
 def materialize(module: nn.Module, device: torch.device) -> None:
-    """Storage for a module whose parameters are on ``meta`` (``to_empty``), keeping its real buffers."""
+    """Storage for a module whose parameters are on ``meta`` (``to_empty``), keeping its real buffers
+    as they are, where they are (``fully_shard`` moved them to the compute device; with
+    ``dist.cpu_offload`` the shards are made on the host, the buffers stay on the device)."""
     buffers = {n: b for n, b in module.named_buffers() if b.device.type != "meta"}
     module.to_empty(device=device)
-    with torch.no_grad():
-        for n, b in buffers.items():
-            module.get_buffer(n).copy_(b)
+    for n, b in buffers.items():
+        owner, _, key = n.rpartition(".")
+        module.get_submodule(owner)._buffers[key] = b
 
 
 def broadcast_module(module: nn.Module, is_main: bool) -> None:

@@ -14,6 +14,9 @@ What the loop asks of it, each behind one hook in runner/loop.py:
   the shards and in the optimizer, bf16 weights gathered one unit at a time, float32 gradient
   reduction. Autocast still runs around the step for the activations; the weights it would cast
   (and cache for the whole forward) arrive in bf16 already.
+* loading (runner/dist/loading.py): under ``dist=fsdp`` a full fine-tune's trained module arrives
+  here on ``meta`` (``Distribution.pending``); after ``fully_shard`` each rank fills its shards from
+  its slices of the safetensors files, or from rank 0's broadcast.
 * :meth:`Distribution.attempts`: each attempt of a step's passes agreed on by every rank
   (runner/dist/agree.py), the loss averaged over ranks.
 
@@ -253,7 +256,8 @@ class DataParallel(Distribution):
         if pending is not None:  # built on meta (runner/dist/loading.py): this rank's shards from the files or rank 0
             from runner.dist.loading import fill_sharded
 
-            fill_sharded(pending, module, full_state, ctx.device, self.is_main)
+            fill_sharded(pending, module, full_state, torch.device("cpu") if self.spec.cpu_offload else ctx.device,
+                         self.is_main)
             del full_state
         agree_before_fsdp_collectives(units, self.agreement)
         log.info("dist=fsdp: %s sharded over %d rank(s) in %d units (%d repeated blocks + the rest)%s%s%s", name,

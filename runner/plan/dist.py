@@ -45,6 +45,14 @@ all trained gradients once, where one process holds them only from its backward 
 optimizer step twice: the gradient all-reduce runs just before it, and at the second step DDP
 rebuilds its buckets in the order gradients arrived, copying every gradient once.
 
+Host RAM at setup (:func:`host_setup`, :func:`host_per_node`). ``dist=ddp``, and ``dist=fsdp`` when
+the ranks load the trained module whole (LoRA, a user's trainer: runner/dist/loading.py
+``load_mode``): every rank's host peak is one process's. ``dist=fsdp`` loading by slices or by
+broadcast: a rank holds the frozen modules as one process does, and the trained module only as its
+shards (plus one tensor in flight), filled after the plugins' setup; rank 0, when it broadcasts,
+holds the whole module next to its shards until the broadcast ends. Per node: rank 0's peak plus
+``dist.ranks_per_node - 1`` times the others' (they all peak in setup, together).
+
 The backward phase is at least the forward's end (every activation still alive, no new gradient):
 a rank whose gradients are sharded, or always allocated (DDP's buckets), may peak right at the
 start of backward, where one process peaks later. The peak is re-taken over the corrected phases.
@@ -142,7 +150,7 @@ def gathered_params(layout: RankLayout | None, models: Any) -> frozenset[int]:
 
 
 def measure(spec: Any, models: Any, param_dtype: torch.dtype | None = None,
-            load: tuple[str, str] = ("whole", "")) -> RankLayout | None:
+            load: tuple[str, str] = ("whole", ""), host_after_setup: int = 0) -> RankLayout | None:
     """The layout of one rank of ``spec`` (a :class:`~runner.dist.config.DistSpec`) on the simulated
     ``models`` after the plugins' setup; None for one process. ``param_dtype``: the run's
     ``fsdp_param_dtype`` (runner/resolved.py), the dtype each unit is all-gathered in."""
@@ -155,7 +163,7 @@ def measure(spec: Any, models: Any, param_dtype: torch.dtype | None = None,
     trainable = sum(_bytes(p) for m in trained for p in m.parameters() if p.requires_grad)
     if spec.name == "ddp":
         return RankLayout("ddp", world=spec.world_size, trainable=trainable, trainable_shard=trainable,
-                          ranks_per_node=spec.ranks_per_node, load_why=load[1])
+                          ranks_per_node=spec.ranks_per_node, load_why=load[1], host_after_setup=host_after_setup)
     name = sorted(models.trained)[0]
     module: nn.Module = models[name]
     whole = _unshardable_params(module)
@@ -186,6 +194,7 @@ def measure(spec: Any, models: Any, param_dtype: torch.dtype | None = None,
         largest_unit=max(unit_sizes, default=0), largest_unit_grads=max(unit_grads, default=0),
         trainable=trainable, trainable_shard=sum(shard_bytes(p, n) for p in params if p.requires_grad),
         units=len(blocks) + 1, load=load[0], load_why=load[1], ranks_per_node=spec.ranks_per_node,
+        host_after_setup=host_after_setup,
         largest_tensor=max((_bytes(p) for p in params), default=0),
     )
 

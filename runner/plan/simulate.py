@@ -40,6 +40,7 @@ from runner.compat import without_dispatch_modes
 from runner.context import RunContext
 from runner.data import planned_size
 from runner.devices import reference_spec
+from runner.dist.loading import load_mode
 from runner.memory.live_bytes import LiveBytesTracker
 from runner.memory.live_bytes_views import CATEGORIES, NO_MODULE, OPTIONAL_CATEGORIES
 from runner.optim.build import build_optimizer
@@ -57,7 +58,6 @@ from runner.plan.batch import (
 )
 from runner.plan.calibrate import cpu_target
 from runner.plan.cost import CostCounter
-from runner.dist.loading import load_mode
 from runner.plan.dist import gathered_params, host_per_node, rank_phase, rank_state_bytes
 from runner.plan.dist import measure as measure_rank
 from runner.plan.ema import plan_ema
@@ -289,9 +289,8 @@ class _Simulation:
             tracker.attach_module_hooks(module, depth=1, prefix=name)
         self.recorder.take("setup")
         self.rank_layout = measure_rank(self.run.dist, ctx.models, self.run.fsdp_param_dtype,  # what one rank holds
-                                        load_mode(self.trainer, self.run.dist, self.run.train_mode))
-        if self.rank_layout is not None:  # what the plugins' setup left on the host (runner/plan/dist.py host_setup)
-            self.rank_layout.host_after_setup = tracker.current_bytes(HOST.type)
+                                        load_mode(self.trainer, self.run.dist, self.run.train_mode, self.cfg),
+                                        tracker.current_bytes(HOST.type))  # the host after setup (dist.py host_setup)
         # dist=fsdp with a MixedPrecisionPolicy: the units' weights arrive in the autocast dtype (runner/plan/dist.py)
         self.semantics.gathered = gathered_params(self.rank_layout, ctx.models)
         self.semantics.uncounted = tracker.uncounted

@@ -287,7 +287,8 @@ def folder_weight_files(folder: str, subfolder: str) -> dict[str, tuple[str, str
     from safetensors import safe_open
 
     with safe_open(single, framework="pt", device="cpu") as f:
-        return {k: (single, k) for k in f.keys()}
+        keys = list(f.keys())
+    return {k: (single, k) for k in keys}
 
 
 def load_folder_component(

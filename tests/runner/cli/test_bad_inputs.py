@@ -286,6 +286,8 @@ CASES = [
     ("hybrid shard over ranks that do not divide",
      ["mode=plan", "dist=fsdp", "dist.world_size=4", "dist.sharding_strategy=hybrid_shard", "dist.ranks_per_node=3"],
      ["dist.ranks_per_node=3"]),
+    ("no ranks on a node", ["mode=plan", "dist=ddp", "dist.world_size=2", "dist.ranks_per_node=0"],
+     ["dist.ranks_per_node=0", ">= 1"]),
 ]
 
 

@@ -50,7 +50,7 @@ def test_the_resolved_run_records_rank_world_size_and_the_rank_share_of_the_batc
     cfg = compose_config(["dist=fsdp", "train.batch_size=8", "train.grad_accum=2", "dist.sharding_strategy=hybrid_shard"])
     validate(cfg)
     run = resolve(cfg)
-    assert run.dist == DistSpec(name="fsdp", world_size=4, rank=3, local_rank=1, shard_size=2)
+    assert run.dist == DistSpec(name="fsdp", world_size=4, rank=3, local_rank=1, shard_size=2, ranks_per_node=2)
     assert (run.batch_size, run.rank_batch, run.micro_batch) == (8, 2, 1)
     assert "rank 3 of 4" in run.describe() and "global batch 8, 2 per rank as 2 x 1" in run.describe()
 
