@@ -16,11 +16,12 @@ slice at a time. Two ways, picked per run by :func:`build_models_for_rank`:
   that must be converted whole, ``.bin`` weights). Rank 0 builds every module exactly as one
   process does; the other ranks build them with their parameters on ``meta`` (no random draws, so
   nothing depends on what rank 0 drew) and receive the frozen modules' tensors from rank 0 right
-  away, the trained module's after ``fully_shard`` through torch's
+  away (random init), the trained module's after ``fully_shard`` through torch's
   ``set_model_state_dict(..., StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))``:
   each tensor is broadcast whole, and each rank keeps its shard. Trade-off: rank 0 holds the whole
   trained module once, briefly (from its build until the broadcast ends), the others one tensor at
-  a time; the frozen modules cross the network instead of being built on each rank.
+  a time. At random init the frozen modules cross the network too (rank 0's draws for the trained
+  module come before theirs); from a file every rank loads its frozen modules as before.
 
 Either way the weights are the bits one process would have: the same reads and conversions, or rank
 0's own module. LoRA (``model.train`` other than ``full``) is loaded by broadcast: its adapters are
@@ -94,11 +95,17 @@ def build_models_for_rank(ctx: Any) -> ModelSet:
         log.info("dist=fsdp: %s built on meta; each rank reads its shard's rows from %d safetensors file(s)", name,
                  len({f for f, _ in files.values()}))
         return models
-    models = trainer.build_models("cpu") if spec.is_main else _build(trainer, frozenset(trainer.module_classes()))
-    for other, module in models.items():
-        if other != name:
-            broadcast_module(module, spec.is_main)
-    _same_generator_as_rank0()
+    # At random init rank 0's build of the trained module draws from the generator before the frozen modules
+    # draw theirs: the other ranks build every module empty and receive them. Otherwise nothing drawn
+    # depends on the trained module's build: every rank loads (or draws) its frozen modules as one process.
+    random_init = trainer.source is None
+    empty = frozenset(trainer.module_classes()) if random_init else frozenset({name})
+    models = trainer.build_models("cpu") if spec.is_main else _build(trainer, empty)
+    if random_init:
+        for other, module in models.items():
+            if other != name:
+                broadcast_module(module, spec.is_main)
+    _same_generator_as_rank0()  # e.g. the adapters' draws: the other ranks continue from rank 0's generator
     ctx.dist.pending = PendingLoad(name, "broadcast")
     log.info("dist=fsdp: rank 0 builds %s whole (%s); the other ranks receive their shards from it", name,
              why if str(ctx.run.train_mode) != "full" else "random init" if trainer.source is None else "weights read whole")
@@ -128,19 +135,23 @@ def broadcast_module(module: nn.Module, is_main: bool) -> None:
     """Every parameter and buffer of a (not sharded) module from rank 0, in place."""
     import torch.distributed as dist
 
+    from runner.dist.launch import cpu_group
+
     if not is_main:
         materialize(module, torch.device("cpu"))
-    with torch.no_grad():
+    with torch.no_grad():  # host tensors: over the gloo group (NCCL takes device tensors only)
         for t in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(torch.view_as_real(t.data) if t.is_complex() else t.data, src=0)
+            dist.broadcast(torch.view_as_real(t.data) if t.is_complex() else t.data, src=0, group=cpu_group())
 
 
 def _same_generator_as_rank0() -> None:
     """Rank 0 drew the random init; the others take its generator state, so later draws agree with one process."""
     import torch.distributed as dist
 
+    from runner.dist.launch import cpu_group
+
     state = torch.get_rng_state()
-    dist.broadcast(state, src=0)
+    dist.broadcast(state, src=0, group=cpu_group())
     torch.set_rng_state(state)
 
 

@@ -376,12 +376,18 @@ def mixed_precision_policy(param_dtype: torch.dtype | None) -> Any:
 
 def _unshardable_params(module: nn.Module) -> set[nn.Parameter]:
     """Frozen parameters FSDP cannot split: bitsandbytes' quantized storage (its quantization state
-    describes the whole tensor) and float8 storage. They stay whole on every rank."""
+    describes the whole tensor) and float8 storage. They stay whole on every rank. In the planner's
+    simulation every parameter is a fake tensor, not an ``nn.Parameter``: there the storage dtype
+    alone tells (its quantization simulations store uint8/int8), so a LoRA's plain frozen base is
+    planned sharded, as it is sharded in a real run."""
+    from runner.compat import is_fake
+
     out: set[nn.Parameter] = set()
     for p in module.parameters():
         if p.requires_grad:
             continue
-        if type(p) is not nn.Parameter or not p.is_floating_point() or p.dtype in FLOAT8:
+        wrapped = type(p) is not nn.Parameter and not is_fake(p)  # bitsandbytes' Params4bit / Int8Params
+        if wrapped or not p.is_floating_point() or p.dtype in FLOAT8:
             out.add(p)
     return out
 

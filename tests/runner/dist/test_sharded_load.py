@@ -86,10 +86,13 @@ def test_each_rank_holds_about_half_the_trained_weights_while_loading(tmp_path):
                 assert held < 0.6 * r["whole"], (label, r)
 
 
-def test_fsdp_lora_broadcasts_rank_0s_base_and_adapters_like_one_process(tmp_path):
-    """model.train=lora without quantization: rank 0 builds the base and draws the adapters, the other
-    rank receives its shards of both (runner/dist/loading.py); the same losses as one process."""
-    lora = [*BASE, "trainer=sdxl", "model.train=lora", "train.steps=2"]
+@pytest.mark.parametrize("source", ["random", "file"])
+def test_fsdp_lora_broadcasts_rank_0s_base_and_adapters_like_one_process(tmp_path, source):
+    """model.train=lora without quantization: rank 0 builds the base (at random, or from a file) and
+    draws the adapters, the other rank receives its shards of both (runner/dist/loading.py; from a file
+    it loads the frozen modules itself); the same losses as one process."""
+    path = [f"model.path={tiny_unet_file(tmp_path / 'unet.safetensors')}"] if source == "file" else []
+    lora = [*BASE, "trainer=sdxl", "model.train=lora", "train.steps=2", *path]
     reference = one_process(tmp_path / "one", common=lora)
     proc = launch("torchrun", tmp_path / "run", "dist=fsdp", *lora, f"output_dir={tmp_path / 'two'}")
     assert "rank 0 builds unet whole (model.train=lora: rank 0 builds the base and draws the adapters" \
