@@ -87,9 +87,12 @@ def build_models_for_rank(ctx: Any) -> ModelSet:
     name = trainer.denoiser
     if mode == "slices":
         files = trainer.weight_files(name)
+        generator = torch.get_rng_state()
         models = _build(trainer, frozenset({name}))
         if set(files) != set(models[name].state_dict()):  # a layout the slices cannot follow: read it whole
             log.info("dist=fsdp: %s's files do not hold its keys as stored; every rank loads it whole", name)
+            del models
+            torch.set_rng_state(generator)  # the frozen modules draw again what they drew in the first build
             return trainer.build_models("cpu")
         ctx.dist.pending = PendingLoad(name, "slices", files)
         log.info("dist=fsdp: %s built on meta; each rank reads its shard's rows from %d safetensors file(s)", name,
