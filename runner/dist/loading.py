@@ -16,11 +16,10 @@ slice at a time. Two ways, picked per run by :func:`build_models_for_rank`:
   that must be converted whole, ``.bin`` weights). Rank 0 builds every module exactly as one
   process does; the other ranks build them with their parameters on ``meta`` (no random draws, so
   nothing depends on what rank 0 drew) and receive the frozen modules' tensors from rank 0 right
-  away (random init), the trained module's after ``fully_shard`` through torch's
-  ``set_model_state_dict(..., StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))``:
-  each tensor is broadcast whole, and each rank keeps its shard. Trade-off: rank 0 holds the whole
-  trained module once, briefly (from its build until the broadcast ends), the others one tensor at
-  a time. At random init the frozen modules cross the network too (rank 0's draws for the trained
+  away (random init), the trained module's unit by unit as rank 0 shards it (:func:`shard_units`):
+  each tensor is broadcast whole, and each rank keeps its rows. Trade-off: rank 0 holds the whole
+  trained module once, briefly (from its build until its last unit is sharded), the others one tensor
+  at a time. At random init the frozen modules cross the network too (rank 0's draws for the trained
   module come before theirs); from a file every rank loads its frozen modules as before.
 
 Either way the weights are the bits one process would have: the same reads and conversions, or rank
@@ -158,20 +157,78 @@ def _same_generator_as_rank0() -> None:
     torch.set_rng_state(state)
 
 
-def fill_sharded(pending: PendingLoad, module: nn.Module, full_state: dict[str, torch.Tensor] | None,
-                 device: torch.device, is_main: bool) -> None:
-    """After ``fully_shard``: this rank's shards of ``module`` from the files or from rank 0.
-    ``full_state``: rank 0's whole module (broadcast mode), taken before ``fully_shard``."""
-    if pending.mode == "broadcast":
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+def shard_units(module: nn.Module, blocks: list[nn.Module], shard: Any, pending: PendingLoad | None,
+                device: torch.device, comm: torch.device, is_main: bool) -> list[Any]:
+    """``shard(block)`` for every block, then ``shard(module, root=True)``; with ``pending`` this rank's
+    shards filled too (module docstring). ``device``: where the shards are made (the host with
+    ``dist.cpu_offload``); ``comm``: where broadcast tensors travel (the compute device: NCCL's).
 
-        if not is_main:
+    Broadcast, unit by unit. Rank 0 sends each unit's tensors whole just before it shards that unit, so
+    the unit's whole weights are dropped as its shards are made: rank 0 holds the whole module plus
+    one unit's shards at most, not the whole module next to all of its shards. The other ranks shard
+    their empty module first, then keep their rows of each tensor as it arrives (one whole tensor in
+    flight). The same bytes torch's ``set_model_state_dict(..., broadcast_from_rank0=True)`` sends,
+    in the order of the units.
+    """
+    if pending is None or pending.mode == "slices" or not is_main:
+        groups = _unit_keys(module, blocks) if pending is not None else []
+        units = [*(shard(b) for b in blocks), shard(module, root=True)]
+        if pending is not None:
             materialize(module, device)
-        set_model_state_dict(module, full_state if is_main else {},
-                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-        return
-    materialize(module, device)
-    _read_slices(module, pending.files)
+            if pending.mode == "slices":
+                _read_slices(module, pending.files)
+            else:
+                _receive(module, [k for g in groups for k in g], comm)
+        return units
+    units = []
+    groups = _unit_keys(module, blocks)
+    for block, keys in zip([*blocks, module], groups):
+        _send(module, keys, comm)
+        units.append(shard(block, root=block is module))
+    return units
+
+
+def _unit_keys(module: nn.Module, blocks: list[nn.Module]) -> list[list[str]]:
+    """The state-dict keys of each block, then the rest (the root unit's)."""
+    keys = list(module.state_dict())
+    names = {id(m): n for n, m in module.named_modules()}
+    groups, taken = [], set()
+    for block in blocks:
+        prefix = names[id(block)] + "."
+        groups.append([k for k in keys if k.startswith(prefix)])
+        taken.update(groups[-1])
+    groups.append([k for k in keys if k not in taken])
+    return groups
+
+
+def _tensor(module: nn.Module, key: str) -> torch.Tensor:
+    owner, _, name = key.rpartition(".")
+    sub = module.get_submodule(owner)
+    return sub._parameters[name] if name in sub._parameters else sub._buffers[name]
+
+
+def _send(module: nn.Module, keys: list[str], device: torch.device) -> None:
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for key in keys:
+            t = _tensor(module, key).detach().to(device)
+            dist.broadcast(torch.view_as_real(t) if t.is_complex() else t, src=0)
+            del t
+
+
+def _receive(module: nn.Module, keys: list[str], device: torch.device) -> None:
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for key in keys:
+            target = _tensor(module, key)
+            local = target.to_local() if hasattr(target, "to_local") else target
+            full = torch.empty(tuple(target.shape), dtype=local.dtype, device=device)
+            dist.broadcast(torch.view_as_real(full) if full.is_complex() else full, src=0)
+            rows = _rows(target, local)
+            local.copy_(full[rows[0]:rows[1]] if rows is not None else full)
+            del full
 
 
 def _read_slices(module: nn.Module, files: dict[str, tuple[str, str]]) -> None:

@@ -244,21 +244,14 @@ class DataParallel(Distribution):
             for sub in module.modules():  # fully_shard leaves ignored parameters where they are: move them now
                 if any(p in ignored for p in sub.parameters(recurse=False)):
                     sub.to(ctx.device)
-        pending, self.pending = self.pending, None
-        # broadcast loading: rank 0's whole module, referenced before fully_shard replaces its parameters by shards
-        full_state = module.state_dict() if pending is not None and pending.mode == "broadcast" and self.is_main else None
-        units = []
-        for block in blocks:
-            units.append(fully_shard(block, **kwargs))
-        root_kwargs = {k: v for k, v in kwargs.items() if k != "reshard_after_forward"}  # the root keeps its rest
-        self.fsdp_root = fully_shard(module, **root_kwargs)
-        units.append(self.fsdp_root)
-        if pending is not None:  # built on meta (runner/dist/loading.py): this rank's shards from the files or rank 0
-            from runner.dist.loading import fill_sharded
+        from runner.dist.loading import shard_units
 
-            fill_sharded(pending, module, full_state, torch.device("cpu") if self.spec.cpu_offload else ctx.device,
-                         self.is_main)
-            del full_state
+        root_kwargs = {k: v for k, v in kwargs.items() if k != "reshard_after_forward"}  # the root keeps its rest
+        pending, self.pending = self.pending, None  # built on meta (runner/dist/loading.py): shards filled here
+        units = shard_units(module, blocks, lambda m, root=False: fully_shard(m, **(root_kwargs if root else kwargs)),
+                            pending, torch.device("cpu") if self.spec.cpu_offload else ctx.device, ctx.device,
+                            self.is_main)
+        self.fsdp_root = units[-1]
         agree_before_fsdp_collectives(units, self.agreement)
         log.info("dist=fsdp: %s sharded over %d rank(s) in %d units (%d repeated blocks + the rest)%s%s%s", name,
                  self.spec.shard_size, len(units), len(blocks),

@@ -50,7 +50,7 @@ the ranks load the trained module whole (LoRA, a user's trainer: runner/dist/loa
 ``load_mode``): every rank's host peak is one process's. ``dist=fsdp`` loading by slices or by
 broadcast: a rank holds the frozen modules as one process does, and the trained module only as its
 shards (plus one tensor in flight), filled after the plugins' setup; rank 0, when it broadcasts,
-holds the whole module next to its shards until the broadcast ends. Per node: rank 0's peak plus
+holds the whole module (less the units already sharded) next to one unit's shards. Per node: rank 0's peak plus
 ``dist.ranks_per_node - 1`` times the others' (they all peak in setup, together).
 
 The backward phase is at least the forward's end (every activation still alive, no new gradient):
@@ -282,7 +282,7 @@ def host_setup(layout: RankLayout, pk: Any, moved: int) -> Any:
     has cached the text encoders' outputs and dropped them by then): its peak is the larger of the
     start without the trained module (the frozen modules, loaded as before) and what is left after
     setup plus its shards and one tensor in flight. Rank 0 when it broadcasts holds the module whole
-    from its build until the broadcast ends, next to its shards: ``layout.host_rank0``. With
+    from its build until it has sharded it unit by unit, next to one unit's shards: ``layout.host_rank0``. With
     ``dist.cpu_offload`` the shards are added afterwards as ``moved`` (they stay on the host)."""
     from runner.plan.result import PhasePeak
 
@@ -294,8 +294,9 @@ def host_setup(layout: RankLayout, pk: Any, moved: int) -> Any:
     shards = 0 if layout.cpu_offload else layout.weights_shard
     fill = layout.host_after_setup + shards + layout.largest_tensor
     peak = max(without, fill)
-    if layout.load == "broadcast":
-        layout.host_rank0 = max(pk.peak_bytes, layout.host_after_setup + layout.weights + shards) + moved
+    if layout.load == "broadcast":  # the whole module, less each unit as it is sharded, plus that unit's shards
+        unit_shard = 0 if layout.cpu_offload else math.ceil(max(layout.largest_unit, layout.root) / layout.shards)
+        layout.host_rank0 = max(pk.peak_bytes, layout.host_after_setup + layout.weights + unit_shard) + moved
     else:
         layout.host_rank0 = peak + moved
     by_module = {m: dict(c) for m, c in pk.by_module.items()}
