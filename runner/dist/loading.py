@@ -13,10 +13,11 @@ slice at a time. Two ways, picked per run by :func:`build_models_for_rank`:
   parameter's dtype as the one-process load converts it. Host peak per rank: its shards plus one
   slice. The frozen modules are loaded as before, by every rank.
 * ``broadcast``: no file to slice (random init from ``model.size``, an original-layout single file
-  that must be converted whole, ``.bin`` weights). Rank 0 builds every module exactly as one
-  process does; the other ranks build them with their parameters on ``meta`` (no random draws, so
-  nothing depends on what rank 0 drew) and receive the frozen modules' tensors from rank 0 right
-  away (random init), the trained module's unit by unit as rank 0 shards it (:func:`shard_units`):
+  that must be converted whole, ``.bin`` weights, LoRA). Rank 0 builds every module exactly as one
+  process does; the other ranks build the trained module (at random init every module) with its
+  parameters on ``meta`` (no random draws, so nothing depends on what rank 0 drew), receive the frozen
+  modules' tensors from rank 0 right away (random init only), and the trained module's unit by unit
+  as rank 0 shards it (:func:`shard_units`):
   each tensor is broadcast whole, and each rank keeps its rows. Trade-off: rank 0 holds the whole
   trained module once, briefly (from its build until its last unit is sharded), the others one tensor
   at a time. At random init the frozen modules cross the network too (rank 0's draws for the trained
