@@ -83,6 +83,14 @@ def gib(n: float) -> str:
     return f"{n / GiB:.2f}"
 
 
+def host(p: dict) -> str:
+    """Host RAM per rank / rank 0 / per node (one process: its peak alone)."""
+    h = p.get("host_ranks")
+    if not h:
+        return gib(p["host_peak_bytes"])
+    return f"{gib(h['per_rank_bytes'])} / {gib(h['rank0_bytes'])} / {gib(h['per_node_bytes'])}"
+
+
 def section(rows: list[tuple[str, list[str], dict, float]], load: float) -> str:
     lines = [BEGIN, "## Multi-GPU plans: one rank's peak (bench/dist_plan.py)", "",
              f"Command (CPU only, 2 cores, 1-minute load average {load:.2f} at the start, "
@@ -90,7 +98,8 @@ def section(rows: list[tuple[str, list[str], dict, float]], load: float) -> str:
              "`python -m runner mode=plan <overrides>`; the plan is of one GPU's step (runner/plan/dist.py says how "
              "sharding, all-gather, reduce-scatter and DDP's buckets are counted).", "",
              "| case | overrides | per-GPU peak (+ workspaces) | budget | fits | weights / gradients / optimizer / "
-             "activations / temporaries (GiB) | all-gather + reduce-scatter (GiB) | host RAM peak (GiB) | wall (s) |",
+             "activations / temporaries (GiB) | all-gather + reduce-scatter (GiB) | host RAM per rank / rank 0 / per node "
+             "(GiB) | wall (s) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, overrides, p, wall in rows:
         cat = p["by_category"]
@@ -101,10 +110,14 @@ def section(rows: list[tuple[str, list[str], dict, float]], load: float) -> str:
             f"{'yes' if p['fits'] else 'no'} | {gib(cat.get('weights', 0))} / {gib(cat.get('gradients', 0))} / "
             f"{gib(cat.get('optimizer_state', 0))} / {gib(cat.get('activations', 0))} / "
             f"{gib(cat.get('temporaries', 0))} | {gib(comm)} | "
-            f"{gib(p['host_peak_bytes'])} | {wall:.0f} |")
+            f"{host(p)} | {wall:.0f} |")
     lines += ["", "Weights and gradients include the all-gather and reduce-scatter buffers; the column beside them "
               "shows how much of them those are. The host RAM column is each process's tensors: with "
-              "`dist.cpu_offload=true` a rank's shards of weights, gradients and optimizer state live there. "
+              "`dist.cpu_offload=true` a rank's shards of weights, gradients and optimizer state live there; "
+              "under `dist=fsdp` a full fine-tune's trained module is built on meta and filled shard by shard "
+              "(runner/dist/loading.py): at random init, as here, rank 0 builds it whole and broadcasts it "
+              "(its larger peak); from a safetensors folder every rank holds the per-rank figure. Per node: "
+              "rank 0's peak + (`dist.ranks_per_node` - 1) x the per-rank one (default min(world_size, 8)). "
               "Float32 masters (issue 29): with FSDP2's mixed precision no bf16 copy of the blocks is cached "
               "(temporaries 0.04 against 22.75 GiB with `dist.mixed_precision=false`), and the peak moves to the "
               "backward, where a rank's float32 shards, gradients and AdamW state alone are 16 B per parameter / N "

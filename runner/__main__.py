@@ -44,6 +44,7 @@ def task(cfg: DictConfig) -> float | None:
         from accelerate.utils import set_seed
 
         from runner.build import build_trainer, output_dir
+        from runner.dist.loading import build_models_for_rank
         from runner.export.checkpoint import export_after_training, export_command
         from runner.fit.output import auto_fit, command_line, fit_command
         from runner.loop import train
@@ -72,7 +73,7 @@ def task(cfg: DictConfig) -> float | None:
     ctx.trainer = build_trainer(cfg, ctx.run)                   # build trainer
     plan_run(ctx, ctx.trainer)                                  # plan: refuse to start (exit 3) over budget_gb
     set_seed(ctx.run.seed)                                      # random init is reproducible, so resume is exact
-    take_models(ctx, ctx.trainer.build_models("cpu"))           # dtypes, LoRA
+    take_models(ctx, build_models_for_rank(ctx))                # dtypes, LoRA; dist=fsdp: trained module on meta
     try:
         ctx.sampler = build_sampler(ctx)                        # sample prompts encoded before park can drop encoders
         ctx.validation = build_validation(ctx)                  # held-out split (data.val_*), before park caches

@@ -22,6 +22,9 @@ Links. ``dist.interconnect`` (between one node's GPUs; null: the device's ``link
 conf/devices.yaml), ``dist.inter_node_interconnect`` and ``dist.ranks_per_node`` (null: the launcher's
 LOCAL_WORLD_SIZE; ``mode=plan``: min(world_size, 8)) price the step's collectives in the plan's s/step
 (runner/plan/comm.py); nothing in training reads them. An unknown link name is refused with the valid ones.
+Ranks per node: also the ranks sharing one machine's host RAM, for the plan's host RAM
+per node (runner/plan/dist.py); ``hybrid_shard`` shards within that many ranks (a plan of it needs the
+key set: the shard group is not guessed).
 
 Combinations refused before anything is built, each naming both sides:
 
@@ -119,7 +122,7 @@ class DistSpec:
     cpu_offload: bool = False
     bucket_mb: float = 25.0
     mixed_precision: bool = True  # fsdp: MixedPrecisionPolicy when autocast is low-precision (runner/resolved.py)
-    ranks_per_node: int = 1  # GPUs per node: ranks beyond it talk over the inter-node link (runner/plan/comm.py)
+    ranks_per_node: int = 1  # GPUs per node: ranks beyond it talk over the inter-node link (runner/plan/comm.py); the plan's host RAM per node (runner/plan/dist.py)
     interconnect: str = ""  # conf/devices.yaml interconnects row between one node's GPUs; "": the device's link
     inter_node_interconnect: str = "ib_100"  # the row between nodes
 
@@ -209,11 +212,6 @@ def resolve_distribution(cfg: Any, planning: bool) -> DistSpec:
             "or dist=fsdp (sharded weights), or run one process.")
     get = (lambda k, d: node.get(k, d)) if hasattr(node, "get") else (lambda k, d: getattr(node, k, d))
     shard = size
-    per_node_cfg = get("ranks_per_node", None)
-    if per_node_cfg is not None:
-        ranks_per_node = int(per_node_cfg)
-    else:
-        ranks_per_node = min(size, 8) if planning else world.local_world_size
     if name == "fsdp" and str(get("sharding_strategy", "full_shard")) == "hybrid_shard":
         per_node = get("ranks_per_node", None)
         per_node = int(per_node) if per_node is not None else (None if planning else world.local_world_size)
@@ -225,11 +223,23 @@ def resolve_distribution(cfg: Any, planning: bool) -> DistSpec:
                             "(hybrid_shard shards within each node and replicates across nodes).")
         shard = per_node
     return DistSpec(name=name, world_size=size, rank=rank, local_rank=local, shard_size=shard,
+                    ranks_per_node=_ranks_per_node(get("ranks_per_node", None), size, planning, world),
                     reshard_after_forward=bool(get("reshard_after_forward", True)),
                     cpu_offload=bool(get("cpu_offload", False)), bucket_mb=float(get("bucket_mb", 25.0)),
-                    mixed_precision=bool(get("mixed_precision", True)), ranks_per_node=ranks_per_node,
+                    mixed_precision=bool(get("mixed_precision", True)),
                     interconnect=str(get("interconnect", None) or ""),
                     inter_node_interconnect=str(get("inter_node_interconnect", "ib_100") or "ib_100"))
+
+
+def _ranks_per_node(given: Any, size: int, planning: bool, world: Any) -> int:
+    """``dist.ranks_per_node``: as given; null: ``min(world_size, 8)`` in a plan (8 GPUs a node), the
+    launcher's ``LOCAL_WORLD_SIZE`` in training. (``hybrid_shard`` takes its shard group from it too,
+    and in a plan refuses to guess it: above.)"""
+    if given is not None:
+        if int(given) < 1:
+            raise UserError(f"dist.ranks_per_node={given} is not valid: give the ranks (GPUs) of one node, >= 1.")
+        return min(int(given), size)
+    return min(size, 8) if planning else max(1, min(size, int(world.local_world_size)))
 
 
 def validate_dist(cfg: Any, spec: DistSpec) -> None:

@@ -14,6 +14,9 @@ What the loop asks of it, each behind one hook in runner/loop.py:
   the shards and in the optimizer, bf16 weights gathered one unit at a time, float32 gradient
   reduction. Autocast still runs around the step for the activations; the weights it would cast
   (and cache for the whole forward) arrive in bf16 already.
+* loading (runner/dist/loading.py): under ``dist=fsdp`` a full fine-tune's trained module arrives
+  here on ``meta`` (``Distribution.pending``); after ``fully_shard`` each rank fills its shards from
+  its slices of the safetensors files, or from rank 0's broadcast.
 * :meth:`Distribution.attempts`: each attempt of a step's passes agreed on by every rank
   (runner/dist/agree.py), the loss averaged over ranks.
 
@@ -69,6 +72,7 @@ class Distribution:
     active = False
     is_main = True
     grads_to_none = True  # the loop's zero_grad(set_to_none=...)
+    pending: Any = None  # dist=fsdp: the trained module's weights still to fill in after fully_shard (dist/loading.py)
 
     def __init__(self, run: ResolvedRun) -> None:
         self.run = run
@@ -252,12 +256,14 @@ class DataParallel(Distribution):
             for sub in module.modules():  # fully_shard leaves ignored parameters where they are: move them now
                 if any(p in ignored for p in sub.parameters(recurse=False)):
                     sub.to(ctx.device)
-        units = []
-        for block in blocks:
-            units.append(fully_shard(block, **kwargs))
+        from runner.dist.loading import shard_units
+
         root_kwargs = {k: v for k, v in kwargs.items() if k != "reshard_after_forward"}  # the root keeps its rest
-        self.fsdp_root = fully_shard(module, **root_kwargs)
-        units.append(self.fsdp_root)
+        pending, self.pending = self.pending, None  # built on meta (runner/dist/loading.py): shards filled here
+        units = shard_units(module, blocks, lambda m, root=False: fully_shard(m, **(root_kwargs if root else kwargs)),
+                            pending, torch.device("cpu") if self.spec.cpu_offload else ctx.device, ctx.device,
+                            self.is_main)
+        self.fsdp_root = units[-1]
         self.units = units
         agree_before_fsdp_collectives(units, self.agreement)
         log.info("dist=fsdp: %s sharded over %d rank(s) in %d units (%d repeated blocks + the rest)%s%s%s", name,
@@ -390,12 +396,18 @@ def mixed_precision_policy(param_dtype: torch.dtype | None) -> Any:
 
 def _unshardable_params(module: nn.Module) -> set[nn.Parameter]:
     """Frozen parameters FSDP cannot split: bitsandbytes' quantized storage (its quantization state
-    describes the whole tensor) and float8 storage. They stay whole on every rank."""
+    describes the whole tensor) and float8 storage. They stay whole on every rank. In the planner's
+    simulation every parameter is a fake tensor, not an ``nn.Parameter``: there the storage dtype
+    alone tells (its quantization simulations store uint8/int8), so a LoRA's plain frozen base is
+    planned sharded, as it is sharded in a real run."""
+    from runner.compat import is_fake
+
     out: set[nn.Parameter] = set()
     for p in module.parameters():
         if p.requires_grad:
             continue
-        if type(p) is not nn.Parameter or not p.is_floating_point() or p.dtype in FLOAT8:
+        wrapped = type(p) is not nn.Parameter and not is_fake(p)  # bitsandbytes' Params4bit / Int8Params
+        if wrapped or not p.is_floating_point() or p.dtype in FLOAT8:
             out.add(p)
     return out
 

@@ -48,6 +48,14 @@ all trained gradients once, where one process holds them only from its backward 
 optimizer step twice: the gradient all-reduce runs just before it, and at the second step DDP
 rebuilds its buckets in the order gradients arrived, copying every gradient once.
 
+Host RAM at setup (:func:`host_setup`, :func:`host_per_node`). ``dist=ddp``, and ``dist=fsdp`` when
+the ranks load the trained module whole (LoRA, a user's trainer: runner/dist/loading.py
+``load_mode``): every rank's host peak is one process's. ``dist=fsdp`` loading by slices or by
+broadcast: a rank holds the frozen modules as one process does, and the trained module only as its
+shards (plus one tensor in flight), filled after the plugins' setup; rank 0, when it broadcasts,
+holds the whole module (less the units already sharded) next to one unit's shards. Per node: rank 0's peak plus
+``dist.ranks_per_node - 1`` times the others' (they all peak in setup, together).
+
 The backward phase is at least the forward's end (every activation still alive, no new gradient):
 a rank whose gradients are sharded, or always allocated (DDP's buckets), may peak right at the
 start of backward, where one process peaks later. The peak is re-taken over the corrected phases.
@@ -113,6 +121,15 @@ class RankLayout:
     trainable_shard: int = 0
     units: int = 0
     last_forward: Any = None  # the previous forward phase's per-rank peak (see rank_phase)
+    # Host RAM at setup (host_setup): how the ranks get the trained module (runner/dist/loading.py: whole |
+    # slices | broadcast), its largest tensor (the one slice or tensor in flight), the host bytes once the
+    # plugins' setup is done (the frozen modules park kept), and rank 0's setup peak when it broadcasts.
+    load: str = "whole"
+    load_why: str = ""
+    largest_tensor: int = 0
+    host_after_setup: int = 0
+    ranks_per_node: int = 1
+    host_rank0: int = 0
 
     @property
     def state_share(self) -> float:
@@ -140,7 +157,8 @@ def gathered_params(layout: RankLayout | None, models: Any) -> frozenset[int]:
     return frozenset(id(p) for p in module.parameters() if p not in whole and p.dtype == torch.float32)
 
 
-def measure(spec: Any, models: Any, param_dtype: torch.dtype | None = None) -> RankLayout | None:
+def measure(spec: Any, models: Any, param_dtype: torch.dtype | None = None,
+            load: tuple[str, str] = ("whole", ""), host_after_setup: int = 0) -> RankLayout | None:
     """The layout of one rank of ``spec`` (a :class:`~runner.dist.config.DistSpec`) on the simulated
     ``models`` after the plugins' setup; None for one process. ``param_dtype``: the run's
     ``fsdp_param_dtype`` (runner/resolved.py), the dtype each unit is all-gathered in."""
@@ -152,7 +170,8 @@ def measure(spec: Any, models: Any, param_dtype: torch.dtype | None = None) -> R
     trained = [models[n] for n in sorted(models.trained)]
     trainable = sum(_bytes(p) for m in trained for p in m.parameters() if p.requires_grad)
     if spec.name == "ddp":
-        return RankLayout("ddp", world=spec.world_size, trainable=trainable, trainable_shard=trainable)
+        return RankLayout("ddp", world=spec.world_size, trainable=trainable, trainable_shard=trainable,
+                          ranks_per_node=spec.ranks_per_node, load_why=load[1], host_after_setup=host_after_setup)
     name = sorted(models.trained)[0]
     module: nn.Module = models[name]
     whole = _unshardable_params(module)
@@ -184,7 +203,9 @@ def measure(spec: Any, models: Any, param_dtype: torch.dtype | None = None) -> R
         root_grads=sum(_bytes(p) for p in rest if p.requires_grad),
         largest_unit=max(unit_sizes, default=0), largest_unit_grads=max(unit_grads, default=0),
         trainable=trainable, trainable_shard=sum(shard_bytes(p, n) for p in params if p.requires_grad),
-        units=len(blocks) + 1,
+        units=len(blocks) + 1, load=load[0], load_why=load[1], ranks_per_node=spec.ranks_per_node,
+        host_after_setup=host_after_setup,
+        largest_tensor=max((_bytes(p) for p in params), default=0),
     )
 
 
@@ -256,6 +277,10 @@ def rank_phase(layout: RankLayout, pk: Any, on_device: bool, moved: int) -> tupl
             f = layout.last_forward
             out = PhasePeak(pk.name, f.where, f.peak_bytes, {m: dict(c) for m, c in f.by_module.items()})
         return out, moved
+    if pk.name.split(" ")[0] == "setup":
+        pk = host_setup(layout, pk, moved)
+    if not moved:
+        return pk, moved
     by_module = {m: dict(c) for m, c in pk.by_module.items()}
     mine = by_module.get(layout.module, {})
     less = 0
@@ -266,6 +291,48 @@ def rank_phase(layout: RankLayout, pk: Any, on_device: bool, moved: int) -> tupl
         return pk, moved
     by_module.setdefault(layout.module, mine)["weights"] = mine.get("weights", 0) + moved
     return PhasePeak(pk.name, pk.where, pk.peak_bytes + moved - less, by_module), moved
+
+
+def host_setup(layout: RankLayout, pk: Any, moved: int) -> Any:
+    """The setup phase's host peak of one rank under ``dist=fsdp``'s sharded load (runner/dist/loading.py).
+
+    The simulation holds every module whole on the host at its start, as one process (and every rank
+    before the sharded load) does. With ``slices`` or ``broadcast`` a rank (rank 0 aside when it
+    broadcasts) holds the trained module only as its shards, filled after the plugins' setup (park
+    has cached the text encoders' outputs and dropped them by then): its peak is the larger of the
+    start without the trained module (the frozen modules, loaded as before) and what is left after
+    setup plus its shards and one tensor in flight. Rank 0 when it broadcasts holds the module whole
+    from its build until it has sharded it unit by unit, next to one unit's shards: ``layout.host_rank0``. With
+    ``dist.cpu_offload`` the shards are added afterwards as ``moved`` (they stay on the host)."""
+    from runner.plan.result import PhasePeak
+
+    layout.host_rank0 = pk.peak_bytes + moved
+    if layout.name != "fsdp" or layout.load == "whole":
+        return pk
+    trained = pk.by_module.get(layout.module, {}).get("weights", 0)
+    without = pk.peak_bytes - trained
+    shards = 0 if layout.cpu_offload else layout.weights_shard
+    fill = layout.host_after_setup + shards + layout.largest_tensor
+    peak = max(without, fill)
+    if layout.load == "broadcast":  # the whole module, less each unit as it is sharded, plus that unit's shards
+        unit_shard = 0 if layout.cpu_offload else math.ceil(max(layout.largest_unit, layout.root) / layout.shards)
+        layout.host_rank0 = max(pk.peak_bytes, layout.host_after_setup + layout.weights + unit_shard) + moved
+    else:
+        layout.host_rank0 = peak + moved
+    by_module = {m: dict(c) for m, c in pk.by_module.items()}
+    by_module.setdefault(layout.module, {})["weights"] = peak - without
+    return PhasePeak(pk.name, pk.where, peak, by_module)
+
+
+def host_per_node(layout: RankLayout | None, host_peak: int) -> dict[str, Any] | None:
+    """The plan's host lines for ``dist``: per rank, rank 0 (when it holds more), and per node:
+    rank 0's peak + (``ranks_per_node`` - 1) x the other ranks' (every rank's peak in setup, all at once)."""
+    if layout is None:
+        return None
+    rank0 = max(host_peak, layout.host_rank0)
+    n = layout.ranks_per_node
+    return {"ranks_per_node": n, "per_rank_bytes": host_peak, "rank0_bytes": rank0,
+            "per_node_bytes": rank0 + (n - 1) * host_peak, "load": layout.load, "why": layout.load_why}
 
 
 def rank_state_bytes(layout: RankLayout | None, by_device: dict[str, int]) -> dict[str, int]:

@@ -45,6 +45,9 @@ class Plan:
     ema: dict[str, Any] | None = None  # ema.enabled: the EMA copy's bytes on the device and the host (plan/ema.py)
     validation: dict[str, Any] | None = None  # data.val_*: whether the validation pass was planned, and its peak
     step_time: dict[str, Any] | None = None  # predicted s/step and its FLOPs, bytes and copies (runner/plan/speed.py)
+    # dist=ddp|fsdp: host RAM per rank, rank 0's (larger when it broadcasts the trained module), per node
+    # (dist.ranks_per_node) and how the ranks load the trained module (runner/plan/dist.py host_per_node)
+    host_ranks: dict[str, Any] | None = None
     reserved: dict[str, Any] | None = None  # a CUDA target: what the caching allocator reserves (runner/plan/allocator.py)
 
     @property
@@ -112,6 +115,14 @@ def _step_time_line(st: dict[str, Any]) -> str:
 
     return (f"step time: {st['seconds']:.3g} s/step predicted on {st['device']} ({per} s; {st['bound']}; "
             f"{st['flops'] / 1e12:.3g} TFLOP{copies}{comm_text(st.get('comm'))})")
+
+
+def _host_ranks_line(h: dict[str, Any]) -> str:
+    """Host RAM per rank and per node of a distributed plan (runner/plan/dist.py host_per_node)."""
+    rank0 = (f"; rank 0: {format_size(h['rank0_bytes'])} ({h['why']})" if h["rank0_bytes"] > h["per_rank_bytes"]
+             else f" ({h['why']})")
+    return (f"  host RAM per rank: {format_size(h['per_rank_bytes'])}{rank0}; per node of {h['ranks_per_node']} "
+            f"rank{'s' if h['ranks_per_node'] != 1 else ''} (dist.ranks_per_node): {format_size(h['per_node_bytes'])}")
 
 
 def _reserved_line(plan: Plan) -> str:
@@ -190,6 +201,8 @@ def format_plan(plan: Plan) -> str:
         f"{format_size(plan.host_steady_bytes)}; pinned {format_size(plan.host_pinned_bytes)}, "
         f"pageable {format_size(plan.host_pageable_bytes)}",
     ]
+    if plan.host_ranks:
+        lines.append(_host_ranks_line(plan.host_ranks))
     if plan.notes.get("parked on the host"):  # a trained module the trainer keeps on the host (Wan 2.2 A14B's other expert)
         lines.append(f"  {plan.notes['parked on the host']}")
     if plan.suggestions:

@@ -40,6 +40,7 @@ from runner.compat import without_dispatch_modes
 from runner.context import RunContext
 from runner.data import planned_size
 from runner.devices import reference_spec
+from runner.dist.loading import load_mode
 from runner.memory.live_bytes import LiveBytesTracker
 from runner.memory.live_bytes_views import CATEGORIES, NO_MODULE, OPTIONAL_CATEGORIES
 from runner.optim.build import build_optimizer
@@ -58,7 +59,7 @@ from runner.plan.batch import (
 from runner.plan.calibrate import cpu_target
 from runner.plan.comm import rank_comm
 from runner.plan.cost import CostCounter
-from runner.plan.dist import gathered_params, rank_phase, rank_state_bytes
+from runner.plan.dist import gathered_params, host_per_node, rank_phase, rank_state_bytes
 from runner.plan.dist import measure as measure_rank
 from runner.plan.ema import plan_ema
 from runner.plan.fake import fake_module, simulation_mode, weights_left_uninitialised
@@ -290,7 +291,9 @@ class _Simulation:
                 self.owner[id(p)] = name
             tracker.attach_module_hooks(module, depth=1, prefix=name)
         self.recorder.take("setup")
-        self.rank_layout = measure_rank(self.run.dist, ctx.models, self.run.fsdp_param_dtype)  # what one rank holds
+        self.rank_layout = measure_rank(self.run.dist, ctx.models, self.run.fsdp_param_dtype,  # what one rank holds
+                                        load_mode(self.trainer, self.run.dist, self.run.train_mode, self.cfg),
+                                        tracker.current_bytes(HOST.type))  # the host after setup (dist.py host_setup)
         # dist=fsdp with a MixedPrecisionPolicy: the units' weights arrive in the autocast dtype (runner/plan/dist.py)
         self.semantics.gathered = gathered_params(self.rank_layout, ctx.models)
         self.semantics.uncounted = tracker.uncounted
@@ -487,6 +490,7 @@ def _assemble(sim: _Simulation, seconds: float) -> Plan:
         host_peak_phase=host_peak.name,
         host_steady_bytes=sim.host_steady - sim.ema.host_excess(),  # dist=fsdp: one rank's share of a host EMA
         host_pinned_bytes=ctx.facts.pinned_host_bytes,
+        host_ranks=host_per_node(sim.rank_layout, host_peak.peak_bytes),
         optimizer_state_bytes=rank_state_bytes(sim.rank_layout, {dev: sum(v.values()) for dev, v in state.items()}),
         run=_run_description(sim),
         notes=notes,

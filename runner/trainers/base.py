@@ -108,6 +108,9 @@ class DiffusersTrainer(CacheKeys):
     comfy_layout: str = "kohya"  # the LoRA key layout ComfyUI maps for this family (runner/export/comfy.py LAYOUTS)
     max_references: int = 0  # reference images per target an edit family takes (data.references; 0: not an edit family)
     default_references: int = 0  # data.references unset: how many it trains on (an edit family that needs them: its count)
+    # dist=fsdp's sharded load (runner/dist/loading.py) sets this around build_models: these modules are
+    # built with their parameters on meta (buffers real, :func:`build_empty`), their weights filled in later.
+    empty_modules: frozenset[str] = frozenset()
 
     def __init__(self, cfg: Any, run: Any = None) -> None:
         """``run``: the :class:`~runner.resolved.ResolvedRun`, whose dtypes win over the config's
@@ -250,8 +253,31 @@ class DiffusersTrainer(CacheKeys):
             return torch.float32
         return self.storage_dtype
 
+    def weight_files(self, name: str) -> dict[str, tuple[str, str]] | None:
+        """Where each weight of module ``name`` lies, when it is read as stored, without conversion:
+        model key -> (safetensors file, key in it), for a diffusers folder's safetensors or a single
+        file in diffusers' key layout (the denoiser). None: built at random, converted from an original
+        layout, or ``.bin`` weights; such a module is read whole (runner/dist/loading.py)."""
+        from runner.trainers.loading import folder_weight_files
+
+        src = self.source
+        if src is not None and src[0] == "folder" and self._folder_has(name):
+            return folder_weight_files(src[1], self.folder_name(name))
+        if src is not None and src[0] == "file" and self.layout is None and name == self.denoiser:
+            from safetensors import safe_open
+
+            from runner.trainers.loading import _strip_prefix
+
+            with safe_open(src[1], framework="pt", device="cpu") as f:
+                keys = list(f.keys())
+            return {model_key: (src[1], file_key)
+                    for file_key, model_key in _strip_prefix(keys, self.denoiser_prefixes).items()}
+        return None
+
     def load_component(self, name: str, cls: type, device: str, dtype: torch.dtype) -> nn.Module:
         src = self.source
+        if name in self.empty_modules and torch.device(device).type != "meta":
+            return self._empty_component(name, cls, dtype)
         if src is not None and src[0] == "folder":
             if self._folder_has(name):  # the denoiser's subfolder was checked in __init__
                 return load_folder_component(cls, src[1], self.folder_name(name), dtype, device)
@@ -282,6 +308,23 @@ class DiffusersTrainer(CacheKeys):
                 )
             log.warning("model.path is a single file: %s is randomly initialised (model.size=%s)", name, self.size)
         return build_module(cls, self.size_configs()[name], device, dtype)
+
+    def _empty_component(self, name: str, cls: type, dtype: torch.dtype) -> nn.Module:
+        """Module ``name`` as :meth:`load_component` would build it, its parameters on meta (``empty_modules``)."""
+        from runner.trainers.loading import build_empty, read_folder_config
+
+        src = self.source
+        if src is not None and src[0] == "folder" and self._folder_has(name):
+            return build_empty(cls, read_folder_config(cls, src[1], self.folder_name(name)), dtype)
+        model = build_empty(cls, self.size_configs()[name], dtype,
+                            every_tensor=src is not None and src[0] == "file" and name == self.denoiser)
+        if src is not None and src[0] == "file" and self.layout is None and name == self.denoiser:
+            from safetensors import safe_open
+
+            with safe_open(src[1], framework="pt", device="cpu") as f:
+                keys = list(f.keys())
+            check_state_dict_keys(src[1], keys, model, self.denoiser_prefixes, f"model.size={self.size}")
+        return model
 
     def build_models(self, device: str | torch.device = "cpu") -> ModelSet:
         m = self.cfg.model

@@ -241,6 +241,56 @@ def load_single_file(
     return model
 
 
+def build_empty(cls: type, config: dict[str, Any] | Any, dtype: torch.dtype, every_tensor: bool = False) -> nn.Module:
+    """``cls`` with its parameters on ``meta`` and its buffers real (computed by its init), in the
+    dtypes the load it stands for would give: :func:`cast_module` (random init and ``from_pretrained``
+    of a diffusers folder), or with ``every_tensor`` every parameter and persistent buffer in
+    ``dtype`` (:func:`load_single_file`, which reads every state tensor in ``dtype``).
+
+    What ``dist=fsdp`` builds on every rank before sharding (runner/dist/loading.py): no storage for
+    the weights, no random draw for them (so the frozen modules built after it draw the same values
+    as in one process), and the buffers that no file holds (non-persistent ones) already right.
+    """
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        module = _instantiate(cls, config)
+    if not every_tensor:
+        return cast_module(module, dtype)
+    persistent = set(module.state_dict())
+    for prefix, sub in module.named_modules():
+        for table in (sub._parameters, sub._buffers):
+            for key, t in list(table.items()):
+                full = f"{prefix}.{key}" if prefix else key
+                if t is None or not t.is_floating_point() or t.dtype == dtype or full not in persistent:
+                    continue
+                if isinstance(t, nn.Parameter):
+                    t.data = t.data.to(dtype)
+                else:
+                    table[key] = t.to(dtype)
+    return module
+
+
+def folder_weight_files(folder: str, subfolder: str) -> dict[str, tuple[str, str]] | None:
+    """key -> (safetensors file, key in it) of a diffusers folder's component, as ``from_pretrained``
+    reads it (``diffusion_pytorch_model.safetensors``, or the sharded index); None when the component
+    has no safetensors weights (a ``.bin`` folder: read whole, runner/dist/loading.py)."""
+    sub = os.path.join(folder, subfolder)
+    index = os.path.join(sub, "diffusion_pytorch_model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return {k: (os.path.join(sub, v), k) for k, v in weight_map.items()}
+    single = os.path.join(sub, "diffusion_pytorch_model.safetensors")
+    if not os.path.isfile(single):
+        return None
+    from safetensors import safe_open
+
+    with safe_open(single, framework="pt", device="cpu") as f:
+        keys = list(f.keys())
+    return {k: (single, k) for k in keys}
+
+
 def load_folder_component(
     cls: type, folder: str, subfolder: str, dtype: torch.dtype, device: str | torch.device
 ) -> nn.Module:

@@ -288,6 +288,8 @@ CASES = [
      ["dist.ranks_per_node=3"]),
     ("unknown interconnect", ["mode=plan", "dist=fsdp", "dist.world_size=2", "dist.interconnect=nvlink9"],
      ["dist.interconnect='nvlink9'", "nvlink4"]),
+    ("no ranks on a node", ["mode=plan", "dist=ddp", "dist.world_size=2", "dist.ranks_per_node=0"],
+     ["dist.ranks_per_node=0", ">= 1"]),
 ]
 
 

@@ -172,3 +172,42 @@ def test_one_process_plans_byte_for_byte_as_without_dist():
     a, b = plan(), plan("dist=fsdp")
     assert (a.peak_bytes, a.phases, a.by_module, a.host_peak_bytes) == (b.peak_bytes, b.phases, b.by_module,
                                                                         b.host_peak_bytes)
+
+
+def test_plan_reports_host_ram_per_rank_and_per_node_as_the_ranks_load_the_trained_module(tmp_path):
+    """Issue 29: host RAM per rank follows how the ranks get the trained module (runner/dist/loading.py),
+    per node = rank 0's peak + (dist.ranks_per_node - 1) x the others' (default: min(world_size, 8)).
+    dist=ddp: every rank loads it whole. dist=fsdp at random init: rank 0 builds it whole (at least
+    the DDP rank's peak), the other ranks hold their shards and one tensor instead of the whole U-Net.
+    From a safetensors file every rank reads its rows: rank 0 holds no more than the others."""
+    from safetensors.torch import save_file
+
+    from runner.build import build_trainer, prepare_models
+    from runner.resolved import resolve
+
+    full = ("model.train=full", "dist.world_size=4")
+    cfg = compose_config([*TINY, *full[:1]])
+    run = resolve(cfg)
+    unet = prepare_models(build_trainer(cfg, run).build_models("cpu"), cfg.model, run)["unet"]
+    whole = sum(p.numel() * p.element_size() for p in unet.parameters())
+    shards = sum(shard_bytes(p, 4) for p in unet.parameters())
+    largest = max(p.numel() * p.element_size() for p in unet.parameters())
+
+    ddp = plan("dist=ddp", *full).host_ranks
+    assert ddp["load"] == "whole" and ddp["ranks_per_node"] == 4
+    assert ddp["rank0_bytes"] == ddp["per_rank_bytes"] and ddp["per_node_bytes"] == 4 * ddp["per_rank_bytes"]
+    rand = plan("dist=fsdp", *full)
+    h = rand.host_ranks
+    assert h["load"] == "broadcast" and h["rank0_bytes"] >= ddp["per_rank_bytes"]
+    assert h["per_rank_bytes"] <= ddp["per_rank_bytes"] - whole + shards + largest < ddp["per_rank_bytes"]
+    assert rand.host_peak_bytes == h["per_rank_bytes"]
+    assert h["per_node_bytes"] == h["rank0_bytes"] + 3 * h["per_rank_bytes"]
+    assert "host RAM per rank" in rand.format_table() and "per node of 4 ranks" in rand.format_table()
+    two = plan("dist=fsdp", *full, "dist.ranks_per_node=2").host_ranks
+    assert two["per_node_bytes"] == two["rank0_bytes"] + two["per_rank_bytes"]
+
+    file = tmp_path / "unet.safetensors"
+    save_file({f"unet.{k}": v.contiguous() for k, v in unet.state_dict().items()}, str(file))
+    sliced = plan("dist=fsdp", *full, f"model.path={file}").host_ranks
+    assert sliced["load"] == "slices" and sliced["rank0_bytes"] == sliced["per_rank_bytes"]
+    assert sliced["per_rank_bytes"] == h["per_rank_bytes"] and sliced["per_node_bytes"] == 4 * sliced["per_rank_bytes"]

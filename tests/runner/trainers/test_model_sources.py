@@ -218,3 +218,31 @@ def test_our_flux_conversion_equals_diffusers_at_full_width():
     ours = convert_flux_transformer(dict(original), config, None)
     assert sorted(ours) == sorted(theirs) == sorted(narrow)
     assert all(torch.equal(ours[k], theirs[k]) and torch.equal(ours[k], narrow[k]) for k in ours)
+
+
+def test_a_folder_unet_read_tensor_by_tensor_into_its_empty_build_equals_from_pretrained(sdxl_models, tmp_path):
+    """dist=fsdp's sharded load (runner/dist/loading.py) in one process: the U-Net of a diffusers folder
+    (saved in bfloat16, as 3+ safetensors shards with an index) built empty (parameters on meta, buffers
+    real) and filled from the files named by ``weight_files`` equals ``from_pretrained``'s load, tensor
+    for tensor and dtype for dtype (here every rank would read only its rows of the same tensors)."""
+    import copy
+
+    from runner.dist.loading import _read_slices, materialize
+
+    t, models = sdxl_models
+    folder = tmp_path / "saved"
+    t.pipeline(models).save_pretrained(folder)
+    unet = copy.deepcopy(models["unet"])
+    torch.nn.Module.to(unet, torch.bfloat16).save_pretrained(folder / "unet", max_shard_size="500KB")
+    loaded = trainer("trainer=sdxl", f"model.path={folder}", "model.train=full")
+    files = loaded.weight_files("unet")
+    assert len({f for f, _ in files.values()}) >= 3
+    reference = loaded.build_models("cpu")["unet"]
+    assert set(files) == set(reference.state_dict())
+    loaded.empty_modules = frozenset({"unet"})
+    empty = loaded.build_models("cpu")["unet"]
+    assert all(p.is_meta for p in empty.parameters()) and not any(b.is_meta for b in empty.buffers())
+    materialize(empty, torch.device("cpu"))
+    _read_slices(empty, files)
+    assert_same_weights({"unet": reference}, {"unet": empty}, ["unet"])
+    assert [p.dtype for p in empty.parameters()] == [p.dtype for p in reference.parameters()]

@@ -1,0 +1,271 @@
+"""``dist=fsdp``: the trained module built on ``meta`` on every rank, sharded, then filled shard by shard.
+
+Why. Before this, every rank loaded the whole trained module on the host and then ``fully_shard``
+kept its shard: for a Flux full fine-tune 44 GiB of float32 weights per rank at setup, ~430 GB of
+host RAM on an 8-GPU node. Now each rank holds its shards of the trained weights and, briefly, one
+slice at a time. Two ways, picked per run by :func:`build_models_for_rank`:
+
+* ``slices``: the trained module's weights lie in safetensors files as stored (a diffusers folder's
+  ``diffusion_pytorch_model*.safetensors``, or a single file in diffusers' key layout:
+  ``DiffusersTrainer.weight_files``). Every rank builds the module with its parameters on ``meta``
+  (``DiffusersTrainer.empty_modules``; its buffers real), ``fully_shard`` turns them into shards,
+  and each rank reads only its rows of each tensor (``safe_open(...).get_slice``), converted to the
+  parameter's dtype as the one-process load converts it. Host peak per rank: its shards plus one
+  slice. The frozen modules are loaded as before, by every rank.
+* ``broadcast``: no file to slice (random init from ``model.size``, an original-layout single file
+  that must be converted whole, ``.bin`` weights, LoRA). Rank 0 builds every module exactly as one
+  process does; the other ranks build the trained module (at random init every module) with its
+  parameters on ``meta`` (no random draws, so nothing depends on what rank 0 drew), receive the frozen
+  modules' tensors from rank 0 right away (random init only), and the trained module's unit by unit
+  as rank 0 shards it (:func:`shard_units`):
+  each tensor is broadcast whole, and each rank keeps its rows. Trade-off: rank 0 holds the whole
+  trained module once, briefly (from its build until its last unit is sharded), the others one tensor
+  at a time. At random init the frozen modules cross the network too (rank 0's draws for the trained
+  module come before theirs); from a file every rank loads its frozen modules as before.
+
+Either way the weights are the bits one process would have: the same reads and conversions, or rank
+0's own module. LoRA (``model.train`` other than ``full``) is loaded by broadcast: its adapters are
+drawn at random over the loaded base, and only rank 0 draws them as one process does. Not covered
+(loaded whole on every rank as before, said in the log): LoRA over a quantized base (a
+``quantization`` plugin quantizes the base whole after it is loaded in ``model.dtype``; it stays whole
+on every rank, runner/dist/runtime.py ``_unshardable_params``), a trainer that is not a
+:class:`~runner.trainers.base.DiffusersTrainer`, and hosted mode (the loop builds its own modules).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from runner.trainer import ModelSet
+
+log = logging.getLogger("runner")
+
+
+@dataclass
+class PendingLoad:
+    """What :meth:`DataParallel._shard` fills in after ``fully_shard`` (runner/dist/runtime.py)."""
+
+    name: str  # the trained module
+    mode: str  # slices | broadcast
+    files: dict[str, tuple[str, str]] = field(default_factory=dict)  # slices: model key -> (file, key in it)
+
+
+def load_mode(trainer: Any, spec: Any, train_mode: str, cfg: Any = None) -> tuple[str, str]:
+    """How this run's ranks get the trained module (module docstring), and why: ``whole`` (every rank
+    loads it whole, as one process), ``slices`` or ``broadcast``. The planner asks the same
+    (runner/plan/dist.py: host RAM per rank)."""
+    from runner import registry
+
+    if not spec.sharded:
+        return "whole", f"dist={spec.name}: every rank holds the whole module"
+    if not callable(getattr(trainer, "weight_files", None)) or not hasattr(trainer, "empty_modules"):
+        return "whole", f"{type(trainer).__name__} is not a built-in (DiffusersTrainer) trainer"
+    quantized = [name for kind, name, _ in (registry.selected(cfg) if cfg is not None else []) if kind == "quantization"]
+    if str(train_mode) != "full" and quantized:
+        return "whole", (f"model.train={train_mode} with quantization={','.join(quantized)}: every rank loads the base "
+                         "whole in model.dtype, then quantizes it; a quantized base stays whole on every rank")
+    if str(train_mode) != "full":  # the adapters are drawn over the loaded base: rank 0's draws, as in one process
+        return "broadcast", f"model.train={train_mode}: rank 0 builds the base and draws the adapters, and broadcasts them"
+    if trainer.weight_files(trainer.denoiser) is not None:
+        return "slices", "each rank reads its rows from the safetensors files"
+    why = "random init" if trainer.source is None else "weights converted or read whole"
+    return "broadcast", f"rank 0 builds the module whole ({why}) and broadcasts it"
+
+
+def build_models_for_rank(ctx: Any) -> ModelSet:
+    """The trainer's models on this rank (module docstring); ``ctx.dist.pending`` says what ``_shard`` fills in."""
+    trainer, spec = ctx.trainer, ctx.run.dist
+    mode, why = load_mode(trainer, spec, ctx.run.train_mode, ctx.cfg)
+    if mode == "whole":
+        if spec.sharded:
+            log.info("dist=fsdp: every rank loads the trained module whole before sharding (%s)", why)
+        return trainer.build_models("cpu")
+    name = trainer.denoiser
+    if mode == "slices":
+        files = trainer.weight_files(name)
+        generator = torch.get_rng_state()
+        models = _build(trainer, frozenset({name}))
+        if set(files) != set(models[name].state_dict()):  # a layout the slices cannot follow: read it whole
+            log.info("dist=fsdp: %s's files do not hold its keys as stored; every rank loads it whole", name)
+            del models
+            torch.set_rng_state(generator)  # the frozen modules draw again what they drew in the first build
+            return trainer.build_models("cpu")
+        ctx.dist.pending = PendingLoad(name, "slices", files)
+        log.info("dist=fsdp: %s built on meta; each rank reads its shard's rows from %d safetensors file(s)", name,
+                 len({f for f, _ in files.values()}))
+        return models
+    # At random init rank 0's build of the trained module draws from the generator before the frozen modules
+    # draw theirs: the other ranks build every module empty and receive them. Otherwise nothing drawn
+    # depends on the trained module's build: every rank loads (or draws) its frozen modules as one process.
+    random_init = trainer.source is None
+    empty = frozenset(trainer.module_classes()) if random_init else frozenset({name})
+    models = trainer.build_models("cpu") if spec.is_main else _build(trainer, empty)
+    if random_init:
+        for other, module in models.items():
+            if other != name:
+                broadcast_module(module, spec.is_main)
+    _same_generator_as_rank0()  # e.g. the adapters' draws: the other ranks continue from rank 0's generator
+    ctx.dist.pending = PendingLoad(name, "broadcast")
+    log.info("dist=fsdp: rank 0 builds %s whole (%s); the other ranks receive their shards from it", name,
+             why if str(ctx.run.train_mode) != "full" else "random init" if trainer.source is None else "weights read whole")
+    return models
+
+
+def _build(trainer: Any, empty: frozenset[str]) -> ModelSet:
+    trainer.empty_modules = empty
+    try:
+        return trainer.build_models("cpu")
+    finally:
+        trainer.empty_modules = frozenset()
+
+
+def materialize(module: nn.Module, device: torch.device) -> None:
+    """Storage for a module whose parameters are on ``meta`` (``to_empty``), keeping its real buffers
+    as they are, where they are (``fully_shard`` moved them to the compute device; with
+    ``dist.cpu_offload`` the shards are made on the host, the buffers stay on the device)."""
+    buffers = {n: b for n, b in module.named_buffers() if b.device.type != "meta"}
+    module.to_empty(device=device)
+    for n, b in buffers.items():
+        owner, _, key = n.rpartition(".")
+        module.get_submodule(owner)._buffers[key] = b
+
+
+def broadcast_module(module: nn.Module, is_main: bool) -> None:
+    """Every parameter and buffer of a (not sharded) module from rank 0, in place."""
+    import torch.distributed as dist
+
+    from runner.dist.launch import cpu_group
+
+    if not is_main:
+        materialize(module, torch.device("cpu"))
+    with torch.no_grad():  # host tensors: over the gloo group (NCCL takes device tensors only)
+        for t in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(torch.view_as_real(t.data) if t.is_complex() else t.data, src=0, group=cpu_group())
+
+
+def _same_generator_as_rank0() -> None:
+    """Rank 0 drew the random init; the others take its generator state, so later draws agree with one process."""
+    import torch.distributed as dist
+
+    from runner.dist.launch import cpu_group
+
+    state = torch.get_rng_state()
+    dist.broadcast(state, src=0, group=cpu_group())
+    torch.set_rng_state(state)
+
+
+def shard_units(module: nn.Module, blocks: list[nn.Module], shard: Any, pending: PendingLoad | None,
+                device: torch.device, comm: torch.device, is_main: bool) -> list[Any]:
+    """``shard(block)`` for every block, then ``shard(module, root=True)``; with ``pending`` this rank's
+    shards filled too (module docstring). ``device``: where the shards are made (the host with
+    ``dist.cpu_offload``); ``comm``: where broadcast tensors travel (the compute device: NCCL's).
+
+    Broadcast, unit by unit. Rank 0 sends each unit's tensors whole just before it shards that unit, so
+    the unit's whole weights are dropped as its shards are made: rank 0 holds the whole module plus
+    one unit's shards at most, not the whole module next to all of its shards. The other ranks shard
+    their empty module first, then keep their rows of each tensor as it arrives (one whole tensor in
+    flight). The same bytes torch's ``set_model_state_dict(..., broadcast_from_rank0=True)`` sends,
+    in the order of the units.
+    """
+    if pending is None or pending.mode == "slices" or not is_main:
+        groups = _unit_keys(module, blocks) if pending is not None else []
+        units = [*(shard(b) for b in blocks), shard(module, root=True)]
+        if pending is not None:
+            materialize(module, device)
+            if pending.mode == "slices":
+                _read_slices(module, pending.files)
+            else:
+                _receive(module, [k for g in groups for k in g], comm)
+        return units
+    units = []
+    groups = _unit_keys(module, blocks)
+    for block, keys in zip([*blocks, module], groups):
+        _send(module, keys, comm)
+        units.append(shard(block, root=block is module))
+    return units
+
+
+def _unit_keys(module: nn.Module, blocks: list[nn.Module]) -> list[list[str]]:
+    """The state-dict keys of each block, then the rest (the root unit's)."""
+    keys = list(module.state_dict())
+    names = {id(m): n for n, m in module.named_modules()}
+    groups, taken = [], set()
+    for block in blocks:
+        prefix = names[id(block)] + "."
+        groups.append([k for k in keys if k.startswith(prefix)])
+        taken.update(groups[-1])
+    groups.append([k for k in keys if k not in taken])
+    return groups
+
+
+def _tensor(module: nn.Module, key: str) -> torch.Tensor:
+    owner, _, name = key.rpartition(".")
+    sub = module.get_submodule(owner)
+    return sub._parameters[name] if name in sub._parameters else sub._buffers[name]
+
+
+def _send(module: nn.Module, keys: list[str], device: torch.device) -> None:
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for key in keys:
+            t = _tensor(module, key).detach().to(device)
+            dist.broadcast(torch.view_as_real(t) if t.is_complex() else t, src=0)
+            del t
+
+
+def _receive(module: nn.Module, keys: list[str], device: torch.device) -> None:
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for key in keys:
+            target = _tensor(module, key)
+            local = target.to_local() if hasattr(target, "to_local") else target
+            full = torch.empty(tuple(target.shape), dtype=local.dtype, device=device)
+            dist.broadcast(torch.view_as_real(full) if full.is_complex() else full, src=0)
+            rows = _rows(target, local)
+            local.copy_(full[rows[0]:rows[1]] if rows is not None else full)
+            del full
+
+
+def _read_slices(module: nn.Module, files: dict[str, tuple[str, str]]) -> None:
+    """Each tensor's rows this rank keeps (FSDP2's dim-0 chunks), read with ``get_slice`` and
+    converted to the parameter's dtype; buffers (every rank holds them whole) read whole."""
+    from safetensors import safe_open
+
+    tensors = dict(module.named_parameters())
+    tensors.update(module.named_buffers())
+    by_file: dict[str, list[str]] = {}
+    for key, (file, _) in files.items():
+        by_file.setdefault(file, []).append(key)
+    with torch.no_grad():
+        for file, keys in by_file.items():
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for key in keys:
+                    target = tensors[key]
+                    local = target.to_local() if hasattr(target, "to_local") else target
+                    rows = _rows(target, local)
+                    stored = f.get_slice(files[key][1])
+                    part = stored[rows[0]:rows[1]] if rows is not None else stored[:]
+                    local.copy_(part.to(local.dtype))
+
+
+def _rows(target: torch.Tensor, local: torch.Tensor) -> tuple[int, int] | None:
+    """The rows [lo, hi) of ``target`` this rank holds (torch.chunk's split over the shard mesh
+    dimension, as FSDP2 shards dim 0); None for a tensor held whole."""
+    if local.shape == target.shape or target.dim() == 0:
+        return None
+    mesh = target.device_mesh
+    k = mesh.size(mesh.ndim - 1)
+    index = mesh.get_local_rank(mesh.ndim - 1)
+    n = target.shape[0]
+    size = -(-n // k)
+    lo = min(index * size, n)
+    hi = min(lo + size, n)
+    if hi - lo != local.shape[0]:
+        raise RuntimeError(f"dist=fsdp: a shard of {tuple(target.shape)} has {local.shape[0]} rows, expected {hi - lo}")
+    return lo, hi
