@@ -111,6 +111,7 @@ class DiffusersTrainer(CacheKeys):
     # dist=fsdp's sharded load (runner/dist/loading.py) sets this around build_models: these modules are
     # built with their parameters on meta (buffers real, :func:`build_empty`), their weights filled in later.
     empty_modules: frozenset[str] = frozenset()
+    _file_keys: list[str] | None = None  # the single file's keys, read once (_stored_file_keys)
 
     def __init__(self, cfg: Any, run: Any = None) -> None:
         """``run``: the :class:`~runner.resolved.ResolvedRun`, whose dtypes win over the config's
@@ -263,16 +264,26 @@ class DiffusersTrainer(CacheKeys):
         src = self.source
         if src is not None and src[0] == "folder" and self._folder_has(name):
             return folder_weight_files(src[1], self.folder_name(name))
-        if src is not None and src[0] == "file" and self.layout is None and name == self.denoiser:
-            from safetensors import safe_open
-
+        keys = self._stored_file_keys(name)
+        if keys is not None:
             from runner.trainers.loading import _strip_prefix
 
-            with safe_open(src[1], framework="pt", device="cpu") as f:
-                keys = list(f.keys())
             return {model_key: (src[1], file_key)
                     for file_key, model_key in _strip_prefix(keys, self.denoiser_prefixes).items()}
         return None
+
+    def _stored_file_keys(self, name: str) -> list[str] | None:
+        """The single file's keys when module ``name`` is read from it as stored (the denoiser, in
+        diffusers' layout); read from its header once per trainer."""
+        src = self.source
+        if src is None or src[0] != "file" or self.layout is not None or name != self.denoiser:
+            return None
+        if self._file_keys is None:
+            from safetensors import safe_open
+
+            with safe_open(src[1], framework="pt", device="cpu") as f:
+                self._file_keys = list(f.keys())
+        return self._file_keys
 
     def load_component(self, name: str, cls: type, device: str, dtype: torch.dtype) -> nn.Module:
         src = self.source
@@ -318,11 +329,8 @@ class DiffusersTrainer(CacheKeys):
             return build_empty(cls, read_folder_config(cls, src[1], self.folder_name(name)), dtype)
         model = build_empty(cls, self.size_configs()[name], dtype,
                             every_tensor=src is not None and src[0] == "file" and name == self.denoiser)
-        if src is not None and src[0] == "file" and self.layout is None and name == self.denoiser:
-            from safetensors import safe_open
-
-            with safe_open(src[1], framework="pt", device="cpu") as f:
-                keys = list(f.keys())
+        keys = self._stored_file_keys(name)
+        if keys is not None:
             check_state_dict_keys(src[1], keys, model, self.denoiser_prefixes, f"model.size={self.size}")
         return model
 

@@ -11,7 +11,7 @@ import contextlib
 import functools
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -115,19 +115,25 @@ def cast_module(module: nn.Module, dtype: torch.dtype) -> nn.Module:
         return module
     # Tensor by tensor: float32-kept weights go straight to float32, and complex tensors (RoPE
     # tables some models keep as buffers) are never cast to a real dtype.
-    for name, sub in module.named_modules():
+    cast_floating(module, lambda full: torch.float32 if keep & set(full.split(".")) else dtype)
+    return module
+
+
+def cast_floating(module: nn.Module, target: Callable[[str], torch.dtype | None]) -> None:
+    """Each floating-point parameter and buffer of ``module`` cast in place to ``target(its dotted
+    name)`` (None: left as it is); parameters keep their objects (``.data``), buffers are replaced."""
+    for prefix, sub in module.named_modules():
         for table in (sub._parameters, sub._buffers):
             for key, t in list(table.items()):
                 if t is None or not t.is_floating_point():
                     continue
-                target = torch.float32 if keep & set(f"{name}.{key}".split(".")) else dtype
-                if t.dtype == target:
+                want = target(f"{prefix}.{key}" if prefix else key)
+                if want is None or t.dtype == want:
                     continue
                 if isinstance(t, nn.Parameter):
-                    t.data = t.data.to(target)
+                    t.data = t.data.to(want)
                 else:
-                    table[key] = t.to(target)
-    return module
+                    table[key] = t.to(want)
 
 
 def freeze(module: nn.Module) -> nn.Module:
@@ -258,16 +264,7 @@ def build_empty(cls: type, config: dict[str, Any] | Any, dtype: torch.dtype, eve
     if not every_tensor:
         return cast_module(module, dtype)
     persistent = set(module.state_dict())
-    for prefix, sub in module.named_modules():
-        for table in (sub._parameters, sub._buffers):
-            for key, t in list(table.items()):
-                full = f"{prefix}.{key}" if prefix else key
-                if t is None or not t.is_floating_point() or t.dtype == dtype or full not in persistent:
-                    continue
-                if isinstance(t, nn.Parameter):
-                    t.data = t.data.to(dtype)
-                else:
-                    table[key] = t.to(dtype)
+    cast_floating(module, lambda full: dtype if full in persistent else None)
     return module
 
 
