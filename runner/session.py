@@ -131,7 +131,7 @@ def attach_optimizer(ctx: RunContext, optimizer: OptimizerArg = None, *, own_opt
     ctx.optimizer = optimizer
     ctx.run_phase("wrap_optimizer")
     ctx.optimizer = fuse_into_backward(ctx.optimizer, ctx.cfg.optimizer, ctx.run, ctx.models.named_trainable_parameters(),
-                                       reduce=ctx.dist.gradient_reducer())
+                                       reduce=ctx.dist.gradient_reducer(), agree=ctx.dist.all_agree)
 
 
 def attach_ema(ctx: RunContext, resumed_from: Path | None = None) -> None:

@@ -40,6 +40,7 @@ def one(out: Path, overrides: list[str], label: str) -> None:
     from runner.dist.launch import join_process_group
     from runner.loop import forward_backward
     from runner.optim.build import build_optimizer
+    from runner.optim.fused import fuse_into_backward
     from runner.plan import plan_step
     from runner.resolved import resolve
     from runner.session import make_accelerator
@@ -62,6 +63,7 @@ def one(out: Path, overrides: list[str], label: str) -> None:
     params = list(ctx.models.trainable_parameters())
     ctx.optimizer = build_optimizer(cfg.optimizer, params)
     ctx.run_phase("wrap_optimizer")
+    ctx.optimizer = fuse_into_backward(ctx.optimizer, cfg.optimizer, run, agree=ctx.dist.all_agree)  # as session.py
     for name, m in ctx.models.items():
         m.train(name in ctx.models.trained)
     raw_all = trainer.example_raw_batch(run.batch_size, "cpu")

@@ -277,7 +277,6 @@ def _dist_problems(cfg: Any, spec: DistSpec) -> list[str]:
             f"train.grad_accum={train.grad_accum}: every rank takes the same share of each step's global batch. "
             f"Use a multiple of {share} (e.g. train.batch_size={share * max(1, int(train.batch_size) // share)}), "
             "or change train.grad_accum.")
-    problems += _refuse_single_process_features(cfg, spec)
     offload = cfg.get("offload") or {}
     opt_offload = offload.get("optimizer") if hasattr(offload, "get") else None
     if opt_offload is not None and bool(opt_offload.get("offload_gradients", False)):
@@ -339,24 +338,4 @@ def _link_problems(get: Any, spec: DistSpec) -> list[str]:
                 link_spec(value, key)
             except UserError as e:
                 problems.append(str(e))
-    return problems
-
-
-def _refuse_single_process_features(cfg: Any, spec: DistSpec) -> list[str]:
-    """Features built for one process that no multi-process test covers: refused by name, not run
-    untested (FSDP2 reduce-scatters after the hooks fused backward steps in). ``train.auto_fit`` runs
-    on rank 0 with per-rank plans, every rank trains with its answer (runner/fit/output.py). Under dist=ddp fused backward averages each gradient in its hook before its
-    parameter steps (runner/dist/runtime.py). The EMA and the validation loss run under both: with
-    DDP every rank holds the same weights, EMA and held-out loss, and rank 0 saves and logs them;
-    with FSDP each rank keeps the EMA of its own shards (runner/ema/average.py, saved in the sharded
-    checkpoint) and every rank runs each held-out forward together (runner/val/holdout.py)
-    (tests/runner/dist/test_dist_training.py, test_fsdp_features.py)."""
-    problems: list[str] = []
-    opt = cfg.get("optimizer") or {}
-    if bool(opt.get("fused_backward", False)) and spec.name == "fsdp":
-        problems.append(
-            "dist=fsdp and optimizer.fused_backward=true cannot be combined: FSDP2 reduce-scatters a unit's gradients "
-            "in its own hook after the unit's backward, so a parameter's hook would step on an unreduced, unsharded "
-            "gradient. Use dist=ddp (each gradient is averaged in its hook, then steps), or "
-            "optimizer.fused_backward=false (dist=fsdp already frees each rank's full gradients by sharding them).")
     return problems

@@ -16,6 +16,14 @@ keep one optimizer rather than one per parameter (the PyTorch recipe) because th
 scheduler, ``state_dict`` and checkpoints are the normal optimizer's, unchanged: a checkpoint
 resumes with fused backward on or off.
 
+Under several processes: ``dist=ddp`` builds no DDP buckets and averages each gradient in its hook
+first (``reduce``); under ``dist=fsdp`` the parameters are FSDP2's sharded DTensors, whose
+post-accumulate-grad hooks FSDP2 itself calls after each unit's reduce-scatter (autograd never
+accumulates into them), so each rank steps its shard of the already averaged gradient. The clipping
+norm and the finite check are then agreed over the ranks (:func:`whole_value`, :func:`all_finite`),
+and a loss non-finite on one rank keeps every rank out of that backward (``agree``), since the hooks
+are collectives.
+
 What it cannot do, and what happens instead:
 
 * gradient accumulation (``train.grad_accum > 1``): the update would happen once per
@@ -74,7 +82,8 @@ class FusedBackward(ForwardsToInner):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float = 0.0,
-                 names: dict[int, str] | None = None, reduce: Callable[[torch.Tensor], None] | None = None) -> None:
+                 names: dict[int, str] | None = None, reduce: Callable[[torch.Tensor], None] | None = None,
+                 agree: Callable[[bool], bool] | None = None) -> None:
         couples = getattr(optimizer, "couples_parameters", None)
         if couples:  # validation refuses this before anything is built (check_fused_backward)
             raise ValueError(f"fused backward steps one parameter at a time, and {couples}")
@@ -82,6 +91,9 @@ class FusedBackward(ForwardsToInner):
         self.max_grad_norm = float(max_grad_norm)
         self.names = dict(names or {})
         self.reduce = reduce  # dist=ddp: averages a gradient over the ranks before it is used (runner/dist/runtime.py)
+        # dist: every rank admits a step's backward or none does (its hooks are collectives: DDP's all-reduce,
+        # FSDP's reduce-scatter); one process: the identity
+        self.agree = agree or (lambda ok: ok)
         self._group_of: dict[int, int] = {}
         self._hooks: list[Any] = []
         self._optimizer_step_pre_hooks: dict = {}
@@ -89,6 +101,7 @@ class FusedBackward(ForwardsToInner):
         self.stepped = 0  # parameters updated in this step's backward
         self.skipped: list[str] = []  # parameters whose gradient was not finite (not updated)
         self.loss_admitted = True
+        self._warned_late = False
         for gi, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
                 self._group_of[id(p)] = gi
@@ -121,9 +134,9 @@ class FusedBackward(ForwardsToInner):
             self.reduce(grad)
         if self.max_grad_norm > 0:  # per-parameter clipping: this parameter's own norm (module docstring)
             norm = torch.nn.utils.clip_grad_norm_([p], self.max_grad_norm)
-            finite = self._simulated or math.isfinite(float(norm))
+            finite = self._simulated or math.isfinite(float(whole_value(norm)))
         else:
-            finite = self._simulated or bool(torch.isfinite(grad).all())
+            finite = self._simulated or all_finite(grad)
         if finite:
             self._step_one(p)  # type: ignore[arg-type]
             self.stepped += 1
@@ -137,10 +150,16 @@ class FusedBackward(ForwardsToInner):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for g in self.inner.param_groups:
-            for p in g["params"]:
-                if p.grad is not None:
-                    self._hook(p)
+        late = [p for g in self.inner.param_groups for p in g["params"] if p.grad is not None]
+        for p in late:
+            self._hook(p)
+        if late and not self._warned_late:
+            # Not silent: these parameters kept their gradients through backward (a hook that never ran, e.g. a
+            # wrapper that replaced the parameters after the optimizer was built), so the memory was not freed.
+            self._warned_late = True
+            log.warning("fused backward: %d parameters still held a gradient after backward and stepped only then "
+                        "(their post-accumulate-grad hooks did not run), e.g. %s", len(late),
+                        self.names.get(id(late[0]), f"parameter {tuple(late[0].shape)}"))
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -169,7 +188,7 @@ class FusedBackward(ForwardsToInner):
     # -- what the loop asks (the same interface as NotFused) ------------------------------------
     def admits(self, loss: torch.Tensor) -> bool:
         """Run backward for ``loss``? Not when it is non-finite: backward would update parameters."""
-        self.loss_admitted = self._simulated or math.isfinite(float(loss.detach()))
+        self.loss_admitted = self._simulated or self.agree(math.isfinite(float(loss.detach())))
         if not self.loss_admitted:
             log.warning("fused backward: the loss is %s; backward is not run, so no parameter is updated",
                         float(loss.detach()))
@@ -221,6 +240,31 @@ class NotFused:
 NOT_FUSED = NotFused()
 
 
+def whole_value(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as one plain tensor: a DTensor (``dist=fsdp``: a sharded parameter's gradient norm, which
+    clip_grad_norm_ returns still to be reduced over the ranks) gathered, anything else as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def all_finite(grad: torch.Tensor) -> bool:
+    """Is every element of ``grad`` finite? Under ``dist=fsdp`` ``grad`` is this rank's shard of a
+    DTensor (FSDP2 calls the hook after its reduce-scatter): the answer is agreed over the shard
+    group with one all-reduce of a flag, not by gathering the gradient, so every rank decides the
+    same for the parameter and they step (or skip) it together."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(grad, DTensor):
+        return bool(torch.isfinite(grad).all())
+    import torch.distributed as dist
+
+    flag = torch.isfinite(grad.to_local()).all().to(torch.float32).reshape(1)
+    for group in grad.device_mesh.get_all_groups():
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item() > 0)
+
+
 def fusion_of(optimizer: Any) -> FusedBackward | NotFused:
     """The run's fused-backward wrapper, or the no-op view when the optimizer is not one."""
     return optimizer if isinstance(optimizer, FusedBackward) else NOT_FUSED
@@ -228,11 +272,14 @@ def fusion_of(optimizer: Any) -> FusedBackward | NotFused:
 
 def fuse_into_backward(optimizer: torch.optim.Optimizer, cfg: Any, run: Any,
                        named: Iterable[tuple[str, nn.Parameter]] = (),
-                       reduce: Callable[[torch.Tensor], None] | None = None) -> torch.optim.Optimizer:
+                       reduce: Callable[[torch.Tensor], None] | None = None,
+                       agree: Callable[[bool], bool] | None = None) -> torch.optim.Optimizer:
     """``optimizer`` wrapped for fused backward when ``cfg.fused_backward`` (the optimizer node), else itself.
 
     ``run``: the resolved run (``max_grad_norm``); ``named``: (name, parameter) pairs for messages;
-    ``reduce``: the distribution's gradient average (dist=ddp), applied in each hook first.
+    ``reduce``: the distribution's gradient average (dist=ddp), applied in each hook first; ``agree``:
+    the ranks' agreement on a flag (runner/dist/runtime.py ``all_agree``), so that a loss non-finite on
+    one rank keeps every rank out of that backward (its hooks are collectives).
     """
     if not bool(cfg.get("fused_backward", False)):
         return optimizer
@@ -240,7 +287,7 @@ def fuse_into_backward(optimizer: torch.optim.Optimizer, cfg: Any, run: Any,
         log.info("fused backward: train.max_grad_norm=%g clips each parameter's gradient by its own norm "
                  "(a global norm needs every gradient at once)", run.max_grad_norm)
     return FusedBackward(optimizer, max_grad_norm=run.max_grad_norm, names={id(p): n for n, p in named},
-                         reduce=reduce)
+                         reduce=reduce, agree=agree)
 
 
 def check_fused_backward(cfg: Any, run: Any, selected: Iterable[tuple[str, str]]) -> None:

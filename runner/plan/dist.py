@@ -42,6 +42,9 @@ the shard group, bytes exact per parameter)
   caches each float32 weight as one process does: a low-precision copy of every block's weights
   through the forward (``dist.mixed_precision=false`` plans that).
 
+With ``optimizer.fused_backward`` the simulation's own gradients are the few alive in the hooks (runner/optim/fused.py), and
+the shard term above is their share: each rank steps and frees its shards right after the unit's reduce-scatter.
+
 ``dist=ddp``: everything of one process, and DDP's gradient buckets (row ``(ddp buckets)``): the
 trained gradients live in them for the whole run (runner/dist/runtime.py), so every phase holds
 all trained gradients once, where one process holds them only from its backward on; around the

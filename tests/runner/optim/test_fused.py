@@ -115,6 +115,28 @@ def test_per_parameter_clipping_clips_each_gradient_by_its_own_norm():
     assert fused.stepped == 4 and not fused.skipped
 
 
+
+def test_a_gradient_left_after_backward_steps_in_step_and_is_reported(caplog):
+    """A parameter whose hook never ran (its gradient set outside autograd, as a wrapper replacing the
+    parameters would leave it) still steps, in ``step()``, and the run says so once: the memory fused
+    backward promises was not freed for it (the FSDP test asserts this message never appears)."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 2)
+    fused = FusedBackward(torch.optim.SGD(net.parameters(), lr=0.5))
+    before = net.weight.detach().clone()
+    net.weight.grad = torch.ones_like(net.weight)
+    with caplog.at_level("WARNING", logger="runner"):
+        fused.step()
+        net.weight.grad = torch.ones_like(net.weight)
+        fused.step()
+    assert torch.equal(net.weight.detach(), before - 1.0)  # stepped twice with lr 0.5
+    assert net.weight.grad is None and fused.stepped == 2
+    assert [r.getMessage() for r in caplog.records].count(
+        "fused backward: 1 parameters still held a gradient after backward and stepped only then (their "
+        "post-accumulate-grad hooks did not run), e.g. parameter (2, 4)") == 1
+    net(torch.randn(3, 4)).sum().backward()  # a normal backward: every gradient stepped and freed in its hook
+    assert net.weight.grad is None and net.bias.grad is None and fused.stepped == 4
+
 # ---- bytes: planned and tracked peaks drop by about the gradient bytes ----------------------------------
 SAVING = ["train.device=cpu", "data.resolution=64", "train.max_grad_norm=0", "checkpoint=blocks"]
 

@@ -53,14 +53,16 @@ def test_each_ranks_plan_is_within_5_percent_of_its_real_step(tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp_mixed_precision_plan_is_within_5_percent_of_its_real_step(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["optimizer.fused_backward=true"]], ids=["", "fused_backward"])
+def test_fsdp_mixed_precision_plan_is_within_5_percent_of_its_real_step(tmp_path, extra):
     """The same truth, for FSDP2 with a MixedPrecisionPolicy (bf16 units from float32 shards; bf16 autocast
-    kept on the CPU by train.cpu_autocast=true), a full fine-tune with checkpointed blocks."""
+    kept on the CPU by train.cpu_autocast=true), a full fine-tune with checkpointed blocks; and the same
+    with fused backward (each shard steps in its hook after the reduce-scatter, its gradient freed)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
            "RUNNER_TRUTH_DISTS": "fsdp"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            "-m", "dist_truth", str(tmp_path), *TINY, "train.cpu_autocast=true",
-                           "train.mixed_precision=bf16", "model.train=full", "checkpoint=blocks"],
+                           "train.mixed_precision=bf16", "model.train=full", "checkpoint=blocks", *extra],
                           check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     for rank in (0, 1):
