@@ -69,6 +69,8 @@ def task(cfg: DictConfig) -> float | None:
     if cfg.train.auto_fit:                                      # train.auto_fit: the same search, then train with the winner
         cfg, overrides = auto_fit(cfg, command_line(overrides), out)
         checked = None                                          # another config: resolved and built anew
+        if writes:
+            write_run_info(out, cfg)                            # resolved_config.yaml: the winner's, which trains
     ctx = open_run(cfg, out, overrides, checked)                # resolve, plugins, context, process, accelerator (session.py)
     ctx.trainer = build_trainer(cfg, ctx.run)                   # build trainer
     plan_run(ctx, ctx.trainer)                                  # plan: refuse to start (exit 3) over budget_gb

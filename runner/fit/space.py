@@ -159,8 +159,6 @@ class Space:
             "train": [b.train],
             "train_dtype": [b.train_dtype],
         }
-        if self.dist == "fsdp":
-            v["fused"] = [b.fused]  # refused under FSDP (runner/dist/config.py)
         if self.on_cuda and self.dist == "none":  # host offloads: refused under dist (runner/dist/config.py)
             if self.streamable:
                 budgets = [round(self.trained_gib * f * 2) / 2 for f in STREAM_FRACTIONS]

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 from bad_input import assert_clean_failure, run_main
 
 from runner.cli.compose import compose_config
@@ -97,6 +98,8 @@ def test_auto_fit_trains_with_the_chosen_settings(tmp_path):
     assert json.loads((out / "plan.json").read_text())["run"]["optimizer"].endswith("fused backward")
     saved = (out / "checkpoints" / "step-00000002" / "config.yaml").read_text()
     assert "fused_backward: true" in saved  # a resume recomposes the chosen settings
+    resolved = OmegaConf.load(out / "resolved_config.yaml")  # the run's record: the config it trained with
+    assert resolved.optimizer.fused_backward is True and resolved.train.auto_fit is False
 
 
 def test_overrides_replace_what_the_candidate_changes_and_keep_the_rest():
