@@ -25,11 +25,19 @@ slice at a time. Two ways, picked per run by :func:`build_models_for_rank`:
 
 Either way the weights are the bits one process would have: the same reads and conversions, or rank
 0's own module. LoRA (``model.train`` other than ``full``) is loaded by broadcast: its adapters are
-drawn at random over the loaded base, and only rank 0 draws them as one process does. Not covered
-(loaded whole on every rank as before, said in the log): LoRA over a quantized base (a
-``quantization`` plugin quantizes the base whole after it is loaded in ``model.dtype``; it stays whole
-on every rank, runner/dist/runtime.py ``_unshardable_params``), a trainer that is not a
-:class:`~runner.trainers.base.DiffusersTrainer`, and hosted mode (the loop builds its own modules).
+drawn at random over the loaded base, and only rank 0 draws them as one process does.
+
+A third way, for one process too: ``quantized``. A LoRA over a base that a ``quantization`` plugin
+quantizes, with its weights in safetensors files as stored: every rank (or the one process) builds the
+base on meta, draws the adapters itself as one process does, and the plugin reads each Linear layer
+from the file just before it quantizes it (runner/trainers/unread.py); the quantized weights stay whole
+on every rank (runner/dist/runtime.py ``_unshardable_params``), what FSDP2 can shard (norms, skipped
+layers) is read whole, then sharded. Host peak: the base as quantized plus one tensor in flight, where
+it was the whole base in ``model.dtype``. Not covered (loaded whole, then quantized, on every rank as
+before, said in the log): such a base at random init (drawn layer by layer it would get other values),
+DoRA and LoKr/LoHa (their init may read the base), an original-layout or ``.bin`` base. Not covered at
+all (loaded whole on every rank): a trainer that is not a :class:`~runner.trainers.base.DiffusersTrainer`,
+and hosted mode (the loop builds its own modules).
 """
 from __future__ import annotations
 
@@ -55,9 +63,9 @@ class PendingLoad:
 
 
 def load_mode(trainer: Any, spec: Any, train_mode: str, cfg: Any = None) -> tuple[str, str]:
-    """How this run's ranks get the trained module (module docstring), and why: ``whole`` (every rank
-    loads it whole, as one process), ``slices`` or ``broadcast``. The planner asks the same
-    (runner/plan/dist.py: host RAM per rank)."""
+    """How this run's ranks (or its one process) get the trained module (module docstring), and why:
+    ``whole`` (every rank loads it whole, as one process), ``slices``, ``broadcast`` or ``quantized``
+    (one process too). The planner asks the same (runner/plan/dist.py: host RAM per rank)."""
     builtin = callable(getattr(trainer, "weight_files", None)) and hasattr(trainer, "empty_modules")
     quantized = quantizers(trainer, cfg) if builtin and str(train_mode) != "full" else []
     if quantized:
