@@ -71,12 +71,13 @@ def load_mode(trainer: Any, spec: Any, train_mode: str, cfg: Any = None) -> tupl
     if quantized:
         streamed, why = streamed_base(trainer, cfg, train_mode, quantized)
         ranks = "every rank reads" if spec.sharded else "read"
+        whole = "; a quantized base stays whole on every rank" if spec.sharded else ""
         if streamed:
             return "quantized", (f"model.train={train_mode} with quantization={','.join(quantized)}: the base is built on "
                                  f"meta and {ranks} layer by layer from its safetensors files, each layer quantized as "
-                                 "it is read; a quantized base stays whole on every rank")
+                                 f"it is read{whole}")
         return "whole", (f"model.train={train_mode} with quantization={','.join(quantized)}: the base is loaded whole in "
-                         f"model.dtype, then quantized ({why}); a quantized base stays whole on every rank")
+                         f"model.dtype, then quantized ({why}){whole}")
     if not spec.sharded:
         return "whole", f"dist={spec.name}: every rank holds the whole module"
     if not builtin:

@@ -136,3 +136,28 @@ def test_random_init_and_dora_are_loaded_whole_and_say_why(unet_file):
     assert dora[0] == "whole" and "DoRA" in dora[1]
     other = mode(f"model.path={unet_file}", "quantization.nf4.modules=[text_encoder]")
     assert other[0] == "whole" and "quantization" not in other[1]
+
+
+def test_the_plan_simulates_the_streamed_load_and_its_host_peak_is_the_real_one(tmp_path, unet_file, monkeypatch):
+    """The planner runs the same read (runner/plan/unread.py: fake tensors of the file's shapes and
+    dtypes, read where the run reads): its setup's host peak is the tracker's in a real setup within
+    5 %, streamed and whole, and the streamed one is the lower."""
+    from runner.plan import plan_step
+
+    extra = ["quantization=[nf4]", f"model.path={unet_file}", "train.device=cpu"]
+    peaks = {}
+    for streamed in (True, False):
+        with monkeypatch.context() as m:
+            if not streamed:
+                whole_load(m)
+            _, real_peak = set_up(tmp_path / f"real-{streamed}", *extra)
+            cfg = compose_config(["mode=plan", f"output_dir={tmp_path / 'plan'}", *LORA, *extra])
+            validate(cfg)
+            plan = plan_step(cfg)
+        assert plan.host_peak_phase == "setup"
+        assert plan.host_peak_bytes == pytest.approx(real_peak, rel=0.05), (streamed, plan.host_peak_bytes, real_peak)
+        line = "read layer by layer" if streamed else "loaded whole in model.dtype, then quantized"
+        assert line in plan.notes["base load"]
+        peaks[streamed] = plan.host_peak_bytes
+        print(f"{'streamed' if streamed else 'whole'}: setup host peak planned {plan.host_peak_bytes}, real {real_peak}")
+    assert peaks[True] < 0.75 * peaks[False], peaks
