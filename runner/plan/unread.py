@@ -29,7 +29,8 @@ def stored_layout(files: dict[str, tuple[str, str]]) -> dict[tuple[str, str], tu
     out: dict[tuple[str, str], tuple[tuple[int, ...], torch.dtype]] = {}
     for file in sorted({f for f, _ in files.values()}):
         with safe_open(file, framework="pt", device="cpu") as f:
-            for key in f.keys():
+            keys = f.keys()  # a safe_open handle is not iterable
+            for key in keys:
                 part = f.get_slice(key)
                 out[(file, key)] = (tuple(part.get_shape()), _DTYPES[part.get_dtype()])
     return out

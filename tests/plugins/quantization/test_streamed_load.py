@@ -20,7 +20,7 @@ import pytest
 import torch
 from accelerate.utils import set_seed
 
-import runner.dist.loading as loading
+from runner.dist import loading
 from runner.build import build_plugins, build_trainer, make_context, prepare_models
 from runner.cli.compose import compose_config
 from runner.config.checks import validate
@@ -99,7 +99,8 @@ def test_the_streamed_base_is_the_whole_load_quantized_bit_for_bit(tmp_path, une
 
     itemsize = streamed.run.frozen_dtype.itemsize
     with safe_open(str(unet_file), framework="pt") as f:
-        sizes = [math.prod(f.get_slice(k).get_shape()) * itemsize for k in f.keys()]
+        keys = f.keys()  # a safe_open handle is not iterable
+        sizes = [math.prod(f.get_slice(k).get_shape()) * itemsize for k in keys]
     assert streamed_peak - others <= final + max(sizes)
     assert whole_peak - others >= sum(sizes) > final + max(sizes)
 
