@@ -20,10 +20,10 @@ import pytest
 import torch
 from accelerate.utils import set_seed
 
-from runner.dist import loading
 from runner.build import build_plugins, build_trainer, make_context, prepare_models
 from runner.cli.compose import compose_config
 from runner.config.checks import validate
+from runner.dist import loading
 from runner.memory.live_bytes import LiveBytesTracker
 from runner.plugins.quantization.common import storage_bytes, weight_tensors
 from runner.resolved import resolve
