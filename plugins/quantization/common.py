@@ -51,6 +51,16 @@ build in two halves around a plugin phase, for a merge nobody calls.
 
 Replacement is in place and cannot be undone (as diffusers' layerwise casting refuses to be
 undone): the original weights are freed, which is the point.
+
+A base still in its files
+-------------------------
+When the run built a module with its weights still in their safetensors files (``ModelSet.unread``:
+a LoRA base from a file, runner/trainers/unread.py), :meth:`LinearQuantization.transform_models`
+passes its reader to the twin functions, and :func:`replace_layers` reads each selected layer just
+before replacing it: the host holds the layers quantized so far and one tensor in ``model.dtype``,
+never the whole base. The plugin knows nothing of where the weights are or of the distribution: it
+gets a callable from the run's models. The bytes are the same as quantizing a whole-loaded base
+(the same tensor reaches the same code).
 """
 from __future__ import annotations
 

@@ -162,3 +162,18 @@ def test_the_plan_simulates_the_streamed_load_and_its_host_peak_is_the_real_one(
         peaks[streamed] = plan.host_peak_bytes
         print(f"{'streamed' if streamed else 'whole'}: setup host peak planned {plan.host_peak_bytes}, real {real_peak}")
     assert peaks[True] < 0.75 * peaks[False], peaks
+
+
+def test_each_fsdp_ranks_planned_host_is_one_streamed_process(tmp_path, unet_file):
+    """dist=fsdp: every rank reads its own quantized base layer by layer, as one process does (the
+    simulation runs that read; runner/plan/dist.py adds no term): the plan's host RAM per rank is the
+    one-process plan's setup peak, and the plan says how the ranks load it."""
+    from runner.plan import plan_step
+
+    extra = ["mode=plan", "quantization=[nf4]", f"model.path={unet_file}", "train.device=cpu", *LORA,
+             "train.batch_size=4"]
+    one = plan_step(compose_config([f"output_dir={tmp_path / 'one'}", *extra]))
+    two = plan_step(compose_config([f"output_dir={tmp_path / 'two'}", *extra, "dist=fsdp", "dist.world_size=2"]))
+    assert two.host_ranks["load"] == "quantized"
+    assert "every rank reads layer by layer" in two.host_ranks["why"]
+    assert two.host_ranks["per_rank_bytes"] == one.host_peak_bytes
