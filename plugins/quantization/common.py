@@ -64,6 +64,7 @@ gets a callable from the run's models. The bytes are the same as quantizing a wh
 """
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Iterable, Sequence
 from contextlib import nullcontext
@@ -392,7 +393,15 @@ class LinearQuantization(Plugin):
                     f"trained. Use model.train=lora, or leave '{name}' out of {self.setting('modules')}."
                 )
             unread = ctx.models.unread.get(name)  # built on meta: each layer read as it is quantized
-            result = self.quantize(module, self.config.skip, keep, ctx, None if unread is None else unread.read_layer)
+            if unread is None:
+                result = self.quantize(module, self.config.skip, keep, ctx)
+            elif "read" in inspect.signature(self.quantize).parameters:
+                result = self.quantize(module, self.config.skip, keep, ctx, read=unread.read_layer)
+            else:  # a subclass (another package's) that takes no reader: the base read whole first, as before
+                unread.read_rest(module)
+                del ctx.models.unread[name]
+                unread = None
+                result = self.quantize(module, self.config.skip, keep, ctx)
             done[name] = result
             log.info("quantization=%s: %s: %s%s%s", self.name, name, result.describe(),
                      "" if unread is None else ", each layer read from its file just before it was quantized",

@@ -177,3 +177,22 @@ def test_each_fsdp_ranks_planned_host_is_one_streamed_process(tmp_path, unet_fil
     assert two.host_ranks["load"] == "quantized"
     assert "every rank reads layer by layer" in two.host_ranks["why"]
     assert two.host_ranks["per_rank_bytes"] == one.host_peak_bytes
+
+
+def test_a_quantization_subclass_without_a_reader_gets_the_base_read_whole_first(tmp_path, unet_file, monkeypatch):
+    """Another package's quantization plugin whose ``quantize`` takes no ``read``: the base is read
+    whole before it quantizes (today's bytes), not handed over with its weights still on meta."""
+    from runner.plugins.quantization import bnb
+
+    def old_quantize(self, module, skip, keep, ctx):  # the signature before the reader
+        return bnb.apply_bnb_quantization(module, "nf4", skip=skip, keep=keep, compute_dtype=self.compute_dtype(),
+                                          double_quant=bool(self.config.double_quant), simulate=ctx.simulate)
+
+    extra = ["quantization=[nf4]", f"model.path={unet_file}"]
+    reference, _ = set_up(tmp_path / "reference", *extra)
+    monkeypatch.setattr(bnb.NF4Quantization, "quantize", old_quantize)
+    ctx, _ = set_up(tmp_path / "old", *extra)
+    assert not ctx.models.unread
+    a, b = reference.models["unet"].state_dict(), ctx.models["unet"].state_dict()
+    assert list(a) == list(b)
+    assert all(torch.equal(a[k], b[k]) for k in a if isinstance(a[k], torch.Tensor))
