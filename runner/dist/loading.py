@@ -98,7 +98,7 @@ def quantizers(trainer: Any, cfg: Any) -> list[str]:
     if cfg is None:
         return []
     return [name for kind, name, node in registry.selected(cfg) if kind == "quantization"
-            and (not _named(node) or trainer.denoiser in _named(node))]
+            and (not _named(node) or getattr(trainer, "denoiser", None) in _named(node))]
 
 
 def _named(node: Any) -> list[str]:
@@ -129,6 +129,8 @@ def build_models_for_rank(ctx: Any) -> ModelSet:
     if mode == "whole":
         if spec.sharded:
             log.info("dist=fsdp: every rank loads the trained module whole before sharding (%s)", why)
+        elif str(ctx.run.train_mode) != "full" and quantizers(trainer, ctx.cfg):  # one process: why not streamed
+            log.info("%s: %s", getattr(trainer, "denoiser", "the trained module"), why)
         return trainer.build_models("cpu")
     name = trainer.denoiser
     if mode == "slices":

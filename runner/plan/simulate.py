@@ -279,9 +279,7 @@ class _Simulation:
         memo: dict[int, torch.Tensor] = {}
         load = load_mode(self.trainer, self.run.dist, self.run.train_mode, self.cfg)
         unread = leave_unread(self.models, self.trainer, load, HOST)  # a base read as it is quantized (plan/unread.py)
-        note = load_note(self.trainer, self.cfg, self.run.train_mode, load)
-        if note:
-            self.notes["base load"] = note
+        self.notes.update(load_note(self.trainer, self.cfg, self.run.train_mode, load))  # how that base is loaded
         for name, module in self.models.items():
             fake_module(module, HOST, memo, leave=unread)
             tracker.track([t for t in (*module.parameters(), *module.buffers()) if id(t) not in unread], "weights",

@@ -55,12 +55,13 @@ def leave_unread(models: Any, trainer: Any, load: tuple[str, str], host: torch.d
     return {id(p) for p in models[name].parameters() if not p.requires_grad}
 
 
-def load_note(trainer: Any, cfg: Any, train_mode: str, load: tuple[str, str]) -> str | None:
-    """The plan's line on how a quantized LoRA base reaches the host (read layer by layer, or whole
-    first and why: random init, DoRA ...), for a LoRA run with a quantization plugin on its base."""
+def load_note(trainer: Any, cfg: Any, train_mode: str, load: tuple[str, str]) -> dict[str, str]:
+    """The plan's note ``base load``: how a quantized LoRA base reaches the host (read layer by layer,
+    or whole first and why: random init, DoRA ...), for a LoRA run with a quantization plugin on its
+    base; no note otherwise."""
     from runner.dist.loading import quantizers
 
     builtin = callable(getattr(trainer, "weight_files", None)) and hasattr(trainer, "empty_modules")
     if str(train_mode) == "full" or not builtin or not quantizers(trainer, cfg):
-        return None
-    return f"{trainer.denoiser}'s base: {load[1]}"
+        return {}
+    return {"base load": f"{trainer.denoiser}'s base: {load[1]}"}
