@@ -203,6 +203,7 @@ class RunContext:
             self.card.__enter__()  # cuda_sim: every storage from here on is placed on the card or the host
         self.run_phase("claim_modules")
         self.run_phase("transform_models")
+        self._read_unread()
         self.run_phase("place_models")
         place = getattr(self.trainer, "place_models", None)  # a trainer that keeps a trained module on the host
         if callable(place):  # (Wan 2.2 A14B's parked expert, runner/trainers/wan_experts.py) adds it to facts.placed
@@ -213,6 +214,14 @@ class RunContext:
                 m.to(self.device)
         self.compiler.apply(self)  # before wrap_execution: checkpointing then recomputes the compiled forward
         self.run_phase("wrap_execution")
+
+    def _read_unread(self) -> None:
+        """What of a module built on meta (``ModelSet.unread``) no plugin read as it replaced its layers
+        (runner/trainers/unread.py): read now, before anything is placed."""
+        from runner.trainers.unread import read_unread
+
+        for name in read_unread(self.models):
+            log.info("%s: its remaining weights (not quantized) read from its files", name)
 
     def step_context(self) -> ExitStack:
         """Enter every plugin's per-step context (a no-op stack when none asked for one)."""

@@ -111,6 +111,10 @@ class ModelSet:
     # convert on load); otherwise the runner casts frozen modules to model.dtype and trained ones
     # to model.train_dtype (runner/build.py).
     dtypes_applied: bool = False
+    # Modules built with their parameters on meta whose weights a quantization plugin reads layer by
+    # layer as it replaces them; the runner reads the rest after ``transform_models``
+    # (runner/trainers/unread.py). Name -> UnreadWeights; empty unless the run loads a base that way.
+    unread: dict[str, Any] = field(default_factory=dict)
 
     def __getitem__(self, name: str) -> nn.Module:
         return self.modules[name]

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -221,6 +221,7 @@ def apply_bnb_quantization(
     threshold: float = 6.0,
     device: torch.device | str | None = None,
     simulate: bool = False,
+    read: Callable[[str, nn.Module], None] | None = None,
 ) -> QuantizationResult:
     """Replace ``module``'s frozen ``nn.Linear`` layers by NF4 or int8 bitsandbytes layers, in place.
 
@@ -228,6 +229,7 @@ def apply_bnb_quantization(
     precision (``_keep_in_fp32_modules``); ``device``: where bitsandbytes runs the quantization
     (e.g. ``cuda``, much faster than the CPU); layers return to where they were.
     ``simulate``: for meta/fake models, use :class:`SimulatedQuantLinear` (same bytes, no kernels).
+    ``read``: reads a layer's weights just before it is quantized (:func:`replace_layers`).
     Trained (``requires_grad``) Linear layers are an error; LoRA adapters are never touched.
     """
     if method not in METHODS:
@@ -244,7 +246,7 @@ def apply_bnb_quantization(
         def make(t: LinearTarget) -> nn.Module:
             return _bnb_layer(t, method, compute_dtype, double_quant, threshold, dev)
 
-    return replace_layers(module, sel, make)
+    return replace_layers(module, sel, make, read=read)
 
 
 def dequantized_weight(layer: nn.Module) -> torch.Tensor:
@@ -272,10 +274,11 @@ class NF4Quantization(LinearQuantization):
     name = "nf4"
     Config = NF4Config
 
-    def quantize(self, module: nn.Module, skip: Sequence[str], keep: Sequence[str], ctx: RunContext) -> QuantizationResult:
+    def quantize(self, module: nn.Module, skip: Sequence[str], keep: Sequence[str], ctx: RunContext,
+                 read: Callable[[str, nn.Module], None] | None = None) -> QuantizationResult:
         return apply_bnb_quantization(
             module, "nf4", skip=skip, keep=keep, compute_dtype=self.compute_dtype(),
-            double_quant=bool(self.config.double_quant), device=quantize_device(ctx), simulate=ctx.simulate,
+            double_quant=bool(self.config.double_quant), device=quantize_device(ctx), simulate=ctx.simulate, read=read,
         )
 
 
@@ -284,11 +287,12 @@ class Int8Quantization(LinearQuantization):
     name = "int8"
     Config = Int8Config
 
-    def quantize(self, module: nn.Module, skip: Sequence[str], keep: Sequence[str], ctx: RunContext) -> QuantizationResult:
+    def quantize(self, module: nn.Module, skip: Sequence[str], keep: Sequence[str], ctx: RunContext,
+                 read: Callable[[str, nn.Module], None] | None = None) -> QuantizationResult:
         _say_casts_once()
         return apply_bnb_quantization(
             module, "int8", skip=skip, keep=keep, compute_dtype=self.compute_dtype(),
-            threshold=float(self.config.threshold), device=quantize_device(ctx), simulate=ctx.simulate,
+            threshold=float(self.config.threshold), device=quantize_device(ctx), simulate=ctx.simulate, read=read,
         )
 
 

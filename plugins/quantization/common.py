@@ -51,9 +51,20 @@ build in two halves around a plugin phase, for a merge nobody calls.
 
 Replacement is in place and cannot be undone (as diffusers' layerwise casting refuses to be
 undone): the original weights are freed, which is the point.
+
+A base still in its files
+-------------------------
+When the run built a module with its weights still in their safetensors files (``ModelSet.unread``:
+a LoRA base from a file, runner/trainers/unread.py), :meth:`LinearQuantization.transform_models`
+passes its reader to the twin functions, and :func:`replace_layers` reads each selected layer just
+before replacing it: the host holds the layers quantized so far and one tensor in ``model.dtype``,
+never the whole base. The plugin knows nothing of where the weights are or of the distribution: it
+gets a callable from the run's models. The bytes are the same as quantizing a whole-loaded base
+(the same tensor reaches the same code).
 """
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Iterable, Sequence
 from contextlib import nullcontext
@@ -249,12 +260,16 @@ def replace_layers(
     sel: Selection,
     make: Callable[[LinearTarget], nn.Module],
     result: QuantizationResult | None = None,
+    read: Callable[[str, nn.Module], None] | None = None,
 ) -> QuantizationResult:
     """Replace each selected layer by ``make(target)``, one at a time, recording bytes.
 
     One at a time, and each original layer is released as soon as it is replaced (the targets
     are consumed from ``sel``), so the peak is the model plus one layer's temporaries, never the
-    original and the quantized model side by side.
+    original and the quantized model side by side. ``read(name, layer)``: for a module built with
+    its weights still in their files (``ModelSet.unread``, runner/trainers/unread.py), reads the
+    layer's weights just before it is replaced, so the host never holds more than one of them
+    unquantized; the layer is then what a whole load would have given.
     """
     result = result or QuantizationResult()
     result.skipped = list(sel.skipped)
@@ -262,6 +277,8 @@ def replace_layers(
     targets.reverse()
     while targets:
         t = targets.pop()
+        if read is not None:
+            read(t.name, t.layer)
         result.weight_bytes_before += storage_bytes([t.layer.weight])
         new = make(t)
         new.train(t.layer.training)
@@ -305,7 +322,9 @@ class LinearQuantization(Plugin):
         """The dtype the layers compute in (decides the keep-in-fp32 rule)."""
         return resolve_compute_dtype(getattr(self.config, "compute_dtype", None), self.run, self.setting("compute_dtype"))
 
-    def quantize(self, module: nn.Module, skip: Sequence[str], keep: Sequence[str], ctx: RunContext) -> QuantizationResult:
+    def quantize(self, module: nn.Module, skip: Sequence[str], keep: Sequence[str], ctx: RunContext,
+                 read: Callable[[str, nn.Module], None] | None = None) -> QuantizationResult:
+        """Quantize ``module``'s selected layers; ``read``: see :func:`replace_layers`."""
         raise NotImplementedError
 
     # -- validation ----------------------------------------------------------------------------
@@ -373,9 +392,20 @@ class LinearQuantization(Plugin):
                     f"({len(trainable)} Linear layers, e.g. {trainable[0]}); quantized weights cannot be "
                     f"trained. Use model.train=lora, or leave '{name}' out of {self.setting('modules')}."
                 )
-            result = self.quantize(module, self.config.skip, keep, ctx)
+            unread = ctx.models.unread.get(name)  # built on meta: each layer read as it is quantized
+            if unread is None:
+                result = self.quantize(module, self.config.skip, keep, ctx)
+            elif "read" in inspect.signature(self.quantize).parameters:
+                result = self.quantize(module, self.config.skip, keep, ctx, read=unread.read_layer)
+            else:  # a subclass (another package's) that takes no reader: the base read whole first, as before
+                unread.read_rest(module)
+                del ctx.models.unread[name]
+                unread = None
+                result = self.quantize(module, self.config.skip, keep, ctx)
             done[name] = result
-            log.info("quantization=%s: %s: %s%s", self.name, name, result.describe(), " (simulated)" if ctx.simulate else "")
+            log.info("quantization=%s: %s: %s%s%s", self.name, name, result.describe(),
+                     "" if unread is None else ", each layer read from its file just before it was quantized",
+                     " (simulated)" if ctx.simulate else "")
         self.results = done
         ctx.facts.quantized.update({name: len(r.layers) for name, r in done.items()})
         ctx.notes["quantized layers"] = sum(len(r.layers) for r in done.values())

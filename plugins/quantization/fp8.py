@@ -33,7 +33,7 @@ Planner: plain torch ops, so the real path runs on meta and fake tensors unchang
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -125,11 +125,13 @@ def apply_fp8_storage(
     compute_dtype: torch.dtype = torch.bfloat16,
     skip: Sequence[str] = DEFAULT_SKIP,
     keep: Sequence[str] = (),
+    read: Callable[[str, nn.Module], None] | None = None,
 ) -> QuantizationResult:
     """Store ``module``'s frozen ``nn.Linear`` weights in fp8, upcast per layer in forward/backward.
 
     In place and one layer at a time. Works on real, meta and fake tensors alike. Trained
-    (``requires_grad``) Linear layers are an error; LoRA adapters are never touched.
+    (``requires_grad``) Linear layers are an error; LoRA adapters are never touched. ``read``: reads
+    a layer's weights just before it is stored in fp8 (:func:`replace_layers`).
     """
     sel = select_linear_layers(module, skip, keep)
     if sel.trainable:
@@ -138,7 +140,7 @@ def apply_fp8_storage(
     def make(t: LinearTarget) -> nn.Module:
         return Float8StorageLinear(t.layer, storage_dtype, compute_dtype)
 
-    return replace_layers(module, sel, make)
+    return replace_layers(module, sel, make, read=read)
 
 
 @register_plugin
@@ -158,7 +160,9 @@ class Fp8Storage(LinearQuantization):
         super().validate()
         self.storage_dtype()
 
-    def quantize(self, module: nn.Module, skip: Sequence[str], keep: Sequence[str], ctx: RunContext) -> QuantizationResult:
+    def quantize(self, module: nn.Module, skip: Sequence[str], keep: Sequence[str], ctx: RunContext,
+                 read: Callable[[str, nn.Module], None] | None = None) -> QuantizationResult:
         return apply_fp8_storage(
-            module, storage_dtype=self.storage_dtype(), compute_dtype=self.compute_dtype(), skip=skip, keep=keep
+            module, storage_dtype=self.storage_dtype(), compute_dtype=self.compute_dtype(), skip=skip, keep=keep,
+            read=read,
         )

@@ -25,11 +25,19 @@ slice at a time. Two ways, picked per run by :func:`build_models_for_rank`:
 
 Either way the weights are the bits one process would have: the same reads and conversions, or rank
 0's own module. LoRA (``model.train`` other than ``full``) is loaded by broadcast: its adapters are
-drawn at random over the loaded base, and only rank 0 draws them as one process does. Not covered
-(loaded whole on every rank as before, said in the log): LoRA over a quantized base (a
-``quantization`` plugin quantizes the base whole after it is loaded in ``model.dtype``; it stays whole
-on every rank, runner/dist/runtime.py ``_unshardable_params``), a trainer that is not a
-:class:`~runner.trainers.base.DiffusersTrainer`, and hosted mode (the loop builds its own modules).
+drawn at random over the loaded base, and only rank 0 draws them as one process does.
+
+A third way, for one process too: ``quantized``. A LoRA over a base that a ``quantization`` plugin
+quantizes, with its weights in safetensors files as stored: every rank (or the one process) builds the
+base on meta, draws the adapters itself as one process does, and the plugin reads each Linear layer
+from the file just before it quantizes it (runner/trainers/unread.py); the quantized weights stay whole
+on every rank (runner/dist/runtime.py ``_unshardable_params``), what FSDP2 can shard (norms, skipped
+layers) is read whole, then sharded. Host peak: the base as quantized plus one tensor in flight, where
+it was the whole base in ``model.dtype``. Not covered (loaded whole, then quantized, on every rank as
+before, said in the log): such a base at random init (drawn layer by layer it would get other values),
+DoRA and LoKr/LoHa (their init may read the base), an original-layout or ``.bin`` base. Not covered at
+all (loaded whole on every rank): a trainer that is not a :class:`~runner.trainers.base.DiffusersTrainer`,
+and hosted mode (the loop builds its own modules).
 """
 from __future__ import annotations
 
@@ -55,19 +63,25 @@ class PendingLoad:
 
 
 def load_mode(trainer: Any, spec: Any, train_mode: str, cfg: Any = None) -> tuple[str, str]:
-    """How this run's ranks get the trained module (module docstring), and why: ``whole`` (every rank
-    loads it whole, as one process), ``slices`` or ``broadcast``. The planner asks the same
-    (runner/plan/dist.py: host RAM per rank)."""
-    from runner import registry
-
+    """How this run's ranks (or its one process) get the trained module (module docstring), and why:
+    ``whole`` (every rank loads it whole, as one process), ``slices``, ``broadcast`` or ``quantized``
+    (one process too). The planner asks the same (runner/plan/dist.py: host RAM per rank)."""
+    builtin = callable(getattr(trainer, "weight_files", None)) and hasattr(trainer, "empty_modules")
+    quantized = quantizers(trainer, cfg) if builtin and str(train_mode) != "full" else []
+    if quantized:
+        streamed, why = streamed_base(trainer, cfg, train_mode, quantized)
+        ranks = "every rank reads" if spec.sharded else "read"
+        whole = "; a quantized base stays whole on every rank" if spec.sharded else ""
+        if streamed:
+            return "quantized", (f"model.train={train_mode} with quantization={','.join(quantized)}: the base is built on "
+                                 f"meta and {ranks} layer by layer from its safetensors files, each layer quantized as "
+                                 f"it is read{whole}")
+        return "whole", (f"model.train={train_mode} with quantization={','.join(quantized)}: the base is loaded whole in "
+                         f"model.dtype, then quantized ({why}){whole}")
     if not spec.sharded:
         return "whole", f"dist={spec.name}: every rank holds the whole module"
-    if not callable(getattr(trainer, "weight_files", None)) or not hasattr(trainer, "empty_modules"):
+    if not builtin:
         return "whole", f"{type(trainer).__name__} is not a built-in (DiffusersTrainer) trainer"
-    quantized = [name for kind, name, _ in (registry.selected(cfg) if cfg is not None else []) if kind == "quantization"]
-    if str(train_mode) != "full" and quantized:
-        return "whole", (f"model.train={train_mode} with quantization={','.join(quantized)}: every rank loads the base "
-                         "whole in model.dtype, then quantizes it; a quantized base stays whole on every rank")
     if str(train_mode) != "full":  # the adapters are drawn over the loaded base: rank 0's draws, as in one process
         return "broadcast", f"model.train={train_mode}: rank 0 builds the base and draws the adapters, and broadcasts them"
     if trainer.weight_files(trainer.denoiser) is not None:
@@ -76,13 +90,47 @@ def load_mode(trainer: Any, spec: Any, train_mode: str, cfg: Any = None) -> tupl
     return "broadcast", f"rank 0 builds the module whole ({why}) and broadcasts it"
 
 
+def quantizers(trainer: Any, cfg: Any) -> list[str]:
+    """The quantization plugins of ``cfg`` that take the trained module's base: ``modules`` unset
+    (every frozen base: plugins/quantization/common.py ``target_modules``) or naming it."""
+    from runner import registry
+
+    if cfg is None:
+        return []
+    return [name for kind, name, node in registry.selected(cfg) if kind == "quantization"
+            and (not _named(node) or getattr(trainer, "denoiser", None) in _named(node))]
+
+
+def _named(node: Any) -> list[str]:
+    modules = node.get("modules", None) if hasattr(node, "get") else None
+    return [str(m) for m in modules or []]
+
+
+def streamed_base(trainer: Any, cfg: Any, train_mode: str, quantized: list[str]) -> tuple[bool, str]:
+    """Whether the quantized base is built on meta and read layer by layer (runner/trainers/unread.py),
+    and if not, why not."""
+    if str(train_mode) != "lora" or bool(cfg.model.get("lora_dora", False)):
+        kind = "DoRA" if str(train_mode) == "lora" else f"model.train={train_mode}"
+        return False, f"{kind}: the adapters' init is only known to read nothing of the base for plain LoRA"
+    if trainer.source is None:
+        return False, "random init: drawn whole, as one process draws it"
+    if trainer.weight_files(trainer.denoiser) is None:
+        return False, "its weights are converted from another layout or are not safetensors"
+    return True, ""
+
+
 def build_models_for_rank(ctx: Any) -> ModelSet:
-    """The trainer's models on this rank (module docstring); ``ctx.dist.pending`` says what ``_shard`` fills in."""
+    """The trainer's models on this rank (module docstring); ``ctx.dist.pending`` says what ``_shard`` fills
+    in, ``ModelSet.unread`` what a quantization plugin reads as it quantizes (runner/trainers/unread.py)."""
     trainer, spec = ctx.trainer, ctx.run.dist
     mode, why = load_mode(trainer, spec, ctx.run.train_mode, ctx.cfg)
+    if mode == "quantized":
+        return _build_unread(trainer, why)
     if mode == "whole":
         if spec.sharded:
             log.info("dist=fsdp: every rank loads the trained module whole before sharding (%s)", why)
+        elif str(ctx.run.train_mode) != "full" and quantizers(trainer, ctx.cfg):  # one process: why not streamed
+            log.info("%s: %s", getattr(trainer, "denoiser", "the trained module"), why)
         return trainer.build_models("cpu")
     name = trainer.denoiser
     if mode == "slices":
@@ -112,6 +160,26 @@ def build_models_for_rank(ctx: Any) -> ModelSet:
     ctx.dist.pending = PendingLoad(name, "broadcast")
     log.info("dist=fsdp: rank 0 builds %s whole (%s); the other ranks receive their shards from it", name,
              why if str(ctx.run.train_mode) != "full" else "random init" if trainer.source is None else "weights read whole")
+    return models
+
+
+def _build_unread(trainer: Any, why: str) -> ModelSet:
+    """The models with the trained module's base on meta, its weights left in its files (``quantized``)."""
+    from runner.trainers.unread import UnreadWeights
+
+    name = trainer.denoiser
+    generator = torch.get_rng_state()
+    models = _build(trainer, frozenset({name}))
+    unread = UnreadWeights(trainer.weight_files(name))
+    missing = unread.missing(models[name])
+    if missing:  # a layout the layer-by-layer read cannot follow: load it whole
+        log.info("%s's files do not hold its keys as stored (e.g. %s); it is loaded whole, then quantized", name,
+                 missing[0])
+        del models
+        torch.set_rng_state(generator)  # the frozen modules draw again what they drew in the first build
+        return trainer.build_models("cpu")
+    models.unread[name] = unread
+    log.info("%s: %s", name, why)
     return models
 
 

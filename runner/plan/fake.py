@@ -15,7 +15,7 @@ the plan (runner/plan/simulate.py).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import torch
@@ -230,12 +230,14 @@ def weights_left_uninitialised() -> Iterator[None]:
             setattr(nn.init, name, fn)
 
 
-def fake_module(module: nn.Module, device: torch.device, memo: dict[int, torch.Tensor]) -> None:
+def fake_module(module: nn.Module, device: torch.device, memo: dict[int, torch.Tensor],
+                leave: Collection[int] = ()) -> None:
     """Replace every parameter and buffer of ``module`` by a fake tensor on ``device``.
 
     Same shape, dtype, stride and ``requires_grad``; tied tensors stay tied (``memo`` is shared
     across the modules of one ModelSet). Call inside the simulation mode. The fakes are made
     without dispatching an op (no dispatch mode sees them born): pass them to the tracker.
+    ``leave``: ids of tensors left as they are (a base read later, runner/plan/unread.py).
     """
     mode = active_fake_mode()
     if mode is None:
@@ -243,7 +245,7 @@ def fake_module(module: nn.Module, device: torch.device, memo: dict[int, torch.T
     for sub in module.modules():
         for table in (sub._parameters, sub._buffers):
             for key, t in list(table.items()):
-                if t is None:
+                if t is None or id(t) in leave:
                     continue
                 if id(t) not in memo:
                     memo[id(t)] = _fake_like(t, device, mode)

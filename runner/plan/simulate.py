@@ -67,6 +67,7 @@ from runner.plan.prepass import simulate_cache_fill
 from runner.plan.process import import_model_classes, old_objects_frozen, one_thread
 from runner.plan.result import PhasePeak, Plan
 from runner.plan.sampling import plan_sampling
+from runner.plan.unread import leave_unread, load_note
 from runner.plan.semantics import DeviceSemantics, SimulatedAccelerator
 from runner.plan.speed import StepTime, Target, Trained, gpu_target, predict
 from runner.plan.suggest import suggest
@@ -276,9 +277,13 @@ class _Simulation:
         """Models onto the fake host, then the plugins' setup phases and placement, as a run does."""
         tracker, ctx = self.tracker, self.ctx
         memo: dict[int, torch.Tensor] = {}
+        load = load_mode(self.trainer, self.run.dist, self.run.train_mode, self.cfg)
+        unread = leave_unread(self.models, self.trainer, load, HOST)  # a base read as it is quantized (plan/unread.py)
+        self.notes.update(load_note(self.trainer, self.cfg, self.run.train_mode, load))  # how that base is loaded
         for name, module in self.models.items():
-            fake_module(module, HOST, memo)
-            tracker.track(module, "weights", module=name)
+            fake_module(module, HOST, memo, leave=unread)
+            tracker.track([t for t in (*module.parameters(), *module.buffers()) if id(t) not in unread], "weights",
+                          module=name)
         memo.clear()  # a module a plugin drops must be freed, as in a real run
         ctx.models = self.models
         ctx.simulated_encode = lambda parts, batch: simulate_cache_fill(self, parts, batch)
@@ -292,8 +297,7 @@ class _Simulation:
             tracker.attach_module_hooks(module, depth=1, prefix=name)
         self.recorder.take("setup")
         self.rank_layout = measure_rank(self.run.dist, ctx.models, self.run.fsdp_param_dtype,  # what one rank holds
-                                        load_mode(self.trainer, self.run.dist, self.run.train_mode, self.cfg),
-                                        tracker.current_bytes(HOST.type))  # the host after setup (dist.py host_setup)
+                                        load, tracker.current_bytes(HOST.type))  # the host after setup (dist.py host_setup)
         # dist=fsdp with a MixedPrecisionPolicy: the units' weights arrive in the autocast dtype (runner/plan/dist.py)
         self.semantics.gathered = gathered_params(self.rank_layout, ctx.models)
         self.semantics.uncounted = tracker.uncounted

@@ -19,6 +19,7 @@ draws and the VAE's geometry :mod:`runner.trainers.latents`, and the encode part
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -349,8 +350,14 @@ class DiffusersTrainer(CacheKeys):
                 freeze(module)
             modules[name] = module
         if not full:
-            attach_lora(modules[self.denoiser], m.lora_rank, m.lora_alpha, list(m.lora_targets), self.train_dtype,
-                        dora=bool(m.get("lora_dora", False)), kind=str(m.train), factor=int(m.get("lokr_factor", -1)))
+            from runner.trainers.unread import stand_in_weights
+
+            # An empty base (runner/dist/loading.py) gets CPU stand-ins while the adapters are drawn, so they
+            # come out on the host in the base's dtype, as over a loaded base (runner/trainers/unread.py).
+            empty = self.denoiser in self.empty_modules and torch.device(build_on).type != "meta"
+            with stand_in_weights(modules[self.denoiser]) if empty else contextlib.nullcontext():
+                attach_lora(modules[self.denoiser], m.lora_rank, m.lora_alpha, list(m.lora_targets), self.train_dtype,
+                            dora=bool(m.get("lora_dora", False)), kind=str(m.train), factor=int(m.get("lokr_factor", -1)))
             check_comfy_targets(self.cfg, self.comfy_layout, modules[self.denoiser], self.display_name or type(self).__name__)
             modules[self.denoiser].train()
         models = ModelSet(modules=modules, trained={self.denoiser}, dtypes_applied=True)

@@ -100,3 +100,19 @@ def test_fsdp_lora_broadcasts_rank_0s_base_and_adapters_like_one_process(tmp_pat
     assert "rank 0 builds unet whole (model.train=lora: rank 0 builds the base and draws the adapters" \
         in proc.stdout + proc.stderr
     assert_same_losses(read_metrics(tmp_path / "two" / "metrics.jsonl"), reference)
+
+
+def test_fsdp_ranks_each_read_a_quantized_lora_base_layer_by_layer_like_one_process(tmp_path):
+    """model.train=lora over an nf4 base from a file: every rank builds the U-Net on meta and reads and
+    quantizes it layer by layer itself (runner/trainers/unread.py; the quantized weights stay whole on
+    every rank), then FSDP2 shards what it can; the same losses as one process (which reads it the
+    same way: tests/plugins/quantization/test_streamed_load.py compares that with loading it whole)."""
+    file = tiny_unet_file(tmp_path / "unet.safetensors")
+    lora = [*BASE, "trainer=sdxl", "model.train=lora", "quantization=[nf4]", "train.steps=2", f"model.path={file}"]
+    reference = one_process(tmp_path / "one", common=lora)
+    proc = launch("torchrun", tmp_path / "run", "dist=fsdp", *lora, f"output_dir={tmp_path / 'two'}")
+    logs = proc.stdout + proc.stderr
+    assert "the base is built on meta and every rank reads layer by layer from its safetensors files" in logs
+    assert "each layer read from its file just before it was quantized" in logs
+    assert "quantized tensors kept whole on every rank" in logs
+    assert_same_losses(read_metrics(tmp_path / "two" / "metrics.jsonl"), reference)
