@@ -54,7 +54,7 @@ rebuilds its buckets in the order gradients arrived, copying every gradient once
 Host RAM at setup (:func:`host_setup`, :func:`host_per_node`). ``dist=ddp``, and ``dist=fsdp`` when
 the ranks load the trained module whole (LoRA, a user's trainer: runner/dist/loading.py
 ``load_mode``) or read a quantized base layer by layer (``quantized``, which the simulation itself
-runs: runner/plan/unread.py): every rank's host peak is one process's. ``dist=fsdp`` loading by slices or by
+runs: runner/plan/base_reads.py): every rank's host peak is one process's. ``dist=fsdp`` loading by slices or by
 broadcast: a rank holds the frozen modules as one process does, and the trained module only as its
 shards (plus one tensor in flight), filled after the plugins' setup; rank 0, when it broadcasts,
 holds the whole module (less the units already sharded) next to one unit's shards. Per node: rank 0's peak plus
@@ -311,7 +311,7 @@ def host_setup(layout: RankLayout, pk: Any, moved: int) -> Any:
     from runner.plan.result import PhasePeak
 
     layout.host_rank0 = pk.peak_bytes + moved
-    if layout.name != "fsdp" or layout.load in ("whole", "quantized"):  # quantized: simulated (plan/unread.py)
+    if layout.name != "fsdp" or layout.load in ("whole", "quantized"):  # quantized: simulated (plan/base_reads.py)
         return pk
     trained = pk.by_module.get(layout.module, {}).get("weights", 0)
     without = pk.peak_bytes - trained

@@ -67,7 +67,7 @@ from runner.plan.prepass import simulate_cache_fill
 from runner.plan.process import import_model_classes, old_objects_frozen, one_thread
 from runner.plan.result import PhasePeak, Plan
 from runner.plan.sampling import plan_sampling
-from runner.plan.unread import leave_unread, load_note
+from runner.plan.base_reads import leave_unread, load_note
 from runner.plan.semantics import DeviceSemantics, SimulatedAccelerator
 from runner.plan.speed import StepTime, Target, Trained, gpu_target, predict
 from runner.plan.suggest import suggest
@@ -278,7 +278,7 @@ class _Simulation:
         tracker, ctx = self.tracker, self.ctx
         memo: dict[int, torch.Tensor] = {}
         load = load_mode(self.trainer, self.run.dist, self.run.train_mode, self.cfg)
-        unread = leave_unread(self.models, self.trainer, load, HOST)  # a base read as it is quantized (plan/unread.py)
+        unread = leave_unread(self.models, self.trainer, load, HOST)  # a base read as it is quantized (plan/base_reads.py)
         self.notes.update(load_note(self.trainer, self.cfg, self.run.train_mode, load))  # how that base is loaded
         for name, module in self.models.items():
             fake_module(module, HOST, memo, leave=unread)
