@@ -232,7 +232,7 @@ class DataParallel(Distribution):
         return average
 
     def _shard(self, ctx: RunContext, trained: dict[str, nn.Module]) -> None:
-        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+        from torch.distributed.fsdp import fully_shard
 
         from runner.blocks import find_repeated_blocks
         from runner.dist.agree import agree_before_fsdp_collectives
@@ -246,7 +246,7 @@ class DataParallel(Distribution):
         mesh = self._mesh(ctx.device)
         kwargs: dict[str, Any] = {"reshard_after_forward": self.spec.reshard_after_forward, "mesh": mesh}
         if self.spec.cpu_offload:
-            kwargs["offload_policy"] = CPUOffloadPolicy()
+            kwargs["offload_policy"] = cpu_offload_policy(ctx.device)
         policy = mixed_precision_policy(self.run.fsdp_param_dtype)
         if policy is not None:
             kwargs["mp_policy"] = policy
@@ -392,6 +392,23 @@ def mixed_precision_policy(param_dtype: torch.dtype | None) -> Any:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+
+
+def cpu_offload_policy(device: torch.device) -> Any:
+    """FSDP2's ``CPUOffloadPolicy`` for ``dist.cpu_offload=true`` with the compute device ``device``.
+
+    Host shards are pinned only for a CUDA-like target (:func:`runner.accel.cuda_like`): pinned memory
+    makes FSDP's host-to-device copies of each unit asynchronous, but pinning needs CUDA's host
+    allocator, and a CPU-only torch raises "Cannot access accelerator device" for it (FSDP2 pins by
+    default). On a CPU run the compute device is the host itself, so FSDP's "offload" moves nothing and
+    ordinary memory loses nothing. (``train.device=cuda_sim`` would pin in its simulation, as park does;
+    ``dist`` is refused with it: its simulated card is one process's.)
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from runner.accel import cuda_like
+
+    return CPUOffloadPolicy(pin_memory=cuda_like(device))
 
 
 def _unshardable_params(module: nn.Module) -> set[nn.Parameter]:

@@ -13,7 +13,7 @@ import torch
 
 from runner.dist.config import DistSpec
 from runner.dist.launch import START_TIME_ENV, process_world, runner_now
-from runner.dist.runtime import DataParallel
+from runner.dist.runtime import DataParallel, cpu_offload_policy
 from runner.errors import UserError
 from runner.cli.listing import format_plugin_list
 from runner.resolved import resolve
@@ -135,6 +135,17 @@ def test_the_issue_29_command_learns_batch_stream_and_adafactor_from_one_refusal
         line = next(x for x in text.splitlines() if needle in x)
         assert fix in line and text.count(needle) == 1, (needle, text)
     assert "not FSDP's sharded parameters" not in text  # the Adafactor reason reads as one sentence
+
+
+def test_fsdp_cpu_offload_pins_the_host_shards_only_for_a_cuda_like_target():
+    """``dist.cpu_offload=true``: FSDP2 pins host shards by default, which a CPU-only torch cannot do
+    (a traceback before step 1 on a CPU run). The policy pins for a CUDA-like device only, as park does."""
+    from runner.accel import SIM_DEVICE
+
+    assert cpu_offload_policy(torch.device("cpu")).pin_memory is False
+    assert cpu_offload_policy(SIM_DEVICE).pin_memory is True  # the simulated card: pinning is simulated
+    if torch.cuda.is_available():
+        assert cpu_offload_policy(torch.device("cuda", 0)).pin_memory is True
 
 
 def test_a_launch_with_another_world_size_than_configured_is_refused(launched):

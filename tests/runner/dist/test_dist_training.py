@@ -275,6 +275,31 @@ def test_fsdp_gathers_bf16_units_from_float32_shards_like_one_process_autocast(t
         assert two["stored"] == [["torch.float32", "DTensor"]], two["stored"]
 
 
+def test_fsdp_cpu_offload_on_a_cpu_run_trains_like_the_run_without_it(tmp_path):
+    """Issue 29: ``dist=fsdp dist.cpu_offload=true`` on 2 CPU ranks (train.device=cpu, gloo) trains 3 steps
+    of a full fine-tune. Before, FSDP2's CPUOffloadPolicy pinned the host shards and a CPU-only torch
+    raised "Cannot access accelerator device" before step 1; now the shards are pinned only for a
+    CUDA-like target (runner/dist/runtime.py:cpu_offload_policy). The losses are those of the same run
+    without offload and of one process (on this CPU the offloaded run measured bit for bit the same
+    as the one without: the shards are on the host either way)."""
+    extra = ["model.train=full", "train.steps=3"]
+    reference = one_process(tmp_path / "one", *extra)
+    plain = launch("torchrun", tmp_path / "run0", "dist=fsdp", *COMMON, *extra, f"output_dir={tmp_path / 'plain'}")
+    offload = launch("torchrun", tmp_path / "run1", "dist=fsdp", "dist.cpu_offload=true", *COMMON, *extra,
+                     f"output_dir={tmp_path / 'offload'}")
+    def logs(proc: subprocess.CompletedProcess, out: str) -> str:
+        return proc.stdout + proc.stderr + "".join(p.read_text() for p in (tmp_path / out).glob("*.log"))
+
+    assert "FSDP2 (sharded over 2 ranks, weights on the host)" in logs(offload, "offload")
+    assert "sharded weights on the host" in logs(offload, "offload")
+    assert "FSDP2 (sharded over 2 ranks)" in logs(plain, "plain")
+    assert "sharded weights on the host" not in logs(plain, "plain")
+    rows, without = read_metrics(tmp_path / "offload" / "metrics.jsonl"), read_metrics(tmp_path / "plain" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert_same_losses(rows, without)
+    assert_same_losses(rows, reference)
+
+
 def test_auto_fit_searches_on_rank_0_and_every_rank_trains_with_its_answer(tmp_path):
     """``train.auto_fit=true`` under ``dist=ddp`` on 2 ranks: rank 0 alone runs the search (its plans are
     one rank's), writes the fit preset, and both ranks train with the settings it chose; a budget the
