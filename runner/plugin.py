@@ -102,6 +102,16 @@ class Plugin:
         None when it changes nothing of theirs. ``modules=None``: any module of the run."""
         return None
 
+    def frees_after_cache_fill(self, trainer: Any) -> frozenset[str]:
+        """Frozen modules of ``trainer`` this plugin frees in its setup phases once every output they
+        compute is cached (park's dropped encoders), so no step, held-out pass or plugin calls them
+        afterwards; only the cache fill does. With several processes on one node rank 0 fills the
+        cache and the others read it, so runner/dist/loading.py does not load these modules on the
+        others at all. Asked before the models are built (from the trainer and this plugin's settings
+        only); a wrong answer would leave a rank without a module it calls: answer only for modules
+        this plugin itself frees. Default: none."""
+        return frozenset()
+
     def setting(self, field: str) -> str:
         """The command-line spelling of one of this plugin's keys, for messages."""
         return f"{self.kind}.{self.name}.{field}"

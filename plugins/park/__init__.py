@@ -42,11 +42,15 @@ VAE and text encoders of the built-in trainers):
    Several processes (``dist=ddp|fsdp``): rank 0 plans and fills the cache first while the others
    wait (accelerate's ``main_process_first``); then each other rank verifies the entries it reads
    and finds them complete. Entries are renamed into place, so even a rank on another node filling
-   a node-local cache at the same time never reads half an entry.
+   a node-local cache at the same time never reads half an entry. On one node the other ranks
+   never call the modules this plugin drops (:meth:`Park.frees_after_cache_fill`), so
+   runner/dist/loading.py builds them there without weights; such a rank that still finds entries
+   missing stops with a UserError naming ``cache_dir`` (plugins/park/loaded.py).
 
    Limitation: the runner builds the models (``trainer.build_models``) before any plugin
-   phase, so with a full cache the encoders are still constructed on the host at start-up and
-   freed here, before placement; they never reach the device and are never called.
+   phase, so with a full cache the encoders are still constructed on the host at start-up (on
+   rank 0 only, under ``dist`` on one node) and freed here, before placement; they never reach
+   the device and are never called.
 
 What it tells the planner, the loop and the other plugins (typed fields of ``ctx.facts``):
 ``encode_on_device`` (False when every encode part is cached: nothing is encoded during
@@ -92,6 +96,7 @@ from runner.plugins.park.cache import (
     resolve_cache_dir,
 )
 from runner.plugins.park.encode import CachedEncode, IndexSamples
+from runner.plugins.park.loaded import require_loaded
 from runner.plugins.schemas import ParkConfig, check_park
 from runner.registry import register_plugin
 from runner.trainer import ModelSet
@@ -264,11 +269,16 @@ def parts_to_cache(trainer: Any, cache_latents: bool, cache_text: bool) -> list[
     return [p for p, spec in trainer.encode_parts().items() if (cache_latents if is_image_part(spec) else cache_text)]
 
 
-def droppable_modules(trainer: Any, models: ModelSet, parts: list[str]) -> list[str]:
-    """Frozen modules that compute only cached parts: freed once the cache is complete."""
+def only_cached_modules(trainer: Any, parts: list[str]) -> set[str]:
+    """Modules that compute only the cached ``parts`` (no other encode part needs them)."""
     specs = trainer.encode_parts()
     needed_later = {m for p, s in specs.items() if p not in parts for m in s.modules}
-    droppable = sorted({m for p in parts for m in specs[p].modules} - needed_later - models.trained)
+    return {m for p in parts for m in specs[p].modules} - needed_later
+
+
+def droppable_modules(trainer: Any, models: ModelSet, parts: list[str]) -> list[str]:
+    """Frozen modules that compute only cached parts: freed once the cache is complete."""
+    droppable = sorted(only_cached_modules(trainer, parts) - models.trained)
     return [m for m in droppable if m in models]
 
 
@@ -278,7 +288,7 @@ def _drop_modules(models: ModelSet, names: list[str], result: ParkResult) -> Non
         parked = result.parked.pop(name, None)
         if parked is not None:
             parked.remove()
-        result.dropped[name] = _bytes([*module.parameters(), *module.buffers()])
+        result.dropped[name] = _bytes(t for t in [*module.parameters(), *module.buffers()] if t.device.type != "meta")
         models.blocks.pop(name, None)
         del module, parked
     gc.collect()  # free the weights now, not at the next collection
@@ -345,6 +355,7 @@ def park_and_cache(
         log.warning("park: encoder cache: %s; re-encoding %s", plan.describe_bad(),
                     "it" if len(plan.bad) == 1 else "them")
     if plan.missing_count():
+        require_loaded(models, specs, plan, cache.root, cache_setting)  # a rank built without the encoders
         park_frozen()  # the pre-pass runs the encoders parked: one on the device at a time
         with cache.filling() as waited:  # another run filling the same cache: wait, then encode what it did not
             if waited:
@@ -396,6 +407,13 @@ class Park(Plugin):
         if not cacheable(ctx.trainer):
             return []
         return parts_to_cache(ctx.trainer, c.cache_latents, c.cache_text)
+
+    def frees_after_cache_fill(self, trainer: Any) -> frozenset[str]:
+        """The modules ``place_models`` drops once the cache is complete (:func:`droppable_modules`,
+        before the trained ones are known: the caller leaves those out)."""
+        c = self.config
+        parts = parts_to_cache(trainer, c.cache_latents, c.cache_text) if cacheable(trainer) else []
+        return frozenset(only_cached_modules(trainer, parts)) if parts else frozenset()
 
     def claim_modules(self, ctx: RunContext) -> None:
         parts = self._parts(ctx)

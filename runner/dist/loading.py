@@ -23,6 +23,20 @@ slice at a time. Two ways, picked per run by :func:`build_models_for_rank`:
   at a time. At random init the frozen modules cross the network too (rank 0's draws for the trained
   module come before theirs); from a file every rank loads its frozen modules as before.
 
+Frozen modules that only fill a cache (:func:`rank0_only_modules`). Under ``offload=park`` rank 0 fills
+the encoder cache first while the others wait (accelerate's ``main_process_first``); the others then
+read its complete entries and park drops the modules that compute only cached outputs (the text
+encoders, the VAE when latents are cached) without calling them. On one node every rank reads rank 0's
+folder, so the other ranks build those modules with their parameters on ``meta`` (``empty_modules``)
+and never hold their weights: each rank's host peak at setup drops by their bytes (Flux: T5-XXL and
+CLIP, ~9.3 GiB in bf16). Kept on every rank: with ``sample.every`` or ``data.val_path`` (their prompts
+and samples are encoded on every rank before park runs: FSDP's ranks all run the sampling pipeline and
+every held-out forward), and across several nodes (a node may have its own cache folder, which its
+ranks fill themselves). A rank that still finds entries missing stops with a UserError naming
+``offload.park.cache_dir`` (plugins/park/loaded.py). A skipped module draws no random numbers, so at
+random init the modules built after it would draw other values than rank 0's: the randomly initialised
+modules the others build are taken from rank 0 (:func:`_same_draws`), and its generator too.
+
 Either way the weights are the bits one process would have: the same reads and conversions, or rank
 0's own module. LoRA (``model.train`` other than ``full``) is loaded by broadcast: its adapters are
 drawn at random over the loaded base, and only rank 0 draws them as one process does.
@@ -119,43 +133,74 @@ def streamed_base(trainer: Any, cfg: Any, train_mode: str, quantized: list[str])
     return True, ""
 
 
+def rank0_only_modules(cfg: Any, trainer: Any, plugins: list[Any], spec: Any) -> tuple[frozenset[str], str]:
+    """The frozen modules only rank 0 loads (module docstring), and why (for the log and the plan).
+    The same answer on every rank: it depends on the config, the trainer and the world only."""
+    if not spec.active:
+        return frozenset(), ""
+    if not hasattr(trainer, "empty_modules") or not isinstance(getattr(trainer, "denoiser", None), str):
+        return frozenset(), f"{type(trainer).__name__} is not a built-in (DiffusersTrainer) trainer"
+    freed = frozenset().union(*(p.frees_after_cache_fill(trainer) for p in plugins))
+    named = {str(m).rstrip("?") for p in plugins for m in (getattr(p.config, "modules", None) or ())}
+    names = frozenset(n for n in freed if n in trainer.module_classes() and n != trainer.denoiser and n not in named)
+    if not names:
+        return frozenset(), ""
+    keep = ("sample.every is set: every rank encodes the sample prompts before park runs"
+            if cfg is not None and int((cfg.get("sample") or {}).get("every", 0) or 0) else
+            "data.val_path is set: every rank encodes the held-out samples before park runs"
+            if cfg is not None and (cfg.get("data") or {}).get("val_path") else
+            f"{spec.nodes} nodes: a node's ranks may fill a cache folder of their own"
+            if spec.world_size > spec.ranks_per_node else "")
+    if keep:
+        return frozenset(), f"{', '.join(sorted(names))} loaded on every rank ({keep})"
+    return names, (f"{', '.join(sorted(names))} loaded on rank 0 only (they only fill the encoder cache, which "
+                   "the other ranks read)")
+
+
 def build_models_for_rank(ctx: Any) -> ModelSet:
     """The trainer's models on this rank (module docstring); ``ctx.dist.pending`` says what ``_shard`` fills
     in, ``ModelSet.unread`` what a quantization plugin reads as it quantizes (runner/trainers/unread.py)."""
     trainer, spec = ctx.trainer, ctx.run.dist
     mode, why = load_mode(trainer, spec, ctx.run.train_mode, ctx.cfg)
+    rank0_only, said = rank0_only_modules(ctx.cfg, trainer, ctx.schedule.plugins, spec)
+    if said:
+        log.info("dist=%s: %s", spec.name, said)
+    skip = frozenset() if spec.is_main else rank0_only  # built with parameters on meta on this rank
     if mode == "quantized":
-        return _build_unread(trainer, why)
+        return _same_draws(trainer, rank0_only, _build_unread(trainer, why, skip), spec.is_main,
+                           filled=trainer.denoiser)
     if mode == "whole":
         if spec.sharded:
             log.info("dist=fsdp: every rank loads the trained module whole before sharding (%s)", why)
         elif str(ctx.run.train_mode) != "full" and quantizers(trainer, ctx.cfg):  # one process: why not streamed
             log.info("%s: %s", getattr(trainer, "denoiser", "the trained module"), why)
-        return trainer.build_models("cpu")
+        return _same_draws(trainer, rank0_only, _build(trainer, skip), spec.is_main)
     name = trainer.denoiser
     if mode == "slices":
         files = trainer.weight_files(name)
         generator = torch.get_rng_state()
-        models = _build(trainer, frozenset({name}))
+        models = _build(trainer, frozenset({name}) | skip)
         if set(files) != set(models[name].state_dict()):  # a layout the slices cannot follow: read it whole
             log.info("dist=fsdp: %s's files do not hold its keys as stored; every rank loads it whole", name)
             del models
             torch.set_rng_state(generator)  # the frozen modules draw again what they drew in the first build
-            return trainer.build_models("cpu")
+            return _same_draws(trainer, rank0_only, _build(trainer, skip), spec.is_main)
         ctx.dist.pending = PendingLoad(name, "slices", files)
         log.info("dist=fsdp: %s built on meta; each rank reads its shard's rows from %d safetensors file(s)", name,
                  len({f for f, _ in files.values()}))
-        return models
+        return _same_draws(trainer, rank0_only, models, spec.is_main, filled=name)
     # At random init rank 0's build of the trained module draws from the generator before the frozen modules
     # draw theirs: the other ranks build every module empty and receive them. Otherwise nothing drawn
     # depends on the trained module's build: every rank loads (or draws) its frozen modules as one process.
     random_init = trainer.source is None
-    empty = frozenset(trainer.module_classes()) if random_init else frozenset({name})
+    empty = frozenset(trainer.module_classes()) if random_init else frozenset({name}) | skip
     models = trainer.build_models("cpu") if spec.is_main else _build(trainer, empty)
     if random_init:
         for other, module in models.items():
-            if other != name:
+            if other != name and other not in rank0_only:  # rank 0's draws; its cache-only modules stay its own
                 broadcast_module(module, spec.is_main)
+    elif rank0_only:  # a module the files do not hold, drawn after a skipped one: rank 0's (see _same_draws)
+        _broadcast_drawn(trainer, models, rank0_only | {name}, spec.is_main)
     _same_generator_as_rank0()  # e.g. the adapters' draws: the other ranks continue from rank 0's generator
     ctx.dist.pending = PendingLoad(name, "broadcast")
     log.info("dist=fsdp: rank 0 builds %s whole (%s); the other ranks receive their shards from it", name,
@@ -163,13 +208,14 @@ def build_models_for_rank(ctx: Any) -> ModelSet:
     return models
 
 
-def _build_unread(trainer: Any, why: str) -> ModelSet:
-    """The models with the trained module's base on meta, its weights left in its files (``quantized``)."""
+def _build_unread(trainer: Any, why: str, skip: frozenset[str] = frozenset()) -> ModelSet:
+    """The models with the trained module's base on meta, its weights left in its files (``quantized``);
+    ``skip``: modules this rank builds without weights (:func:`rank0_only_modules`)."""
     from runner.trainers.unread import UnreadWeights
 
     name = trainer.denoiser
     generator = torch.get_rng_state()
-    models = _build(trainer, frozenset({name}))
+    models = _build(trainer, frozenset({name}) | skip)
     unread = UnreadWeights(trainer.weight_files(name))
     missing = unread.missing(models[name])
     if missing:  # a layout the layer-by-layer read cannot follow: load it whole
@@ -177,10 +223,32 @@ def _build_unread(trainer: Any, why: str) -> ModelSet:
                  missing[0])
         del models
         torch.set_rng_state(generator)  # the frozen modules draw again what they drew in the first build
-        return trainer.build_models("cpu")
+        return _build(trainer, skip)
     models.unread[name] = unread
     log.info("%s: %s", name, why)
     return models
+
+
+def _same_draws(trainer: Any, rank0_only: frozenset[str], models: ModelSet, is_main: bool,
+                filled: str = "") -> ModelSet:
+    """``models`` as rank 0 built them, where the other ranks skipped ``rank0_only``. Skipping a module
+    skips its random draws, which shifts the draws of every module built after it: the randomly
+    initialised modules the others did build (not ``filled``, the trained module read from its files
+    later) are taken from rank 0, as the broadcast load takes them, and so is rank 0's generator. Every
+    rank calls this with the same arguments (their collectives match). Trade-off: at random init those
+    modules cross the network once; weights read from files are not sent."""
+    if rank0_only:
+        _broadcast_drawn(trainer, models, rank0_only | {filled}, is_main)
+        _same_generator_as_rank0()
+    return models
+
+
+def _broadcast_drawn(trainer: Any, models: ModelSet, leave: frozenset[str], is_main: bool) -> None:
+    """Every randomly initialised module but ``leave``, from rank 0 (:func:`_same_draws`)."""
+    source = getattr(trainer, "module_source", None)
+    for name, module in models.items():
+        if name not in leave and callable(source) and source(name).get("random_init"):
+            broadcast_module(module, is_main)
 
 
 def _build(trainer: Any, empty: frozenset[str]) -> ModelSet:

@@ -57,7 +57,11 @@ the ranks load the trained module whole (LoRA, a user's trainer: runner/dist/loa
 runs: runner/plan/base_reads.py): every rank's host peak is one process's. ``dist=fsdp`` loading by slices or by
 broadcast: a rank holds the frozen modules as one process does, and the trained module only as its
 shards (plus one tensor in flight), filled after the plugins' setup; rank 0, when it broadcasts,
-holds the whole module (less the units already sharded) next to one unit's shards. Per node: rank 0's peak plus
+holds the whole module (less the units already sharded) next to one unit's shards. The frozen modules
+only rank 0 loads (runner/dist/loading.py ``rank0_only_modules``: under ``offload=park`` on one node,
+those whose outputs it caches) are left out of the other ranks' setup peak: the simulated peak less
+their bytes at its instant, or the host after setup (they are dropped by then), whichever is larger;
+rank 0's keeps them. Per node: rank 0's peak plus
 ``dist.ranks_per_node - 1`` times the others' (they all peak in setup, together).
 
 The backward phase is at least the forward's end (every activation still alive, no new gradient):
@@ -70,7 +74,7 @@ tracker on each rank.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -134,6 +138,9 @@ class RankLayout:
     host_after_setup: int = 0
     ranks_per_node: int = 1
     host_rank0: int = 0
+    # Frozen modules only rank 0 loads (runner/dist/loading.py rank0_only_modules: they only fill the
+    # encoder cache) -> their parameters' bytes: the other ranks hold only their buffers.
+    rank0_only: dict[str, int] = field(default_factory=dict)
 
     @property
     def state_share(self) -> float:
@@ -162,10 +169,12 @@ def gathered_params(layout: RankLayout | None, models: Any) -> frozenset[int]:
 
 
 def measure(spec: Any, models: Any, param_dtype: torch.dtype | None = None,
-            load: tuple[str, str] = ("whole", ""), host_after_setup: int = 0) -> RankLayout | None:
+            load: tuple[str, str] = ("whole", ""), host_after_setup: int = 0,
+            rank0_only: dict[str, int] | None = None) -> RankLayout | None:
     """The layout of one rank of ``spec`` (a :class:`~runner.dist.config.DistSpec`) on the simulated
     ``models`` after the plugins' setup; None for one process. ``param_dtype``: the run's
-    ``fsdp_param_dtype`` (runner/resolved.py), the dtype each unit is all-gathered in."""
+    ``fsdp_param_dtype`` (runner/resolved.py), the dtype each unit is all-gathered in. ``rank0_only``:
+    the frozen modules only rank 0 loads -> their parameters' bytes (:func:`host_setup`)."""
     from runner.blocks import find_repeated_blocks
     from runner.dist.runtime import _unshardable_params
 
@@ -175,7 +184,8 @@ def measure(spec: Any, models: Any, param_dtype: torch.dtype | None = None,
     trainable = sum(_bytes(p) for m in trained for p in m.parameters() if p.requires_grad)
     if spec.name == "ddp":
         return RankLayout("ddp", world=spec.world_size, trainable=trainable, trainable_shard=trainable,
-                          ranks_per_node=spec.ranks_per_node, load_why=load[1], host_after_setup=host_after_setup)
+                          ranks_per_node=spec.ranks_per_node, load_why=load[1], host_after_setup=host_after_setup,
+                          rank0_only=dict(rank0_only or {}))
     name = sorted(models.trained)[0]
     module: nn.Module = models[name]
     whole = _unshardable_params(module)
@@ -208,7 +218,7 @@ def measure(spec: Any, models: Any, param_dtype: torch.dtype | None = None,
         largest_unit=max(unit_sizes, default=0), largest_unit_grads=max(unit_grads, default=0),
         trainable=trainable, trainable_shard=sum(shard_bytes(p, n) for p in params if p.requires_grad),
         units=len(blocks) + 1, load=load[0], load_why=load[1], ranks_per_node=spec.ranks_per_node,
-        host_after_setup=host_after_setup,
+        host_after_setup=host_after_setup, rank0_only=dict(rank0_only or {}),
         largest_tensor=max((_bytes(p) for p in params), default=0),
     )
 
@@ -311,21 +321,38 @@ def host_setup(layout: RankLayout, pk: Any, moved: int) -> Any:
     from runner.plan.result import PhasePeak
 
     layout.host_rank0 = pk.peak_bytes + moved
+    # The cache-only modules at the peak: the other ranks never hold them (rank 0 alone loads them). Their
+    # peak is the simulated one less these, or the host after setup (park has dropped them by then on every
+    # rank), whichever is larger: an estimate from the peak's instant, not a second timeline.
+    skipped = {m: min(c.get("weights", 0), layout.rank0_only[m]) for m, c in pk.by_module.items()
+               if m in layout.rank0_only}
     if layout.name != "fsdp" or layout.load in ("whole", "quantized"):  # quantized: simulated (plan/base_reads.py)
-        return pk
+        if not skipped:
+            return pk
+        peak = max(pk.peak_bytes - sum(skipped.values()), layout.host_after_setup)
+        return PhasePeak(pk.name, pk.where, peak, _without(pk.by_module, skipped))
     trained = pk.by_module.get(layout.module, {}).get("weights", 0)
     without = pk.peak_bytes - trained
+    others = without - sum(skipped.values())
     shards = 0 if layout.cpu_offload else layout.weights_shard
     fill = layout.host_after_setup + shards + layout.largest_tensor
-    peak = max(without, fill)
+    peak = max(others, fill)
     if layout.load == "broadcast":  # the whole module, less each unit as it is sharded, plus that unit's shards
         unit_shard = 0 if layout.cpu_offload else math.ceil(max(layout.largest_unit, layout.root) / layout.shards)
         layout.host_rank0 = max(pk.peak_bytes, layout.host_after_setup + layout.weights + unit_shard) + moved
     else:
-        layout.host_rank0 = peak + moved
-    by_module = {m: dict(c) for m, c in pk.by_module.items()}
-    by_module.setdefault(layout.module, {})["weights"] = peak - without
+        layout.host_rank0 = max(without, fill) + moved
+    by_module = _without(pk.by_module, skipped)
+    by_module.setdefault(layout.module, {})["weights"] = peak - others
     return PhasePeak(pk.name, pk.where, peak, by_module)
+
+
+def _without(by_module: dict[str, dict[str, int]], skipped: dict[str, int]) -> dict[str, dict[str, int]]:
+    """A breakdown less the ``skipped`` weight bytes of each module (what a rank other than 0 never loads)."""
+    out = {m: dict(c) for m, c in by_module.items()}
+    for m, n in skipped.items():
+        out[m]["weights"] = out[m].get("weights", 0) - n
+    return out
 
 
 def host_per_node(layout: RankLayout | None, host_peak: int) -> dict[str, Any] | None:

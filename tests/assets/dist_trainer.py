@@ -10,7 +10,10 @@ error is raised in the held-out pass instead (a forward without gradients, micro
 than ``above`` samples, whatever the step), where the other ranks are in the same forward too.
 
 ``RUNNER_TEST_COUNTS=<folder>``: each rank writes ``rank-<r>.json`` there with how many samples it
-encoded through ``encode_part`` (the encoder cache's pre-pass) and how many OOMs it raised.
+encoded through ``encode_part`` (the encoder cache's pre-pass), how many OOMs it raised, and
+``built``: the parameter bytes each module this rank built holds at the step (parameters on ``meta``
+hold none; the modules are kept referenced, so one park dropped still counts what it held, e.g. what
+rank 0 broadcast into it).
 
 Use with ``PYTHONPATH=tests/assets`` and ``trainer._target_=dist_trainer.OOMOnOneRankSDXL``.
 """
@@ -41,6 +44,7 @@ class OOMOnOneRankSDXL(SDXLTrainer):
         self.current: tuple[int, int] | None = None  # (step, micro-batch size) of the pass running now
         self.raised = 0
         self.encoded = 0
+        self.modules_built: dict[str, Any] = {}
 
     def _due(self) -> bool:
         o = self.oom
@@ -58,6 +62,8 @@ class OOMOnOneRankSDXL(SDXLTrainer):
 
     def build_models(self, device: Any = "cpu") -> Any:
         models = super().build_models(device)
+        if str(device) != "meta":
+            self.modules_built = dict(models.items())
         block = self.oom.get("block", 3)
         if self.oom and block >= 0 and str(device) != "meta":
             target = find_repeated_blocks(models["unet"])[block]
@@ -78,7 +84,10 @@ class OOMOnOneRankSDXL(SDXLTrainer):
         if folder:
             rank = os.environ.get("RANK", "0")
             Path(folder).mkdir(parents=True, exist_ok=True)
-            (Path(folder) / f"rank-{rank}.json").write_text(json.dumps({"encoded": self.encoded, "raised": self.raised}))
+            built = {name: sum(p.numel() * p.element_size() for p in m.parameters() if p.device.type != "meta")
+                     for name, m in self.modules_built.items()}
+            counts = {"encoded": self.encoded, "raised": self.raised, "built": built}
+            (Path(folder) / f"rank-{rank}.json").write_text(json.dumps(counts))
 
     def loss(self, models: Any, batch: dict[str, Any]) -> torch.Tensor:
         self._write_counts()

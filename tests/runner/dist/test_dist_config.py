@@ -239,3 +239,31 @@ def test_gradient_sync_forward_is_zero_and_touches_every_trained_parameter():
 
 def test_zz_no_launch_environment_leaks_out_of_these_tests():
     assert "WORLD_SIZE" not in os.environ and "RUNNER_LAUNCHER" not in os.environ
+
+
+def _rank0_only(*extra: str) -> tuple[frozenset[str], str]:
+    from runner.build import build_trainer
+    from runner.dist.loading import rank0_only_modules
+
+    cfg = compose_config(["mode=plan", "dist=ddp", "dist.world_size=2", "train.batch_size=4", *extra])
+    checked = validate(cfg)
+    return rank0_only_modules(cfg, build_trainer(cfg, checked.run), checked.plugins, checked.run.dist)
+
+
+def test_only_rank_0_loads_the_modules_park_drops_once_it_filled_the_cache():
+    """Issue 29: under offload=park rank 0 fills the encoder cache while the others wait, and the others
+    drop the modules that compute only cached outputs without calling them: they are not loaded there.
+    Kept on every rank where a rank does call them (sample prompts, data.val_path samples, encoded on
+    every rank before park runs), where a node may fill its own cache folder (several nodes), where
+    another plugin names the module, or where park caches nothing."""
+    names, why = _rank0_only("offload=park")
+    assert names == {"text_encoder", "text_encoder_2", "vae"} and "rank 0 only" in why
+    assert _rank0_only("offload=park", "offload.park.cache_latents=false")[0] == {"text_encoder", "text_encoder_2"}
+    assert _rank0_only("offload=park", "quantization=nf4", "quantization.nf4.modules=[text_encoder_2]",
+                       "model.train=lora")[0] == {"text_encoder", "vae"}
+    for extra, said in ((["sample.every=1", "sample.prompts=[a red cube]"], "sample.every is set"),
+                        (["dist.ranks_per_node=1"], "2 nodes")):
+        names, why = _rank0_only("offload=park", *extra)
+        assert names == frozenset() and said in why and "loaded on every rank" in why, why
+    assert _rank0_only() == (frozenset(), "")  # no park: every rank encodes its own batches
+    assert _rank0_only("offload=park", "dist=none", "dist.world_size=1")[0] == frozenset()

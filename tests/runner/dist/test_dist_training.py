@@ -119,12 +119,23 @@ def test_torchrun_ddp_matches_one_process_and_agrees_on_a_one_rank_oom(tmp_path,
     assert per_rank[1]["raised"] >= 1 and per_rank[0]["raised"] == 0
     # the encoder cache: written by rank 0 alone, read by rank 1 once it was complete
     assert per_rank[0]["encoded"] > 0 and per_rank[1]["encoded"] == 0
+    # so rank 1 never loaded the modules that only fill it (runner/dist/loading.py): no weight bytes built
+    assert_cache_only_modules_on_rank_0(per_rank)
     log = next(out.glob("*.log")).read_text()
+    assert "dist=ddp: text_encoder, text_encoder_2, vae loaded on rank 0 only" in log
     assert log.count("run: on cpu") == 1 and "rank 0 of 2, DDP" in log and "[rank 1]" not in log
     assert "PeerOutOfMemory" in log and "out of memory in step 2: micro-batch 2 -> 1" in log  # rank 0's own line
     assert "[rank 1] out of memory in step 2" in proc.stdout + proc.stderr  # rank 1: its console only
     assert (out / ".hydra" / "overrides.yaml").is_file()
     assert json.loads((out / "job_summary.json").read_text())["status"] == "ok"
+
+
+def assert_cache_only_modules_on_rank_0(per_rank: dict[int, dict]) -> None:
+    """Rank 1 built text_encoder, text_encoder_2 and vae with no parameter bytes, rank 0 with all of
+    theirs; the U-Net (trained) the same on both (dist_trainer.py's ``built``: bytes as each rank built it)."""
+    cache_only = ("text_encoder", "text_encoder_2", "vae")
+    assert all(per_rank[0]["built"][m] > 0 for m in cache_only), per_rank[0]["built"]
+    assert all(per_rank[1]["built"][m] == 0 for m in cache_only), per_rank[1]["built"]
 
 
 def test_accelerate_launch_fsdp_with_quantized_lora_matches_one_process(tmp_path, references):
@@ -141,8 +152,12 @@ def test_resume_one_process_into_fsdp_and_back(tmp_path, references):
     cache = references["cache"][0]
     two = tmp_path / "two"
     launch("torchrun", tmp_path, "dist=fsdp", *FULL, *COMMON, "train.steps=4", f"output_dir={two}",
-           f"offload.park.cache_dir={cache}", f"train.resume={ref_dir / 'checkpoints' / 'step-00000002'}")
+           f"offload.park.cache_dir={cache}", f"train.resume={ref_dir / 'checkpoints' / 'step-00000002'}",
+           env={"RUNNER_TEST_COUNTS": str(tmp_path / "counts")})
     assert_same_losses(read_metrics(two / "metrics.jsonl"), ref[2:4])
+    # random init under FSDP: rank 0 broadcasts the frozen modules it drew, but not those only it calls
+    assert_cache_only_modules_on_rank_0({r: json.loads((tmp_path / "counts" / f"rank-{r}.json").read_text())
+                                         for r in (0, 1)})
     sharded = two / "checkpoints" / "step-00000004"
     assert (sharded / "sharded" / ".metadata").is_file() and not (sharded / "trainable.safetensors").exists()
     assert json.loads((sharded / "state.json").read_text())["world_size"] == 2

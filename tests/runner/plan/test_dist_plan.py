@@ -213,3 +213,20 @@ def test_plan_reports_host_ram_per_rank_and_per_node_as_the_ranks_load_the_train
     sliced = plan("dist=fsdp", *full, f"model.path={file}").host_ranks
     assert sliced["load"] == "slices" and sliced["rank0_bytes"] == sliced["per_rank_bytes"]
     assert sliced["per_rank_bytes"] == h["per_rank_bytes"] and sliced["per_node_bytes"] == 4 * sliced["per_rank_bytes"]
+
+
+def test_ranks_other_than_0_plan_their_setup_without_the_modules_only_rank_0_loads():
+    """Issue 29: under offload=park on one node only rank 0 loads the modules whose outputs it caches
+    (runner/dist/loading.py), so the other ranks' host peak at setup lacks their parameters; rank 0's
+    is the plan where every rank loads them (two nodes of one rank: a node may fill its own cache)."""
+    from runner.build import build_trainer
+
+    one_node = plan("dist=ddp", "dist.world_size=2", "offload=park").host_ranks
+    every_rank = plan("dist=ddp", "dist.world_size=2", "offload=park", "dist.ranks_per_node=1").host_ranks
+    assert every_rank["rank0_bytes"] == every_rank["per_rank_bytes"] == one_node["rank0_bytes"]
+    cfg = compose_config(["mode=plan", *TINY])
+    models = build_trainer(cfg, validate(cfg).run).build_models("meta")
+    params = {n: sum(p.numel() * p.element_size() for p in models[n].parameters()) for n in models.modules}
+    # the setup peak's instant (rank 0's cache fill) holds both text encoders whole, the VAE not
+    assert one_node["per_rank_bytes"] == every_rank["per_rank_bytes"] - params["text_encoder"] - params["text_encoder_2"]
+    assert one_node["per_node_bytes"] == one_node["rank0_bytes"] + one_node["per_rank_bytes"]
