@@ -138,6 +138,26 @@ def assert_cache_only_modules_on_rank_0(per_rank: dict[int, dict]) -> None:
     assert all(per_rank[1]["built"][m] == 0 for m in cache_only), per_rank[1]["built"]
 
 
+def test_a_rank_that_does_not_see_rank_0s_cache_stops_naming_the_key(tmp_path):
+    """Each process its own cache folder (``cache-${oc.env:RANK}``): rank 1 built the cache-only modules
+    without weights and, after rank 0's fill, finds its own folder empty. It stops before any module
+    runs with one paragraph naming offload.park.cache_dir (plugins/park/loaded.py), not a traceback of
+    the runner's (torchrun's own report of the failed child follows)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ASSETS)])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "runner",
+           "dist=ddp", "offload=park", *COMMON, "train.steps=1", f"output_dir={tmp_path / 'out'}",
+           f"offload.park.cache_dir={tmp_path}/cache-${{oc.env:RANK}}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    console = proc.stdout + proc.stderr
+    assert proc.returncode != 0, console[-3000:]
+    assert "error: offload.park.cache_dir: 16 encoder cache entries are missing in " in console, console[-3000:]
+    assert "cache-1 after rank 0 filled it, and this process did not load text_encoder, text_encoder_2, vae" in console
+    assert "set offload.park.cache_dir to a path all of them read" in console
+    assert "/runner/" not in "".join(line for line in console.splitlines(True) if line.lstrip().startswith("File "))
+    assert (tmp_path / "cache-0").is_dir()  # rank 0 filled its own
+
+
 def test_accelerate_launch_fsdp_with_quantized_lora_matches_one_process(tmp_path, references):
     cache = references["cache"][0]
     launch("accelerate", tmp_path, "dist=fsdp", *LORA, *COMMON, "train.steps=3", f"output_dir={tmp_path / 'out'}",
