@@ -168,6 +168,15 @@ def gathered_params(layout: RankLayout | None, models: Any) -> frozenset[int]:
     return frozenset(id(p) for p in module.parameters() if p not in whole and p.dtype == torch.float32)
 
 
+def rank0_only_params(cfg: Any, trainer: Any, plugins: list[Any], spec: Any, models: Any) -> dict[str, int]:
+    """The frozen modules only rank 0 loads (runner/dist/loading.py ``rank0_only_modules``) -> their
+    parameters' bytes on the simulated ``models``, before setup (the other ranks keep only their buffers)."""
+    from runner.dist.loading import rank0_only_modules
+
+    names = rank0_only_modules(cfg, trainer, plugins, spec)[0]
+    return {n: sum(_bytes(p) for p in models[n].parameters()) for n in names if n in models}
+
+
 def measure(spec: Any, models: Any, param_dtype: torch.dtype | None = None,
             load: tuple[str, str] = ("whole", ""), host_after_setup: int = 0,
             rank0_only: dict[str, int] | None = None) -> RankLayout | None:

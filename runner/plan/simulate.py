@@ -40,7 +40,7 @@ from runner.compat import without_dispatch_modes
 from runner.context import RunContext
 from runner.data import planned_size
 from runner.devices import reference_spec
-from runner.dist.loading import load_mode, rank0_only_modules
+from runner.dist.loading import load_mode
 from runner.memory.live_bytes import LiveBytesTracker
 from runner.memory.live_bytes_views import CATEGORIES, NO_MODULE, OPTIONAL_CATEGORIES
 from runner.optim.build import build_optimizer
@@ -59,7 +59,7 @@ from runner.plan.batch import (
 from runner.plan.calibrate import cpu_target
 from runner.plan.comm import rank_comm
 from runner.plan.cost import CostCounter
-from runner.plan.dist import gathered_params, host_per_node, rank_phase, rank_state_bytes
+from runner.plan.dist import gathered_params, host_per_node, rank0_only_params, rank_phase, rank_state_bytes
 from runner.plan.dist import measure as measure_rank
 from runner.plan.ema import plan_ema
 from runner.plan.fake import fake_module, simulation_mode, weights_left_uninitialised
@@ -286,9 +286,7 @@ class _Simulation:
                           module=name)
         memo.clear()  # a module a plugin drops must be freed, as in a real run
         ctx.models = self.models
-        rank0_only = rank0_only_modules(self.cfg, self.trainer, ctx.schedule.plugins, self.run.dist)[0]
-        rank0_only_bytes = {n: sum(p.numel() * p.element_size() for p in self.models[n].parameters())
-                            for n in rank0_only if n in self.models}  # the other ranks keep only their buffers
+        rank0_only = rank0_only_params(self.cfg, self.trainer, ctx.schedule.plugins, self.run.dist, self.models)
         ctx.simulated_encode = lambda parts, batch: simulate_cache_fill(self, parts, batch)
         with tracker.phase("setup", category="weights"):
             ctx.apply_setup_phases()
@@ -301,7 +299,7 @@ class _Simulation:
         self.recorder.take("setup")
         self.rank_layout = measure_rank(self.run.dist, ctx.models, self.run.fsdp_param_dtype,  # what one rank holds
                                         load, tracker.current_bytes(HOST.type),  # the host after setup (dist.py host_setup)
-                                        rank0_only_bytes)  # cache-only modules: rank 0's alone
+                                        rank0_only)  # cache-only modules: rank 0's alone
         # dist=fsdp with a MixedPrecisionPolicy: the units' weights arrive in the autocast dtype (runner/plan/dist.py)
         self.semantics.gathered = gathered_params(self.rank_layout, ctx.models)
         self.semantics.uncounted = tracker.uncounted
