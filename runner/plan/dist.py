@@ -55,9 +55,10 @@ Host RAM at setup (:func:`host_setup`, :func:`host_per_node`). ``dist=ddp``, and
 the ranks load the trained module whole (LoRA, a user's trainer: runner/dist/loading.py
 ``load_mode``) or read a quantized base layer by layer (``quantized``, which the simulation itself
 runs: runner/plan/base_reads.py): every rank's host peak is one process's. ``dist=fsdp`` loading by slices or by
-broadcast: a rank holds the frozen modules as one process does, and the trained module only as its
-shards (plus one tensor in flight), filled after the plugins' setup; rank 0, when it broadcasts,
-holds the whole module (less the units already sharded) next to one unit's shards. The frozen modules
+broadcast: a rank holds the frozen modules as one process does, and of the trained module only one
+tensor (or slice) in flight: its shards are made on the device (with ``dist.cpu_offload`` on the host),
+filled after the plugins' setup; rank 0, when it broadcasts, holds the whole module (less the units
+already sent) from its build on. The frozen modules
 only rank 0 loads (runner/dist/loading.py ``rank0_only_modules``: under ``offload=park`` on one node,
 those whose outputs it caches) are left out of the other ranks' setup peak: the simulated peak less
 their bytes at its instant, or the host after setup (they are dropped by then), whichever is larger;
@@ -324,9 +325,10 @@ def host_setup(layout: RankLayout, pk: Any, moved: int) -> Any:
     broadcasts) holds the trained module only as its shards, filled after the plugins' setup (park
     has cached the text encoders' outputs and dropped them by then): its peak is the larger of the
     start without the trained module (the frozen modules, loaded as before) and what is left after
-    setup plus its shards and one tensor in flight. Rank 0 when it broadcasts holds the module whole
-    from its build until it has sharded it unit by unit, next to one unit's shards: ``layout.host_rank0``. With
-    ``dist.cpu_offload`` the shards are added afterwards as ``moved`` (they stay on the host)."""
+    setup plus one tensor in flight (its shards are made on the device, planned there). Rank 0 when it
+    broadcasts holds the module whole from its build until it has sent it unit by unit:
+    ``layout.host_rank0``. With ``dist.cpu_offload`` the shards are added afterwards as ``moved`` (they
+    stay on the host)."""
     from runner.plan.result import PhasePeak
 
     layout.host_rank0 = pk.peak_bytes + moved
@@ -343,12 +345,12 @@ def host_setup(layout: RankLayout, pk: Any, moved: int) -> Any:
     trained = pk.by_module.get(layout.module, {}).get("weights", 0)
     without = pk.peak_bytes - trained
     others = without - sum(skipped.values())
-    shards = 0 if layout.cpu_offload else layout.weights_shard
-    fill = layout.host_after_setup + shards + layout.largest_tensor
+    # The shards are made on the device (runner/dist/loading.py shard_units: ``materialize(module, device)``;
+    # with dist.cpu_offload on the host, added as ``moved``): the host holds one tensor (or slice) in flight.
+    fill = layout.host_after_setup + layout.largest_tensor
     peak = max(others, fill)
-    if layout.load == "broadcast":  # the whole module, less each unit as it is sharded, plus that unit's shards
-        unit_shard = 0 if layout.cpu_offload else math.ceil(max(layout.largest_unit, layout.root) / layout.shards)
-        layout.host_rank0 = max(pk.peak_bytes, layout.host_after_setup + layout.weights + unit_shard) + moved
+    if layout.load == "broadcast":  # the whole module, less each unit as it is sent and sharded on the device
+        layout.host_rank0 = max(pk.peak_bytes, layout.host_after_setup + layout.weights) + moved
     else:
         layout.host_rank0 = max(without, fill) + moved
     by_module = _without(pk.by_module, skipped)
