@@ -70,7 +70,9 @@ def run_job(task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
 
     Single run: a UserError, an OSError (a full, read-only or vanished folder) and Ctrl-C before
     the loop's own handler are printed as one paragraph without traceback and exit with their
-    status; other errors (bugs) propagate with their traceback. In a sweep: every error is
+    status; so is a rank's failure inside a collective whose partner stopped first (its own error is
+    the one to read: runner/dist/launch.py ``lost_peer``); other errors (bugs) propagate with their
+    traceback. In a sweep: every error is
     recorded and logged, and the job returns None, except an interrupt, which ends the sweep.
     """
     multirun, num, overrides = _hydra_job()
@@ -104,9 +106,14 @@ def run_job(task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
         _forget(e)
         return None
     except Exception as e:
+        from runner.dist.launch import lost_peer
         from runner.guards.oom import first_line, is_out_of_memory
 
         record("oom" if is_out_of_memory(e) else "failed", first_line(e), 1)
+        if not multirun and lost_peer(e):  # another rank stopped first: its error is the one to read
+            print("error: another process of this run stopped first (its error is printed above), "
+                  f"so this one stopped too, inside a collective: {first_line(e)}", file=sys.stderr)
+            sys.exit(1)
         if not multirun:
             raise
         log.error("job %s failed; the sweep goes on", num, exc_info=e)

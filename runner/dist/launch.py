@@ -88,6 +88,23 @@ def process_world() -> ProcessWorld:
                         local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world))), launcher=launcher)
 
 
+# What gloo and NCCL raise in a collective whose partner process has gone (its own error ended it).
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing",
+             "NCCL communicator was aborted", "Broken pipe")
+
+
+def lost_peer(error: BaseException) -> bool:
+    """Did ``error`` end this process because another process of the run stopped first? Then the
+    other's own error (a UserError's paragraph, printed with its rank) is the one to read, and this
+    process's traceback from inside a collective is noise (runner/cli/launch.py prints one line)."""
+    if process_world().world_size <= 1:
+        return False
+    import torch.distributed as dist
+
+    network = getattr(dist, "DistNetworkError", None)
+    return (network is not None and isinstance(error, network)) or any(p in str(error) for p in PEER_LOST)
+
+
 def timeout() -> datetime.timedelta:
     return datetime.timedelta(minutes=float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_MIN)))
 

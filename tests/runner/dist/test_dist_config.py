@@ -267,3 +267,20 @@ def test_only_rank_0_loads_the_modules_park_drops_once_it_filled_the_cache():
         assert names == frozenset() and said in why and "loaded on every rank" in why, why
     assert _rank0_only() == (frozenset(), "")  # no park: every rank encodes its own batches
     assert _rank0_only("offload=park", "dist=none", "dist.world_size=1")[0] == frozenset()
+
+
+def test_a_collective_whose_partner_stopped_first_is_told_apart_from_a_bug(monkeypatch):
+    """runner/cli/launch.py prints one line, not a traceback, for a rank that failed inside a collective
+    because another rank stopped first (gloo's and NCCL's messages, torch's DistNetworkError); an
+    ordinary error stays a bug, and one process never has a partner to lose."""
+    import torch.distributed as dist
+
+    from runner.dist.launch import lost_peer
+
+    gloo = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:45187. This is "
+                        "typically caused by a remote worker crashing.")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert not lost_peer(gloo)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert lost_peer(gloo) and lost_peer(dist.DistNetworkError("socket closed"))
+    assert not lost_peer(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) and not lost_peer(ValueError("x"))
