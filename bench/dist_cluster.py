@@ -66,12 +66,20 @@ def priced(p: dict, card: str) -> dict[str, float]:
     return out
 
 
+def host_cells(p: dict) -> str:
+    """The plan's host RAM per rank, rank 0's and per node (runner/plan/dist.py host_per_node)."""
+    h = p.get("host_ranks") or {}
+    per_rank = h.get("per_rank_bytes", p["host_peak_bytes"])
+    return (f"{gib(per_rank)} / {gib(h.get('rank0_bytes', per_rank))} / "
+            f"{gib(h.get('per_node_bytes', WORLD * per_rank))}")
+
+
 def cluster_section(plan: Callable[[list[str]], tuple[dict, float]]) -> str:
     """The section: ``plan(overrides)`` runs one ``mode=plan`` command and returns (plan.json, wall seconds)."""
     load = os.getloadavg()[0]
     links = link_table()
-    head = ["| model | card (budget GiB) | per-GPU peak (+ workspaces) GiB | fits | host RAM GiB: per rank / per node "
-            f"of {WORLD} | compute alone s/step | sent per GPU per step GiB | "
+    head = ["| model | card (budget GiB) | per-GPU peak (+ workspaces) GiB | fits | host RAM GiB: per rank / rank 0 / "
+            f"per node of {WORLD} | compute alone s/step | sent per GPU per step GiB | "
             + " | ".join(f"{n} ({links[n]['gbps']:g} GB/s)" for n in ONE_NODE) + " | "
             + " | ".join(f"2 x 4 GPUs, {n} ({links[n]['gbps']:g} GB/s per NIC)" for n in TWO_NODES)
             + " | wall (s) |", "|" + "---|" * (8 + len(ONE_NODE) + len(TWO_NODES))]
@@ -88,7 +96,7 @@ def cluster_section(plan: Callable[[list[str]], tuple[dict, float]]) -> str:
                   f"{st['seconds']:.2f} s/step over {comm['links']} ({wall:.0f} s)", flush=True)
             rows.append(f"| {label} | {card} ({gib(p['budget_bytes'])}) | {gib(p['peak_bytes'])} "
                         f"({gib(p['required_bytes'])}) in {p['peak_phase']} | {'yes' if p['fits'] else 'no'} | "
-                        f"{gib(p['host_peak_bytes'])} / {gib(WORLD * p['host_peak_bytes'])} | "
+                        f"{host_cells(p)} | "
                         f"{comm['compute_seconds']:.2f} | {gib(sent)} | " + " | ".join(cells) + f" | {wall:.0f} |")
             commands.append(f"`python -m runner mode=plan {' '.join(ov)}`")
     lines = [CLUSTER_BEGIN, f"## Cluster table: full fine-tunes on {WORLD} GPUs, s/step per interconnect "
@@ -100,8 +108,10 @@ def cluster_section(plan: Callable[[list[str]], tuple[dict, float]]) -> str:
              "them with compute except the first gather and the last reduce-scatters). Bold: the card's own link "
              "(conf/devices.yaml); NVLink columns on PCIe cards are what-ifs (an RTX 4090 or L40S has no NVLink).", "",
              *head, *rows, "",
-             "Per node: the per-rank host peak x 8 ranks on one node (each rank's host peak is in setup, before "
-             "the weights are sharded). The 2-node columns put 4 GPUs per node (host RAM "
+             "Per node: rank 0's host peak + 7 x the other ranks' on one node (every rank's host peak is in setup; "
+             "at random init, as here, rank 0 builds the trained module whole and broadcasts it, and loads the "
+             "modules that only fill the encoder cache; from safetensors files rank 0 reads its rows like the "
+             "others, runner/dist/loading.py). The 2-node columns put 4 GPUs per node (host RAM "
              "per node halves) with one NIC per GPU: the ring crosses nodes on 4 NICs at once. Compute alone is the "
              "step without communication; a link only slows the step where its collectives outlast the compute "
              "they overlap.", "", "Commands:", "", *[f"- {c}" for c in commands], CLUSTER_END]

@@ -60,6 +60,9 @@ CASES: list[tuple[str, list[str]]] = [
        [*FLUX32, "dist=fsdp", f"dist.world_size={n}", f"train.batch_size={n}"]) for n in (4, 8)],
     ("Flux full, float32 masters, FSDP on 4 GPUs, float32 gathers (dist.mixed_precision=false)",
      [*FLUX32, "dist=fsdp", "dist.world_size=4", "train.batch_size=4", "dist.mixed_precision=false"]),
+    *[(f"Flux full, float32 masters, FSDP on {n} GPUs, fused backward (each shard steps after its reduce-scatter)",
+       [*FLUX32, "dist=fsdp", f"dist.world_size={n}", f"train.batch_size={n}", "optimizer.fused_backward=true"])
+      for n in (4, 8)],
     ("SDXL full, 1 GPU of 16 GiB", [*SDXL]),
     ("SDXL full, DDP on 2 x 16 GiB (AdamW8bit)", [*SDXL, "dist=ddp", "dist.world_size=2"]),
     ("SDXL full, FSDP on 2 x 16 GiB (AdamW)", [*SDXL, "dist=fsdp", "dist.world_size=2", "optimizer=adamw"]),
@@ -121,7 +124,10 @@ def section(rows: list[tuple[str, list[str], dict, float]], load: float) -> str:
               "Float32 masters (issue 29): with FSDP2's mixed precision no bf16 copy of the blocks is cached "
               "(temporaries 0.04 against 22.75 GiB with `dist.mixed_precision=false`), and the peak moves to the "
               "backward, where a rank's float32 shards, gradients and AdamW state alone are 16 B per parameter / N "
-              "(44.34 GiB on 4 GPUs).", END]
+              "(44.34 GiB on 4 GPUs). With `optimizer.fused_backward=true` FSDP2 calls each shard's hook after its "
+              "unit's reduce-scatter and the shard steps and frees its gradient there, so the float32 gradient "
+              "shards (4 B per parameter / N) are never all alive; the per-parameter clipping this implies "
+              "(train.max_grad_norm > 0) changes the math, which mode=fit asks for with fit.allow=[per_param_clipping].", END]
     return "\n".join(lines)
 
 
