@@ -176,9 +176,58 @@ def check_optimizer_config(node: Any) -> None:
             count = {2: "two", 3: "three"}.get(len(default), str(len(default)))
             raise UserError(f"optimizer.betas={betas} is not valid for optimizer={name}: give {count} numbers in [0, 1), "
                             f"e.g. {default}.")
-    # The new optimizers' own numbers that their constructors would reject with a traceback, refused here by key.
-    for key, allow_zero in (("slice_p", False), ("d0", False), ("growth_rate", False), ("warmup_steps", True)):
-        if key in node and not (float(node[key]) >= 0 if allow_zero else float(node[key]) > 0):
-            limit = "0 or more" if allow_zero else "above 0"
-            raise UserError(f"optimizer.{key}={node[key]} is not valid for optimizer={name}: it must be {limit} "
-                            f"(default {getattr(OPTIMIZER_CONFIGS[name](), key)}).")
+    _check_ranges(name, node)
+
+
+# Each optimizer number's valid range, from its constructor's own checks and its authors' documented use:
+# (test, what is valid). A value outside it would end in a traceback inside the constructor, or in a run
+# that cannot learn (Prodigy's d_coef=0 keeps the step at 0).
+def _positive(v: float) -> bool:
+    return v > 0
+
+
+def _non_negative(v: float) -> bool:
+    return v >= 0
+
+
+def _unit(v: float) -> bool:
+    return 0 <= v < 1
+
+
+RANGES: dict[str, tuple[Any, str]] = {
+    "lr": (_positive, "above 0"),
+    "weight_decay": (_non_negative, "0 or more"),
+    "eps": (_positive, "above 0"),
+    "d0": (_positive, "above 0"),
+    "d_coef": (_positive, "above 0 (it multiplies the estimated step size; 0 would never learn)"),
+    "growth_rate": (_positive, "above 0"),
+    "slice_p": (lambda v: v >= 1 and float(v).is_integer(), "a whole number, 1 or more"),
+    "warmup_steps": (lambda v: v >= 0 and float(v).is_integer(), "a whole number, 0 or more"),
+    "clip_threshold": (_positive, "above 0"),
+    "decay_rate": (lambda v: -1 <= v < 0, "in [-1, 0)"),
+    "beta1": (_unit, "in [0, 1), or null for no first moment"),
+    "beta3": (_unit, "in [0, 1), or null for sqrt(beta2)"),
+    "r": (_non_negative, "0 or more"),
+    "weight_lr_power": (_non_negative, "0 or more"),
+    "min_8bit_size": (lambda v: v >= 0 and float(v).is_integer(), "a whole number, 0 or more"),
+}
+
+
+def _check_ranges(name: str, node: Any) -> None:
+    """Every number of ``optimizer`` in its range (RANGES); a list (Adafactor's, CAME's ``eps``) has the default's length."""
+    default = OPTIMIZER_CONFIGS[name]()
+    for key, (ok, valid) in RANGES.items():
+        if key not in node or node[key] is None:
+            continue
+        value, want = node[key], getattr(default, key)
+        if isinstance(want, list):
+            values = list(value) if OmegaConf.is_list(value) or isinstance(value, (list, tuple)) else None
+            if values is None or len(values) != len(want):
+                raise UserError(f"optimizer.{key}={value} is not valid for optimizer={name}: give {len(want)} numbers, "
+                                f"each {valid}, e.g. {want}.")
+        else:
+            values = [value]
+        for v in values:
+            if not ok(float(v)):
+                raise UserError(f"optimizer.{key}={value} is not valid for optimizer={name}: it must be {valid} "
+                                f"(default {want}).")
