@@ -97,9 +97,17 @@ def swap_in_folder(tmp: Path, final: Path) -> None:
         old = final.parent / f".old-{final.name}-{os.getpid()}"
         os.replace(final, old)
         os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
+        remove_path(old)
     else:
         os.replace(tmp, final)
+
+
+def remove_path(path: Path) -> None:
+    """Remove ``path`` whatever it is (a folder, a file or a link); nothing if it is gone."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def conf_dir() -> Path:

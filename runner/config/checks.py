@@ -21,7 +21,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -178,6 +178,7 @@ def check_run(cfg: DictConfig, keep: bool = True) -> CheckedRun:
     from runner.optim.fused import check_fused_backward
 
     check_options(cfg.data)  # every data.* value, no file read
+    check_output_dir(cfg.get("output_dir"))
     check_cache_compatible(cfg)  # data.shuffle_tags with offload.park.cache_text is refused, naming both
     check_val_path(cfg)  # mode=train: a data.val_path folder is scanned now, like data.path below
     check_video_keys(cfg.data)  # data.frames, fps, frame_sampling, width, height
@@ -189,7 +190,9 @@ def check_run(cfg: DictConfig, keep: bool = True) -> CheckedRun:
         raise UserError("train.device=cuda_sim runs CUDA's bf16 autocast on the CPU, but train.mixed_precision=fp16 "
                         "also needs CUDA's gradient scaler, which the simulated card does not run. Use "
                         "train.mixed_precision=bf16 or no with train.device=cuda_sim.")
-    if run.simulated_card and run.dist.active:
+    if run.simulated_card:
+        check_simulated_budget(run)
+    if run.simulated_card and run.dist.name != "none":
         raise UserError(f"train.device=cuda_sim simulates one card in this process, but dist={run.dist.name} starts "
                         "several processes, each with its own card. Drop dist (dist=none) to simulate the one-card "
                         "run, or plan the distributed run with mode=plan, which plans per rank.")
@@ -308,3 +311,26 @@ def resolve_for_mode(cfg: DictConfig) -> ResolvedRun:
     if cfg.mode == "plugins":
         return resolve(cfg, target=planned_target(cfg), device=torch.device("cpu"))
     return resolve(cfg)
+
+
+def check_simulated_budget(run: ResolvedRun) -> None:
+    """``train.device=cuda_sim`` caps its allocator at the budget less the kernel-workspace margin: that must be > 0."""
+    from runner.plan.target import CUDA_WORKSPACE_MARGIN_BYTES
+
+    if run.budget_bytes is not None and run.budget_bytes <= CUDA_WORKSPACE_MARGIN_BYTES:
+        margin = CUDA_WORKSPACE_MARGIN_BYTES / 2**30
+        raise UserError(f"budget_gb={run.budget_bytes / 2**30:.4g} leaves no memory on the simulated card: "
+                        f"train.device=cuda_sim keeps {margin:.3g} GiB of it for kernel workspaces, as the plan does. "
+                        f"Give budget_gb above {margin:.3g}, e.g. budget_gb=1.")
+
+
+def check_output_dir(value: Any) -> None:
+    """``output_dir`` (when set) must be a folder or not exist yet, nor lie under a file."""
+    if not value:
+        return
+    path = Path(str(value)).expanduser()
+    for p in (path, *path.parents):
+        if p.exists() and not p.is_dir():
+            where = "is a file" if p == path else f"is under {p}, which is a file"
+            raise UserError(f"output_dir={value} {where}: the run writes its outputs into a folder. "
+                            "Give a folder that does not exist yet or an existing folder, e.g. output_dir=outputs/my_run.")

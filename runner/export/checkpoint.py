@@ -33,7 +33,7 @@ from runner.errors import as_os_error, storage_error
 from runner.export.config import export_config
 from runner.export.ema import write_ema_exports
 from runner.export.lora import write_lora_files
-from runner.files import fix_tree_modes, swap_in_folder
+from runner.files import fix_tree_modes, remove_path, swap_in_folder
 from runner.trainer import ModelSet
 
 log = logging.getLogger("runner")
@@ -169,7 +169,7 @@ def _staging(ckpt: Path) -> Iterator[Path]:
     for old in ckpt.glob(".*-export-*"):  # what a killed export left
         pid = old.name.rsplit("-", 1)[-1]
         if pid.isdigit() and not _pid_alive(int(pid)):
-            shutil.rmtree(old, ignore_errors=True)
+            remove_path(old)
     tmp = ckpt / f".tmp-export-{os.getpid()}"
     dest = ckpt / EXPORT_DIR
     try:

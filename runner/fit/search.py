@@ -147,6 +147,10 @@ def search(cfg: Any, overrides: Sequence[str]) -> FitResult:
     if run.budget_bytes is None:
         raise UserError("mode=fit (and train.auto_fit) needs a memory budget: budget_gb=<GiB>, or device.name=<GPU> "
                         "for its usable memory (python -m runner mode=plugins lists the devices in conf/devices.yaml).")
+    if float(c.headroom_gb) * GiB >= run.budget_bytes:
+        raise UserError(f"fit.headroom_gb={c.headroom_gb} keeps the whole budget free (budget_gb="
+                        f"{run.budget_bytes / GiB:.4g}): nothing could fit. Give fit.headroom_gb below the budget, "
+                        f"e.g. fit.headroom_gb={min(1.0, run.budget_bytes / GiB / 10):.2g}.")
     user = fitted_overrides(overrides)
     planner = _Planner(target)
     base_plan = planner.plan(user)

@@ -51,3 +51,15 @@ def test_atomic_writes_and_staged_folders_get_open_and_mkdir_modes(tmp_path, uma
     fix_tree_modes(staged)
     assert mode(staged) == dmode and mode(staged / "sub") == dmode
     assert mode(staged / "sub" / "trainable.safetensors") == fmode
+
+
+def test_swap_in_folder_over_a_file_leaves_nothing_hidden(tmp_path):
+    from runner.files import swap_in_folder
+
+    final, tmp = tmp_path / "export", tmp_path / ".tmp-export-1"
+    final.write_text("a file where the export goes")
+    tmp.mkdir()
+    (tmp / "lora.safetensors").write_bytes(b"x")
+    swap_in_folder(tmp, final)
+    assert final.is_dir() and (final / "lora.safetensors").read_bytes() == b"x"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]

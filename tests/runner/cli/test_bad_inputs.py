@@ -274,6 +274,10 @@ CASES = [
      ["optimizer=adamw_schedulefree", "offload.optimizer.step_on_host=true"]),
     ("schedule-free with an EMA", ["optimizer=adamw_schedulefree", "ema.enabled=true"], ["ema.enabled=false"]),
     ("came with two betas", ["optimizer=came", "optimizer.betas=[0.9,0.999]"], ["optimizer.betas", "three numbers"]),
+    ("cuda_sim budget below the workspace margin", ["train.device=cuda_sim", "budget_gb=0.01"],
+     ["budget_gb=0.01", "kernel workspaces"]),
+    ("cuda_sim with dist in one process", ["train.device=cuda_sim", "dist=ddp"], ["train.device=cuda_sim", "dist=ddp"]),
+    ("fit headroom over the budget", ["mode=fit", "budget_gb=4", "fit.headroom_gb=5"], ["fit.headroom_gb=5"]),
     ("lion with a negative weight decay", ["optimizer=lion", "optimizer.weight_decay=-0.1"],
      ["optimizer.weight_decay=-0.1", "0 or more"]),
     ("came eps of the wrong length", ["optimizer=came", "optimizer.eps=[1e-30]"], ["optimizer.eps", "give 2 numbers"]),
@@ -311,6 +315,12 @@ def test_bad_input_fails_cleanly(files, tmp_path, args, needles):
     finally:
         sys.path.remove(str(ROOT / "tests" / "assets"))
     assert_clean_failure(result, *needles)
+
+
+@pytest.mark.parametrize("sub, needle", [("", "is a file"), ("/run", "which is a file")])
+def test_an_output_dir_that_is_or_lies_under_a_file_is_refused(files, tmp_path, sub, needle):
+    result = run_main([*FAST, f"output_dir={files['a_file']}{sub}", f"hydra.run.dir={tmp_path / 'h'}"])
+    assert_clean_failure(result, f"output_dir={files['a_file']}{sub}", needle)
 
 
 def test_the_corpus_is_large():
