@@ -103,6 +103,7 @@ def find_references(images: list[Path], sizes: list[tuple[int, int]], count: int
             f"{key}={shown!r}: data.references={count} but {len(missing)} reference images are missing, e.g. "
             f"reference {k} of {str(first)!r}{more}: looked for {_expected(first, k)}. Give every target "
             f"{count} reference image(s) ({LAYOUT}), remove the target, or lower data.references.")
+    _refuse_orphans(images, key, shown)
     for p in images:
         extra = find_reference(p, count + 1)
         if extra is not None:
@@ -114,6 +115,34 @@ def find_references(images: list[Path], sizes: list[tuple[int, int]], count: int
         for r in refs:
             check_reference(r, size, shown, key)  # type: ignore[arg-type]
     return found  # type: ignore[return-value]
+
+
+def _orphans(images: list[Path]) -> list[Path]:
+    """Reference images beside the targets' folders whose target image is not there (a pair with its target missing)."""
+    targets = {(p.parent, p.stem) for p in images}
+    out: list[Path] = []
+    for parent in sorted({p.parent for p in images}):
+        for child in sorted(parent.iterdir()):
+            if child.is_dir() and is_control_folder(child.name):
+                out += [f for f in sorted(child.iterdir())
+                        if f.suffix.lower() in _EXTS and not f.name.startswith(".") and (parent, f.stem) not in targets]
+            elif child.suffix.lower() in _EXTS and _REF_RE.search(child.stem):
+                if (parent, _REF_RE.sub("", child.stem)) not in targets:
+                    out.append(child)
+    return out
+
+
+def _refuse_orphans(images: list[Path], key: str, shown: str) -> None:
+    orphans = _orphans(images)
+    if orphans:
+        first = orphans[0]
+        stem = _REF_RE.sub("", first.stem)
+        target = (first.parent.parent if is_control_folder(first.parent.name) else first.parent) / f"{stem}.png"
+        more = f" (and {len(orphans) - 1} more)" if len(orphans) > 1 else ""
+        raise UserError(
+            f"{key}={shown!r}: reference {str(first)!r}{more} has no target image: looked for {str(target)!r} (any "
+            "image extension). The pair would be dropped. Add the target image (with its caption), or remove the "
+            "reference.")
 
 
 def describe_references(refs: list[list[Path]]) -> str:

@@ -99,6 +99,8 @@ def test_the_reference_files_are_in_the_fingerprint(tmp_path):
     ("ratio", r"reference '.*control/a.png' is 64x64 but its target is 96x64: the aspect ratios differ"),
     ("too-many", r"'.*a_ref2.png' is reference 2 of '.*a.png', but data.references=1"),
     ("too-many-folder", r"'.*control2/a.png' is reference 2"),
+    ("orphan-folder", r"reference '.*control/c.png' has no target image: looked for '.*/c.png'"),
+    ("orphan-suffix", r"reference '.*c_ref1.png' has no target image"),
 ])
 def test_bad_references_are_refused_naming_the_file(tmp_path, fault, said):
     write(tmp_path, "a", ref="folder", ref_size=(64, 64) if fault == "ratio" else None)
@@ -110,6 +112,9 @@ def test_bad_references_are_refused_naming_the_file(tmp_path, fault, said):
     if fault == "too-many-folder":
         (tmp_path / "control2").mkdir()
         gradient(96, 64).save(tmp_path / "control2" / "a.png")
+    if fault.startswith("orphan"):  # the pair's caption and reference are there, its target image is not
+        write(tmp_path, "c", ref="folder" if fault == "orphan-folder" else "suffix")
+        (tmp_path / "c.png").unlink()
     with pytest.raises(UserError, match=said):
         build_dataset({"path": str(tmp_path), "resolution": 64, "references": 1})
 
