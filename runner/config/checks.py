@@ -171,7 +171,7 @@ def check_run(cfg: DictConfig, keep: bool = True) -> CheckedRun:
     """What depends on this machine and the resolved run, and the data folder's contents (imports
     torch; still before anything is built or planned). ``keep``: hold the result for this config's
     job (:func:`validate` hands it over) rather than only returning it."""
-    from runner.data import check_cache_compatible, check_dataset, check_options
+    from runner.data import check_cache_compatible, check_dataset, check_options, refuse_image_only_options
     from runner.data.references import run_references
     from runner.data.video import check_video_keys, trainer_video_defaults
     from runner.optim.build import validate_optimizer
@@ -182,8 +182,10 @@ def check_run(cfg: DictConfig, keep: bool = True) -> CheckedRun:
     check_cache_compatible(cfg)  # data.shuffle_tags with offload.park.cache_text is refused, naming both
     check_val_path(cfg)  # mode=train: a data.val_path folder is scanned now, like data.path below
     check_video_keys(cfg.data)  # data.frames, fps, frame_sampling, width, height
+    video = trainer_video_defaults(cfg)  # a video trainer's folder is read as clips
+    if video:  # masks, buckets, references, several sets: image options, refused for clips in every mode
+        refuse_image_only_options(cfg.data)
     if cfg.mode == "train":  # a data.path folder (or data.sets) is scanned and checked now, not after the model build
-        video = trainer_video_defaults(cfg)  # a video trainer's folder is read as clips
         check_dataset(cfg.data, video=video, references=None if video else run_references(cfg))
     run = resolve_for_mode(cfg)
     if run.simulated_card and run.precision == "fp16":

@@ -59,7 +59,7 @@ from runner.data.order import BatchOrder, StepBatch
 from runner.data.sets import TrainingData
 from runner.errors import UserError
 
-__all__ = ["BatchOrder", "DemoDataset", "FolderDataset", "StepBatch", "TrainingData", "build_dataset", "build_video_dataset",
+__all__ = ["BatchOrder", "DemoDataset", "FolderDataset", "StepBatch", "TrainingData", "build_dataset", "build_video_dataset", "refuse_image_only_options",
            "check_cache_compatible", "check_dataset", "check_options", "collate", "describe_dataset", "planned_size", "visit_samples"]
 
 
@@ -201,7 +201,7 @@ def build_video_dataset(data_cfg: Any, default_frames: int, default_fps: float |
 
     check_video_keys(data_cfg)
     _check_resolution(_get(data_cfg, "resolution", 64))
-    _refuse_image_only_options(data_cfg)
+    refuse_image_only_options(data_cfg)
     rules = caption_rules(data_cfg)
     settings = clip_settings(data_cfg, default_frames, default_fps)
     path = _get(data_cfg, "path", None)
@@ -231,7 +231,7 @@ def _with_caption_rules(clips: Dataset, rules: CaptionRules, name: str) -> Datas
     return wrapped
 
 
-def _refuse_image_only_options(data_cfg: Any) -> None:
+def refuse_image_only_options(data_cfg: Any) -> None:
     """Aspect-ratio buckets and several data sets are image options: a video trainer's clips have their
     own frame size (data.width x data.height) and come from data.path alone."""
     if bool(_get(data_cfg, "buckets", False)):

@@ -278,6 +278,8 @@ CASES = [
      ["budget_gb=0.01", "kernel workspaces"]),
     ("cuda_sim with dist in one process", ["train.device=cuda_sim", "dist=ddp"], ["train.device=cuda_sim", "dist=ddp"]),
     ("fit headroom over the budget", ["mode=fit", "budget_gb=4", "fit.headroom_gb=5"], ["fit.headroom_gb=5"]),
+    ("masks on a video preset, planned", ["+preset=wan_24gb", "mode=plan", "data.masks=true"],
+     ["data.masks=true applies to image trainers"]),
     ("lion with a negative weight decay", ["optimizer=lion", "optimizer.weight_decay=-0.1"],
      ["optimizer.weight_decay=-0.1", "0 or more"]),
     ("came eps of the wrong length", ["optimizer=came", "optimizer.eps=[1e-30]"], ["optimizer.eps", "give 2 numbers"]),
