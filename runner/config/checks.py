@@ -173,9 +173,10 @@ def check_run(cfg: DictConfig, keep: bool = True) -> CheckedRun:
     job (:func:`validate` hands it over) rather than only returning it."""
     from runner.data import check_cache_compatible, check_dataset, check_options, refuse_image_only_options
     from runner.data.references import run_references
-    from runner.data.video import check_video_keys, trainer_video_defaults
+    from runner.data.video import check_video_keys, trainer_attribute, trainer_video_defaults
     from runner.optim.build import validate_optimizer
     from runner.optim.fused import check_fused_backward
+    from runner.sampling.config import check_sample_multiple
 
     check_options(cfg.data)  # every data.* value, no file read
     check_output_dir(cfg.get("output_dir"))
@@ -183,6 +184,7 @@ def check_run(cfg: DictConfig, keep: bool = True) -> CheckedRun:
     check_val_path(cfg)  # mode=train: a data.val_path folder is scanned now, like data.path below
     check_video_keys(cfg.data)  # data.frames, fps, frame_sampling, width, height
     video = trainer_video_defaults(cfg)  # a video trainer's folder is read as clips
+    check_sample_multiple(cfg.get("sample"), *reversed(trainer_attribute(cfg, "resolution_multiple", 8)))
     if video:  # masks, buckets, references, several sets: image options, refused for clips in every mode
         refuse_image_only_options(cfg.data)
     if cfg.mode == "train":  # a data.path folder (or data.sets) is scanned and checked now, not after the model build

@@ -79,3 +79,14 @@ def check_sample_config(cfg: Any) -> None:
     if c.resolution is not None and int(c.resolution) <= 0:
         raise UserError(f"sample.resolution={c.resolution} is not valid: give a side in pixels (e.g. 1024), or leave "
                         "it unset to sample at data.resolution.")
+
+
+def check_sample_multiple(c: Any, multiple: int, family: str) -> None:
+    """``sample.resolution`` must be a multiple of the family's pixel multiple (VAE factor x latent packing),
+    checked before the plan draws a sample at it."""
+    if c is None or int(c.get("every", 0)) == 0 or c.get("resolution") is None:
+        return
+    res = int(c.resolution)
+    if res > 0 and res % multiple:
+        raise UserError(f"sample.resolution={res} is not usable for {family}: it must be a multiple of {multiple} "
+                        f"(e.g. {max(multiple, res // multiple * multiple)}); unset, it is data.resolution.")
