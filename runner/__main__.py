@@ -20,6 +20,7 @@ from runner.cli import launch
 from runner.cli.listing import format_plugin_list
 from runner.config.checks import validate
 from runner.hostmem import passive_openmp
+from runner.output.once import warn_once
 from runner.state.resume import resume_base
 
 log = logging.getLogger("runner")
@@ -104,6 +105,7 @@ def main(quick: bool = False) -> None:
     # bitsandbytes warns at import that an optional CPU kernel package is missing; it falls back
     # to its own CPU kernels, so the line is noise for every run.
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    warn_once()  # a check that runs again (fit's candidates, the preflight) does not repeat its warning
     try:
         launch.launch(task)                                       # compose (friendly errors), run or sweep
     except SystemExit as e:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -219,7 +220,10 @@ def check_budget_fits_card(cfg: DictConfig, run: ResolvedRun) -> None:
     if budget is None:
         return
     asked, gib = float(budget), 2**30
-    if run.gpu is not None and asked > run.gpu.usable_gib:
+    if run.gpu is not None and asked > run.gpu.usable_gib and not _set_on_command_line("budget_gb"):
+        log.info("budget_gb=%g (the preset's) yields to device.name=%s: the run plans and caps at its usable %g GiB.",
+                 asked, run.gpu.name, run.gpu.usable_gib, extra={"once": True})
+    elif run.gpu is not None and asked > run.gpu.usable_gib:
         log.warning("budget_gb=%g is more than %s gives a training process (device.name=%s: usable_gib %g of "
                     "memory_gib %g in conf/devices.yaml): the plan and its fit check use %g GiB. Set budget_gb to "
                     "at most %g, or leave it unset for the card's usable memory.", asked, run.gpu.label,
@@ -233,6 +237,14 @@ def check_budget_fits_card(cfg: DictConfig, run: ResolvedRun) -> None:
                         "allocator.default.cap_to_budget caps at the whole card. Set budget_gb to at most %.1f, or "
                         "name the card with device.name=<key of conf/devices.yaml> to plan for its usable memory.",
                         asked, total, total)
+
+
+def _set_on_command_line(key: str) -> bool:
+    """Whether the user typed ``key``: Hydra's task overrides, or the command line before Hydra runs."""
+    from hydra.core.hydra_config import HydraConfig
+
+    typed = HydraConfig.get().overrides.task if HydraConfig.initialized() else sys.argv[1:]  # the entry's own check
+    return any(o.lstrip("+~").split("=", 1)[0] == key for o in typed)
 
 
 def _check_loss_objective(cfg: DictConfig) -> None:
