@@ -211,6 +211,9 @@ def store_schemas() -> None:
     OmegaConf.register_new_resolver("native_resolution", native_resolution, replace=True)
     # Hydra's ${now:...}, but one time for all processes of a multi-process run (runner/dist/launch.py).
     OmegaConf.register_new_resolver("runner_now", runner_now, use_cache=True, replace=True)
+    from runner.config.sweep_dirs import job_dir  # a sweep job's short folder name (conf/config.yaml)
+
+    OmegaConf.register_new_resolver("runner_job_dir", job_dir, replace=True)
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
     cs.store(group="trainer", name="custom", node=CustomTrainerConfig)

@@ -1,0 +1,28 @@
+"""A sweep job's folder: its number and the swept keys' values (runner/config/sweep_dirs.py)."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from runner.config.sweep_dirs import MAX_VALUE, job_dir, swept_keys
+
+
+def test_only_the_swept_keys_name_the_folder(monkeypatch):
+    argv = ["runner", "-m", "+preset=sdxl_24gb", "optimizer.lr=1e-4,5e-4", "train.steps=range(1,3)", "seed=3"]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert swept_keys(argv[1:]) == {"optimizer.lr", "train.steps"}
+    job = ["+preset=sdxl_24gb", "optimizer.lr=0.0005", "train.steps=2", "seed=3"]
+    assert job_dir(1, job) == "1_lr=0.0005_steps=2"
+
+
+@pytest.mark.parametrize("value", ["/data/my photos/set a", "x" * 100])
+def test_values_are_file_safe_and_short(monkeypatch, value):
+    monkeypatch.setattr(sys, "argv", ["runner", "-m", f"data.path={value},b"])
+    name = job_dir(0, [f"data.path={value}"])
+    assert "/" not in name and " " not in name and len(name) <= len("0_") + MAX_VALUE
+
+
+def test_an_argv_it_cannot_parse_names_every_override(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["worker", "a=(("])
+    assert job_dir(2, ["seed=3"]) == "2_seed=3"
