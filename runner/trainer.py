@@ -211,17 +211,25 @@ def per_sample_randn(
     numbers are identical on every device and for every micro-batch split.
     """
     rows = []
-    for s in seeds.tolist():
-        g = torch.Generator().manual_seed(int(s))
+    for s in _seed_values(seeds):
+        g = None if s is None else torch.Generator().manual_seed(int(s))
         rows.append(torch.randn(shape, generator=g, dtype=torch.float32))
     return torch.stack(rows).to(device=device, dtype=dtype)
+
+
+def _seed_values(seeds: torch.Tensor) -> list[int | None]:
+    """The seeds as numbers; under the planner's fake tensors (a seed computed inside the planned step)
+    a None per row: the draws then have the real path's shapes and bytes, without values."""
+    from runner.compat import is_fake
+
+    return [None] * len(seeds) if is_fake(seeds) else seeds.tolist()
 
 
 def per_sample_rand(seeds: torch.Tensor, salt: int, device: torch.device | str) -> torch.Tensor:
     """One uniform [0, 1) number per sample, independent of the noise drawn from the same seed."""
     out = []
-    for s in seeds.tolist():
-        g = torch.Generator().manual_seed(int(s) * 1_000_003 + salt)
+    for s in _seed_values(seeds):
+        g = None if s is None else torch.Generator().manual_seed(int(s) * 1_000_003 + salt)
         out.append(torch.rand((), generator=g))
     return torch.stack(out).to(device)
 
