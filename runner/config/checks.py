@@ -188,6 +188,8 @@ def check_run(cfg: DictConfig, keep: bool = True) -> CheckedRun:
     check_sample_multiple(cfg.get("sample"), *reversed(trainer_attribute(cfg, "resolution_multiple", 8)))
     if video:  # masks, buckets, references, several sets: image options, refused for clips in every mode
         refuse_image_only_options(cfg.data)
+    else:
+        warn_video_keys_ignored(cfg)
     if cfg.mode == "train":  # a data.path folder (or data.sets) is scanned and checked now, not after the model build
         check_dataset(cfg.data, video=video, references=None if video else run_references(cfg))
     run = resolve_for_mode(cfg)
@@ -350,3 +352,17 @@ def check_output_dir(value: Any) -> None:
             where = "is a file" if p == path else f"is under {p}, which is a file"
             raise UserError(f"output_dir={value} {where}: the run writes its outputs into a folder. "
                             "Give a folder that does not exist yet or an existing folder, e.g. output_dir=outputs/my_run.")
+
+
+VIDEO_KEYS = {"frames": None, "fps": None, "width": None, "height": None, "frame_sampling": "start"}
+
+
+def warn_video_keys_ignored(cfg: DictConfig) -> None:
+    """An image trainer on a video preset: the clip settings it cannot honour, named in one warning line."""
+    data = cfg.data
+    set_keys = [f"data.{k}={data.get(k)}" for k, default in VIDEO_KEYS.items() if data.get(k, default) != default]
+    if set_keys:
+        name = str(cfg.trainer.get("_target_", "the trainer")).rsplit(".", 1)[-1]
+        log.warning("%s trains on images, so %s (video settings, e.g. from a video preset) are ignored: it trains "
+                    "%d px images. Use a video trainer (trainer=wan) for clips, or drop these keys.",
+                    name, ", ".join(set_keys), int(data.resolution))

@@ -257,3 +257,17 @@ def test_caption_options_apply_to_clips_per_visit_and_image_only_options_are_ref
         build_video_dataset(data_cfg(None, demo_size=4, frames=3, buckets=True), 9, 16)
     with pytest.raises(UserError, match="data.sets applies to image trainers"):
         build_video_dataset(data_cfg(None, demo_size=4, frames=3, sets=[{"path": "x"}]), 9, 16)
+
+
+def test_an_image_trainer_on_a_video_preset_names_the_ignored_clip_settings(tmp_path, caplog):
+    import logging
+
+    from bad_input import run_main
+
+    caplog.set_level(logging.WARNING, logger="runner")
+    result = run_main(["+preset=wan_24gb", "trainer=sdxl", "mode=plan", f"output_dir={tmp_path}",
+                       f"hydra.run.dir={tmp_path / 'h'}"])
+    assert result.code == 0, result.text[-2000:]
+    said = caplog.text + result.text + (tmp_path / "h" / "__main__.log").read_text()
+    assert said.count("data.frames=49, data.fps=16.0, data.width=832, data.height=480") == 1
+    assert "SDXLTrainer trains on images" in said
