@@ -207,8 +207,16 @@ def native_resolution(size: str, target: str = "", variant: str = "") -> int:
     return NATIVE_RESOLUTION.get(str(size), NATIVE_RESOLUTION["tiny"])
 
 
+def full_size_only(value: Any, size: Any) -> Any:
+    """``${full_size_only:49,${model.size}}`` in a preset: its data shape at full size; at tiny size null, the
+    tiny model's own (a video preset's 832x480x49 clips would make a tiny CPU run take half an hour).
+    A value the user types replaces the interpolation, so it is kept at any size."""
+    return value if str(size) == "full" else None
+
+
 def store_schemas() -> None:
     OmegaConf.register_new_resolver("native_resolution", native_resolution, replace=True)
+    OmegaConf.register_new_resolver("full_size_only", full_size_only, replace=True)
     # Hydra's ${now:...}, but one time for all processes of a multi-process run (runner/dist/launch.py).
     OmegaConf.register_new_resolver("runner_now", runner_now, use_cache=True, replace=True)
     from runner.config.sweep_dirs import job_dir  # a sweep job's short folder name (conf/config.yaml)

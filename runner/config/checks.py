@@ -180,6 +180,7 @@ def check_run(cfg: DictConfig, keep: bool = True) -> CheckedRun:
     from runner.sampling.config import check_sample_multiple
 
     check_options(cfg.data)  # every data.* value, no file read
+    say_tiny_data_shape(cfg)
     check_output_dir(cfg.get("output_dir"))
     check_cache_compatible(cfg)  # data.shuffle_tags with offload.park.cache_text is refused, naming both
     check_val_path(cfg)  # mode=train: a data.val_path folder is scanned now, like data.path below
@@ -366,3 +367,17 @@ def warn_video_keys_ignored(cfg: DictConfig) -> None:
         log.warning("%s trains on images, so %s (video settings, e.g. from a video preset) are ignored: it trains "
                     "%d px images. Use a video trainer (trainer=wan) for clips, or drop these keys.",
                     name, ", ".join(set_keys), int(data.resolution))
+
+
+def say_tiny_data_shape(cfg: DictConfig) -> None:
+    """One line when a preset's full-size data shape (``${full_size_only:...}``) gave way to the tiny model's."""
+    import re
+
+    if str(cfg.model.size) == "full":
+        return
+    raw = OmegaConf.to_container(cfg.data, resolve=False)
+    dropped = [f"data.{k}={m.group(1)}" for k, v in raw.items()
+               if isinstance(v, str) and (m := re.match(r"\$\{full_size_only:([^,]+),", v))]
+    if dropped:
+        log.info("model.size=%s: the preset's %s apply at model.size=full; this run takes the tiny model's own "
+                 "(type them to keep them).", cfg.model.size, ", ".join(dropped), extra={"once": True})

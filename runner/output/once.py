@@ -17,29 +17,46 @@ def _job() -> str | None:
 class WarnOnce(logging.Filter):
     """Drops a WARNING (or a record logged with ``extra={"once": True}``) whose text this job has already
     logged; other records pass. A warning the command line's check printed before the first job counts as
-    that job's (the console showed it); an INFO line from then does not (no handler showed it yet)."""
+    that job's (the console showed it); a once-INFO line from then is held and logged when the job's
+    logging is up (before it no handler shows INFO)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.seen: set[str] = set()
+        self.held: list[logging.LogRecord] = []
         self.job: str | None = None
+        self.raised_level = False  # INFO enabled until the first job, so once-lines said before it are held
 
     def filter(self, record: logging.LogRecord) -> bool:
+        job = _job()
+        if job is not None and job != self.job:
+            self._new_job(job)
         if record.levelno != logging.WARNING and not getattr(record, "once", False):
             return True
-        job, text = _job(), record.getMessage()
+        text = record.getMessage()
         if job is None:
             if record.levelno >= logging.WARNING:
                 self.seen.add(text)
-            return True
-        if job != self.job:
-            if self.job is not None:  # a sweep's next job says its warnings again, in its own log
-                self.seen.clear()
-            self.job = job
+                return True
+            if text not in {r.getMessage() for r in self.held}:
+                self.held.append(record)
+            return False
         if text in self.seen:
             return False
         self.seen.add(text)
         return True
+
+    def _new_job(self, job: str) -> None:
+        if self.job is not None:  # a sweep's next job says its warnings again, in its own log
+            self.seen.clear()
+            self.held.clear()
+        self.job = job
+        if self.raised_level:  # the job's logging is configured now: its levels decide
+            _LOG.setLevel(logging.NOTSET)
+            self.raised_level = False
+        held, self.held = self.held, []
+        for record in held:
+            _LOG.handle(record)
 
 
 def warn_once() -> WarnOnce:
@@ -49,4 +66,7 @@ def warn_once() -> WarnOnce:
             return f
     f = WarnOnce()
     _LOG.addFilter(f)
+    if _LOG.level == logging.NOTSET:
+        _LOG.setLevel(logging.INFO)
+        f.raised_level = True
     return f
