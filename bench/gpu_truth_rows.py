@@ -56,6 +56,10 @@ def extra_rows(presets: list[str]) -> list[Row]:
             "fused backward on the SDXL full fine-tune, against the preset's own row: the planned saving is the "
             "gradients alive at the normal step's peak (bench/fused_backward.py). Clipping stays on as shipped, "
             "so fused backward clips per parameter; peak and time are what is compared."),
+        Row("sdxl_24gb__fused_noclip", "sdxl_24gb", ["optimizer.fused_backward=true", "train.max_grad_norm=0"], "fused",
+            "sdxl_24gb", "fused backward without clipping (each parameter's hook checks finiteness instead of clipping): "
+            "mode=fit at budget_gb=12 ranks this ahead of stream offload by the model's price of the clip's kernels, "
+            "which only the clipped row above measured (issue 41)"),
         Row("sd15_8gb__oom_recovery", "sd15_8gb", ["checkpoint=[]", "train.batch_size=8", "train.grad_accum=1",
                                                    "data.demo_size=8"], "oom", None,
             "an injected CUDA OOM, recovered: SD1.5 at batch 8 without checkpointing, so that micro-batch 8 and "

@@ -204,13 +204,7 @@ def predict(counter: CostCounter, target: Target, *, micro_batches: int, simulat
     """The step time of the simulated step whose ops ``counter`` counted (see the module docstring);
     ``comm``: a rank's collectives under dist=ddp|fsdp, added per phase as runner/plan/comm.py says;
     ``shape``: what the step does on the host beyond its ops (default: this code's, for ``micro_batches``)."""
-    scale = micro_batches / max(simulated_micro, 1)
-    phases: dict[str, PhaseCost] = {}
-    for name in STEP_PHASES:
-        c = counter.phases.get(name, PhaseCost())
-        if name != "optimizer" and scale != 1:
-            c = PhaseCost(**{k: v * scale for k, v in asdict(c).items()})
-        phases[name] = c
+    phases = _scaled_phases(counter, micro_batches / max(simulated_micro, 1))
     overlapped = {"h2d": 0, "d2h": 0}
     for t in transfers.values():
         if getattr(t, "overlapped", False):
@@ -279,21 +273,40 @@ def predict(counter: CostCounter, target: Target, *, micro_batches: int, simulat
         mfu=model_flops / (total * target.peak_flops) if total else 0.0,
         host_syncs_per_step=None if host is None else sum(shape.syncs().values()),
         card_ops_per_step=None if host is None else int(sum(c.kernels + c.copies for c in phases.values()) + dev_k),
-        detail={"phases": {k: c.to_dict() for k, c in phases.items()},
-                "optimizer_update": {"device_bytes": dev_b, "host_bytes": host_b, "in": upd_phase,
-                                     "host_elements": trained.host_elements, "device_elements": trained.device_elements,
-                                     "device_kernels": dev_k, "host_kernels": host_k, "device_s": upd_device_s,
-                                     "device_params": trained.device_params, "host_params": trained.host_params,
-                                     "host_s": upd_host_s - host_k * target.update_op_s},
-                "rates": {"h2d_bytes_per_s": target.h2d_bytes_per_s, "host_op_s": target.host_op_s,
-                          "update_op_s": target.update_op_s, "serial": target.serial},
-                "host": None if host is None else host.detail(),
-                "copies_overlapped_share": share, "first_window_bytes": window,
-                "transfers": {k: asdict(t) if dataclasses.is_dataclass(t) else dict(t) for k, t in transfers.items()}},
+        detail=_detail(phases, target, trained, transfers, share, window, host,
+                       {"device_bytes": dev_b, "host_bytes": host_b, "in": upd_phase, "device_kernels": dev_k,
+                        "host_kernels": host_k, "device_s": upd_device_s,
+                        "host_s": upd_host_s - host_k * target.update_op_s}),
         comm=None if comm is None else {**comm.to_dict(), "compute_seconds": sum(compute_only.values()),
                                         "compute_phases": dict(compute_only),
                                         "added_seconds": total - sum(compute_only.values())},
     )
+
+
+def _detail(phases: dict[str, PhaseCost], target: Target, trained: Trained, transfers: dict[str, Any],
+            share: dict[str, float], window: int, host: _GpuHost | None, update: dict[str, Any]) -> dict[str, Any]:
+    """Everything the prediction used (plan.json's ``step_time.detail``): bench/step_time_fit.py and
+    bench/gpu_calibrate.py recompute the prediction from it alone."""
+    return {"phases": {k: c.to_dict() for k, c in phases.items()},
+            "optimizer_update": {**update, "host_elements": trained.host_elements,
+                                 "device_elements": trained.device_elements, "device_params": trained.device_params,
+                                 "host_params": trained.host_params},
+            "rates": {"h2d_bytes_per_s": target.h2d_bytes_per_s, "host_op_s": target.host_op_s,
+                      "update_op_s": target.update_op_s, "serial": target.serial},
+            "host": None if host is None else host.detail(),
+            "copies_overlapped_share": share, "first_window_bytes": window,
+            "transfers": {k: asdict(t) if dataclasses.is_dataclass(t) else dict(t) for k, t in transfers.items()}}
+
+
+def _scaled_phases(counter: CostCounter, scale: float) -> dict[str, PhaseCost]:
+    """The step's phases with the simulated micro-batches' counts scaled to the run's (not the optimizer's)."""
+    phases: dict[str, PhaseCost] = {}
+    for name in STEP_PHASES:
+        c = counter.phases.get(name, PhaseCost())
+        if name != "optimizer" and scale != 1:
+            c = PhaseCost(**{k: v * scale for k, v in asdict(c).items()})
+        phases[name] = c
+    return phases
 
 
 def _phase_compute(target: Target, c: PhaseCost, device_s: float, update_kernels: int) -> tuple[float, str]:

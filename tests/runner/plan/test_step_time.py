@@ -260,3 +260,17 @@ def test_a_plans_detail_recomputes_its_own_prediction(overrides):
     assert predict_row(rec, costs) == pytest.approx(st["seconds"], rel=1e-4)
     assert predict_row(rec, replace(costs, kernel_op_s=2 * costs.kernel_op_s)) > predict_row(rec, costs)
     assert st["host_syncs_per_step"] >= 1 and st["card_ops_per_step"] > 0 and 0 < st["mfu"] <= st["utilisation"]
+
+def test_host_syncs_per_step_by_what_the_step_does():
+    """The planner's count of host syncs (runner/plan/host.py): the loss read per micro-batch and the norm
+    read are per step; only an update that syncs per parameter (bitsandbytes 0.50) or fused backward's
+    per-parameter read grows with the parameters."""
+    from runner.plan.host import StepShape
+
+    def total(*args, **kw):
+        return sum(StepShape(*args, **kw).syncs().values())
+
+    assert total("adamw", 100, 2, False) == total("adamw", 200, 2, False) == 3
+    assert total("adamw8bit", 100, 1, False) == 2 + 100
+    assert StepShape("adamw8bit", 100, 1, True).syncs() == {"backward": 2 + 2 * 100, "optimizer": 0}
+    assert total("adamw8bit", 100, 1, True, update_syncs_per_param=0, hook_syncs_per_param=0) == 2
