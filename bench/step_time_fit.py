@@ -38,7 +38,7 @@ from runner.plan.host import FITTED, H200_FIT, PRIOR, HostCosts, StepShape  # no
 
 RESULTS = ROOT / "bench" / "results" / "gpu_truth_2026-11-27_h200"
 ROWS = RESULTS / "step_time_rows.json"
-PRIOR_WEIGHT = 0.05
+PRIOR_WEIGHT = 0.02
 # What each measured row ran (row -> the plan that describes it, and its host shape beyond the plan's ops).
 AS_RUN: dict[str, dict[str, Any]] = {
     "sd15_8gb": {"plan": "sd15_8gb", "micro_batches": 1, "update_syncs_per_param": 1,
