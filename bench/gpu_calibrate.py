@@ -1,5 +1,9 @@
 """Recalibrate the step-time model's host cost per dispatched op from GPU truth rows (issue 33).
 
+Superseded for GPU plans by bench/step_time_fit.py (issue 41: host costs by kind of work, with a
+leave-one-out check); a GPU plan made since keeps ``step_time.detail.host`` and is refused here.
+What follows is the one-constant refit of issue 33, kept for plans made before.
+
 The GPU step-time model (runner/plan/speed.py) prices each phase as the larger of the GPU work
 and the host's dispatch (ops x ``HOST_OP_S``), plus copies. The GPU work comes from datasheet
 peaks; the host cost per op was an assumption. This script takes the rows a GPU measured
@@ -71,6 +75,9 @@ def main() -> int:
     if not rows:
         raise SystemExit("bench/gpu_calibrate.py: no measured row has a plan in --plans")
     for name, _, st in rows:
+        if st["detail"].get("host"):
+            raise SystemExit(f"bench/gpu_calibrate.py: {name}'s plan prices the host by kind of work: use "
+                             "bench/step_time_fit.py")
         again = phase_seconds(st, st["detail"]["rates"]["host_op_s"])
         if not math.isclose(again, st["seconds"], rel_tol=1e-4):
             raise SystemExit(f"bench/gpu_calibrate.py: {name}: recomputed {again:.6g} s, the plan says "

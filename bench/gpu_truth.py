@@ -16,7 +16,7 @@ the GPU machine writes that machine's copy, which does not come back). CI runs `
 (tests/bench/test_gpu_truth.py): the same code, at model.size=tiny on the CPU, so this script cannot rot.
 
 What it runs, each row in its own process (``python -m runner +preset=<p> model.size=full
-train.device=cuda train.steps=3 allocator.default.cap_to_budget=true ...``; random-init weights,
+train.device=cuda train.steps=11 allocator.default.cap_to_budget=true ...``; random-init weights,
 nothing downloads): every preset in conf/preset/ capped at its own budget_gb (24 GiB for the
 *_24gb presets), plus offload=stream on vs off (sd35_24gb), fused backward on vs off (sdxl_24gb)
 and an injected OOM that the runner must recover from (sd15_8gb). Each row's plan is ``mode=plan``
@@ -27,7 +27,7 @@ not started (a shorter one after it may be), and a row the budget cuts still has
 runner's final checkpoint (up to 48 GB at full size) is not written: a file named ``checkpoints``
 in the run's folder makes that save fail at once, after the measured steps (``--save-checkpoints``
 lets it write). Per row: CUDA max allocated and max reserved against the plan's peak and required
-bytes, measured s/step (mean of steps 2-3) against the plan's for this card (conf/devices.yaml key
+bytes, measured s/step (mean of steps 2-11, with their spread, and MFU) against the plan's for this card (conf/devices.yaml key
 from torch.cuda.get_device_name, passed as ``device.name``), and the status.
 
 ``--budget-s`` (default 480) bounds the wall time: each process gets what is left as its timeout;
@@ -54,6 +54,7 @@ from docs_section import DOC, replace_section  # bench/ is on sys.path as the sc
 from gpu_truth_proc import cpu_model, kill_all, probe, run_command
 from gpu_truth_rows import (
     GIB,
+    RESULTS,
     ROOT,
     Row,
     all_rows,
@@ -68,7 +69,8 @@ from gpu_truth_rows import (
 )
 from gpu_truth_table import BEGIN, END, section
 
-STEPS = 3
+STEPS = 11  # on the GPU: steps 2-11 are timed (step 1 warms up), their spread is shown
+DRY_STEPS = 3  # the CPU dry run: the same code, fewer steps
 MIN_ROW_S = 10.0  # default --min-row-s: a row is not started with less left (no run gets through 3 steps that fast)
 RESERVE_S = 2.0  # kept back from each timeout for writing the table
 class Stopped(Exception):
@@ -88,6 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--only", help="comma-separated row names (default: every row)")
     ap.add_argument("--order", choices=("longest", "shortest"), default="longest",
                     help="run the rows by predicted s/step, longest first (default) or shortest first")
+    ap.add_argument("--results", type=Path, default=RESULTS,
+                    help="rows with an ok measurement in any rows.jsonl under this folder run after the others "
+                         f"(default {RESULTS.relative_to(ROOT)})")
     ap.add_argument("--cap-gb", type=float, help="cap every preset at this budget_gb instead of its own")
     ap.add_argument("--device-name", help="conf/devices.yaml key of this card, when it is not recognised")
     ap.add_argument("--min-row-s", type=float, default=MIN_ROW_S,
@@ -113,6 +118,7 @@ class Truth:
     def __init__(self, args: argparse.Namespace, rows: list[Row], info: dict[str, Any], t0: float) -> None:
         self.args, self.rows, self.info, self.t0 = args, rows, info, t0  # t0: the script's start (probe included)
         self.dry, self.plan_only = bool(args.dry_run), bool(args.plan_only) and not args.dry_run
+        self.steps = DRY_STEPS if self.dry else STEPS
         self.out = args.out or ROOT / "outputs" / "gpu_truth" / time.strftime("%Y-%m-%d_%H-%M-%S")
         self.work = args.work or self.out / "runs"
         self.out.mkdir(parents=True, exist_ok=True)
@@ -155,7 +161,7 @@ class Truth:
             common = ["model.size=full", "train.device=cuda", demo, "allocator.default.cap_to_budget=true"]
             common += [f"budget_gb={self.args.cap_gb:g}"] if self.args.cap_gb else []
             common += [f"device.name={self.key}"] if self.key else []
-        return common, [f"train.steps={STEPS}", "train.progress=false", "export.enabled=false", "train.preflight=false"]
+        return common, [f"train.steps={self.steps}", "train.progress=false", "export.enabled=false", "train.preflight=false"]
 
     def make_meta(self) -> dict[str, Any]:
         command = " ".join([Path(sys.executable).name, "bench/gpu_truth.py", *map(shlex.quote, sys.argv[1:])])
@@ -270,8 +276,8 @@ class Truth:
                                                    f"{fig['plan_budget_gb']:g}: the runner's preflight refuses it"))
             else:
                 runnable.append(r)
-        sign = 1.0 if self.args.order == "shortest" else -1.0
-        runnable.sort(key=lambda r: sign * (plan_figures(plans[r.name][1])["predicted_s"] or 0.0))
+        runnable = order_rows(runnable, {r.name: plan_figures(plans[r.name][1])["predicted_s"] for r in runnable},
+                              self.args.order, measured_rows(self.args.results))
         self.meta["order"] = [rec["row"] for rec in self.recs] + [r.name for r in runnable]
         return runnable
 
@@ -301,7 +307,7 @@ class Truth:
         rc = run_command(cmd, log, self.left() - RESERVE_S, self.env)
         if rc is None:
             return None, log
-        rec = read_row(row, folder, log, rc, STEPS, extra.get("batch"), save_blocked=blocked)
+        rec = read_row(row, folder, log, rc, self.steps, extra.get("batch"), save_blocked=blocked)
         rec.update(extra, settings=[*row.settings, *(row.dry_settings if self.dry else []), *more],
                    wall_s=time.monotonic() - started, predicted_ok=self.dry or self.key is not None,
                    overrides=overrides)
@@ -310,7 +316,7 @@ class Truth:
     def time_needed(self, row: Row, plans: dict[str, tuple[int | None, dict[str, Any] | None]]) -> float:
         """A lower bound of a row's time: its predicted steps (when predicted for this card), at least --min-row-s."""
         predicted = plan_figures(plans[row.name][1])["predicted_s"] if (self.dry or self.key) else None
-        return max(self.args.min_row_s, STEPS * (predicted or 0.0))
+        return max(self.args.min_row_s, self.steps * (predicted or 0.0))
 
     def run_rows(self, order: list[Row], plans: dict[str, tuple[int | None, dict[str, Any] | None]]) -> None:
         """Each row in turn. One that cannot finish in what is left (by its predicted steps alone) is not
@@ -357,6 +363,21 @@ class Truth:
         if bad:
             print(f"gpu_truth: rows not ok: {', '.join(bad)} (see {self.out / 'failures.log'})", flush=True)
         return 1 if bad else 0
+
+
+def measured_rows(results: Path) -> set[str]:
+    """Rows that have a measured s/step (status ok) in some rows.jsonl under ``results``."""
+    done: set[str] = set()
+    for path in sorted(results.rglob("rows.jsonl")) if results.is_dir() else []:
+        done |= {r["row"] for r in read_jsonl(path) if r.get("status") == "ok" and r.get("s_per_step")}
+    return done
+
+
+def order_rows(rows: list[Row], predicted: dict[str, float | None], rule: str, measured: set[str]) -> list[Row]:
+    """Rows never measured first (they are what a lent GPU is for), then by predicted s/step: longest first,
+    or shortest first with ``rule="shortest"``."""
+    sign = 1.0 if rule == "shortest" else -1.0
+    return sorted(rows, key=lambda r: (r.name in measured, sign * (predicted.get(r.name) or 0.0)))
 
 
 def select(rows: list[Row], only: str | None) -> list[Row]:

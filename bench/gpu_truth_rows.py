@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"  # the GPU runs that came back (a folder per lent card and date)
 GIB = 2**30
 
 
@@ -24,7 +25,7 @@ class Row:
     name: str  # also the folder name: letters, digits and '_' only (the device tool's $OUT rule)
     preset: str
     settings: list[str] = field(default_factory=list)
-    kind: str = "preset"  # preset | stream | fused | oom
+    kind: str = "preset"  # preset | stream | fused | oom | compile
     baseline: str | None = None  # the row it is compared with
     why: str = ""
     needs_cuda: str | None = None  # why it cannot run in the CPU dry run
@@ -55,6 +56,10 @@ def extra_rows(presets: list[str]) -> list[Row]:
             "fused backward on the SDXL full fine-tune, against the preset's own row: the planned saving is the "
             "gradients alive at the normal step's peak (bench/fused_backward.py). Clipping stays on as shipped, "
             "so fused backward clips per parameter; peak and time are what is compared."),
+        Row("sdxl_24gb__fused_noclip", "sdxl_24gb", ["optimizer.fused_backward=true", "train.max_grad_norm=0"], "fused",
+            "sdxl_24gb", "fused backward without clipping (each parameter's hook checks finiteness instead of clipping): "
+            "mode=fit at budget_gb=12 ranks this ahead of stream offload by the model's price of the clip's kernels, "
+            "which only the clipped row above measured (issue 41)"),
         Row("sd15_8gb__oom_recovery", "sd15_8gb", ["checkpoint=[]", "train.batch_size=8", "train.grad_accum=1",
                                                    "data.demo_size=8"], "oom", None,
             "an injected CUDA OOM, recovered: SD1.5 at batch 8 without checkpointing, so that micro-batch 8 and "
@@ -62,6 +67,12 @@ def extra_rows(presets: list[str]) -> list[Row]:
             "(the runner's preflight would refuse a cap below the plan; it is off for every row, whose plan is made "
             "beforehand). Ok when the run ends ok with a smaller micro-batch after an OOM retry.",
             needs_cuda="the cap is torch.cuda.set_per_process_memory_fraction"),
+        *(Row(f"{p}__compile", p, ["train.compile=true"], "compile", p,
+              f"regional torch.compile on {p} against its eager row: s/step, card ops and memory (issue 41); the "
+              "compile time is paid in step 1, which is not timed",
+              needs_cuda="inductor compiles the full-size blocks for the card; on the CPU dry run it would compile "
+                         "C++ kernels for minutes")
+          for p in ("sdxl_24gb", "flux_24gb")),
     ]
     return [r for r in rows if r.preset in presets]
 
@@ -151,12 +162,13 @@ def plan_figures(plan: dict[str, Any] | None) -> dict[str, Any]:
     """What the table needs of a plan.json (None values when there is no plan)."""
     if plan is None:
         return {"plan_peak_gb": None, "plan_required_gb": None, "plan_budget_gb": None, "plan_fits": None,
-                "plan_phase": None, "predicted_s": None, "predicted_on": None}
+                "plan_phase": None, "predicted_s": None, "predicted_on": None, "plan_mfu": None}
     st = plan.get("step_time") or {}
     budget = plan.get("budget_bytes")
     return {"plan_peak_gb": plan["peak_bytes"] / GIB, "plan_required_gb": plan["required_bytes"] / GIB,
             "plan_budget_gb": None if budget is None else budget / GIB, "plan_fits": plan.get("fits"),
-            "plan_phase": plan.get("peak_phase"), "predicted_s": st.get("seconds"), "predicted_on": st.get("device")}
+            "plan_phase": plan.get("peak_phase"), "predicted_s": st.get("seconds"), "predicted_on": st.get("device"),
+            "plan_mfu": st.get("mfu")}
 
 
 def first_line(text: str | None) -> str | None:
@@ -173,7 +185,8 @@ def last_log_line(log: Path) -> str | None:
 
 
 def measured(steps: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per-run figures from metrics.jsonl: CUDA peaks (null on CPU), s/step of steps 2.. (step 1 warms up)."""
+    """Per-run figures from metrics.jsonl: CUDA peaks (null on CPU), s/step of steps 2.. (step 1 warms up:
+    mean, and the spread (max - min) / median of those steps)."""
     def peak(key: str) -> float | None:
         vals = [s[key] for s in steps if s.get(key) is not None]
         return max(vals) if vals else None
@@ -181,6 +194,9 @@ def measured(steps: list[dict[str, Any]]) -> dict[str, Any]:
     tail = [s["s_per_step"] for s in steps[1:] if s.get("s_per_step") is not None]
     return {"steps_done": len(steps), "alloc_peak_gb": peak("memory_peak_gb"),
             "reserved_peak_gb": peak("mem_peak_reserved_gb"), "s_per_step": sum(tail) / len(tail) if tail else None,
+            "timed_steps": len(tail), "s_per_step_min": min(tail) if tail else None,
+            "s_per_step_max": max(tail) if tail else None,
+            "spread": (max(tail) - min(tail)) / sorted(tail)[len(tail) // 2] if len(tail) > 1 else None,
             "micro_batches": [s.get("micro_batch_size") for s in steps],
             "oom_retries": [s.get("oom_retries", 0) for s in steps]}
 

@@ -39,7 +39,7 @@ def status_cell(rec: dict[str, Any]) -> str:
 
 def row_line(rec: dict[str, Any]) -> str:
     if rec["status"] in ("skipped", "missing"):
-        return f"| `{rec['row']}` | {' '.join(rec['settings']) or '-'} | {status_cell(rec)} |" + " |" * 10
+        return f"| `{rec['row']}` | {' '.join(rec['settings']) or '-'} | {status_cell(rec)} |" + " |" * 11
     peak, what = device_peak(rec)
     measured = _is_measured(rec)
     peak_text = f"{_f(peak, '.3f')}" + (f" ({what})" if what and what != "cuda" else "")
@@ -51,15 +51,31 @@ def row_line(rec: dict[str, Any]) -> str:
              f"{_f(get('plan_peak_gb'), '.3f')} / {_f(get('plan_required_gb'), '.3f')}",
              _ratio(peak, get("plan_peak_gb")) if measured else "-",
              _ratio(get("reserved_peak_gb"), get("plan_required_gb")),
-             _f(get("s_per_step"), ".3g"), predicted, speed, str(get("micro_batches") or "-"), _f(get("wall_s"), ".0f")]
+             step_cell(rec), predicted, speed, mfu_cell(rec), str(get("micro_batches") or "-"), _f(get("wall_s"), ".0f")]
     return "| " + " | ".join(cells) + " |"
+
+
+def step_cell(rec: dict[str, Any]) -> str:
+    """Mean s/step of the timed steps, with their spread ((max - min) / median) when the row kept it."""
+    mean, spread = rec.get("s_per_step"), rec.get("spread")
+    if mean is None or spread is None:
+        return _f(mean, ".3g")
+    return f"{mean:.3g} ({rec.get('timed_steps')} steps, spread {spread:.0%})"
+
+
+def mfu_cell(rec: dict[str, Any]) -> str:
+    """Measured MFU: the plan's model FLOPs over (measured s/step x the card's peak), from the plan's MFU."""
+    mfu, pred, meas = rec.get("plan_mfu"), rec.get("predicted_s"), rec.get("s_per_step")
+    if not (mfu and pred and meas) or not rec.get("predicted_ok", True):
+        return "-"
+    return f"{mfu * pred / meas:.1%}"
 
 
 TABLE_HEAD = [
     "| row | settings beyond the preset | status | device peak GiB (max allocated) | max reserved GiB "
-    "| planned peak / required GiB | allocated ÷ planned peak | reserved ÷ required | s/step (mean of steps 2-3) "
-    "| predicted s/step | measured ÷ predicted | micro-batch per step | wall s |",
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    "| planned peak / required GiB | allocated ÷ planned peak | reserved ÷ required | s/step (mean of steps 2..) "
+    "| predicted s/step | measured ÷ predicted | MFU (measured) | micro-batch per step | wall s |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
 ]
 
 
@@ -91,7 +107,7 @@ def comparison_lines(recs: dict[str, dict[str, Any]], rows: list[Any]) -> list[s
         if rec["status"] in ("skipped", "missing"):
             out.append(head)
             continue
-        if row.kind in ("stream", "fused"):
+        if row.kind in ("stream", "fused", "compile"):
             out.append(head + " " + _versus(row.baseline, recs.get(row.baseline or ""), rec))
         elif row.kind == "oom":
             def g(key: str) -> str:
@@ -130,7 +146,9 @@ def header_lines(meta: dict[str, Any]) -> list[str]:
     else:
         lines.append("CUDA peaks are the process's whole run (model placement and the encoder-cache pre-pass "
                      "included: the runner never resets them), the plan's is the training step's; reserved is what "
-                     "the cap (set_per_process_memory_fraction) limits. s/step: mean of steps 2-3 (step 1 warms up).")
+                     "the cap (set_per_process_memory_fraction) limits. s/step: mean of steps 2 to the last (step 1 warms "
+                     "up), with their spread where the row kept it; MFU: the plan's model FLOPs (recompute "
+                     "excluded) over measured s/step x the card's bf16 peak.")
     return lines
 
 

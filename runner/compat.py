@@ -99,7 +99,7 @@ __all__ = [
     "get_default_device", "get_proxy_mode", "has_compatible_shallow_copy_type", "is_fake", "outer_saved_tensors_hooks",
     "queue_engine_callback", "sdp_priority_order", "tree_flatten", "tree_iter", "tree_map", "unset_fake_temporarily",
     "without_dispatch_modes", "TorchFunctionMode", "parse_to", "FAKE_VALUE_ERRORS",
-    "FSDP_COMMS", "FSDPDefaultAllGather", "FSDPDefaultReduceScatter", "DTensor", "dtensor_local",
+    "FSDP_COMMS", "autograd_node_name", "FSDPDefaultAllGather", "FSDPDefaultReduceScatter", "DTensor", "dtensor_local",
 ]
 
 TESTED_TORCH = ">=2.11,<2.14"
@@ -270,6 +270,14 @@ def sdp_priority_order() -> list[int]:
         return list(torch._C._get_sdp_priority_order())
     except (AttributeError, RuntimeError):  # older torch: the documented default order
         return [1, 2, 0, 3]
+
+
+def autograd_node_name() -> str | None:
+    """The autograd node whose backward runs now (``None`` outside the engine): the planner tells the
+    engine's own ops from those of Python hooks (AccumulateGrad's post-accumulate-grad hooks)."""
+    getter = getattr(torch._C, "_current_autograd_node", None)
+    node = getter() if getter is not None else None
+    return None if node is None else type(node).__name__
 
 
 try:

@@ -31,6 +31,7 @@ from runner.blocks import find_repeated_blocks
 from runner.context import Transfer
 from runner.fit.space import Knobs
 from runner.plan.cost import CostCounter, PhaseCost
+from runner.plan.host import StepShape
 from runner.plan.result import Plan
 from runner.plan.speed import STEP_PHASES, StepTime, Target, Trained, predict
 from runner.plan.target import CUDA_WORKSPACE_MARGIN_BYTES
@@ -224,7 +225,10 @@ class Estimator:
             out[p] = PhaseCost(ops=src.ops * n_micro, kernels=src.kernels * n_micro, flops=src.flops * work,
                                bytes=src.bytes * work, device_s=src.device_s * work, h2d_bytes=int(src.h2d_bytes * n_micro),
                                d2h_bytes=int(src.d2h_bytes * n_micro), host_ops=src.host_ops * n_micro,
-                               host_bytes=src.host_bytes * n_micro, host_s=src.host_s * n_micro)
+                               host_bytes=src.host_bytes * n_micro, host_s=src.host_s * n_micro,
+                               engine_ops=src.engine_ops * n_micro, engine_kernels=src.engine_kernels * n_micro,
+                               hook_kernels=src.hook_kernels * n_micro, copies=src.copies * n_micro,
+                               recompute_flops=src.recompute_flops * work)
         return out
 
     def _time_from(self, a: Anchor, k: Knobs) -> StepTime:
@@ -268,8 +272,9 @@ class Estimator:
                 transfers.setdefault(key, t)
         counter = CostCounter(self.target.device, self.target.host)
         counter.phases = phases
+        shape = StepShape(k.optimizer, trained.device_params, n_micro, k.fused)  # the loss read per micro-batch
         return predict(counter, self.target, micro_batches=1, simulated_micro=1, transfers=transfers,
-                       optimizer=k.optimizer, trained=trained, fused=k.fused)
+                       optimizer=k.optimizer, trained=trained, fused=k.fused, shape=shape)
 
     def step_time(self, k: Knobs) -> StepTime:
         refs = self.refs(k) or [self.anchors[self.base.checkpoint]]

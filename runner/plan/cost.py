@@ -34,6 +34,7 @@ from torch.utils.flop_counter import (
     sdpa_flop_count,
 )
 
+from runner.compat import autograd_node_name
 from runner.optim.build import SimulatedOptimizer
 
 aten = torch.ops.aten
@@ -97,6 +98,7 @@ NO_TRAFFIC = frozenset(op for op in (
 ) if op is not None)
 COPIES = frozenset((aten._to_copy.default, aten.copy_.default))
 _SKIP, _COPY, _FLOP, _PLAIN = 0, 1, 2, 3
+_PYTHON_NODES = (None, "AccumulateGrad")  # no node: Python outside the engine; AccumulateGrad: a leaf's hooks
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 CONV_PACKETS = frozenset(p for p in (aten.convolution, aten._convolution, aten.convolution_backward,
                                      aten.cudnn_convolution, aten.convolution_overrideable, aten._slow_conv2d_forward))
@@ -107,12 +109,17 @@ class PhaseCost:
     """One phase of the simulated step: what it computes and moves, and its roofline time."""
 
     ops: int = 0  # dispatched aten ops (each costs host dispatch time)
+    engine_ops: int = 0  # of which the autograd engine dispatched (grad mode off in backward: no Python around them)
     kernels: int = 0  # ops that read or write data (one kernel launch each on a GPU)
+    engine_kernels: int = 0  # of which the autograd engine dispatched
+    hook_kernels: int = 0  # of which a parameter's post-accumulate-grad hook launched (fused backward's update)
     flops: float = 0.0  # matmul, convolution and attention FLOPs
+    recompute_flops: float = 0.0  # of which a checkpoint's recompute in backward (not model FLOPs, for MFU)
     bytes: float = 0.0  # bytes read + written by data-moving ops on the device
     device_s: float = 0.0  # sum of per-op roofline times of the device's ops
     h2d_bytes: int = 0  # host -> device copies
     d2h_bytes: int = 0  # device -> host copies
+    copies: int = 0  # copy ops between host and device (each a cudaMemcpyAsync the host issues)
     host_ops: int = 0  # ops on host tensors during the step (host-side work of offload plugins)
     host_bytes: float = 0.0
     host_s: float = 0.0  # their roofline time on the host
@@ -177,6 +184,11 @@ class CostCounter:
         if SimulatedOptimizer.allocating:  # the first step's state: not part of a steady-state step
             return
         c.ops += 1
+        node = autograd_node_name() if phase == "backward" else None
+        engine = node not in _PYTHON_NODES and not torch.is_grad_enabled()
+        hook = node == "AccumulateGrad"
+        if engine:  # (a checkpoint's recompute runs with grad on; fused backward's hooks run in AccumulateGrad)
+            c.engine_ops += 1
         kind = self._kind(func)
         if kind == _SKIP:
             return
@@ -213,6 +225,7 @@ class CostCounter:
             source = args[1] if func is aten.copy_.default else args[0]
             from_device = _device_type(source) == self.device_type
             if on_device != from_device:
+                c.copies += 1
                 if on_device:
                     c.h2d_bytes += written
                 else:
@@ -229,7 +242,11 @@ class CostCounter:
         conv = func.overloadpacket in CONV_PACKETS if flops else False
         if on_device:
             c.kernels += 1
+            c.engine_kernels += engine
+            c.hook_kernels += hook
             c.flops += flops
+            if flops and phase == "backward" and torch.is_grad_enabled():
+                c.recompute_flops += flops
             c.bytes += nbytes
             c.device_s += self.device.op_seconds(flops, nbytes, dtype, conv)
         else:

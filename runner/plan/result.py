@@ -113,8 +113,11 @@ def _step_time_line(st: dict[str, Any]) -> str:
     copies = f", {format_size(moved)} host<->device" if moved else ""
     from runner.plan.speed import comm_text
 
+    use = f", utilisation {st['utilisation']:.1%}, MFU {st['mfu']:.1%}" if st.get("mfu") is not None else ""
+    host = (f"; per step {st['card_ops_per_step']:,} card ops, {st['host_syncs_per_step']:,} host syncs"
+            if st.get("host_syncs_per_step") is not None else "")
     return (f"step time: {st['seconds']:.3g} s/step predicted on {st['device']} ({per} s; {st['bound']}; "
-            f"{st['flops'] / 1e12:.3g} TFLOP{copies}{comm_text(st.get('comm'))})")
+            f"{st['flops'] / 1e12:.3g} TFLOP{use}{copies}{comm_text(st.get('comm'))}{host})")
 
 
 def _host_ranks_line(h: dict[str, Any]) -> str:

@@ -24,10 +24,11 @@ The model, per phase (encode, forward, backward, optimizer; times the micro-batc
   the device, or on the host for parameters whose step runs there (``offload=optimizer``,
   streamed full fine-tune). With fused backward the same update runs inside backward.
 
-What the GPU figures assume: the efficiencies below (not calibrated: 3 steps of a whole run do not
-separate them), and a host cost per op fitted to an H200 machine's measured steps (HOST_OP_S;
-docs/benchmarks.md, "GPU truth", has the rows and their ratios). The CPU figures are measured on
-the machine that plans.
+What the GPU figures assume: the efficiencies below, scaled by a card-time factor, and the host
+costs of runner/plan/host.py (by kind of op, update, copy and sync), all fitted to an H200 machine's
+measured steps by bench/step_time_fit.py (docs/benchmarks.md, "Step-time model", has the rows, the
+full fit and the leave-one-out ratios). A phase with a host sync per parameter runs serially. The
+CPU figures are measured on the machine that plans.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ import torch
 
 from runner.plan.comm import CommTime, phase_with_comm
 from runner.plan.cost import CostCounter, PhaseCost, Roofline
+from runner.plan.host import H200_FIT, HostCosts, StepShape, phase_host_s
 
 # Achieved fractions of a GPU's published peaks (assumptions; see the module docstring).
 MATMUL_EFFICIENCY = 0.60  # bf16 GEMMs of a diffusion model's shapes in cuBLAS: ~50-75 % of the dense tensor peak
@@ -46,11 +48,9 @@ CONV_EFFICIENCY = 0.45  # cuDNN convolutions of a U-Net's shapes (NCHW, with nor
 MEMORY_EFFICIENCY = 0.80  # elementwise and normalisation kernels reach ~80 % of DRAM bandwidth
 PCIE_EFFICIENCY = 0.80  # pinned copies reach ~80 % of the link (25 of 31.5 GB/s on PCIe Gen4 x16)
 KERNEL_FLOOR_S = 3e-6  # launch and ramp of the smallest kernel
-# Eager PyTorch's host time per dispatched op (Python, dispatcher, autograd), fitted to the steps an
-# H200 machine measured (bench/gpu_calibrate.py over bench/results/gpu_truth_2026-11-27_h200: 12 us,
-# assumed before, predicted those steps 1.25-3.3x too fast; 27 us leaves 0.56-1.46x). A desktop CPU
-# with a faster core dispatches faster than that server's.
-HOST_OP_S = 27e-6
+# A GPU target's host time per dispatched op where one figure is asked for (the CPU model's shape; the GPU
+# model prices ops by kind: runner/plan/host.py).
+HOST_OP_S = H200_FIT.kernel_op_s
 HOST_GBPS = 20.0  # host memory bandwidth for host-side work on a GPU machine (optimizer steps on the CPU)
 HOST_GFLOPS = 200.0
 
@@ -105,6 +105,7 @@ class Target:
     source: str  # "datasheet (conf/devices.yaml)" | "measured on this CPU ..."
     peak_flops: float  # the headline peak (bf16 on a GPU, fp32 on a CPU), for the utilisation shown
     update_op_s: float = HOST_OP_S  # host time per op of the optimizer update (plain kernels: no module, no autograd)
+    host_costs: HostCosts | None = None  # a GPU's host model by kind of work (runner/plan/host.py); None on a CPU
 
     def counter(self) -> CostCounter:
         return CostCounter(self.device, self.host)
@@ -113,8 +114,9 @@ class Target:
 def gpu_target(spec: Any, reference: bool = False) -> Target:
     return Target(name=spec.name, label=spec.label + (" (reference card: device.name unset)" if reference else ""),
                   device=gpu_roofline(spec), host=gpu_host_roofline(), h2d_bytes_per_s=spec.h2d_gbps * 1e9 * PCIE_EFFICIENCY,
-                  host_op_s=HOST_OP_S, serial=False, source="datasheet peaks (conf/devices.yaml) x assumed efficiencies",
-                  peak_flops=spec.bf16_tflops * 1e12)
+                  host_op_s=HOST_OP_S, serial=False, host_costs=H200_FIT,
+                  source="datasheet peaks (conf/devices.yaml) x efficiencies and host costs fitted on an H200 "
+                         "(bench/step_time_fit.py)", peak_flops=spec.bf16_tflops * 1e12)
 
 
 @dataclass
@@ -132,6 +134,9 @@ class StepTime:
     d2h_bytes: int
     ops: int
     utilisation: float  # FLOPs / (seconds x peak)
+    mfu: float = 0.0  # model FLOPs (a checkpoint's recompute excluded) / (seconds x peak)
+    host_syncs_per_step: int | None = None  # a GPU target's host reads of card values per step (None on a CPU)
+    card_ops_per_step: int | None = None  # the card's kernels and copies per step (None on a CPU)
     detail: dict[str, Any] = field(default_factory=dict)
     # dist=ddp|fsdp: one rank's collectives (runner/plan/comm.py: seconds by phase, exposed, links) and the
     # step's seconds without them ("compute_seconds"); None for one process
@@ -142,8 +147,11 @@ class StepTime:
 
     def line(self) -> str:
         per = ", ".join(f"{k} {v:.3g}" for k, v in self.phases.items() if v)
+        host = ("" if self.host_syncs_per_step is None else
+                f"; {self.card_ops_per_step:,} card ops, {self.host_syncs_per_step:,} host syncs per step")
         return (f"predicted step time: {self.seconds:.3g} s/step on {self.device} ({per}; {self.bound}; "
-                f"{self.flops / 1e12:.3g} TFLOP, {self.utilisation:.0%} of peak){comm_text(self.comm)}")
+                f"{self.flops / 1e12:.3g} TFLOP, {self.utilisation:.0%} of peak, MFU {self.mfu:.1%}{host})"
+                f"{comm_text(self.comm)}")
 
 
 def comm_text(comm: dict[str, Any] | None) -> str:
@@ -192,16 +200,11 @@ def _optimizer_work(optimizer: str, trained: Trained) -> tuple[float, float, int
 
 def predict(counter: CostCounter, target: Target, *, micro_batches: int, simulated_micro: int,
             transfers: dict[str, Any], optimizer: str, trained: Trained, fused: bool,
-            comm: CommTime | None = None) -> StepTime:
+            comm: CommTime | None = None, shape: StepShape | None = None) -> StepTime:
     """The step time of the simulated step whose ops ``counter`` counted (see the module docstring);
-    ``comm``: a rank's collectives under dist=ddp|fsdp, added per phase as runner/plan/comm.py says."""
-    scale = micro_batches / max(simulated_micro, 1)
-    phases: dict[str, PhaseCost] = {}
-    for name in STEP_PHASES:
-        c = counter.phases.get(name, PhaseCost())
-        if name != "optimizer" and scale != 1:
-            c = PhaseCost(**{k: v * scale for k, v in asdict(c).items()})
-        phases[name] = c
+    ``comm``: a rank's collectives under dist=ddp|fsdp, added per phase as runner/plan/comm.py says;
+    ``shape``: what the step does on the host beyond its ops (default: this code's, for ``micro_batches``)."""
+    phases = _scaled_phases(counter, micro_batches / max(simulated_micro, 1))
     overlapped = {"h2d": 0, "d2h": 0}
     for t in transfers.values():
         if getattr(t, "overlapped", False):
@@ -216,18 +219,19 @@ def predict(counter: CostCounter, target: Target, *, micro_batches: int, simulat
     upd_phase = "backward" if fused else "optimizer"
     upd_device_s = dev_b / target.device.bytes_per_s + dev_k * target.device.kernel_floor_s
     upd_host_s = host_b / target.host.bytes_per_s + host_k * target.update_op_s
+    costs = target.host_costs
+    if shape is None:
+        shape = StepShape(optimizer, trained.device_params, max(int(micro_batches), 1), fused)
+    host = _GpuHost(costs, shape, upd_phase) if costs is not None else None
     seconds: dict[str, float] = {}
     compute_only: dict[str, float] = {}
     bound: dict[str, str] = {}
     for name, c in phases.items():
         device_s = c.device_s + (upd_device_s if name == upd_phase else 0.0)
-        dispatch = c.ops * target.host_op_s + (dev_k * target.update_op_s if name == upd_phase else 0.0)
-        if target.serial:
-            compute = device_s + dispatch
-            why = "compute" if device_s >= dispatch else "per-op overhead"
+        if host is not None:
+            compute, why = host.phase(name, c, device_s)
         else:
-            compute = max(device_s, dispatch)
-            why = "GPU work" if device_s >= dispatch else "host dispatch (small kernels)"
+            compute, why = _phase_compute(target, c, device_s, dev_k if name == upd_phase else 0)
         ovl = (share["h2d"] * c.h2d_bytes + share["d2h"] * c.d2h_bytes) / target.h2d_bytes_per_s
         blocking = ((1 - share["h2d"]) * c.h2d_bytes + (1 - share["d2h"]) * c.d2h_bytes) / target.h2d_bytes_per_s
         t = max(compute, ovl) + blocking + c.host_s
@@ -247,8 +251,12 @@ def predict(counter: CostCounter, target: Target, *, micro_batches: int, simulat
             t = phase_with_comm(t, comm.phases[name], comm.exposed.get(name, 0.0))
         seconds[name] = t
         bound[name] = why
+    if host is not None:
+        seconds["loop"] = compute_only["loop"] = host.costs.step_s
+        bound["loop"] = "the loop's host work outside the phases"
     total = sum(seconds.values())
     flops = sum(c.flops for c in phases.values())
+    model_flops = flops - sum(c.recompute_flops for c in phases.values())
     worst = max(seconds, key=lambda k: seconds[k]) if total else "forward"
     return StepTime(
         seconds=total,
@@ -262,16 +270,74 @@ def predict(counter: CostCounter, target: Target, *, micro_batches: int, simulat
         d2h_bytes=int(measured["d2h"]),
         ops=int(sum(c.ops for c in phases.values())),
         utilisation=flops / (total * target.peak_flops) if total else 0.0,
-        detail={"phases": {k: c.to_dict() for k, c in phases.items()},
-                "optimizer_update": {"device_bytes": dev_b, "host_bytes": host_b, "in": upd_phase,
-                                     "host_elements": trained.host_elements, "device_elements": trained.device_elements,
-                                     "device_kernels": dev_k, "host_kernels": host_k, "device_s": upd_device_s,
-                                     "host_s": upd_host_s - host_k * target.update_op_s},
-                "rates": {"h2d_bytes_per_s": target.h2d_bytes_per_s, "host_op_s": target.host_op_s,
-                          "update_op_s": target.update_op_s, "serial": target.serial},
-                "copies_overlapped_share": share, "first_window_bytes": window,
-                "transfers": {k: asdict(t) if dataclasses.is_dataclass(t) else dict(t) for k, t in transfers.items()}},
+        mfu=model_flops / (total * target.peak_flops) if total else 0.0,
+        host_syncs_per_step=None if host is None else sum(shape.syncs().values()),
+        card_ops_per_step=None if host is None else int(sum(c.kernels + c.copies for c in phases.values()) + dev_k),
+        detail=_detail(phases, target, trained, transfers, share, window, host,
+                       {"device_bytes": dev_b, "host_bytes": host_b, "in": upd_phase, "device_kernels": dev_k,
+                        "host_kernels": host_k, "device_s": upd_device_s,
+                        "host_s": upd_host_s - host_k * target.update_op_s}),
         comm=None if comm is None else {**comm.to_dict(), "compute_seconds": sum(compute_only.values()),
                                         "compute_phases": dict(compute_only),
                                         "added_seconds": total - sum(compute_only.values())},
     )
+
+
+def _detail(phases: dict[str, PhaseCost], target: Target, trained: Trained, transfers: dict[str, Any],
+            share: dict[str, float], window: int, host: _GpuHost | None, update: dict[str, Any]) -> dict[str, Any]:
+    """Everything the prediction used (plan.json's ``step_time.detail``): bench/step_time_fit.py and
+    bench/gpu_calibrate.py recompute the prediction from it alone."""
+    return {"phases": {k: c.to_dict() for k, c in phases.items()},
+            "optimizer_update": {**update, "host_elements": trained.host_elements,
+                                 "device_elements": trained.device_elements, "device_params": trained.device_params,
+                                 "host_params": trained.host_params},
+            "rates": {"h2d_bytes_per_s": target.h2d_bytes_per_s, "host_op_s": target.host_op_s,
+                      "update_op_s": target.update_op_s, "serial": target.serial},
+            "host": None if host is None else host.detail(),
+            "copies_overlapped_share": share, "first_window_bytes": window,
+            "transfers": {k: asdict(t) if dataclasses.is_dataclass(t) else dict(t) for k, t in transfers.items()}}
+
+
+def _scaled_phases(counter: CostCounter, scale: float) -> dict[str, PhaseCost]:
+    """The step's phases with the simulated micro-batches' counts scaled to the run's (not the optimizer's)."""
+    phases: dict[str, PhaseCost] = {}
+    for name in STEP_PHASES:
+        c = counter.phases.get(name, PhaseCost())
+        if name != "optimizer" and scale != 1:
+            c = PhaseCost(**{k: v * scale for k, v in asdict(c).items()})
+        phases[name] = c
+    return phases
+
+
+def _phase_compute(target: Target, c: PhaseCost, device_s: float, update_kernels: int) -> tuple[float, str]:
+    """A CPU target's compute of one phase: dispatch and compute add up (one host cost per op)."""
+    dispatch = c.ops * target.host_op_s + update_kernels * target.update_op_s
+    if target.serial:
+        return device_s + dispatch, ("compute" if device_s >= dispatch else "per-op overhead")
+    return max(device_s, dispatch), ("GPU work" if device_s >= dispatch else "host dispatch (small kernels)")
+
+
+@dataclass
+class _GpuHost:
+    """A GPU target's host time per phase (runner/plan/host.py): ops by kind, the update, syncs."""
+
+    costs: HostCosts
+    shape: StepShape
+    upd_phase: str
+
+    def phase(self, name: str, c: PhaseCost, device_s: float) -> tuple[float, str]:
+        syncs = self.shape.syncs().get(name, 0)
+        host = phase_host_s(name, c.to_dict(), self.costs) + syncs * self.costs.sync_s
+        serial = False
+        if name == self.upd_phase:
+            host += self.shape.update_host_s(self.costs)
+            serial = self.shape.per_param_syncs() > 0
+        device_s *= self.costs.device_scale
+        if serial:  # a sync per parameter: the card waits for the host and the host for the card
+            return host + device_s, "host syncs per parameter (no CPU/GPU overlap)"
+        return max(host, device_s), ("GPU work" if device_s >= host else "host dispatch (small kernels)")
+
+    def detail(self) -> dict[str, Any]:
+        return {"costs": self.costs.to_dict(), "syncs": self.shape.syncs(), "per_param_syncs": self.shape.per_param_syncs(),
+                "update_host_s": self.shape.update_host_s(self.costs), "update_impl": self.shape.update.impl,
+                "shape": asdict(self.shape)}

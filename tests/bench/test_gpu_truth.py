@@ -222,7 +222,7 @@ def test_the_oom_row_is_ok_only_when_the_cap_bit_and_gpu_figures_reach_the_table
             "common": [], "run_only": [], "budget_s": 480, "order": [row.name], "complete": True}
     text = section(meta, [{**rec, "wall_s": 30.0, "cap_gb": 11.2, "batch": 8, "half_batch": 4}], all_rows())
     line = next(t for t in text.splitlines() if t.startswith(f"| `{row.name}`"))
-    assert "| 10.500 | 11.000 | 12.000 / 12.125 | 0.88 | 0.91 | 0.2 | 0.08 | 2.50 | [4, 4, 4] | 30 |" in line
+    assert "| 10.500 | 11.000 | 12.000 / 12.125 | 0.88 | 0.91 | 0.2 (2 steps, spread 0%) | 0.08 | 2.50 | - | [4, 4, 4] | 30 |" in line
     assert "cap 11.200 GiB" in text and "OOM retries per step [1, 0, 0]" in text
 
 
@@ -266,3 +266,40 @@ def test_render_merges_a_later_run_into_the_rows_the_first_missed(tmp_path: Path
     (other / "rows.jsonl").write_text("")
     with pytest.raises(SystemExit, match="one table is one card's"):
         gpu_truth.merge_runs([H200 / "run1", other])
+
+
+def test_rows_never_measured_run_first(tmp_path: Path) -> None:
+    """A lent GPU's time goes to the rows bench/results/ has no measurement of; then the --order rule."""
+    import gpu_truth
+
+    (tmp_path / "h200" / "run1").mkdir(parents=True)
+    (tmp_path / "h200" / "run1" / "rows.jsonl").write_text(
+        json.dumps({"row": "sdxl_24gb", "status": "ok", "s_per_step": 0.9}) + "\n"
+        + json.dumps({"row": "flux_24gb", "status": "missing"}) + "\n")
+    measured = gpu_truth.measured_rows(tmp_path)
+    assert measured == {"sdxl_24gb"}
+    rows = [r for r in all_rows() if r.name in ("sdxl_24gb", "flux_24gb", "sd15_8gb")]
+    predicted = {"sdxl_24gb": 5.0, "flux_24gb": 1.0, "sd15_8gb": 2.0}
+    assert [r.name for r in gpu_truth.order_rows(rows, predicted, "longest", measured)] == [
+        "sd15_8gb", "flux_24gb", "sdxl_24gb"]
+    assert [r.name for r in gpu_truth.order_rows(rows, predicted, "shortest", measured)] == [
+        "flux_24gb", "sd15_8gb", "sdxl_24gb"]
+    committed = gpu_truth.measured_rows(ROOT / "bench" / "results")
+    assert {"sd15_8gb", "sdxl_24gb", "sd35_24gb"} <= committed and "flux_24gb" not in committed
+
+
+def test_compile_rows_and_the_spread_and_mfu_of_a_row() -> None:
+    from gpu_truth_rows import measured
+    from gpu_truth_table import mfu_cell, step_cell
+
+    rows = {r.name: r for r in all_rows()}
+    for preset in ("sdxl_24gb", "flux_24gb"):
+        row = rows[f"{preset}__compile"]
+        assert row.preset == preset and "train.compile=true" in row.settings and row.baseline == preset
+    steps = [{"s_per_step": s} for s in (9.0, 1.0, 1.2, 0.8, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0)]
+    got = measured(steps)
+    assert got["timed_steps"] == 10 and got["s_per_step"] == pytest.approx(1.0)
+    assert got["spread"] == pytest.approx(0.4)  # (1.2 - 0.8) / median 1.0; step 1 (9 s) not timed
+    assert "10 steps, spread 40%" in step_cell({**got})
+    assert mfu_cell({"plan_mfu": 0.2, "predicted_s": 0.5, "s_per_step": 1.0}) == "10.0%"
+    assert mfu_cell({"plan_mfu": None, "predicted_s": 0.5, "s_per_step": 1.0}) == "-"

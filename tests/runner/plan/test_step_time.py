@@ -237,15 +237,40 @@ def test_the_cpu_calibration_is_measured_once_and_cached(tmp_path, monkeypatch):
 @pytest.mark.parametrize("overrides", [["device.name=h200"], ["device.name=h200", "offload=stream",
                                                               "model.train=full"], ["train.device=cpu"]])
 def test_a_plans_detail_recomputes_its_own_prediction(overrides):
-    """bench/gpu_calibrate.py refits the host cost per op from a plan's step_time.detail alone: that
-    detail must hold everything the prediction used (GPU, streamed copies, and the CPU's serial
-    model), and a larger host cost can only lengthen the step."""
+    """bench/step_time_fit.py (GPU) and bench/gpu_calibrate.py (CPU) refit the host costs from a plan's
+    step_time.detail alone: that detail must hold everything the prediction used (GPU, streamed copies,
+    and the CPU's serial model), and a larger host cost can only lengthen the step."""
     import sys
+    from dataclasses import replace
 
     sys.path.insert(0, str(ROOT / "bench"))
     from gpu_calibrate import phase_seconds
+    from step_time_fit import predict_row
+
+    from runner.plan.host import HostCosts
 
     st = plan_step(compose("mode=plan", *overrides)).step_time
-    own = st["detail"]["rates"]["host_op_s"]
-    assert phase_seconds(st, own) == pytest.approx(st["seconds"], rel=1e-4)
-    assert phase_seconds(st, 2 * own) > phase_seconds(st, own)
+    host = st["detail"]["host"]
+    if host is None:  # the CPU's serial model
+        own = st["detail"]["rates"]["host_op_s"]
+        assert phase_seconds(st, own) == pytest.approx(st["seconds"], rel=1e-4)
+        assert phase_seconds(st, 2 * own) > phase_seconds(st, own)
+        return
+    rec, costs = {"detail": st["detail"], "shape": host["shape"]}, HostCosts(**host["costs"])
+    assert predict_row(rec, costs) == pytest.approx(st["seconds"], rel=1e-4)
+    assert predict_row(rec, replace(costs, kernel_op_s=2 * costs.kernel_op_s)) > predict_row(rec, costs)
+    assert st["host_syncs_per_step"] >= 1 and st["card_ops_per_step"] > 0 and 0 < st["mfu"] <= st["utilisation"]
+
+def test_host_syncs_per_step_by_what_the_step_does():
+    """The planner's count of host syncs (runner/plan/host.py): the loss read per micro-batch and the norm
+    read are per step; only an update that syncs per parameter (bitsandbytes 0.50) or fused backward's
+    per-parameter read grows with the parameters."""
+    from runner.plan.host import StepShape
+
+    def total(*args, **kw):
+        return sum(StepShape(*args, **kw).syncs().values())
+
+    assert total("adamw", 100, 2, False) == total("adamw", 200, 2, False) == 3
+    assert total("adamw8bit", 100, 1, False) == 2 + 100
+    assert StepShape("adamw8bit", 100, 1, True).syncs() == {"backward": 2 + 2 * 100, "optimizer": 0}
+    assert total("adamw8bit", 100, 1, True, update_syncs_per_param=0, hook_syncs_per_param=0) == 2
