@@ -144,6 +144,19 @@ def _reserved_line(plan: Plan) -> str:
     return line
 
 
+def _host_ram_lines(peak: int) -> list[str]:
+    """The host peak against this machine's RAM (where a plan is made is usually where the run trains)."""
+    import psutil
+
+    ram = int(psutil.virtual_memory().total)
+    if peak <= ram:
+        return [f"  fits this machine's RAM ({format_size(ram)})"]
+    return [f"  OVER this machine's RAM ({format_size(ram)}) by {format_size(peak - ram)}: the run would swap or be "
+            "killed. Lower it with model.path=<weights file> (a file is read tensor by tensor; a random init builds "
+            "each model whole), quantization of the frozen base, fewer offloads to the host (offload.*), or "
+            "train on a machine with more RAM (fit.host_ram_gb=<GiB> plans for it in mode=fit)."]
+
+
 def format_plan(plan: Plan) -> str:
     """The plan as a readable table (what ``mode=plan`` prints)."""
     s = plan.run
@@ -204,6 +217,7 @@ def format_plan(plan: Plan) -> str:
         f"{format_size(plan.host_steady_bytes)}; pinned {format_size(plan.host_pinned_bytes)}, "
         f"pageable {format_size(plan.host_pageable_bytes)}",
     ]
+    lines += _host_ram_lines(plan.host_peak_bytes)
     if plan.host_ranks:
         lines.append(_host_ranks_line(plan.host_ranks))
     elif plan.notes.get("base load"):  # one process: how a quantized LoRA base is loaded (runner/plan/base_reads.py)
