@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 from runner import registry
 from runner.cli.compose import compose_config
 from runner.errors import UserError
+from runner.fit.picture import draw_fit
 from runner.fit.search import Candidate, FitResult, fitted_overrides, search
 from runner.plan.result import format_size
 from runner.plan.target import GiB
@@ -183,6 +184,7 @@ def write_outputs(result: FitResult, out: Path) -> dict[str, Any]:
         paths.update(preset=preset, conf=conf, command=command, preset_command=preset_command)
         record.update(preset=str(preset), command=command, preset_command=preset_command)
     paths["json"].write_text(json.dumps(record, indent=1, default=str) + "\n")
+    paths["png"] = draw_fit(record, out)
     return paths
 
 
@@ -227,7 +229,8 @@ def fit_command(cfg: Any, overrides: Sequence[str], out: Path) -> FitResult:
         raise NothingFits(f"No configuration fits budget {format_size(result.limit)}: see the table above and "
                           f"{paths['json']}. Allow settings that change the math (fit.allow=[...]), lower "
                           "data.resolution or train.batch_size, or use a larger device.")
-    print(f"\nwrote {paths['preset']}\nrun it with:\n  {paths['preset_command']}\nor:\n  {paths['command']}")
+    picture = f" and {paths['png']}" if paths["png"] else ""
+    print(f"\nwrote {paths['preset']}{picture}\nrun it with:\n  {paths['preset_command']}\nor:\n  {paths['command']}")
     return result
 
 

@@ -155,7 +155,7 @@ def no_plan_reason(cfg: Any) -> str:
 
 
 # ---- drawing ---------------------------------------------------------------------------------------
-def _figure(width: float, height: float, rows: int, cols: int) -> tuple[Any, list[Any]]:
+def new_figure(width: float, height: float, rows: int, cols: int) -> tuple[Any, list[Any]]:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -165,7 +165,7 @@ def _figure(width: float, height: float, rows: int, cols: int) -> tuple[Any, lis
     return fig, axes
 
 
-def _unit(top_bytes: float) -> tuple[float, str]:
+def byte_unit(top_bytes: float) -> tuple[float, str]:
     return (GIB, "GiB") if top_bytes >= GIB else (MIB, "MiB")
 
 
@@ -202,7 +202,7 @@ def _draw_memory(ax: Any, rows: list[dict[str, Any]], planned: int | None, track
     if cuda:
         top = max([planned or 0] + [(r.get(k) or 0) * GIB for r in rows
                                     for k in ("mem_allocated_gb", "mem_reserved_gb", "memory_peak_gb")])
-        scale, unit = _unit(top)
+        scale, unit = byte_unit(top)
         col = lambda key: [r[key] * GIB / scale if r.get(key) is not None else math.nan for r in rows]  # noqa: E731
         ax.plot(steps, col("mem_allocated_gb"), color="tab:green", label="CUDA allocated (step end)")
         ax.plot(steps, col("mem_reserved_gb"), color="tab:green", linestyle="--", label="CUDA reserved (step end)")
@@ -212,7 +212,7 @@ def _draw_memory(ax: Any, rows: list[dict[str, Any]], planned: int | None, track
         ax.set_title("memory: CUDA allocator at each step end, and the plan", fontsize=9)
     else:
         top = max([planned or 0] + list(tracked.values()))
-        scale, unit = _unit(top or 1)
+        scale, unit = byte_unit(top or 1)
         device_ax = ax
         if tracked:
             ts = sorted(tracked)
@@ -262,7 +262,7 @@ def write_loss_plot(out: Path, cfg: Any = None) -> Path | None:
     rows = [r for r in rows if isinstance(r.get("step"), int)]
     if not rows:
         return None
-    fig, (loss_ax, mem_ax) = _figure(9.0, 7.0, 2, 1)
+    fig, (loss_ax, mem_ax) = new_figure(9.0, 7.0, 2, 1)
     _draw_loss(loss_ax, rows, seams)
     budget = _select(cfg, "budget_gb")
     _draw_memory(mem_ax, rows, planned_peak_bytes(out), tracked_peaks(out), None if budget is None else float(budget),
@@ -298,7 +298,7 @@ def write_sweep_plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
         return None
     lists = [r.get("overrides") or [] for r in rows]
     common = {o for o in lists[0] if all(o in other for other in lists[1:])} if len(lists) > 1 else set()
-    fig, (loss_ax, bar_ax) = _figure(13.0, 5.5, 1, 2)
+    fig, (loss_ax, bar_ax) = new_figure(13.0, 5.5, 1, 2)
     for row in rows:
         metrics = Path(str(row.get("dir", ""))) / "metrics.jsonl"
         data = [r for r in read_metrics(metrics) if isinstance(r.get("step"), int)] if metrics.is_file() else []
