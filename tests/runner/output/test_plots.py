@@ -106,7 +106,7 @@ def test_no_metrics_no_picture_and_a_failing_plot_is_a_warning(tmp_path, monkeyp
     def broken(*a, **k):
         raise RuntimeError("no backend")
 
-    monkeypatch.setattr(plots, "_figure", broken)
+    monkeypatch.setattr(plots, "new_figure", broken)
     cfg = OmegaConf.create({"mode": "train", "output_dir": str(tmp_path), "train": {"preflight": True, "resume": None}})
     with caplog.at_level(logging.WARNING, logger="runner"):
         jobs.plot_job(cfg)  # the hook run_job calls, however a job ended: must not raise
