@@ -101,6 +101,7 @@ class FusedBackward(ForwardsToInner):
         self.stepped = 0  # parameters updated in this step's backward
         self.skipped: list[str] = []  # parameters whose gradient was not finite (not updated)
         self.loss_admitted = True
+        self.loss_value: float | None = None  # the micro-batch's loss, read before its backward (admits)
         self._warned_late = False
         for gi, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
@@ -187,11 +188,13 @@ class FusedBackward(ForwardsToInner):
 
     # -- what the loop asks (the same interface as NotFused) ------------------------------------
     def admits(self, loss: torch.Tensor) -> bool:
-        """Run backward for ``loss``? Not when it is non-finite: backward would update parameters."""
-        self.loss_admitted = self._simulated or self.agree(math.isfinite(float(loss.detach())))
+        """Run backward for ``loss``? Not when it is non-finite: backward would update parameters. The
+        loss is read on the host here, before backward (:attr:`loss_value`: the loop's one read of it)."""
+        self.loss_value = None if self._simulated else float(loss.detach())
+        self.loss_admitted = self._simulated or self.agree(math.isfinite(self.loss_value))
         if not self.loss_admitted:
             log.warning("fused backward: the loss is %s; backward is not run, so no parameter is updated",
-                        float(loss.detach()))
+                        self.loss_value)
         return self.loss_admitted
 
     def guard_norm(self, norm: Any) -> Any:
@@ -226,6 +229,7 @@ class NotFused:
 
     intact = True
     unsplittable_because: str | None = None
+    loss_value: float | None = None  # the loop reads the loss itself, after backward
 
     def admits(self, loss: torch.Tensor) -> bool:
         return True
