@@ -30,5 +30,5 @@ class SyncTrainer(PixelDiffusionTrainer):
     def loss(self, models, batch) -> torch.Tensor:
         loss = super().loss(models, batch)
         for _ in range(self.item_reads):
-            loss.detach().item()
+            loss.item()
         return loss

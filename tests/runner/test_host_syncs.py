@@ -27,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 SIM = ["train.device=cuda_sim", "train.progress=false", "sample.every=0", "export.enabled=false"]
 SYNCING = ["trainer=custom", "trainer._target_=sync_trainer.SyncTrainer", "data.resolution=16", "data.demo_size=4",
-           "optimizer=adamw8bit", "train.steps=3"]
+           "optimizer=adamw8bit", "train.steps=3", "train.preflight=false"]  # the planner cannot run .item()
 MOST_SYNCS = 4  # per step: the loss, the gradient norm or fused backward's flags, and room for one more
 
 
@@ -72,12 +72,12 @@ def test_twice_the_parameters_sync_as_often(tmp_path, fused, clip):
     from sync_trainer import SyncTrainer
 
     sizes = [sum(1 for _ in SyncTrainer(compose_config([*SYNCING, f"+trainer.options.layers_per_block={n}"]))
-                 .build_models()["unet"].parameters()) for n in (1, 3)]
+                 .build_models()["unet"].parameters()) for n in (1, 4)]
     numel = [sum(p.numel() for p in SyncTrainer(compose_config([*SYNCING, f"+trainer.options.layers_per_block={n}"]))
-                 .build_models()["unet"].parameters()) for n in (1, 3)]
+                 .build_models()["unet"].parameters()) for n in (1, 4)]
     assert numel[1] >= 2 * numel[0] and sizes[1] > sizes[0]
     runs = [job(tmp_path / f"layers{n}", *SYNCING, f"+trainer.options.layers_per_block={n}",
-                f"optimizer.fused_backward={fused}", f"train.max_grad_norm={clip}") for n in (1, 3)]
+                f"optimizer.fused_backward={fused}", f"train.max_grad_norm={clip}") for n in (1, 4)]
     assert all(r["status"] == "ok" for r in runs)
     assert runs[0]["host_syncs_per_step"] == runs[1]["host_syncs_per_step"] <= MOST_SYNCS
     assert runs[1]["card_ops_per_step"] > runs[0]["card_ops_per_step"]  # the bigger model does more work
