@@ -61,8 +61,8 @@ non-finite *gradient* is flagged in its hook: that parameter's update is undone 
 state as before; the optimizer's host-side step counter is put back when the flags are read), the others
 are kept; the guard counts the step as non-finite (patience and ``stop`` apply), and the log names the
 parameters. If the run then stops, or runs out of memory in backward, some parameters already hold
-this step's update: the weights are neither the last step's nor this one's, so nothing is saved at that moment (the
-message names the newest checkpoint to resume from).
+this step's update: the weights are neither the last step's nor this one's, so nothing is saved at that
+moment (the message names the newest checkpoint to resume from).
 """
 from __future__ import annotations
 
@@ -163,14 +163,15 @@ class FusedBackward(ForwardsToInner):
             return
         if self.reduce is not None:  # every rank then clips, checks and steps the same averaged gradient
             self.reduce(grad)
-        if self._simulated:  # the planner: fake values, nothing to decide
+        ok = None  # the planner (fake values): nothing to decide
+        if self.max_grad_norm > 0:  # per-parameter clipping by its own norm, on the card (module docstring)
+            norm = torch.nn.utils.clip_grad_norm_([p], self.max_grad_norm)
+            ok = None if self._simulated else torch.isfinite(whole_value(norm))
+        elif not self._simulated:
+            ok = finite_flag(grad)
+        if ok is None:
             self._step_one(p)  # type: ignore[arg-type]
         else:
-            if self.max_grad_norm > 0:  # per-parameter clipping by its own norm, on the card (module docstring)
-                norm = torch.nn.utils.clip_grad_norm_([p], self.max_grad_norm)
-                ok = torch.isfinite(whole_value(norm))
-            else:
-                ok = finite_flag(grad)
             self._masked_step(p, ok)  # type: ignore[arg-type]
         self.stepped += 1
         p.grad = None
