@@ -47,6 +47,28 @@ def job(out: Path, *overrides: str) -> dict:
     return summary
 
 
+def test_what_counts_as_a_host_sync_on_the_simulated_card():
+    from runner.accel import SIM_DEVICE, SIMULATED
+
+    with SimulatedCuda(None) as card:
+        t = card.tracker
+        x, host = torch.randn(4, device=SIM_DEVICE), torch.randn(4)
+        reads = [lambda: x.sum().item(), lambda: float(x.sum()), lambda: bool(x.sum() > 0), lambda: int(x[0]),
+                 lambda: x.tolist(), lambda: x.cpu(), lambda: x.to("cpu"), lambda: torch.empty(4).copy_(x),
+                 lambda: SIMULATED.current_stream().synchronize(), lambda: SIMULATED.Event().synchronize(),
+                 lambda: SIMULATED.synchronize()]
+        for read in reads:
+            before = t.host_syncs
+            read()
+            assert t.host_syncs == before + 1, read
+        before, ops = t.host_syncs, t.card_ops
+        host.sum().item(), host.tolist(), x.to("cpu", non_blocking=True)  # a host value; a copy not waited for
+        p = torch.nn.Parameter(x * 2 + 1)
+        p.grad = x * 3
+        torch.nn.utils.clip_grad_norm_([p], 1.0)  # no read: the coefficient stays on the card
+        assert t.host_syncs == before and t.card_ops > ops + 4 and torch.linalg.vector_norm(p.grad) <= 1.0 + 1e-5
+
+
 def test_a_trainer_reading_the_card_k_times_per_step_adds_k_host_syncs(tmp_path):
     k = 3
     plain = job(tmp_path / "plain", *SYNCING)
