@@ -29,11 +29,21 @@ from typing import Any
 import torch
 
 
+SYNC_OBSERVERS: list[Any] = []
+"""Callables told of every host synchronisation with a simulated stream or event (``train.device=cuda_sim``
+counts them as host syncs: on a GPU each one stops the CPU until the card catches up)."""
+
+
+def _synchronized() -> None:
+    for observe in SYNC_OBSERVERS:
+        observe()
+
+
 class SimulatedEvent:
     """A CUDA event on a stream that runs in order: reached as soon as it is recorded."""
 
     def synchronize(self) -> None:
-        return None
+        _synchronized()
 
     def query(self) -> bool:
         return True
@@ -59,7 +69,7 @@ class SimulatedStream:
         return event if event is not None else SimulatedEvent()
 
     def synchronize(self) -> None:
-        return None
+        _synchronized()
 
     def query(self) -> bool:
         return True
@@ -90,7 +100,7 @@ class SimulatedStreams:
             self._current = previous
 
     def synchronize(self, device: Any = None) -> None:
-        return None
+        _synchronized()
 
 
 SIMULATED = SimulatedStreams()

@@ -68,6 +68,12 @@ Sharded tensors in the live-bytes tracker (fallback: none needed where DTensor i
     ``DTensor._local_tensor``: the shard a rank holds, read inside the tracker's dispatch mode,
     where ``DTensor.to_local()`` (an autograd function) must not run: :func:`dtensor_local`.
 
+One parameter's AdamW update (runner/optim/fused.py; no fallback: an error when called)
+    ``torch.optim.Adam._init_group``: the optimizer's own lazy state set-up, so fused backward calls
+    the public functional ``torch.optim.adamw.adamw`` for one parameter with the state ``step`` would make;
+    ``torch.optim.optimizer._global_optimizer_post_hooks`` and ``Optimizer._optimizer_step_post_hooks``: the
+    post-step hooks, run once after such updates (:func:`run_step_post_hooks`).
+
 FSDP2's collectives (runner/dist/agree.py; fallback: none needed, ranks then agree on an
 out-of-memory retry only at the end of each attempt, see there)
     ``torch.distributed.fsdp._fully_shard._fsdp_collectives``: ``DefaultAllGather`` and
@@ -100,6 +106,7 @@ __all__ = [
     "queue_engine_callback", "sdp_priority_order", "tree_flatten", "tree_iter", "tree_map", "unset_fake_temporarily",
     "without_dispatch_modes", "TorchFunctionMode", "parse_to", "FAKE_VALUE_ERRORS",
     "FSDP_COMMS", "autograd_node_name", "FSDPDefaultAllGather", "FSDPDefaultReduceScatter", "DTensor", "dtensor_local",
+    "adam_init_group", "run_step_post_hooks",
 ]
 
 TESTED_TORCH = ">=2.11,<2.14"
@@ -365,6 +372,30 @@ except (ImportError, AttributeError):  # pragma: no cover
     FSDP_COMMS = False
 if not FSDP_COMMS:  # pragma: no cover
     FALLBACKS["FSDP2 custom collectives"] = "out-of-memory agreement at the end of each attempt only"
+
+# ---- one parameter's AdamW update (fused backward: runner/optim/fused.py) -------------------------------
+if callable(getattr(torch.optim.Adam, "_init_group", None)):
+
+    def adam_init_group(optimizer: torch.optim.Optimizer, group: dict[str, Any], *lists: list) -> bool:
+        """torch Adam/AdamW's lazy state set-up for ``group``'s parameters that have a gradient, filling
+        ``lists`` (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps) as its ``step`` does;
+        whether any parameter is complex."""
+        return bool(optimizer._init_group(group, *lists))
+else:  # pragma: no cover
+    adam_init_group = _missing("torch.optim.Adam._init_group", "fused backward's one-parameter AdamW update",
+                               AttributeError("_init_group"))
+
+
+
+def run_step_post_hooks(optimizer: torch.optim.Optimizer) -> None:
+    """The hooks ``optimizer.register_step_post_hook`` registered (and the global ones), as after its ``step()``:
+    fused backward updates each parameter without calling ``step()``."""
+    from torch.optim.optimizer import _global_optimizer_post_hooks
+
+    hooks = [*_global_optimizer_post_hooks.values(), *getattr(optimizer, "_optimizer_step_post_hooks", {}).values()]
+    for hook in hooks:
+        hook(optimizer, (), {})
+
 
 try:
     from torch.distributed.tensor import DTensor

@@ -56,6 +56,7 @@ from runner.context import RunContext
 from runner.errors import UserError
 from runner.loop import TrainResult
 from runner.memory.profile import build_profiler
+from runner.memory.cuda_sim import HostCounts
 from runner.memory.stats import MemoryMonitor
 from runner.optim.fused import fusion_of
 from runner.output.report import MetricsWriter, print_summary, write_run_info
@@ -159,6 +160,7 @@ class HostedRun:
         self.result = TrainResult(steps_done=0)
         self._metrics = MetricsWriter(self.output_dir / "metrics.jsonl")
         self._memory = MemoryMonitor(self.run.device, self.run.budget_gb, self.ctx.card)
+        self._counts = HostCounts(self.ctx.card)  # train.device=cuda_sim: the step's host syncs and card ops
         self._profiler = build_profiler(cfg, self.ctx)
         self._t0 = time.perf_counter()
         self._times: list[float] = []
@@ -220,6 +222,7 @@ class HostedRun:
         if not self._times and not self.result.losses:
             self._t0 = time.perf_counter()
         self._profiler.begin_step(step)
+        self._counts.begin()
         self.ctx.run_phase("on_step_start", step - 1)
         with ExitStack() as stack:
             stack.enter_context(self.ctx.step_context())
@@ -244,7 +247,7 @@ class HostedRun:
         self._profiler.end_step()
         value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
         self.ctx.ema.update(step, applied=math.isfinite(value))  # a non-finite step is not averaged in
-        row = {"step": step, "loss": value, "s_per_step": dt, **self._memory.sample(step), **extra}
+        row = {"step": step, "loss": value, "s_per_step": dt, **self._counts.end(), **self._memory.sample(step), **extra}
         self._metrics.write(row)
         self.result.losses.append(value)
         self._times.append(dt)

@@ -35,6 +35,7 @@ from runner.export.checkpoint import EXPORT_DIR, INFO_FILE
 from runner.guards.nonfinite import NonFiniteGuard, NonFiniteStop, grad_norm
 from runner.guards.oom import MicroBatchRecovery, OutOfMemoryGiveUp
 from runner.loss.config import describe_prior
+from runner.memory.cuda_sim import HostCounts
 from runner.memory.profile import NullProfiler, build_profiler
 from runner.memory.stats import MemoryMonitor
 from runner.optim.fused import fusion_of
@@ -153,6 +154,7 @@ class Loop:
         self.recovery = MicroBatchRecovery(ctx, micro, run.rank_batch, self.params,  # OOM: discard the step, halve, retry
                                            unsplittable_because=self.fused.unsplittable_because)
         self.memory = MemoryMonitor(ctx.device, run.budget_gb, ctx.card)  # per-step memory columns and pressure warnings
+        self.counts = HostCounts(ctx.card)  # train.device=cuda_sim: the step's host syncs and card ops
         self.profiler = build_profiler(cfg, ctx) if self.dist.is_main else NullProfiler()  # a no-op unless profile.enabled
         self.guard = NonFiniteGuard(cfg.train.on_nonfinite, cfg.train.nonfinite_patience, lr=cfg.optimizer.get("lr"),
                                     scaler_active=ctx.accelerator.scaler is not None, precision=run.precision)
@@ -281,11 +283,12 @@ class Loop:
     def record(self, step_loss: float, dt: float) -> None:
         """The step's metrics row (loss, lr, time, memory, val_loss), the tracker and the progress line."""
         step = self.state.step
+        counts = self.counts.end()  # before the metrics' own work (validation, trackers) is counted
         self.step_times.append(dt)
         mem = self.memory.sample(step)
         row = {"step": step, "loss": step_loss, "lr": self.scheduler.get_last_lr()[0], "s_per_step": dt,
                "samples_seen": self.state.samples_seen, "micro_batch_size": self.recovery.micro_batch_size,
-               "oom_retries": self.recovery.retries_this_step, "nonfinite_skips": self.guard.total, **mem}
+               "oom_retries": self.recovery.retries_this_step, "nonfinite_skips": self.guard.total, **counts, **mem}
         row.update(self.ctx.validation.maybe_evaluate(step))  # val_loss every val.every steps
         row.update(optimizer_columns(self.ctx.optimizer))  # optimizer=prodigy: its step-size estimate
         self.metrics.write(row)
@@ -316,6 +319,7 @@ def train(ctx: RunContext) -> TrainResult:
         ctx.sampler.maybe_sample(state.step)  # samples at the start (step 0, or the resumed step)
         while state.step < steps:
             t0 = time.perf_counter()
+            loop.counts.begin()
             loop.profiler.begin_step(state.step + 1)
             ctx.run_phase("on_step_start", state.step)
             trainer_step_start(ctx, state.step)  # a trainer that switches modules per step (Wan 2.2 A14B's experts)
@@ -368,8 +372,10 @@ def forward_backward(ctx: RunContext, raw: dict[str, Any], micro: int, profiler:
             enc = encode(ctx.trainer, ctx.models, mb)
             loss = ctx.trainer.loss(ctx.models, enc)
         weight = batch_len(mb) / batch_size
+        fusion = fusion_of(ctx.optimizer)
         with profiler.phase("backward"):
-            if fusion_of(ctx.optimizer).admits(loss):  # fused backward: a non-finite loss must not reach the weights
+            if fusion.admits(loss):  # fused backward: a non-finite loss must not reach the weights
                 ctx.accelerator.backward(loss * weight)
-        total += float(loss.detach()) * weight
+        # The micro-batch's one host read of a card value: after backward is queued (fused backward read it before)
+        total += (float(loss.detach()) if fusion.loss_value is None else fusion.loss_value) * weight
     return total

@@ -199,7 +199,7 @@ def salted(seeds: torch.Tensor, salt: int) -> torch.Tensor:
     Without it the VAE posterior sample and the diffusion noise of a sample would be the *same*
     numbers (same seed, same shape).
     """
-    return torch.tensor([(int(s) * 7_919_007 + salt) % (1 << 62) for s in seeds.tolist()], dtype=torch.int64)
+    return torch.tensor([(int(s) * 7_919_007 + salt) % (1 << 62) for s in host_list(seeds)], dtype=torch.int64)
 
 
 def per_sample_randn(
@@ -222,7 +222,7 @@ def _seed_values(seeds: torch.Tensor) -> list[int | None]:
     a None per row: the draws then have the real path's shapes and bytes, without values."""
     from runner.compat import is_fake
 
-    return [None] * len(seeds) if is_fake(seeds) else seeds.tolist()
+    return [None] * len(seeds) if is_fake(seeds) else host_list(seeds)
 
 
 def per_sample_rand(seeds: torch.Tensor, salt: int, device: torch.device | str) -> torch.Tensor:
@@ -235,8 +235,23 @@ def per_sample_rand(seeds: torch.Tensor, salt: int, device: torch.device | str) 
 
 
 def move_batch(batch: Mapping[str, Any], device: torch.device | str) -> Batch:
-    """Move every tensor of a batch to ``device``; other values are kept as they are."""
-    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    """Move every tensor of a batch to ``device``; other values are kept as they are. A moved tensor
+    keeps its host original (:func:`host_list` reads it), so reading per-sample seeds or indices on
+    the host is not a device-to-host copy that waits for the card."""
+    out = {}
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor):
+            moved = v.to(device)
+            if moved is not v:
+                moved._runner_host = v  # type: ignore[attr-defined]
+            v = moved
+        out[k] = v
+    return out
+
+
+def host_list(t: torch.Tensor) -> list[Any]:
+    """``t.tolist()``, from the host original :func:`move_batch` kept when there is one (no host sync)."""
+    return getattr(t, "_runner_host", t).tolist()
 
 
 def slice_batch(batch: Mapping[str, Any], start: int, stop: int) -> Batch:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from runner.plugins.park.cache import EncoderCache
-from runner.trainer import ModelSet, batch_device
+from runner.trainer import ModelSet, batch_device, host_list
 
 log = logging.getLogger("runner")
 
@@ -58,8 +58,8 @@ class CachedEncode:
         if "index" not in batch:
             raise RuntimeError("offload=park: the batch has no 'index' key, so cached entries cannot be found; "
                                "the trainer's dataset must return each sample's index")
-        index = batch["index"].tolist()
-        flip = batch["flip"].tolist() if "flip" in batch else [False] * len(index)  # data.random_flip, this visit
+        index = host_list(batch["index"])  # the host originals: no read of the card
+        flip = host_list(batch["flip"]) if "flip" in batch else [False] * len(index)  # data.random_flip, this visit
         views = [i + self.samples if f else i for i, f in zip(index, flip)]
         device = batch_device(batch)
         parts = {}

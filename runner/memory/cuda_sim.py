@@ -30,6 +30,13 @@ device). A torch-function mode makes the rest of the CUDA semantics hold:
   tensor used on a side stream lives exactly as long as the plugin keeps a reference to it
   (its stash or prefetch window), which is what the caching allocator would keep.
 
+What the host does is counted too (:class:`HostCounts`): every op dispatched on the card (``card_ops``) and
+every host sync (``host_syncs``): a read of a card value on the host (``.item()``, ``float``/``int``/``bool``
+of a card tensor, ``.tolist()``), a blocking copy from the card to the host, and a synchronize of a
+simulated stream or event. On a GPU each sync stops the CPU until the card has caught up, so the CPU
+can no longer queue work ahead of it; the loop writes both per step to metrics.jsonl and
+job_summary.json (``host_syncs_per_step``, ``card_ops_per_step``).
+
 What is measured: the live-bytes tracker (:class:`runner.memory.live_bytes.LiveBytesTracker`)
 counts card storages under ``"cuda_sim"`` and host ones under ``"cpu"``; the card's births and deaths
 drive :class:`runner.memory.caching_allocator.CachingAllocatorModel` with the budget as its cap,
@@ -42,6 +49,7 @@ before the simulation started (the prompts encoded for samples) counts as host m
 """
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -49,7 +57,7 @@ from typing import Any
 
 import torch
 
-from runner.accel import SIM_DEVICE, is_simulated_cuda
+from runner.accel import SIM_DEVICE, SYNC_OBSERVERS, is_simulated_cuda
 from runner.compat import TorchFunctionMode, engine_run_backward, parse_to, tree_iter
 from runner.memory.caching_allocator import CachingAllocatorModel
 from runner.memory.live_bytes import LiveBytesTracker, _storage_of
@@ -71,6 +79,24 @@ _aten = torch.ops.aten
 _CROSSING_OPS = {_aten._to_copy, _aten.copy_, _aten.copy, _aten._copy_from, _aten._copy_from_and_resize, _aten.to,
                  _aten.set_, _aten.index, _aten.index_put_, _aten.index_put, _aten._index_put_impl_, _aten.lift_fresh,
                  _aten.detach, _aten.alias, _aten.record_stream}
+
+
+# A host sync: the CPU reads a card value (``.item()``; ``float``/``int``/``bool`` of a tensor dispatch it).
+_SYNC_OPS = {_aten._local_scalar_dense.default}
+# Copies: one from the card into host memory that is not non_blocking is a host sync.
+_COPY_PACKETS = {_aten._to_copy, _aten.copy_}
+# torch modules whose ``.to(device)`` passes the real device of card tensors (a bare ``cpu`` here): on a GPU
+# that is the card, so no move (torch.nn.utils.clip_grad moves the clip coefficient to the gradients' device).
+_REAL_DEVICE_CALLERS = {"torch.nn.utils.clip_grad"}
+_MODE_MODULES = {__name__, "runner.plan.semantics", "torch.overrides", "torch.utils._python_dispatch"}
+
+
+def _caller_module() -> str | None:
+    """The module of the code that made the call the function modes are handling (past the modes' frames)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_globals.get("__name__") in _MODE_MODULES:
+        frame = frame.f_back
+    return frame.f_globals.get("__name__") if frame is not None else None
 
 
 def _requested_place(device: Any) -> str:
@@ -126,6 +152,27 @@ class PlacementTracker(LiveBytesTracker):
         self.call_place: str | None = None  # the user-level call's inputs are on the card (_PlacementCalls)
         self._pinning = 0
         self._pinned: dict[int, tuple[weakref.ref, int]] = {}
+        self.card_ops = 0  # ops dispatched with an input or output on the card
+        self.host_syncs = 0  # reads of card values on the host, blocking copies to it, stream/event synchronizes
+
+    def _count(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """Count ``func`` as a card op or a host sync (module docstring)."""
+        if func in _SYNC_OPS:
+            self.host_syncs += self._on_card(args[0])
+            return
+        if func.overloadpacket in _COPY_PACKETS:
+            copy_ = func.overloadpacket is _aten.copy_
+            src = args[1] if copy_ else args[0]
+            to_host = (self.place_of(args[0]) if copy_ else self._op_key) == HOST_KEY
+            if to_host and self._on_card(src):
+                waits = not (kwargs.get("non_blocking") or (copy_ and len(args) > 2 and args[2] is True))
+                self.host_syncs += waits  # the CPU waits for a blocking copy to the host
+                self.card_ops += not waits
+                return
+        self.card_ops += self._op_key == DEVICE_KEY
+
+    def _on_card(self, t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and self.place_of(t) == DEVICE_KEY
 
     def place_of(self, t: torch.Tensor) -> str:
         """Where ``t``'s storage lives: :data:`DEVICE_KEY` or the host (also for one never seen)."""
@@ -166,6 +213,7 @@ class PlacementTracker(LiveBytesTracker):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         self._refuse_mixed(func, args, kwargs or {})
         self._op_key = self._placement(kwargs or {}, args)
+        self._count(func, args, kwargs or {})
         self.alloc_observer.failed = None
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if self._pinning:
@@ -236,6 +284,8 @@ class _PlacementCalls(TorchFunctionMode):
         if getattr(func, "__self__", None) is _DEVICE_GETTER:
             return SIM_DEVICE if tracker.place_of(args[0]) == DEVICE_KEY else func(*args, **kwargs)
         if func is torch.Tensor.to:
+            if _caller_module() in _REAL_DEVICE_CALLERS:
+                return self._to_real_device(args, kwargs)
             return self._to(args, kwargs)
         if func is torch.Tensor.cpu:
             t = args[0]
@@ -245,6 +295,8 @@ class _PlacementCalls(TorchFunctionMode):
                 return args[0].clone()
         if func is torch.Tensor.is_pinned:
             return tracker.is_pinned(args[0])
+        if func is torch.Tensor.tolist and tracker.place_of(args[0]) == DEVICE_KEY:
+            tracker.host_syncs += 1  # C++ reads the values after copying them to the host: one sync
         device = kwargs.get("device")
         if device is not None and torch.device(device) == _HOST:  # the caller asks for the host: say so
             kwargs = {**kwargs, "device": _HOST_MOVE}
@@ -260,6 +312,16 @@ class _PlacementCalls(TorchFunctionMode):
             return func(*args, **kwargs)
         finally:
             tracker.call_place = outer
+
+    def _to_real_device(self, args: tuple, kwargs: dict) -> Any:
+        """``.to(device)`` from torch code that passes a tensor's real device (a bare ``cpu`` for a card tensor):
+        it stays where it is, as on a GPU (clipping moves the clip coefficient to the gradients' device)."""
+        t, rest = args[0], args[1:]
+        if rest and isinstance(rest[0], (torch.device, str)) and torch.device(rest[0]) == _HOST:
+            rest = rest[1:]
+        elif isinstance(kwargs.get("device"), (torch.device, str)) and torch.device(kwargs["device"]) == _HOST:
+            kwargs = {k: v for k, v in kwargs.items() if k != "device"}
+        return self._to((t, *rest), kwargs)
 
     def _to(self, args: tuple, kwargs: dict) -> Any:
         t, rest = args[0], args[1:]
@@ -343,11 +405,17 @@ class SimulatedCuda:
         self.tracker.__enter__()
         self._calls.__enter__()
         self.semantics.__enter__()
+        SYNC_OBSERVERS.append(self._stream_synchronized)
         self.active = True
         return self
 
+    def _stream_synchronized(self) -> None:
+        self.tracker.host_syncs += 1
+
     def __exit__(self, *exc: Any) -> None:
         self.active = False
+        if self._stream_synchronized in SYNC_OBSERVERS:
+            SYNC_OBSERVERS.remove(self._stream_synchronized)
         try:
             self.semantics.__exit__(*exc)
         finally:
@@ -369,3 +437,22 @@ class SimulatedCuda:
     @property
     def pinned_bytes(self) -> int:
         return self.tracker.pinned_bytes()
+
+
+class HostCounts:
+    """A step's host syncs and card ops on the simulated card (module docstring); nothing elsewhere."""
+
+    def __init__(self, card: Any) -> None:
+        self.tracker: PlacementTracker | None = getattr(card, "tracker", None)
+        self._start = (0, 0)
+
+    def begin(self) -> None:
+        """The step starts: count from here."""
+        if self.tracker is not None:
+            self._start = (self.tracker.host_syncs, self.tracker.card_ops)
+
+    def end(self) -> dict[str, int]:
+        """The step's metrics columns ``host_syncs`` and ``card_ops`` (none when nothing is simulated)."""
+        if self.tracker is None:
+            return {}
+        return {"host_syncs": self.tracker.host_syncs - self._start[0], "card_ops": self.tracker.card_ops - self._start[1]}

@@ -92,6 +92,7 @@ from runner.optim.config import (  # noqa: F401  (the schemas: re-exported)
     store_optimizer_schemas,  # runner/config/__init__.py used to take it from here
 )
 from runner.optim.coupled import PRODIGY_COUPLES, SCHEDULEFREE_COUPLES, build_prodigy, build_schedulefree
+from runner.optim.eight_bit import without_per_parameter_sync
 from runner.optim.layouts import (  # noqa: F401  (StateTensor and the bitsandbytes sizes: re-exported)
     BNB_BLOCKSIZE,
     PAGED_MIN_NUMEL,
@@ -170,7 +171,8 @@ def _build_adamw(cfg: Any, params: list[torch.nn.Parameter]) -> torch.optim.Opti
 def _build_adamw8bit(cfg: Any, params: list[torch.nn.Parameter], paged: bool = False) -> torch.optim.Optimizer:
     import bitsandbytes as bnb
 
-    cls = bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit
+    # not paged: bitsandbytes' update without its host sync after every parameter (runner/optim/eight_bit.py)
+    cls = bnb.optim.PagedAdamW8bit if paged else without_per_parameter_sync(bnb.optim.AdamW8bit)
     return cls(
         params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay,
         min_8bit_size=int(cfg.min_8bit_size),
@@ -190,10 +192,12 @@ def _build_adafactor(cfg: Any, params: list[torch.nn.Parameter]) -> torch.optim.
 def _build_lion(cfg: Any, params: list[torch.nn.Parameter], eight_bit: bool = False) -> torch.optim.Optimizer:
     import bitsandbytes as bnb
 
-    if eight_bit:
-        return bnb.optim.Lion8bit(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
-                                  min_8bit_size=int(cfg.min_8bit_size))
-    return bnb.optim.Lion32bit(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    if eight_bit:  # bitsandbytes' update without its host sync after every parameter (runner/optim/eight_bit.py)
+        lion8 = without_per_parameter_sync(bnb.optim.Lion8bit)
+        return lion8(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
+                     min_8bit_size=int(cfg.min_8bit_size))
+    lion32 = without_per_parameter_sync(bnb.optim.Lion32bit)
+    return lion32(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
 
 
 def _build_came(cfg: Any, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:

@@ -8,19 +8,29 @@ gradients are ever alive (kohya's ``--fused_backward_pass``, OneTrainer's fused 
 PyTorch's "optimizer in backward" recipe).
 
 How: one optimizer, the one the run configured (``runner/optim/build.py``), stepped one parameter at a
-time. In the hook its parameter groups are narrowed to the one parameter (the other groups
-emptied) for a normal ``step()``, then restored. AdamW (``foreach=False``), bitsandbytes'
-8-bit AdamW and Lion, Adafactor and CAME update each parameter independently of the others, so this gives
+time through its own one-parameter update: torch's AdamW through its functional ``adamw`` (with the
+state its ``step`` sets up), bitsandbytes' 8-bit AdamW and Lion through ``update_one``
+(runner/optim/eight_bit.py); any other optimizer through a normal ``step()`` with its parameter groups
+narrowed to the one parameter (the other groups emptied), then restored. AdamW,
+bitsandbytes' optimizers, Adafactor and CAME update each parameter independently of the others, so this gives
 exactly the normal step's result (tests/runner/optim/test_fused.py checks the weights bit for bit). We
 keep one optimizer rather than one per parameter (the PyTorch recipe) because then the LR
 scheduler, ``state_dict`` and checkpoints are the normal optimizer's, unchanged: a checkpoint
 resumes with fused backward on or off.
 
+No host sync per parameter: clipping and the finite check are decided on the card. Clipping is torch's
+``clip_grad_norm_`` (an on-card coefficient ``min(1, max_norm / (norm + 1e-6))`` multiplied into the
+gradient); the gradient's finite flag (of its norm when clipping) is written into a flag vector on the card;
+each update is made, then kept or undone on the card with ``torch.where`` against a copy of that
+parameter's weights and state taken just before it (one parameter's copy at a time, freed at once). The
+flags are read once, at the end of backward (:meth:`FusedBackward.settle`, when the loop asks
+:meth:`FusedBackward.guard_norm`): one host sync per step instead of one per parameter.
+
 Under several processes: ``dist=ddp`` builds no DDP buckets and averages each gradient in its hook
 first (``reduce``); under ``dist=fsdp`` the parameters are FSDP2's sharded DTensors, whose
 post-accumulate-grad hooks FSDP2 itself calls after each unit's reduce-scatter (autograd never
 accumulates into them), so each rank steps its shard of the already averaged gradient. The clipping
-norm and the finite check are then agreed over the ranks (:func:`whole_value`, :func:`all_finite`),
+norm and the finite flag are then agreed over the ranks on the card (:func:`whole_value`, :func:`finite_flag`),
 and a loss non-finite on one rank keeps every rank out of that backward (``agree``), since the hooks
 are collectives.
 
@@ -47,12 +57,12 @@ What it cannot do, and what happens instead:
 Non-finite values (runner/guards/nonfinite.py): the guard can no longer skip an update that already
 happened during backward, so the checks move earlier. A non-finite *loss* is seen before
 backward, and backward is not run (nothing is updated: the same as the normal skip). A
-non-finite *gradient* is seen in its hook: that parameter is not updated (its gradient dropped),
-the others are; the guard counts the step as non-finite (patience and ``stop`` apply), and the
-log names the parameters. The check costs one device synchronisation per parameter. If the run
-then stops, or runs out of memory in backward, some parameters already hold this step's update:
-the weights are neither the last step's nor this one's, so nothing is saved at that moment (the
-message names the newest checkpoint to resume from).
+non-finite *gradient* is flagged in its hook: that parameter's update is undone on the card (weights and
+state as before; the optimizer's host-side step counter is put back when the flags are read), the others
+are kept; the guard counts the step as non-finite (patience and ``stop`` apply), and the log names the
+parameters. If the run then stops, or runs out of memory in backward, some parameters already hold
+this step's update: the weights are neither the last step's nor this one's, so nothing is saved at that
+moment (the message names the newest checkpoint to resume from).
 """
 from __future__ import annotations
 
@@ -64,10 +74,12 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.optim.adamw import adamw
 
-from runner.compat import is_fake
+from runner.compat import DTensor, adam_init_group, dtensor_local, is_fake, run_step_post_hooks
 from runner.errors import UserError
 from runner.optim.build import OPTIMIZERS, ForwardsToInner
+from runner.optim.eight_bit import NoPerParameterSync
 
 log = logging.getLogger("runner")
 
@@ -94,26 +106,45 @@ class FusedBackward(ForwardsToInner):
         # dist: every rank admits a step's backward or none does (its hooks are collectives: DDP's all-reduce,
         # FSDP's reduce-scatter); one process: the identity
         self.agree = agree or (lambda ok: ok)
-        self._group_of: dict[int, int] = {}
+        self._group_of: dict[int, tuple[int, int]] = {}  # id(p) -> (group index, position in the group)
         self._hooks: list[Any] = []
         self._optimizer_step_pre_hooks: dict = {}
         self._optimizer_step_post_hooks: dict = {}
         self.stepped = 0  # parameters updated in this step's backward
-        self.skipped: list[str] = []  # parameters whose gradient was not finite (not updated)
+        self._skipped: list[str] = []  # parameters whose gradient was not finite (not updated)
+        self._pending: list[_Before] = []  # this backward's updates whose finite flag is not read yet
+        self._flags: torch.Tensor | None = None  # their flags, on the card (one element per parameter)
+        self._direct = False  # a parameter stepped through the optimizer's one-parameter update (not its step())
         self.loss_admitted = True
+        self.loss_value: float | None = None  # the micro-batch's loss, read before its backward (admits)
         self._warned_late = False
         for gi, group in enumerate(optimizer.param_groups):
-            for p in group["params"]:
-                self._group_of[id(p)] = gi
+            for pi, p in enumerate(group["params"]):
+                self._group_of[id(p)] = (gi, pi)
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._hook))
         self._simulated = any(is_fake(p) for g in optimizer.param_groups for p in g["params"])
 
     # -- the step, one parameter at a time ------------------------------------------------------
     def _step_one(self, p: nn.Parameter) -> None:
+        """``p``'s update through the optimizer's own update for one parameter where it has one (torch's
+        AdamW: its functional ``adamw``; bitsandbytes: ``update_one``), else a whole ``step()`` with the
+        parameter groups narrowed to ``p``."""
+        gi, pi = self._group_of[id(p)]
+        inner = self.inner
+        group = inner.param_groups[gi]
+        if isinstance(inner, NoPerParameterSync):
+            inner.update_one(group, p, gi, pi)
+            self._direct = True
+        elif type(inner) is torch.optim.AdamW:
+            _adamw_one(inner, group, p)
+            self._direct = True
+        else:
+            self._step_narrowed(p, gi)
+
+    def _step_narrowed(self, p: nn.Parameter, mine: int) -> None:
         groups = self.inner.param_groups
         saved = [g["params"] for g in groups]
-        mine = self._group_of[id(p)]
         try:
             for gi, g in enumerate(groups):
                 g["params"] = [p] if gi == mine else []
@@ -132,17 +163,52 @@ class FusedBackward(ForwardsToInner):
             return
         if self.reduce is not None:  # every rank then clips, checks and steps the same averaged gradient
             self.reduce(grad)
-        if self.max_grad_norm > 0:  # per-parameter clipping: this parameter's own norm (module docstring)
+        ok = None  # the planner (fake values): nothing to decide
+        if self.max_grad_norm > 0:  # per-parameter clipping by its own norm, on the card (module docstring)
             norm = torch.nn.utils.clip_grad_norm_([p], self.max_grad_norm)
-            finite = self._simulated or math.isfinite(float(whole_value(norm)))
-        else:
-            finite = self._simulated or all_finite(grad)
-        if finite:
+            ok = None if self._simulated else torch.isfinite(whole_value(norm))
+        elif not self._simulated:
+            ok = finite_flag(grad)
+        if ok is None:
             self._step_one(p)  # type: ignore[arg-type]
-            self.stepped += 1
         else:
-            self.skipped.append(self.names.get(id(p), f"parameter {tuple(p.shape)}"))
+            self._masked_step(p, ok)  # type: ignore[arg-type]
+        self.stepped += 1
         p.grad = None
+
+    def _masked_step(self, p: nn.Parameter, ok: torch.Tensor) -> None:
+        """``p``'s update, kept where ``ok`` (a flag on the card) and undone on the card where not, so no
+        host read decides it; the flag is read once for the whole backward (:meth:`settle`)."""
+        if self._flags is not None and len(self._pending) >= self._flags.numel():
+            self.settle()  # more updates than parameters without a zero_grad (steps outside the loop)
+        state = self.inner.state.get(p) or {}
+        before = _Before(p, state)
+        self._step_one(p)
+        before.keep_where(ok, self.inner.state.get(p) or {})
+        self._pending.append(before)
+        if self._flags is None or self._flags.device != ok.device:
+            self._flags = torch.ones(len(self._group_of), dtype=torch.bool, device=ok.device)
+        self._flags[len(self._pending) - 1] = ok
+
+    def settle(self) -> None:
+        """End of backward: read the parameters' finite flags once (one host sync), and for those whose
+        gradient was not finite (their weights and card state already restored) restore the optimizer's
+        host-side state (step counters) and name them."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        flags = self._flags[: len(pending)].tolist()  # the step's one read of the card
+        for before, ok in zip(pending, flags):
+            if not ok:
+                before.restore_host_state(self.inner.state)
+                self.stepped -= 1
+                self._skipped.append(self.names.get(id(before.param), f"parameter {tuple(before.param.shape)}"))
+
+    @property
+    def skipped(self) -> list[str]:
+        """The parameters whose gradient was not finite in this step (not updated)."""
+        self.settle()
+        return self._skipped
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
         """Step the parameters that still hold a gradient (set outside autograd); normally none."""
@@ -160,12 +226,16 @@ class FusedBackward(ForwardsToInner):
             log.warning("fused backward: %d parameters still held a gradient after backward and stepped only then "
                         "(their post-accumulate-grad hooks did not run), e.g. %s", len(late),
                         self.names.get(id(late[0]), f"parameter {tuple(late[0].shape)}"))
+        if self._direct:  # the inner optimizer's step() never ran: its post-step hooks (the state-bytes note) run now
+            self._direct = False
+            run_step_post_hooks(self.inner)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self.settle()  # a step nobody asked about (a test stepping directly): its non-finite updates stay undone
         self.inner.zero_grad(set_to_none=set_to_none)
         self.stepped = 0
-        self.skipped = []
+        self._skipped = []
         self.loss_admitted = True
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -187,11 +257,13 @@ class FusedBackward(ForwardsToInner):
 
     # -- what the loop asks (the same interface as NotFused) ------------------------------------
     def admits(self, loss: torch.Tensor) -> bool:
-        """Run backward for ``loss``? Not when it is non-finite: backward would update parameters."""
-        self.loss_admitted = self._simulated or self.agree(math.isfinite(float(loss.detach())))
+        """Run backward for ``loss``? Not when it is non-finite: backward would update parameters. The
+        loss is read on the host here, before backward (:attr:`loss_value`: the loop's one read of it)."""
+        self.loss_value = None if self._simulated else float(loss.detach())
+        self.loss_admitted = self._simulated or self.agree(math.isfinite(self.loss_value))
         if not self.loss_admitted:
             log.warning("fused backward: the loss is %s; backward is not run, so no parameter is updated",
-                        float(loss.detach()))
+                        self.loss_value)
         return self.loss_admitted
 
     def guard_norm(self, norm: Any) -> Any:
@@ -226,6 +298,7 @@ class NotFused:
 
     intact = True
     unsplittable_because: str | None = None
+    loss_value: float | None = None  # the loop reads the loss itself, after backward
 
     def admits(self, loss: torch.Tensor) -> bool:
         return True
@@ -248,21 +321,77 @@ def whole_value(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def all_finite(grad: torch.Tensor) -> bool:
-    """Is every element of ``grad`` finite? Under ``dist=fsdp`` ``grad`` is this rank's shard of a
-    DTensor (FSDP2 calls the hook after its reduce-scatter): the answer is agreed over the shard
-    group with one all-reduce of a flag, not by gathering the gradient, so every rank decides the
-    same for the parameter and they step (or skip) it together."""
-    from torch.distributed.tensor import DTensor
-
+def finite_flag(grad: torch.Tensor) -> torch.Tensor:
+    """Whether every element of ``grad`` is finite, as a 0-dim bool on the card (no host read). Under
+    ``dist=fsdp`` ``grad`` is this rank's shard of a DTensor (FSDP2 calls the hook after its
+    reduce-scatter): the flag is agreed over the shard group with one all-reduce, on the card, so every
+    rank keeps (or undoes) the parameter's update alike."""
     if not isinstance(grad, DTensor):
-        return bool(torch.isfinite(grad).all())
+        return torch.isfinite(grad).all()
     import torch.distributed as dist
 
-    flag = torch.isfinite(grad.to_local()).all().to(torch.float32).reshape(1)
+    flag = torch.isfinite(dtensor_local(grad)).all().to(torch.float32).reshape(1)
     for group in grad.device_mesh.get_all_groups():
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item() > 0)
+    return flag[0] > 0
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return dtensor_local(t) if isinstance(t, DTensor) else t
+
+
+_CONSTANT_STATE = frozenset({"qmap1", "qmap2"})  # bitsandbytes' quantile maps: one per optimizer, never written
+
+
+class _Before:
+    """A parameter's weights and optimizer state before its update in fused backward: copies on the card
+    (freed as soon as :meth:`keep_where` has used them), and the state the optimizer keeps on the host
+    (step counters), restored only if the flag read at the end of backward says the update was undone."""
+
+    def __init__(self, p: torch.Tensor, state: dict[str, Any]) -> None:
+        self.param = p
+        self.had_state = bool(state)
+        device = _local(p).device
+        self.weights: torch.Tensor | None = _local(p).detach().clone()
+        self.card: dict[str, torch.Tensor] = {}
+        self.host: dict[str, Any] = {}
+        for k, v in state.items():
+            if not isinstance(v, torch.Tensor):
+                self.host[k] = v
+            elif k not in _CONSTANT_STATE:
+                v = _local(v)
+                (self.card if v.device == device else self.host)[k] = v.detach().clone()
+
+    def keep_where(self, ok: torch.Tensor, state: dict[str, Any]) -> None:
+        """Where ``ok`` is false, put the weights and the card state back (``torch.where`` on the card)."""
+        w = _local(self.param).detach()
+        torch.where(ok, w, self.weights, out=w)
+        for k, old in self.card.items():
+            new = state.get(k)
+            if isinstance(new, torch.Tensor) and _local(new).shape == old.shape:
+                n = _local(new).detach()
+                torch.where(ok, n, old, out=n)
+        self.weights, self.card = None, {}
+
+    def restore_host_state(self, states: Any) -> None:
+        """The update was undone on the card: the host-side state goes back too (a first step's state goes)."""
+        if not self.had_state:
+            states.pop(self.param, None)
+            return
+        st = states[self.param]
+        for k, v in self.host.items():
+            st[k] = v
+
+
+def _adamw_one(optimizer: torch.optim.AdamW, group: dict[str, Any], p: torch.Tensor) -> None:
+    """torch AdamW's update of ``p`` alone: its state set-up and its functional ``adamw``, as ``step`` calls them."""
+    lists: tuple[list, ...] = ([], [], [], [], [], [])
+    has_complex = adam_init_group(optimizer, {**group, "params": [p]}, *lists)
+    beta1, beta2 = group["betas"]
+    adamw(*lists, foreach=group["foreach"], capturable=group["capturable"], differentiable=group["differentiable"],
+          fused=group["fused"], grad_scale=None, found_inf=None, has_complex=has_complex, amsgrad=group["amsgrad"],
+          beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+          maximize=group["maximize"])
 
 
 def fusion_of(optimizer: Any) -> FusedBackward | NotFused:

@@ -16,6 +16,9 @@ on CPU the memory profile's tracked peak when the job was profiled, else the pre
 device peak, never the process RSS (which counts the interpreter and every library, and in a
 sweep run in one process what earlier jobs left behind). ``peak_memory_source`` says which figure
 it is; ``planned_peak_gb`` (the plan, on any device) and ``host_rss_peak_gb`` sit beside it.
+``host_syncs_per_step`` and ``card_ops_per_step`` (``train.device=cuda_sim`` only, else null): what the host did
+per optimizer step on the simulated card (runner/memory/cuda_sim.py), the mean over the steps after the
+first (which creates the optimizer state), as ``s_per_step`` is.
 ``sweep.png`` plots every job's loss and its planned and measured peak (runner/output/plots.py).
 """
 from __future__ import annotations
@@ -96,7 +99,7 @@ def summarize_metrics(out: Path) -> dict[str, Any]:
     if not rows:
         return {"steps_done": 0, "final_loss": None, "final_loss_steps": 0, "s_per_step": None, "peak_memory_gb": None,
                 "peak_memory_source": None, "planned_peak_gb": planned_gb, "host_rss_peak_gb": None,
-                "micro_batch_size": None, "nonfinite_skips": None}
+                "micro_batch_size": None, "nonfinite_skips": None, "host_syncs_per_step": None, "card_ops_per_step": None}
     times = [r["s_per_step"] for r in rows]
     tail = times[1:] or times
     loss, k = final_loss([r.get("loss") for r in rows])
@@ -105,7 +108,18 @@ def summarize_metrics(out: Path) -> dict[str, Any]:
     return {"steps_done": rows[-1]["step"], "final_loss": loss, "final_loss_steps": k, "s_per_step": sum(tail) / len(tail),
             "peak_memory_gb": peak, "peak_memory_source": source, "planned_peak_gb": planned_gb,
             "host_rss_peak_gb": max(rss) if rss else None, "micro_batch_size": rows[-1].get("micro_batch_size"),
-            "nonfinite_skips": rows[-1].get("nonfinite_skips")}
+            "nonfinite_skips": rows[-1].get("nonfinite_skips"), **per_step_counts(rows)}
+
+
+def per_step_counts(rows: list[dict[str, Any]]) -> dict[str, float | None]:
+    """``host_syncs_per_step`` and ``card_ops_per_step``: the mean of the metrics' per-step counts over the
+    steps after the first (the first creates the optimizer state); None where the run counted none."""
+    out: dict[str, float | None] = {}
+    for column in ("host_syncs", "card_ops"):
+        counts = [r[column] for r in rows if r.get(column) is not None]
+        tail = counts[1:] or counts
+        out[f"{column}_per_step"] = sum(tail) / len(tail) if tail else None
+    return out
 
 
 def plot_job(cfg: DictConfig) -> None:

@@ -74,11 +74,13 @@ class Update:
 UPDATES: dict[str, Update] = {
     "adamw": Update("torch", 10, 0), "adamw_schedulefree": Update("torch", 10, 0), "adafactor": Update("torch", 14, 0),
     "prodigy": Update("torch", 14, 2), "came": Update("torch", 20, 0),
-    "adamw8bit": Update("bnb", 1, 1), "paged_adamw8bit": Update("bnb", 1, 1), "lion": Update("bnb", 1, 1),
-    "lion8bit": Update("bnb", 1, 1),
+    # bitsandbytes' kernels through runner/optim/eight_bit.py: no sync per parameter; paged keeps bitsandbytes' step
+    "adamw8bit": Update("bnb", 1, 0), "paged_adamw8bit": Update("bnb", 1, 1), "lion": Update("bnb", 1, 0),
+    "lion8bit": Update("bnb", 1, 0),
 }
-# Fused backward's hook per parameter (runner/optim/fused.py): float() of the clip norm, or all_finite.
-FUSED_HOOK_SYNCS = 1
+# Fused backward's hook per parameter (runner/optim/fused.py): decides on the card; its flags are read once, at
+# the end of backward (the "2 if fused" of StepShape.syncs: the loss read and that one)
+FUSED_HOOK_SYNCS = 0
 
 
 @dataclass

@@ -226,4 +226,5 @@ def test_a_hosted_loop_runs_on_the_simulated_card_like_managed_mode(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert {r["memory_source"] for r in rows} == {"cuda_sim"} and plan["target"] == "cuda"
+    assert all(r["card_ops"] > 0 and r["host_syncs"] >= 1 for r in rows)  # the card counts the user's loop too (the loss)
     assert 0.97 <= max(r["memory_peak_gb"] for r in rows) * 2**30 / plan["peak_bytes"] <= 1.03
