@@ -89,15 +89,37 @@ def build_trainer(cfg: DictConfig, run: ResolvedRun | None = None) -> Trainer:
     return trainer
 
 
+def idle_parts(run: ResolvedRun) -> dict[str, Any]:
+    """The features' objects of a :class:`RunContext` that switches none of them on (no sampling,
+    validation, EMA, tracking, flip, compile or simulated card; ``run``'s distribution): what the
+    session injects, so that runner/context.py imports no feature."""
+    from runner.compile.regional import NoCompile
+    from runner.data.flip import NO_FLIP
+    from runner.dist.runtime import build_distribution
+    from runner.ema.average import NoEMA
+    from runner.memory.cuda_sim import NoSimulation
+    from runner.output.trackers import NoTracking
+    from runner.sampling.sampler import NoSampler
+    from runner.val.holdout import NoValidation
+
+    return {"sampler": NoSampler(), "tracking": NoTracking(), "flip": NO_FLIP, "ema": NoEMA(),
+            "validation": NoValidation(), "dist": build_distribution(run), "compiler": NoCompile(),
+            "card": NoSimulation()}
+
+
 def make_context(cfg: Any, run: ResolvedRun, schedule: PluginSchedule, output_dir: Path | None,
                  overrides: list[str] | None = None) -> RunContext:
+    """The run's context: the features ``cfg`` selects that are known before the models (compile,
+    flip), the others idle until the session builds them."""
     from runner.compile.regional import build_compiler
     from runner.data.flip import visit_flip
 
+    parts = idle_parts(run)
+    parts["flip"] = visit_flip(cfg.get("data") if hasattr(cfg, "get") else None)
+    if hasattr(cfg, "train"):
+        parts["compiler"] = build_compiler(cfg.train)
     return RunContext(run=run, schedule=schedule, cfg=cfg, output_dir=output_dir,
-                      overrides=None if overrides is None else list(overrides),
-                      flip=visit_flip(cfg.get("data") if hasattr(cfg, "get") else None),
-                      **({"compiler": build_compiler(cfg.train)} if hasattr(cfg, "train") else {}))
+                      overrides=None if overrides is None else list(overrides), **parts)
 
 
 def output_dir(cfg: DictConfig) -> Path:

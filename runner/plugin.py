@@ -70,6 +70,13 @@ class Plugin:
     description: ClassVar[str] = ""
     after: ClassVar[tuple[str, ...]] = ()
     before: ClassVar[tuple[str, ...]] = ()
+    # (this plugin's claim action, another plugin's action on the same module) -> why the two cannot
+    # share that module; checked in both plugins' declarations by ``RunContext.claim``.
+    conflicts: ClassVar[dict[tuple[str, str], str]] = {}
+    # Plugins ("kind" or "kind/name") that must be selected with this one; a run without one stops before step 1.
+    requires: ClassVar[tuple[str, ...]] = ()
+    # What ``mode=fit`` may switch this plugin on or off as (a field of runner/fit/space.py:Knobs); "": not searched.
+    fit_knob: ClassVar[str] = ""
 
     def __init__(self, config: Any, run: ResolvedRun) -> None:
         self.config = config
@@ -90,6 +97,10 @@ class Plugin:
     def on_step_end(self, ctx: RunContext, step: int) -> None: ...
     def on_oom(self, ctx: RunContext, step: int, error: BaseException) -> None: ...
     def teardown(self, ctx: RunContext) -> None: ...
+
+    def conflict(self, action: str, other: str) -> str | None:
+        """Why this plugin's ``action`` and another plugin's ``other`` may not touch one module; None: they may."""
+        return self.conflicts.get((action, other))
 
     def implements(self, phase: str) -> bool:
         return getattr(type(self), phase) is not getattr(Plugin, phase)
@@ -191,6 +202,16 @@ def order_for_phase(plugins: list[Plugin], phase: str) -> list[Plugin]:
     return ordered
 
 
+def check_requirements(plugins: list[Plugin]) -> None:
+    """Every plugin's declared :attr:`Plugin.requires` is among ``plugins``; else a UserError naming both."""
+    for p in plugins:
+        for ref in p.requires:
+            if not any(_matches(ref, q) for q in plugins if q is not p):
+                wanted = ref.replace("/", "=") if "/" in ref else f"{ref}=<name>"
+                raise UserError(f"{p.key.replace('/', '=')} needs {wanted} selected too (it declares requires={ref!r}). "
+                                f"Add +{wanted}, or drop {p.key.replace('/', '=')}.")
+
+
 @dataclass
 class PluginSchedule:
     """The final per-phase order of a set of plugins, computed once and logged at start."""
@@ -200,6 +221,7 @@ class PluginSchedule:
 
     @classmethod
     def build(cls, plugins: list[Plugin]) -> PluginSchedule:
+        check_requirements(plugins)
         return cls(plugins, {ph: order_for_phase(plugins, ph) for ph in PHASES})
 
     def describe(self) -> str:

@@ -397,6 +397,7 @@ def cacheable(trainer: Any) -> bool:
 class Park(Plugin):
     kind = "offload"
     name = "park"
+    conflicts = {("park", "park"): "one parking per module"}
     Config = ParkConfig
 
     def validate(self) -> None:

@@ -314,6 +314,7 @@ class LinearQuantization(Plugin):
     """Base of the quantization plugins: choose modules and layers, then ``quantize`` each module."""
 
     kind = "quantization"
+    conflicts = {("quantize", "quantize"): "a module's Linear layers can be replaced by one quantization only"}
     # Claims after offload: park claims the encoders it will drop, and the default targets skip them.
     after = ("offload",)
 

@@ -84,6 +84,11 @@ class StreamOffload(ClaimsModules):
     kind = "offload"
     name = "stream"
     claim_as = "stream"
+    conflicts = {
+        ("stream", "park"): "a streamed module's weights are copied block by block, a parked one moves whole",
+        ("stream", "drop"): "a dropped module is freed once its outputs are cached: there is nothing to stream",
+        ("stream", "stream"): "one streaming plan per module",
+    }
     Config = StreamConfig
     # offload=[park,stream]: park's encode pre-pass runs while the denoiser is still on the host.
     after = ("offload/park",)

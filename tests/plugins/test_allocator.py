@@ -12,6 +12,7 @@ from hydra.core.config_store import ConfigStore
 
 from runner.cli.compose import compose_config
 from runner.context import RunContext
+from runner.build import idle_parts
 from runner.errors import UserError
 from runner.plugin import PluginSchedule
 from runner.plugins.allocator import (
@@ -145,7 +146,7 @@ def test_plugin_configure_process_on_cpu(caplog):
     run = _run(12.0)
     plugin = DefaultAllocator(OmegaConf.structured(AllocatorConfig(cap_to_budget=True)), run)
     cfg = OmegaConf.create({"budget_gb": 12.0})
-    ctx = RunContext(run=run, schedule=PluginSchedule.build([plugin]), cfg=cfg)
+    ctx = RunContext(run=run, schedule=PluginSchedule.build([plugin]), cfg=cfg, **idle_parts(run))
     assert [p.key for p in ctx.schedule.by_phase["configure_process"]] == ["allocator/default"]
     with caplog.at_level(logging.INFO, logger="runner"):
         ctx.run_phase("configure_process")

@@ -18,6 +18,7 @@ from torch import nn
 from runner.blocks import find_repeated_blocks
 from runner.cli.compose import compose_config
 from runner.context import RunContext
+from runner.build import idle_parts
 from runner.errors import UserError
 from runner.hooks import marked
 from runner.memory.live_bytes import LiveBytesTracker
@@ -267,7 +268,7 @@ def cpu_run() -> ResolvedRun:
 
 
 def make_ctx(plugin, models: ModelSet) -> RunContext:
-    ctx = RunContext(run=plugin.run, schedule=PluginSchedule.build([plugin]))
+    ctx = RunContext(run=plugin.run, schedule=PluginSchedule.build([plugin]), **idle_parts(plugin.run))
     ctx.models = models
     return ctx
 
