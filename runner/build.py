@@ -29,7 +29,7 @@ from runner.context import RunContext
 from runner.data.checks import EDIT_FAMILIES
 from runner.errors import UserError
 from runner.export.config import check_full_format
-from runner.plugin import Plugin, PluginSchedule
+from runner.plugin import PluginSchedule
 from runner.resolved import ResolvedRun
 from runner.trainer import ModelSet, Trainer, reference_count
 from runner.trainers.loading import attach_lora
@@ -37,15 +37,12 @@ from runner.trainers.loading import attach_lora
 log = logging.getLogger("runner")
 
 
-def build_plugins(cfg: DictConfig, run: ResolvedRun) -> PluginSchedule:
-    """Every selected plugin, built from its own config node and the resolved run, and validated;
-    then their per-phase order."""
-    plugins: list[Plugin] = []
-    for kind, name, node in registry.selected(cfg):
-        plugin = registry.get_plugin(kind, name)(node, run)
-        plugin.validate()
-        plugins.append(plugin)
-    return PluginSchedule.build(plugins)
+def build_plugins(cfg: DictConfig, run: ResolvedRun, *, check: bool = True) -> PluginSchedule:
+    """Every selected plugin, built from its own config node and the resolved run (and validated,
+    unless ``check=False``: the job's checks did it); then their per-phase order."""
+    from runner.config.checks import validate_plugins
+
+    return PluginSchedule.build(validate_plugins(cfg, run, check=check))
 
 
 def build_trainer(cfg: DictConfig, run: ResolvedRun | None = None) -> Trainer:

@@ -278,15 +278,16 @@ def check_plugin_settings(cfg: DictConfig) -> None:
             entry.check(node, f"{kind}.{name}")
 
 
-def validate_plugins(cfg: DictConfig, run: ResolvedRun) -> list[Plugin]:
-    """Each selected plugin built from its node and the resolved run, and its own ``validate()``
-    (after the settings' own checks, for a caller that skipped :func:`check_config`); the built
-    plugins, in the config's order."""
-    check_plugin_settings(cfg)
+def validate_plugins(cfg: DictConfig, run: ResolvedRun, *, check: bool = True) -> list[Plugin]:
+    """Each selected plugin built from its node and the resolved run, in the config's order, and with
+    ``check`` its own ``validate()`` (the checks against the run; its settings' own checks ran in
+    :func:`check_config`). ``check=False``: a job whose plugins :func:`check_run` validated already
+    (the planner's preflight builds them again for the simulated run)."""
     plugins = []
     for kind, name, node in registry.selected(cfg):
         plugin = registry.get_plugin(kind, name)(node, run)
-        plugin.validate()
+        if check:
+            plugin.validate()
         plugins.append(plugin)
     return plugins
 

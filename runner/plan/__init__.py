@@ -154,7 +154,7 @@ def preflight(cfg: Any, run: ResolvedRun, trainer: Any, out: Path) -> Plan | Non
         return None
     try:
         with _said_by_the_run():
-            plan = plan_step(cfg, trainer, run=run)
+            plan = plan_step(cfg, trainer, run=run, checked=True)  # the job's checks validated its plugins
     except (UserError, KeyboardInterrupt):
         raise
     except Exception as e:  # noqa: BLE001 - see the docstring
