@@ -346,6 +346,7 @@ def offload_activations(device: torch.device | str, host: torch.device | str = "
 class ActivationOffload(Plugin):
     kind = "offload"
     name = "activations"
+    fit_knob = "activations"
     Config = ActivationOffloadConfig
 
     def validate(self) -> None:

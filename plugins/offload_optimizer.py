@@ -147,6 +147,7 @@ def offload_optimizer(
 class OptimizerOffload(Plugin):
     kind = "offload"
     name = "optimizer"
+    fit_knob = "optimizer_offload"
     Config = OptimizerOffloadConfig
 
     def validate(self) -> None:

@@ -24,12 +24,12 @@ from omegaconf import DictConfig
 from torch import nn
 
 from runner import registry
-from runner.config.adapters import is_adapter
+from runner.constants import is_adapter
 from runner.context import RunContext
 from runner.data.checks import EDIT_FAMILIES
 from runner.errors import UserError
 from runner.export.config import check_full_format
-from runner.plugin import PluginSchedule
+from runner.plugin import Plugin, PluginSchedule
 from runner.resolved import ResolvedRun
 from runner.trainer import ModelSet, Trainer, reference_count
 from runner.trainers.loading import attach_lora
@@ -40,9 +40,20 @@ log = logging.getLogger("runner")
 def build_plugins(cfg: DictConfig, run: ResolvedRun, *, check: bool = True) -> PluginSchedule:
     """Every selected plugin, built from its own config node and the resolved run (and validated,
     unless ``check=False``: the job's checks did it); then their per-phase order."""
-    from runner.config.checks import validate_plugins
+    return PluginSchedule.build(selected_plugins(cfg, run, check=check))
 
-    return PluginSchedule.build(validate_plugins(cfg, run, check=check))
+
+def selected_plugins(cfg: DictConfig, run: ResolvedRun, *, check: bool = True) -> list[Plugin]:
+    """Each selected plugin built from its node and the resolved run, in the config's order, and with
+    ``check`` its own ``validate()`` (the checks against the run; its settings' own checks ran in
+    runner/config/checks.py:check_config)."""
+    plugins = []
+    for kind, name, node in registry.selected(cfg):
+        plugin = registry.get_plugin(kind, name)(node, run)
+        if check:
+            plugin.validate()
+        plugins.append(plugin)
+    return plugins
 
 
 def build_trainer(cfg: DictConfig, run: ResolvedRun | None = None) -> Trainer:

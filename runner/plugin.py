@@ -102,6 +102,11 @@ class Plugin:
         """Why this plugin's ``action`` and another plugin's ``other`` may not touch one module; None: they may."""
         return self.conflicts.get((action, other))
 
+    @classmethod
+    def fit_applies(cls, trainer: Any) -> bool:
+        """Whether ``mode=fit`` may switch this plugin on for ``trainer`` (asked only when :attr:`fit_knob` is set)."""
+        return True
+
     def implements(self, phase: str) -> bool:
         return getattr(type(self), phase) is not getattr(Plugin, phase)
 

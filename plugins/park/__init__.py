@@ -254,6 +254,11 @@ class Park(Plugin):
     kind = "offload"
     name = "park"
     conflicts = {("park", "park"): "one parking per module"}
+    fit_knob = "park"
+
+    @classmethod
+    def fit_applies(cls, trainer: Any) -> bool:
+        return cacheable(trainer)  # the search switches park on only where it caches an encode step
     Config = ParkConfig
 
     def validate(self) -> None:

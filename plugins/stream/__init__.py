@@ -84,6 +84,7 @@ class StreamOffload(ClaimsModules):
     kind = "offload"
     name = "stream"
     claim_as = "stream"
+    fit_knob = "stream_gb"
     conflicts = {
         ("stream", "park"): "a streamed module's weights are copied block by block, a parked one moves whole",
         ("stream", "drop"): "a dropped module is freed once its outputs are cached: there is nothing to stream",

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING
 from omegaconf import DictConfig, OmegaConf
 
 from runner import registry
-from runner.config import (
+from runner.config.adapters import check_adapter_quantization
+from runner.constants import (
     DTYPES,
     LR_SCHEDULERS,
     MODES,
@@ -34,8 +35,8 @@ from runner.config import (
     PRECISIONS,
     SIZES,
     TRAIN_DTYPES,
+    TRAIN_MODES,
 )
-from runner.config.adapters import TRAIN_MODES, check_adapter_quantization
 from runner.compile.config import check_compile_config
 from runner.devices import check_device_config
 from runner.dist import validate_dist
@@ -283,13 +284,9 @@ def validate_plugins(cfg: DictConfig, run: ResolvedRun, *, check: bool = True) -
     ``check`` its own ``validate()`` (the checks against the run; its settings' own checks ran in
     :func:`check_config`). ``check=False``: a job whose plugins :func:`check_run` validated already
     (the planner's preflight builds them again for the simulated run)."""
-    plugins = []
-    for kind, name, node in registry.selected(cfg):
-        plugin = registry.get_plugin(kind, name)(node, run)
-        if check:
-            plugin.validate()
-        plugins.append(plugin)
-    return plugins
+    from runner.build import selected_plugins
+
+    return selected_plugins(cfg, run, check=check)
 
 
 def _spelling(names: list[str]) -> str:

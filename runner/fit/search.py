@@ -133,9 +133,15 @@ def _inventory(cfg: Any, target: str) -> Inventory:
 
 
 def _cacheable(cfg: Any, target: str) -> bool:
-    from runner.plugins.park import cacheable
+    """Whether the plugin that declares fit's ``park`` knob applies to this run's trainer."""
+    from runner import registry
+    from runner.fit.space import offload_knobs
 
-    return cacheable(build_trainer(cfg, resolve(cfg, target=target, device=DEVICE).simulated()))
+    name = offload_knobs().get("park")
+    if name is None:
+        return False
+    trainer = build_trainer(cfg, resolve(cfg, target=target, device=DEVICE).simulated())
+    return registry.get_plugin("offload", name).fit_applies(trainer)
 
 
 def search(cfg: Any, overrides: Sequence[str]) -> FitResult:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from runner.__main__ import MODE_TASKS
-from runner.config import MODES
+from runner.constants import MODES
 
 
 def test_every_mode_has_one_task():
