@@ -59,6 +59,9 @@ class PluginConfig:
     """Base schema of every plugin config. ``name`` records which implementation was chosen."""
 
     name: str = "none"
+    # The boolean setting (a field of this schema) that serves text embeddings from a cache filled once,
+    # so the captions may not change between visits (data.shuffle_tags is refused with it); "": none.
+    text_cache_setting: ClassVar[str] = ""
 
 
 class Plugin:
@@ -77,6 +80,9 @@ class Plugin:
     requires: ClassVar[tuple[str, ...]] = ()
     # What ``mode=fit`` may switch this plugin on or off as (a field of runner/fit/space.py:Knobs); "": not searched.
     fit_knob: ClassVar[str] = ""
+    # What the planner's suggestions for a plan over budget may estimate this plugin saves when it is not
+    # selected (runner/plan/suggest.py): "frozen_weights", the frozen modules' weights on the device; "": nothing.
+    plan_saving: ClassVar[str] = ""
 
     def __init__(self, config: Any, run: ResolvedRun) -> None:
         self.config = config

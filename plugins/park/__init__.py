@@ -255,6 +255,7 @@ class Park(Plugin):
     name = "park"
     conflicts = {("park", "park"): "one parking per module"}
     fit_knob = "park"
+    plan_saving = "frozen_weights"
 
     @classmethod
     def fit_applies(cls, trainer: Any) -> bool:

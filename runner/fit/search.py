@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from runner.build import build_trainer, prepare_models
-from runner.cli.compose import compose_config
+from runner.compose import compose_config
 from runner.config.checks import validate
 from runner.errors import UserError
 from runner.fit.estimate import Anchor, Estimate, Estimator, Inventory, dtype_bytes

@@ -62,7 +62,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from runner.cli.compose import compose_config
+from runner.compose import compose_config
 from runner.config.checks import validate
 from runner.errors import UserError
 from runner.guards.oom import is_out_of_memory

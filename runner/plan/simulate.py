@@ -142,7 +142,7 @@ def plan_step(
 ) -> Plan:
     """Simulate one training step of ``cfg`` (with ``trainer`` and plugin ``schedule`` if given).
 
-    ``cfg``: the composed run config (``runner.cli.compose.compose_config``); ``run``: the resolved
+    ``cfg``: the composed run config (``runner.compose.compose_config``); ``run``: the resolved
     run to plan (a training run's own, for its preflight; default: ``cfg`` resolved for
     ``target``, itself by default CUDA unless ``train.device=cpu``); ``trainer``: any object
     following the trainer protocol (default: built from ``cfg.trainer``); ``schedule``: a
