@@ -349,9 +349,6 @@ class ActivationOffload(Plugin):
     fit_knob = "activations"
     Config = ActivationOffloadConfig
 
-    def validate(self) -> None:
-        check_config(self.config, self.key.replace("/", "."))
-
     def wrap_execution(self, ctx: RunContext) -> None:
         if self.run.target == "cpu":  # decided once, so the CPU plan and the CPU run agree
             log.info("activations: the device is the host (a CPU run): saved tensors stay where they are")

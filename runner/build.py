@@ -38,18 +38,23 @@ log = logging.getLogger("runner")
 
 
 def build_plugins(cfg: DictConfig, run: ResolvedRun, *, check: bool = True) -> PluginSchedule:
-    """Every selected plugin, built from its own config node and the resolved run (and validated,
-    unless ``check=False``: the job's checks did it); then their per-phase order."""
-    return PluginSchedule.build(selected_plugins(cfg, run, check=check))
+    """Every selected plugin, built from its own config node and the resolved run, then their per-phase
+    order. ``check``: each plugin's node check and ``validate()`` run here (a caller whose config no
+    job checked); ``check=False``: the job's checks did both (the preflight's plugins)."""
+    return PluginSchedule.build(selected_plugins(cfg, run, check=check, node_checked=not check))
 
 
-def selected_plugins(cfg: DictConfig, run: ResolvedRun, *, check: bool = True) -> list[Plugin]:
-    """Each selected plugin built from its node and the resolved run, in the config's order, and with
-    ``check`` its own ``validate()`` (the checks against the run; its settings' own checks ran in
-    runner/config/checks.py:check_config)."""
+def selected_plugins(cfg: DictConfig, run: ResolvedRun, *, check: bool = True,
+                     node_checked: bool = True) -> list[Plugin]:
+    """Each selected plugin built from its node and the resolved run, in the config's order. With
+    ``check`` its ``validate()`` runs (the checks against the run), and before it the node check its
+    registry entry declares unless ``node_checked`` (runner/config/checks.py:check_config ran it)."""
     plugins = []
     for kind, name, node in registry.selected(cfg):
-        plugin = registry.get_plugin(kind, name)(node, run)
+        entry = registry.plugin_entry(kind, name)
+        if check and not node_checked and entry.check is not None:
+            entry.check(node, f"{kind}.{name}")
+        plugin = entry.load()(node, run)
         if check:
             plugin.validate()
         plugins.append(plugin)

@@ -117,7 +117,9 @@ class Plugin:
         return getattr(type(self), phase) is not getattr(Plugin, phase)
 
     def validate(self) -> None:
-        """Check this plugin's settings against ``self.run``; raise UserError naming the key."""
+        """Check this plugin's settings against ``self.run``; raise UserError naming the key. What its
+        settings decide alone is the registry's node check (``declare_plugin(check=...)``), which runs
+        once before this (runner/config/checks.py:check_config, or runner/build.py:build_plugins)."""
 
     def encoder_signature(self, modules: frozenset[str] | None = None) -> dict[str, Any] | None:
         """Settings of this plugin that change what the frozen ``modules`` compute (cache keys);

@@ -93,7 +93,7 @@ from runner.plugins.park.cache import (
 from runner.plugins.park.encode import CachedEncode, IndexSamples
 from runner.plugins.park.loaded import require_loaded
 from runner.plugins.park.module import MARK, PARK_METHODS, ParkedModule, _bytes, park_module, unpark_module  # noqa: F401 (public)
-from runner.plugins.schemas import ParkConfig, check_park
+from runner.plugins.schemas import ParkConfig
 from runner.registry import register_plugin
 from runner.trainer import ModelSet
 
@@ -261,9 +261,6 @@ class Park(Plugin):
     def fit_applies(cls, trainer: Any) -> bool:
         return cacheable(trainer)  # the search switches park on only where it caches an encode step
     Config = ParkConfig
-
-    def validate(self) -> None:
-        check_park(self.config, self.key.replace("/", "."))
 
     def _parts(self, ctx: RunContext) -> list[str]:
         c = self.config

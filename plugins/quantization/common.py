@@ -330,7 +330,6 @@ class LinearQuantization(Plugin):
 
     # -- validation ----------------------------------------------------------------------------
     def validate(self) -> None:
-        check_quantization(self.config, self.key.replace("/", "."))  # names, patterns, ranges (schemas.py)
         resolved = self.compute_dtype()  # raises on an invalid name
         precision = self.run.precision
         half = {torch.float16, torch.bfloat16}

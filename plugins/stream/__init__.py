@@ -95,7 +95,6 @@ class StreamOffload(ClaimsModules):
     after = ("offload/park",)
 
     def validate(self) -> None:
-        check_config(self.config, self.key.replace("/", "."))
         if self.run.train_mode == "full" and self.run.precision == "fp16":
             raise UserError(
                 "offload=stream with model.train=full and train.mixed_precision=fp16: the streamed parameters' "

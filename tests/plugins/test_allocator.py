@@ -22,6 +22,7 @@ from runner.plugins.allocator import (
     DefaultAllocator,
     allocator_conf_string,
     apply_allocator_settings,
+    check_config,
     merge_alloc_conf,
 )
 from runner.resolved import GiB, ResolvedRun, resolve
@@ -129,11 +130,15 @@ def test_nothing_to_set_leaves_env_alone():
     ],
 )
 def test_validation(kwargs, budget, match):
-    plugin = DefaultAllocator(AllocatorConfig(**kwargs), _run(budget))
     with pytest.raises(UserError, match=match):
-        plugin.validate()
+        check_config(AllocatorConfig(**kwargs), budget)  # the node's checks and the run's budget, as a run makes them
     with pytest.raises(UserError, match=match):
         apply_allocator_settings(AllocatorConfig(**kwargs), budget, "cpu")
+
+
+def test_the_plugin_checks_the_cap_against_the_runs_budget():
+    with pytest.raises(UserError, match=r"allocator.default.cap_to_budget=true needs budget_gb"):
+        DefaultAllocator(AllocatorConfig(cap_to_budget=True), _run(None)).validate()
 
 
 def test_valid_cap_config_passes_validation():
