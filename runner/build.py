@@ -29,7 +29,7 @@ from runner.context import RunContext
 from runner.data.checks import EDIT_FAMILIES
 from runner.errors import UserError
 from runner.export.config import check_full_format
-from runner.plugin import Plugin, PluginSchedule
+from runner.plugin import Plugin, PluginSchedule, check_requirements
 from runner.resolved import ResolvedRun
 from runner.trainer import ModelSet, Trainer, reference_count
 from runner.trainers.loading import attach_lora
@@ -58,6 +58,8 @@ def selected_plugins(cfg: DictConfig, run: ResolvedRun, *, check: bool = True,
         if check:
             plugin.validate()
         plugins.append(plugin)
+    if check:
+        check_requirements(plugins)  # each plugin's declared requires, named before anything is built
     return plugins
 
 

@@ -27,7 +27,7 @@ from runner.compose import compose_config
 from runner.config.checks import validate
 from runner.errors import UserError
 from runner.fit.estimate import Anchor, Estimate, Estimator, Inventory, dtype_bytes
-from runner.fit.space import Knobs, Space, base_knobs, overrides_for
+from runner.fit.space import Knobs, Space, base_knobs, offload_knobs, overrides_for
 from runner.plan.result import Plan
 from runner.plan.simulate import plan_step, step_time_target
 from runner.plan.target import DEVICE, GiB
@@ -135,7 +135,6 @@ def _inventory(cfg: Any, target: str) -> Inventory:
 def _cacheable(cfg: Any, target: str) -> bool:
     """Whether the plugin that declares fit's ``park`` knob applies to this run's trainer."""
     from runner import registry
-    from runner.fit.space import offload_knobs
 
     name = offload_knobs().get("park")
     if name is None:
@@ -170,7 +169,7 @@ def search(cfg: Any, overrides: Sequence[str]) -> FitResult:
         planned[knobs] = plan
     inventory = _inventory(base_cfg, target)
     timing = step_time_target(run)
-    prefetch = int(base_cfg.offload.stream.prefetch) if base.stream_gb is not None else 1
+    prefetch = int(base_cfg.offload[offload_knobs()["stream_gb"]].prefetch) if base.stream_gb is not None else 1
     estimator = Estimator(anchors, inventory, timing, base, batch=run.batch_size, on_cuda=run.on_cuda,
                           train_dtype_bytes=dtype_bytes(run.train_dtype), frozen_dtype_bytes=dtype_bytes(run.frozen_dtype),
                           prefetch=prefetch)

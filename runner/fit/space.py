@@ -274,8 +274,9 @@ def overrides_for(k: Knobs, base: Knobs, cfg: Any, user: Sequence[str]) -> list[
              or any(o.split("=", 1)[0].startswith(f"offload.{n}.") for n in removed))
         extra.append(_kind_list("offload", names))
         if k.stream_gb is not None and k.stream_gb >= 0:
-            drop(lambda o: o.split("=", 1)[0] in ("offload.stream.device_budget_gb", "offload.stream.device_fraction"))
-            extra.append(f"offload.stream.device_budget_gb={k.stream_gb:g}")
+            node = f"offload.{plugins['stream_gb']}"
+            drop(lambda o: o.split("=", 1)[0] in (f"{node}.device_budget_gb", f"{node}.device_fraction"))
+            extra.append(f"{node}.device_budget_gb={k.stream_gb:g}")
     if k.micro != base.micro:
         drop(lambda o: o.split("=", 1)[0] == "train.grad_accum")
         extra.append(f"train.grad_accum={int(cfg.train.batch_size) // k.micro}")

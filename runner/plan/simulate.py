@@ -138,7 +138,6 @@ def plan_step(
     *,
     run: ResolvedRun | None = None,
     target: str | None = None,
-    checked: bool = False,
 ) -> Plan:
     """Simulate one training step of ``cfg`` (with ``trainer`` and plugin ``schedule`` if given).
 
@@ -147,8 +146,7 @@ def plan_step(
     ``target``, itself by default CUDA unless ``train.device=cpu``); ``trainer``: any object
     following the trainer protocol (default: built from ``cfg.trainer``); ``schedule``: a
     :class:`~runner.plugin.PluginSchedule` (default: the plugins ``cfg`` names, built for the
-    simulated run; ``checked``: the job's checks validated them already, so they are built unchecked).
-    Nothing real is allocated.
+    simulated run). Nothing real is allocated.
     """
     if run is None:
         run = resolve(cfg, target=target or planned_target(cfg), device=DEVICE)
@@ -160,7 +158,7 @@ def plan_step(
     trainer = _isolated(trainer if trainer is not None else build_trainer(cfg, run))
     import_model_classes(trainer)  # before the freeze: see the function
     with one_thread(), old_objects_frozen():
-        sim = _Simulation(cfg, run, trainer, schedule if schedule is not None else build_plugins(cfg, run, check=not checked))
+        sim = _Simulation(cfg, run, trainer, schedule if schedule is not None else build_plugins(cfg, run))
         with contextlib.closing(sim.part_shapes_job):  # no child left running if the plan fails
             counter = timing.counter()
             sim.tracker.op_observer = counter.observe  # FLOPs, bytes and copies of every op (runner/plan/cost.py)

@@ -60,3 +60,13 @@ def test_a_plugins_settings_are_checked_once_per_train_run(counting_plugin, tmp_
     task(cfg)
     assert (CALLS["check"], CALLS["validate"]) == (1, 1)
     assert CALLS["steps"] >= 2  # the plugin was in the run's steps (the preflight's simulated step calls it too)
+
+
+def test_a_declared_requirement_is_refused_by_the_jobs_checks(counting_plugin, monkeypatch):
+    from runner.config.checks import validate
+    from runner.errors import UserError
+
+    monkeypatch.setattr(CountingPlugin, "requires", ("checkpoint/blocks",))
+    with pytest.raises(UserError, match=r"tiling=counting needs checkpoint=blocks selected too"):
+        validate(compose_config(["+tiling=counting", "train.device=cpu", "mode=plan", "checkpoint=none"]))
+    validate(compose_config(["+tiling=counting", "train.device=cpu", "mode=plan", "checkpoint=blocks"]))
