@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from runner.plugin import Plugin
-from runner.plugins.schemas import MIN_SPLIT_MB, AllocatorConfig, check_allocator  # noqa: F401  (re-exported)
+from runner.plugins.schemas import MIN_SPLIT_MB, AllocatorConfig, check_allocator, check_cap_budget  # noqa: F401  (re-exported)
 from runner.registry import register_plugin
 
 if TYPE_CHECKING:
@@ -195,7 +195,7 @@ class DefaultAllocator(Plugin):
     Config = AllocatorConfig
 
     def validate(self) -> None:
-        check_config(self.config, self.run.budget_gb)
+        check_cap_budget(self.config, budget_gb=self.run.budget_gb)
 
     def configure_process(self, ctx: RunContext) -> None:
         result = apply_allocator_settings(self.config, self.run.budget_gb, ctx.device)

@@ -129,9 +129,6 @@ class BlockCheckpointing(ClaimsModules):
     # and is restored first at teardown.
     after = ("offload",)
 
-    def validate(self) -> None:
-        check_config(self.config)
-
     def wrap_execution(self, ctx: RunContext) -> None:
         models = ctx.models
         names = self.targets(ctx)

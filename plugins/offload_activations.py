@@ -346,10 +346,8 @@ def offload_activations(device: torch.device | str, host: torch.device | str = "
 class ActivationOffload(Plugin):
     kind = "offload"
     name = "activations"
+    fit_knob = "activations"
     Config = ActivationOffloadConfig
-
-    def validate(self) -> None:
-        check_config(self.config, self.key.replace("/", "."))
 
     def wrap_execution(self, ctx: RunContext) -> None:
         if self.run.target == "cpu":  # decided once, so the CPU plan and the CPU run agree

@@ -89,8 +89,12 @@ def torchao_blockers(config: Any, max_grad_norm: float, grad_accum: int, device_
 def check_config(c: Any, run: Any = None, key: str = "offload.optimizer") -> None:
     """This plugin's settings (runner/plugins/schemas.py), and against the resolved ``run`` when given."""
     check_optimizer_offload(c, key)
-    if run is None:
-        return
+    if run is not None:
+        check_against_run(c, run, key)
+
+
+def check_against_run(c: Any, run: Any, key: str = "offload.optimizer") -> None:
+    """The settings against the resolved ``run`` (its node's own checks are runner/plugins/schemas.py's)."""
     if c.step_on_host and run.precision == "fp16":
         raise UserError(
             f"offload=optimizer with {key}.step_on_host=true and train.mixed_precision=fp16: fp16 gradient scaling "
@@ -147,10 +151,11 @@ def offload_optimizer(
 class OptimizerOffload(Plugin):
     kind = "offload"
     name = "optimizer"
+    fit_knob = "optimizer_offload"
     Config = OptimizerOffloadConfig
 
     def validate(self) -> None:
-        check_config(self.config, self.run, self.key.replace("/", "."))
+        check_against_run(self.config, self.run, self.key.replace("/", "."))
 
     def wrap_optimizer(self, ctx: RunContext) -> None:
         c, run = self.config, self.run

@@ -72,7 +72,13 @@ def check_allocator(cfg: Any, key: str = "allocator.default", budget_gb: Optiona
             f"{key}.max_split_size_mb={mss!r} is not valid: PyTorch needs at least {MIN_SPLIT_MB} (MiB), "
             "e.g. 128 or 512, or null to leave it unset."
         )
-    if check_budget and cfg.cap_to_budget and budget_gb is None:
+    if check_budget:
+        check_cap_budget(cfg, key, budget_gb)
+
+
+def check_cap_budget(cfg: Any, key: str = "allocator.default", budget_gb: Optional[float] = None) -> None:
+    """``cap_to_budget`` needs a budget (the resolved run's)."""
+    if cfg.cap_to_budget and budget_gb is None:
         raise UserError(
             f"{key}.cap_to_budget=true needs budget_gb: set budget_gb=<GiB> (e.g. budget_gb=24) "
             f"or {key}.cap_to_budget=false."
@@ -269,6 +275,7 @@ class ParkConfig(PluginConfig):
 
     description: ClassVar[str] = ("frozen modules (VAE, text encoders) on the host, on the device only per call; "
                                   "latents/embeddings cached to disk, encoders dropped once cached")
+    text_cache_setting: ClassVar[str] = "cache_text"
     name: str = "park"
     cache_latents: bool = True  # cache VAE posteriors (mean, std); drop the VAE once all are cached
     cache_text: bool = True  # cache text embeddings; drop the text encoders once all are cached

@@ -79,8 +79,12 @@ def check_config(c: Any, run: Any = None) -> None:
     """Values diffusers or PyTorch would reject late or accept wrongly, and the kernels the run's target
     cannot use; UserErrors naming keys. The settings' own checks are in runner/plugins/schemas.py."""
     check_tiling(c)
-    if run is None:
-        return
+    if run is not None:
+        check_against_run(c, run)
+
+
+def check_against_run(c: Any, run: Any) -> None:
+    """The attention kernel against the run's target and precision (the node's own checks: schemas.py)."""
     if run.target == "cpu" and c.attention not in CPU_BACKENDS:
         raise UserError(
             f"tiling.{c.name}.attention={c.attention} is a CUDA-only kernel and this run is for the CPU "
@@ -246,7 +250,7 @@ class VaeTiling(Plugin):
     Config = TilingConfig
 
     def validate(self) -> None:
-        check_config(self.config, self.run)
+        check_against_run(self.config, self.run)
 
     def encoder_signature(self, modules: frozenset[str] | None = None) -> dict[str, Any] | None:
         """A tiled VAE encodes slightly different latents (blended tile seams): its tile settings key

@@ -13,12 +13,15 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 from omegaconf import DictConfig
 
 from runner.cli import launch
 from runner.cli.listing import format_plugin_list
-from runner.config.checks import validate
+from runner.config.checks import CheckedRun, validate
 from runner.hostmem import passive_openmp
 from runner.output.once import warn_once
 from runner.state.resume import resume_base
@@ -27,8 +30,20 @@ log = logging.getLogger("runner")
 passive_openmp()  # before torch loads its OpenMP runtime (runner/hostmem.py)
 
 
+@dataclass
+class Job:
+    """One job as a mode's task gets it: the validated config, its command line, what the checks built,
+    whether this process writes the outputs (rank 0), and the output folder (None for mode=plugins)."""
+
+    cfg: DictConfig
+    overrides: list[str]
+    checked: CheckedRun | None
+    writes: bool
+    out: Path | None
+
+
 def task(cfg: DictConfig) -> float | None:
-    """The Hydra task: one job of a run or of a ``-m`` sweep (composed by Hydra)."""
+    """The Hydra task: one job of a run or of a ``-m`` sweep (composed by Hydra), handed to its mode's task."""
     global _QUICK_EXIT
     _QUICK_EXIT = cfg.mode in QUICK_EXIT_MODES                  # nothing but files already written and closed: see main()
     from runner.dist.launch import join_run
@@ -38,36 +53,72 @@ def task(cfg: DictConfig) -> float | None:
         writes = join_run()                                     # several processes: one group, rank 0 writes (runner/dist/)
         cfg, overrides = resume_base(cfg)                       # resume: on the checkpoint's saved command line
         checked = validate(cfg)                                 # validate: once a job (imports torch to resolve the device)
-        if cfg.mode == "plugins":
-            print(format_plugin_list())
-            return None
-        # The steps below import torch, diffusers and accelerate: only now, once the config is valid.
-        from accelerate.utils import set_seed
-
-        from runner.build import build_trainer, output_dir
-        from runner.dist.loading import build_models_for_rank
-        from runner.export.checkpoint import export_after_training, export_command
-        from runner.fit.output import auto_fit, command_line, fit_command
-        from runner.loop import train
-        from runner.output.report import print_summary, write_run_info
-        from runner.plan import plan_command
-        from runner.sampling import build_sampler
-        from runner.session import open_run, plan_run, take_models
-        from runner.val.holdout import build_validation
+        run_mode, opens_output = MODE_TASKS[cfg.mode]
+        if opens_output:                                        # torch, diffusers, accelerate: only now, once the config is valid
+            _load_libraries()
+    if not opens_output:
+        return run_mode(Job(cfg, overrides, checked, writes, None))
+    from runner.build import output_dir
+    from runner.output.report import write_run_info
 
     out = output_dir(cfg)
     if writes:
         write_run_info(out, cfg)
-    if cfg.mode == "plan":                                      # only plan: table + plan.json; exit 3 over budget
-        plan_command(cfg, out)
-        return None
-    if cfg.mode == "export":                                    # export a saved checkpoint (train.resume); no training
-        export_command(cfg, out)
-        return None
-    if cfg.mode == "fit":                                       # the fastest settings that fit: table, fit.yaml (runner/fit/)
-        fit_command(cfg, command_line(overrides), out)
-        return None
-    if cfg.train.auto_fit:                                      # train.auto_fit: the same search, then train with the winner
+    return run_mode(Job(cfg, overrides, checked, writes, out))
+
+
+def _load_libraries() -> None:
+    """Import what the modes' tasks use (torch, diffusers, accelerate and the runner's parts), called
+    while the garbage collector is paused; the tasks' own imports then find them loaded."""
+    import importlib
+
+    for module in ("accelerate.utils", "runner.build", "runner.dist.loading", "runner.export.checkpoint",
+                   "runner.fit.output", "runner.loop", "runner.output.report", "runner.plan", "runner.sampling",
+                   "runner.session", "runner.val.holdout"):
+        importlib.import_module(module)
+
+
+def _plugins(job: Job) -> None:
+    print(format_plugin_list())
+
+
+def _plan(job: Job) -> None:
+    """Only plan: table + plan.json; exit 3 over budget."""
+    from runner.plan import plan_command
+
+    plan_command(job.cfg, job.out)
+
+
+def _export(job: Job) -> None:
+    """Export a saved checkpoint (train.resume); no training."""
+    from runner.export.checkpoint import export_command
+
+    export_command(job.cfg, job.out)
+
+
+def _fit(job: Job) -> None:
+    """The fastest settings that fit: table, fit.yaml (runner/fit/)."""
+    from runner.fit.output import command_line, fit_command
+
+    fit_command(job.cfg, command_line(job.overrides), job.out)
+
+
+def _train(job: Job) -> float | None:
+    """Open the run, build, plan, apply the plugins, train, export and report."""
+    from accelerate.utils import set_seed
+
+    from runner.build import build_trainer
+    from runner.dist.loading import build_models_for_rank
+    from runner.export.checkpoint import export_after_training
+    from runner.fit.output import auto_fit, command_line
+    from runner.loop import train
+    from runner.output.report import print_summary, write_run_info
+    from runner.sampling import build_sampler
+    from runner.session import open_run, plan_run, take_models
+    from runner.val.holdout import build_validation
+
+    cfg, overrides, checked, writes, out = job.cfg, job.overrides, job.checked, job.writes, job.out
+    if cfg.train.auto_fit:                                      # train.auto_fit: the fit search, then train with the winner
         cfg, overrides = auto_fit(cfg, command_line(overrides), out)
         checked = None                                          # another config: resolved and built anew
         if writes:
@@ -90,6 +141,16 @@ def task(cfg: DictConfig) -> float | None:
     if result.interrupted_by is not None:
         sys.exit(128 + result.interrupted_by)
     return result.losses[-1] if result.losses else None
+
+
+# mode -> (its task, whether it opens the output folder and loads the training libraries first)
+MODE_TASKS: dict[str, tuple[Callable[[Job], float | None], bool]] = {
+    "plugins": (_plugins, False),
+    "plan": (_plan, True),
+    "export": (_export, True),
+    "fit": (_fit, True),
+    "train": (_train, True),
+}
 
 
 QUICK_EXIT_MODES = ("plan", "fit", "plugins")

@@ -24,12 +24,12 @@ from omegaconf import DictConfig
 from torch import nn
 
 from runner import registry
-from runner.config.adapters import is_adapter
+from runner.constants import is_adapter
 from runner.context import RunContext
 from runner.data.checks import EDIT_FAMILIES
 from runner.errors import UserError
 from runner.export.config import check_full_format
-from runner.plugin import Plugin, PluginSchedule
+from runner.plugin import Plugin, PluginSchedule, check_requirements
 from runner.resolved import ResolvedRun
 from runner.trainer import ModelSet, Trainer, reference_count
 from runner.trainers.loading import attach_lora
@@ -37,15 +37,30 @@ from runner.trainers.loading import attach_lora
 log = logging.getLogger("runner")
 
 
-def build_plugins(cfg: DictConfig, run: ResolvedRun) -> PluginSchedule:
-    """Every selected plugin, built from its own config node and the resolved run, and validated;
-    then their per-phase order."""
-    plugins: list[Plugin] = []
+def build_plugins(cfg: DictConfig, run: ResolvedRun, *, check: bool = True) -> PluginSchedule:
+    """Every selected plugin, built from its own config node and the resolved run, then their per-phase
+    order. ``check``: each plugin's node check and ``validate()`` run here (a caller whose config no
+    job checked); ``check=False``: the job's checks did both (the preflight's plugins)."""
+    return PluginSchedule.build(selected_plugins(cfg, run, check=check, node_checked=not check))
+
+
+def selected_plugins(cfg: DictConfig, run: ResolvedRun, *, check: bool = True,
+                     node_checked: bool = True) -> list[Plugin]:
+    """Each selected plugin built from its node and the resolved run, in the config's order. With
+    ``check`` its ``validate()`` runs (the checks against the run), and before it the node check its
+    registry entry declares unless ``node_checked`` (runner/config/checks.py:check_config ran it)."""
+    plugins = []
     for kind, name, node in registry.selected(cfg):
-        plugin = registry.get_plugin(kind, name)(node, run)
-        plugin.validate()
+        entry = registry.plugin_entry(kind, name)
+        if check and not node_checked and entry.check is not None:
+            entry.check(node, f"{kind}.{name}")
+        plugin = entry.load()(node, run)
+        if check:
+            plugin.validate()
         plugins.append(plugin)
-    return PluginSchedule.build(plugins)
+    if check:
+        check_requirements(plugins)  # each plugin's declared requires, named before anything is built
+    return plugins
 
 
 def build_trainer(cfg: DictConfig, run: ResolvedRun | None = None) -> Trainer:
@@ -89,15 +104,37 @@ def build_trainer(cfg: DictConfig, run: ResolvedRun | None = None) -> Trainer:
     return trainer
 
 
+def idle_parts(run: ResolvedRun) -> dict[str, Any]:
+    """The features' objects of a :class:`RunContext` that switches none of them on (no sampling,
+    validation, EMA, tracking, flip, compile or simulated card; ``run``'s distribution): what the
+    session injects, so that runner/context.py imports no feature."""
+    from runner.compile.regional import NoCompile
+    from runner.data.flip import NO_FLIP
+    from runner.dist.runtime import build_distribution
+    from runner.ema.average import NoEMA
+    from runner.memory.cuda_sim import NoSimulation
+    from runner.output.trackers import NoTracking
+    from runner.sampling.sampler import NoSampler
+    from runner.val.holdout import NoValidation
+
+    return {"sampler": NoSampler(), "tracking": NoTracking(), "flip": NO_FLIP, "ema": NoEMA(),
+            "validation": NoValidation(), "dist": build_distribution(run), "compiler": NoCompile(),
+            "card": NoSimulation()}
+
+
 def make_context(cfg: Any, run: ResolvedRun, schedule: PluginSchedule, output_dir: Path | None,
                  overrides: list[str] | None = None) -> RunContext:
+    """The run's context: the features ``cfg`` selects that are known before the models (compile,
+    flip), the others idle until the session builds them."""
     from runner.compile.regional import build_compiler
     from runner.data.flip import visit_flip
 
+    parts = idle_parts(run)
+    parts["flip"] = visit_flip(cfg.get("data") if hasattr(cfg, "get") else None)
+    if hasattr(cfg, "train"):
+        parts["compiler"] = build_compiler(cfg.train)
     return RunContext(run=run, schedule=schedule, cfg=cfg, output_dir=output_dir,
-                      overrides=None if overrides is None else list(overrides),
-                      flip=visit_flip(cfg.get("data") if hasattr(cfg, "get") else None),
-                      **({"compiler": build_compiler(cfg.train)} if hasattr(cfg, "train") else {}))
+                      overrides=None if overrides is None else list(overrides), **parts)
 
 
 def output_dir(cfg: DictConfig) -> Path:

@@ -21,32 +21,24 @@ from collections.abc import Collection
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from runner.data.flip import NO_FLIP, VisitFlip
-from runner.ema.average import NoEMA
 from runner.errors import UserError
 from runner.hooks import ModuleHooks
-from runner.output.trackers import NoTracking, Tracking
 from runner.plugin import PluginSchedule
 from runner.resolved import ResolvedRun
-from runner.sampling import NoSampler
 from runner.trainer import ModelSet
-from runner.val.holdout import NoValidation
+
+if TYPE_CHECKING:
+    from runner.compile.regional import NoCompile, RegionalCompile
+    from runner.data.flip import VisitFlip
+    from runner.dist.runtime import Distribution
+    from runner.ema.average import EMA, NoEMA
+    from runner.output.trackers import Tracking
 
 log = logging.getLogger("runner")
-
-# Two plugins may not both claim one module with these actions (the pair, in either order).
-INCOMPATIBLE = {
-    frozenset({"stream", "park"}): "a streamed module's weights are copied block by block, a parked one moves whole",
-    frozenset({"stream", "drop"}): "a dropped module is freed once its outputs are cached: there is nothing to stream",
-    frozenset({"quantize"}): "a module's Linear layers can be replaced by one quantization only",
-    frozenset({"stream"}): "one streaming plan per module",
-    frozenset({"park"}): "one parking per module",
-}
-
 
 @dataclass
 class Claim:
@@ -93,18 +85,6 @@ class RunFacts:
         return {c.module for c in self.claims if c.action == action}
 
 
-def _no_compile() -> Any:
-    from runner.compile.regional import NoCompile
-
-    return NoCompile()
-
-
-def _no_card() -> Any:
-    from runner.memory.cuda_sim import NoSimulation
-
-    return NoSimulation()
-
-
 @dataclass
 class RunContext:
     run: ResolvedRun
@@ -122,31 +102,28 @@ class RunContext:
     step_contexts: list[Callable[[], Any]] = field(default_factory=list)
     # Lines for the run report and plan.json ("optimizer state bytes": 1234): shown, never read back.
     notes: dict[str, Any] = field(default_factory=dict)
-    sampler: Any = field(default_factory=NoSampler)  # sample.every: runner.sampling.build_sampler; no-op by default
+    # The features' objects, each a no-op unless its settings switch it on. The session injects them
+    # (runner/build.py:make_context, or ``**idle_parts(run)`` for a context built by hand), so this
+    # module imports no feature.
+    sampler: Any = field(kw_only=True)  # sample.every: runner.sampling.build_sampler
     # The run's experiment tracker (runner/output/trackers.py): ``ctx.tracking.log_images(step, {name: image})``.
-    tracking: Tracking = field(default_factory=NoTracking)
+    tracking: Tracking = field(kw_only=True)
     # data.random_flip, per visit (runner/data/flip.py): the loop applies it, the encoder cache keys both orientations.
-    flip: VisitFlip = NO_FLIP
-    ema: Any = field(default_factory=NoEMA)  # ema.enabled: runner.ema.average.build_ema (the loop, after a resume); else a no-op
-    validation: Any = field(default_factory=NoValidation)  # val.*: runner.val.holdout.build_validation; no-op by default
+    flip: VisitFlip = field(kw_only=True)
+    ema: EMA | NoEMA = field(kw_only=True)  # ema.enabled: runner.ema.average.build_ema, after a resume
+    validation: Any = field(kw_only=True)  # val.*: runner.val.holdout.build_validation
     # dist=ddp|fsdp across processes (runner/dist/runtime.py); the no-op Distribution for one process.
-    dist: Any = None
-    # train.compile (runner/compile/regional.py); a no-op by default and in the planner, which plans the eager step.
-    compiler: Any = field(default_factory=_no_compile)
+    dist: Distribution = field(kw_only=True)
+    # train.compile (runner/compile/regional.py); a no-op in the planner, which plans the eager step.
+    compiler: RegionalCompile | NoCompile = field(kw_only=True)
     # train.device=cuda_sim: the simulated card (runner/memory/cuda_sim.py), entered with the plugins'
     # placement and left at teardown; a no-op object on a real device.
-    card: Any = field(default_factory=_no_card)
+    card: Any = field(kw_only=True)
     # Inside the planner: runs one batch of each named encode part with the encoders as a plugin left
     # them (``(parts, batch_size)``), so a plugin's encoding pre-pass in setup (park's cache fill) is
     # planned; None in a real run.
     simulated_encode: Callable[[list[str], int], None] | None = None
     _torn_down: bool = False
-
-    def __post_init__(self) -> None:
-        if self.dist is None:
-            from runner.dist.runtime import build_distribution
-
-            self.dist = build_distribution(self.run)
 
     # The resolved run's devices, under the names plugins have always used.
     @property
@@ -166,11 +143,15 @@ class RunContext:
 
     # ---- typed facts ---------------------------------------------------------------------------
     def claim(self, module: str, action: str, owner: str) -> None:
-        """Record that plugin ``owner`` will do ``action`` to ``module``; refuse an incompatible pair."""
+        """Record that plugin ``owner`` will do ``action`` to ``module``; refuse a pair that either plugin
+        declares a conflict (:attr:`Plugin.conflicts`)."""
+        plugins = {p.key: p for p in self.schedule.plugins}
         for other in self.facts.claims:
             if other.module != module or other.owner == owner:
                 continue
-            why = INCOMPATIBLE.get(frozenset({action, other.action}))
+            mine, theirs = plugins.get(owner), plugins.get(other.owner)
+            why = ((mine.conflict(action, other.action) if mine is not None else None)
+                   or (theirs.conflict(other.action, action) if theirs is not None else None))
             if why is not None:
                 raise UserError(
                     f"{owner.replace('/', '=')} and {other.owner.replace('/', '=')} both claim '{module}' "

@@ -59,6 +59,9 @@ class PluginConfig:
     """Base schema of every plugin config. ``name`` records which implementation was chosen."""
 
     name: str = "none"
+    # The boolean setting (a field of this schema) that serves text embeddings from a cache filled once,
+    # so the captions may not change between visits (data.shuffle_tags is refused with it); "": none.
+    text_cache_setting: ClassVar[str] = ""
 
 
 class Plugin:
@@ -70,6 +73,16 @@ class Plugin:
     description: ClassVar[str] = ""
     after: ClassVar[tuple[str, ...]] = ()
     before: ClassVar[tuple[str, ...]] = ()
+    # (this plugin's claim action, another plugin's action on the same module) -> why the two cannot
+    # share that module; checked in both plugins' declarations by ``RunContext.claim``.
+    conflicts: ClassVar[dict[tuple[str, str], str]] = {}
+    # Plugins ("kind" or "kind/name") that must be selected with this one; a run without one stops before step 1.
+    requires: ClassVar[tuple[str, ...]] = ()
+    # What ``mode=fit`` may switch this plugin on or off as (a field of runner/fit/space.py:Knobs); "": not searched.
+    fit_knob: ClassVar[str] = ""
+    # What the planner's suggestions for a plan over budget may estimate this plugin saves when it is not
+    # selected (runner/plan/suggest.py): "frozen_weights", the frozen modules' weights on the device; "": nothing.
+    plan_saving: ClassVar[str] = ""
 
     def __init__(self, config: Any, run: ResolvedRun) -> None:
         self.config = config
@@ -91,11 +104,22 @@ class Plugin:
     def on_oom(self, ctx: RunContext, step: int, error: BaseException) -> None: ...
     def teardown(self, ctx: RunContext) -> None: ...
 
+    def conflict(self, action: str, other: str) -> str | None:
+        """Why this plugin's ``action`` and another plugin's ``other`` may not touch one module; None: they may."""
+        return self.conflicts.get((action, other))
+
+    @classmethod
+    def fit_applies(cls, trainer: Any) -> bool:
+        """Whether ``mode=fit`` may switch this plugin on for ``trainer`` (asked only when :attr:`fit_knob` is set)."""
+        return True
+
     def implements(self, phase: str) -> bool:
         return getattr(type(self), phase) is not getattr(Plugin, phase)
 
     def validate(self) -> None:
-        """Check this plugin's settings against ``self.run``; raise UserError naming the key."""
+        """Check this plugin's settings against ``self.run``; raise UserError naming the key. What its
+        settings decide alone is the registry's node check (``declare_plugin(check=...)``), which runs
+        once before this (runner/config/checks.py:check_config, or runner/build.py:build_plugins)."""
 
     def encoder_signature(self, modules: frozenset[str] | None = None) -> dict[str, Any] | None:
         """Settings of this plugin that change what the frozen ``modules`` compute (cache keys);
@@ -191,6 +215,16 @@ def order_for_phase(plugins: list[Plugin], phase: str) -> list[Plugin]:
     return ordered
 
 
+def check_requirements(plugins: list[Plugin]) -> None:
+    """Every plugin's declared :attr:`Plugin.requires` is among ``plugins``; else a UserError naming both."""
+    for p in plugins:
+        for ref in p.requires:
+            if not any(_matches(ref, q) for q in plugins if q is not p):
+                wanted = ref.replace("/", "=") if "/" in ref else f"{ref}=<name>"
+                raise UserError(f"{p.key.replace('/', '=')} needs {wanted} selected too (it declares requires={ref!r}). "
+                                f"Add +{wanted}, or drop {p.key.replace('/', '=')}.")
+
+
 @dataclass
 class PluginSchedule:
     """The final per-phase order of a set of plugins, computed once and logged at start."""
@@ -200,6 +234,7 @@ class PluginSchedule:
 
     @classmethod
     def build(cls, plugins: list[Plugin]) -> PluginSchedule:
+        check_requirements(plugins)
         return cls(plugins, {ph: order_for_phase(plugins, ph) for ph in PHASES})
 
     def describe(self) -> str:

@@ -314,6 +314,7 @@ class LinearQuantization(Plugin):
     """Base of the quantization plugins: choose modules and layers, then ``quantize`` each module."""
 
     kind = "quantization"
+    conflicts = {("quantize", "quantize"): "a module's Linear layers can be replaced by one quantization only"}
     # Claims after offload: park claims the encoders it will drop, and the default targets skip them.
     after = ("offload",)
 
@@ -329,7 +330,6 @@ class LinearQuantization(Plugin):
 
     # -- validation ----------------------------------------------------------------------------
     def validate(self) -> None:
-        check_quantization(self.config, self.key.replace("/", "."))  # names, patterns, ranges (schemas.py)
         resolved = self.compute_dtype()  # raises on an invalid name
         precision = self.run.precision
         half = {torch.float16, torch.bfloat16}

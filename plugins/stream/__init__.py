@@ -84,12 +84,17 @@ class StreamOffload(ClaimsModules):
     kind = "offload"
     name = "stream"
     claim_as = "stream"
+    fit_knob = "stream_gb"
+    conflicts = {
+        ("stream", "park"): "a streamed module's weights are copied block by block, a parked one moves whole",
+        ("stream", "drop"): "a dropped module is freed once its outputs are cached: there is nothing to stream",
+        ("stream", "stream"): "one streaming plan per module",
+    }
     Config = StreamConfig
     # offload=[park,stream]: park's encode pre-pass runs while the denoiser is still on the host.
     after = ("offload/park",)
 
     def validate(self) -> None:
-        check_config(self.config, self.key.replace("/", "."))
         if self.run.train_mode == "full" and self.run.precision == "fp16":
             raise UserError(
                 "offload=stream with model.train=full and train.mixed_precision=fp16: the streamed parameters' "

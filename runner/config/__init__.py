@@ -176,16 +176,15 @@ class RunConfig:
     output_dir: Optional[str] = None  # default: Hydra's run directory
 
 
-MODES = ("train", "plan", "fit", "export", "plugins")
-SIZES = ("tiny", "full")
-DTYPES = ("float32", "bfloat16", "float16")
-TRAIN_DTYPES = ("float32", "bfloat16")  # model.train_dtype (bfloat16 = kohya's --full_bf16)
-PRECISIONS = ("no", "bf16", "fp16")
-NONFINITE_POLICIES = ("skip", "stop")  # train.on_nonfinite (runner/guards/nonfinite.py)
-# diffusers.optimization.SchedulerType's values (train.lr_scheduler). Listed here because importing
-# diffusers to validate a config costs ~4 s; tests/runner/cli/test_bad_inputs.py checks the list.
-LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
-                 "piecewise_constant")
+from runner.constants import (  # noqa: E402,F401  (the vocabularies live on the ground floor; re-exported)
+    DTYPES,
+    LR_SCHEDULERS,
+    MODES,
+    NONFINITE_POLICIES,
+    PRECISIONS,
+    SIZES,
+    TRAIN_DTYPES,
+)
 
 
 NATIVE_RESOLUTION = {"tiny": 64, "full": 1024}  # px; full = SDXL's, Flux's and SD3.5's training resolution

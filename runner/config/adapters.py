@@ -7,15 +7,8 @@ low-rank pairs). All three read ``model.lora_rank``, ``model.lora_alpha`` and ``
 """
 from __future__ import annotations
 
+from runner.constants import ADAPTERS, TRAIN_MODES, is_adapter  # noqa: F401  (re-exported)
 from runner.errors import UserError
-
-ADAPTERS = ("lora", "lokr", "loha")
-TRAIN_MODES = ("full", *ADAPTERS)
-
-
-def is_adapter(train: object) -> bool:
-    """Whether ``model.train=train`` trains a peft adapter (not the whole denoiser)."""
-    return str(train) in ADAPTERS
 
 
 # Quantized bases each adapter was checked to train over (tests/runner/test_adapter_quantization.py).

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig, OmegaConf
 
 from runner import registry
-from runner.config import (
+from runner.config.adapters import check_adapter_quantization
+from runner.constants import (
     DTYPES,
     LR_SCHEDULERS,
     MODES,
@@ -35,8 +36,8 @@ from runner.config import (
     PRECISIONS,
     SIZES,
     TRAIN_DTYPES,
+    TRAIN_MODES,
 )
-from runner.config.adapters import TRAIN_MODES, check_adapter_quantization
 from runner.compile.config import check_compile_config
 from runner.devices import check_device_config
 from runner.dist import validate_dist
@@ -300,17 +301,14 @@ def check_plugin_settings(cfg: DictConfig) -> None:
             entry.check(node, f"{kind}.{name}")
 
 
-def validate_plugins(cfg: DictConfig, run: ResolvedRun) -> list[Plugin]:
-    """Each selected plugin built from its node and the resolved run, and its own ``validate()``
-    (after the settings' own checks, for a caller that skipped :func:`check_config`); the built
-    plugins, in the config's order."""
-    check_plugin_settings(cfg)
-    plugins = []
-    for kind, name, node in registry.selected(cfg):
-        plugin = registry.get_plugin(kind, name)(node, run)
-        plugin.validate()
-        plugins.append(plugin)
-    return plugins
+def validate_plugins(cfg: DictConfig, run: ResolvedRun, *, check: bool = True) -> list[Plugin]:
+    """Each selected plugin built from its node and the resolved run, in the config's order, and with
+    ``check`` its own ``validate()`` (the checks against the run; its settings' own checks ran in
+    :func:`check_config`). ``check=False``: a job whose plugins :func:`check_run` validated already
+    (the planner's preflight builds them again for the simulated run)."""
+    from runner.build import selected_plugins
+
+    return selected_plugins(cfg, run, check=check)
 
 
 def _spelling(names: list[str]) -> str:

@@ -115,7 +115,8 @@ def caption_rules(data_cfg: Any) -> CaptionRules:
 
 
 def check_cache_compatible(cfg: Any) -> None:
-    """Refuse ``data.shuffle_tags=true`` with ``offload.park.cache_text=true``, naming both keys.
+    """Refuse ``data.shuffle_tags=true`` with a plugin's text cache on (the setting its schema declares as
+    ``text_cache_setting``: ``offload.park.cache_text=true``), naming both keys.
 
     A cache keyed by caption text can serve the captions a run can list (each file's caption,
     plus the empty one for dropout) but not a new tag order every visit; kohya refuses the same
@@ -126,12 +127,17 @@ def check_cache_compatible(cfg: Any) -> None:
     data = cfg.get("data") if hasattr(cfg, "get") else None
     if data is None or not bool(data.get("shuffle_tags", False)):
         return
-    park = (cfg.get("offload") or {}).get("park")
-    if park is None or not hasattr(park, "get") or "name" not in park or not bool(park.get("cache_text", True)):
-        return
-    raise UserError(
-        "data.shuffle_tags=true gives every visit of an image a different caption, so its text embeddings cannot "
-        "be served from the encoder cache that offload.park.cache_text=true fills once. Set "
-        "offload.park.cache_text=false (the text encoders stay parked on the host and encode each step; latents "
-        "can still be cached), or data.shuffle_tags=false. data.caption_dropout works with the cache."
-    )
+    from runner import registry
+
+    for kind, name, node in registry.selected(cfg):
+        setting = getattr(registry.plugin_entry(kind, name).config, "text_cache_setting", "")
+        if not setting or not hasattr(node, "get") or "name" not in node:
+            continue
+        if bool(node.get(setting, True)):
+            key = f"{kind}.{name}.{setting}"
+            raise UserError(
+                "data.shuffle_tags=true gives every visit of an image a different caption, so its text embeddings "
+                f"cannot be served from the encoder cache that {key}=true fills once. Set {key}=false (the text "
+                "encoders stay on the host and encode each step; latents can still be cached), or "
+                "data.shuffle_tags=false. data.caption_dropout works with the cache."
+            )

@@ -79,12 +79,11 @@ import torch
 from torch import nn
 
 from runner.compat import foreach_lerp_
+from runner.ema.files import FILE, SHARDED_META, is_sharded_param, local, read_ema_file
 from runner.errors import UserError
 
 log = logging.getLogger("runner")
 
-FILE = "ema.safetensors"
-SHARDED_META = "ema.json"  # a sharded checkpoint's EMA: names, shapes and metadata (the tensors are in its DCP folder)
 FORMAT = 1
 CHUNK_BYTES = 64 * 2**20  # EMA bytes averaged per foreach call: bounds the update's temporaries
 CATEGORY = "ema"  # the live-bytes tracker's category of the copy (runner/memory/live_bytes_views.py)
@@ -289,28 +288,6 @@ class EMA:
             log.warning("ema: the checkpoint's average is %s, this run keeps it in %s (ema.dtype)", saved,
                         str(self.dtype).replace("torch.", ""))
         return True
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of an FSDP2 parameter (a DTensor), or the tensor itself."""
-    return t.to_local() if is_sharded_param(t) else t
-
-
-def is_sharded_param(t: torch.Tensor) -> bool:
-    return hasattr(t, "device_mesh") and hasattr(t, "to_local")
-
-
-def read_ema_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The tensors and metadata of an ``ema.safetensors``; a UserError naming the file when it is corrupt."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
-    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-        raise UserError(f"Checkpoint file {path} is corrupt (the EMA weights could not be read: "
-                        f"{(str(e).splitlines() or [type(e).__name__])[0]}). Resume from an earlier checkpoint, or "
-                        "set ema.enabled=false to resume without the average.") from None
 
 
 def has_ema(ckpt: Path) -> bool:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from runner.ema.average import FILE, SHARDED_META, is_sharded_param, local, read_ema_file
+from runner.ema.files import FILE, SHARDED_META, is_sharded_param, local, read_ema_file
 
 if TYPE_CHECKING:
     from runner.ema.average import EMA

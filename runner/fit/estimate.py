@@ -29,7 +29,7 @@ from torch import nn
 
 from runner.blocks import find_repeated_blocks
 from runner.context import Transfer
-from runner.fit.space import Knobs
+from runner.fit.space import Knobs, offload_knobs
 from runner.plan.cost import CostCounter, PhaseCost
 from runner.plan.host import StepShape
 from runner.plan.result import Plan
@@ -253,7 +253,7 @@ class Estimator:
             phases["backward"].d2h_bytes += grads_out
             if k.train == "full" and n_micro > 1:  # ... where later micro-batches are added to them (read 2, write 1)
                 phases["backward"].host_s += 3 * streamed * (n_micro - 1) / self.target.host.bytes_per_s
-            transfers["offload/stream"] = Transfer(h2d_bytes=2 * streamed * n_micro, d2h_bytes=grads_out,
+            transfers[_stream_key()] = Transfer(h2d_bytes=2 * streamed * n_micro, d2h_bytes=grads_out,
                                                    overlapped=True, window_bytes=self.window)
         if k.activations and not b.activations and self.on_cuda:
             saved = int(a.category("activations") * k.micro / b.micro)
@@ -294,15 +294,12 @@ class Estimator:
     @staticmethod
     def _kept(key: str, k: Knobs, b: Knobs) -> bool:
         """Whether the anchor's plugin ``key`` (whose copies it counted) is unchanged in candidate ``k``."""
-        if key.startswith("offload/stream"):
+        knob = {f"offload/{name}": knob for knob, name in offload_knobs().items()}.get(key)
+        if knob is None:  # a plugin the search does not switch
+            return True
+        if knob == "stream_gb":
             return k.stream_gb is not None and k.stream_gb == b.stream_gb
-        if key.startswith("offload/activations"):
-            return k.activations
-        if key.startswith("offload/optimizer"):
-            return k.optimizer_offload
-        if key.startswith("offload/park"):
-            return k.park
-        return True
+        return bool(getattr(k, knob))
 
     def _drop_base_copies(self, a: Anchor, k: Knobs, phases: dict[str, PhaseCost]) -> None:
         """Take the copies of the anchor's plugins the candidate no longer has (or changes) out of the phases."""
@@ -332,7 +329,7 @@ class Estimator:
             t.move_to_host(int(elements * self._streamed(k, resident) / max(resident, 1)))
         elif k.stream_gb is not None and k.stream_gb < 0 and k.train == "full":
             # the base's own stream: its streamed parameters already live on the host in the anchor
-            host = [tr for key, tr in self._base_transfers(a).items() if key.startswith("offload/stream")]
+            host = [tr for key, tr in self._base_transfers(a).items() if key == _stream_key()]
             if host:
                 t.move_to_host(int(elements * min(host[0].d2h_bytes / max(nbytes, 1), 1.0)))
         return t
@@ -345,3 +342,8 @@ class Estimator:
 
 def dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+def _stream_key() -> str:
+    """The plugin key of the offload plugin that declares fit's ``stream_gb`` knob (whose copies a plan records)."""
+    return f"offload/{offload_knobs().get('stream_gb', 'stream')}"

@@ -22,7 +22,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from runner import registry
-from runner.cli.compose import compose_config
+from runner.compose import compose_config
 from runner.errors import UserError
 from runner.fit.picture import draw_fit
 from runner.fit.search import Candidate, FitResult, fitted_overrides, search

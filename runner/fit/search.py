@@ -23,11 +23,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from runner.build import build_trainer, prepare_models
-from runner.cli.compose import compose_config
+from runner.compose import compose_config
 from runner.config.checks import validate
 from runner.errors import UserError
 from runner.fit.estimate import Anchor, Estimate, Estimator, Inventory, dtype_bytes
-from runner.fit.space import Knobs, Space, base_knobs, overrides_for
+from runner.fit.space import Knobs, Space, base_knobs, offload_knobs, overrides_for
 from runner.plan.result import Plan
 from runner.plan.simulate import plan_step, step_time_target
 from runner.plan.target import DEVICE, GiB
@@ -133,9 +133,14 @@ def _inventory(cfg: Any, target: str) -> Inventory:
 
 
 def _cacheable(cfg: Any, target: str) -> bool:
-    from runner.plugins.park import cacheable
+    """Whether the plugin that declares fit's ``park`` knob applies to this run's trainer."""
+    from runner import registry
 
-    return cacheable(build_trainer(cfg, resolve(cfg, target=target, device=DEVICE).simulated()))
+    name = offload_knobs().get("park")
+    if name is None:
+        return False
+    trainer = build_trainer(cfg, resolve(cfg, target=target, device=DEVICE).simulated())
+    return registry.get_plugin("offload", name).fit_applies(trainer)
 
 
 def search(cfg: Any, overrides: Sequence[str]) -> FitResult:
@@ -168,7 +173,7 @@ def search(cfg: Any, overrides: Sequence[str]) -> FitResult:
         planned[knobs] = plan
     inventory = _inventory(base_cfg, target)
     timing = step_time_target(run)
-    prefetch = int(base_cfg.offload.stream.prefetch) if base.stream_gb is not None else 1
+    prefetch = int(base_cfg.offload[offload_knobs()["stream_gb"]].prefetch) if base.stream_gb is not None else 1
     estimator = Estimator(anchors, inventory, timing, base, batch=run.batch_size, on_cuda=run.on_cuda,
                           train_dtype_bytes=dtype_bytes(run.train_dtype), frozen_dtype_bytes=dtype_bytes(run.frozen_dtype),
                           prefetch=prefetch)

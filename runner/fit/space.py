@@ -39,7 +39,6 @@ from typing import Any, Optional
 
 from runner import registry
 
-OFFLOAD_KNOBS = ("park", "stream", "activations", "optimizer")  # offload plugins the search controls
 STREAM_FRACTIONS = (0.75, 0.5, 0.25)  # of the trained module's weight bytes kept on the device
 QUANTIZE = ("nf4", "fp8")
 OPTIMIZER_KEYS = ("lr", "weight_decay", "betas", "eps")  # carried over when the optimizer changes
@@ -96,6 +95,18 @@ def _show(name: str, v: Any) -> str:
     return str(v)
 
 
+def offload_knobs() -> dict[str, str]:
+    """The offload plugins the search switches on and off, by the knob each declares (``Plugin.fit_knob``),
+    in the order of :class:`Knobs`' fields: ``{"park": "park", "stream_gb": "stream", ...}``."""
+    out = {}
+    for (kind, name), entry in registry.plugin_entries().items():
+        knob = entry.load().fit_knob if kind == "offload" else ""
+        if knob:
+            out[knob] = name
+    order = [f.name for f in dataclasses.fields(Knobs)]
+    return {knob: out[knob] for knob in sorted(out, key=order.index)}
+
+
 def _selected(cfg: Any) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for kind, name, _ in registry.selected(cfg):
@@ -113,15 +124,18 @@ def base_knobs(cfg: Any) -> Knobs:
         ckpt = "full" if str(node.mode) == "full" or int(node.every_n) == 1 else "every_n"
         every_n = int(node.every_n)
     offload = chosen.get("offload", [])
+    plugins = offload_knobs()
+    on = {knob: plugins[knob] in offload if knob in plugins else False for knob in ("park", "stream_gb", "activations",
+                                                                                   "optimizer_offload")}
     stream = None
-    if "stream" in offload:
-        budget = cfg.offload.stream.get("device_budget_gb")
+    if on["stream_gb"]:
+        budget = cfg.offload[plugins["stream_gb"]].get("device_budget_gb")
         stream = float(budget) if budget is not None else -1.0
     quant = chosen.get("quantization", [])
     return Knobs(
         checkpoint=ckpt, every_n=every_n, micro=int(cfg.train.batch_size) // int(cfg.train.grad_accum),
-        park="park" in offload, stream_gb=stream, activations="activations" in offload,
-        optimizer_offload="optimizer" in offload, fused=bool(cfg.optimizer.get("fused_backward", False)),
+        park=on["park"], stream_gb=stream, activations=on["activations"],
+        optimizer_offload=on["optimizer_offload"], fused=bool(cfg.optimizer.get("fused_backward", False)),
         optimizer=str(cfg.optimizer.name), quantization=quant[0] if quant else None,
         train=str(cfg.model.train), train_dtype=str(cfg.model.get("train_dtype", "float32")),
     )
@@ -249,19 +263,20 @@ def overrides_for(k: Knobs, base: Knobs, cfg: Any, user: Sequence[str]) -> list[
             extra.append("checkpoint.blocks.mode=full")
         elif k.checkpoint == "every_n":
             extra += ["checkpoint.blocks.mode=every_n", f"checkpoint.blocks.every_n={k.every_n}"]
-    wanted = {"park": k.park, "stream": k.stream_gb is not None, "activations": k.activations,
-              "optimizer": k.optimizer_offload}
-    had = {n: (n in chosen.get("offload", [])) for n in OFFLOAD_KNOBS}
+    plugins = offload_knobs()  # knob -> the offload plugin that declares it
+    wanted = {name: _knob_on(k, knob) for knob, name in plugins.items()}
+    had = {name: (name in chosen.get("offload", [])) for name in plugins.values()}
     if wanted != had or (k.stream_gb not in (None, -1.0) and k.stream_gb != base.stream_gb):
-        others = [n for n in chosen.get("offload", []) if n not in OFFLOAD_KNOBS]
-        names = [n for n in OFFLOAD_KNOBS if wanted[n]] + others
-        removed = [n for n in OFFLOAD_KNOBS if had[n] and not wanted[n]]
+        others = [n for n in chosen.get("offload", []) if n not in wanted]
+        names = [n for n in wanted if wanted[n]] + others
+        removed = [n for n in wanted if had[n] and not wanted[n]]
         drop(lambda o: o.split("=", 1)[0].lstrip("+~") == "offload"
              or any(o.split("=", 1)[0].startswith(f"offload.{n}.") for n in removed))
         extra.append(_kind_list("offload", names))
         if k.stream_gb is not None and k.stream_gb >= 0:
-            drop(lambda o: o.split("=", 1)[0] in ("offload.stream.device_budget_gb", "offload.stream.device_fraction"))
-            extra.append(f"offload.stream.device_budget_gb={k.stream_gb:g}")
+            node = f"offload.{plugins['stream_gb']}"
+            drop(lambda o: o.split("=", 1)[0] in (f"{node}.device_budget_gb", f"{node}.device_fraction"))
+            extra.append(f"{node}.device_budget_gb={k.stream_gb:g}")
     if k.micro != base.micro:
         drop(lambda o: o.split("=", 1)[0] == "train.grad_accum")
         extra.append(f"train.grad_accum={int(cfg.train.batch_size) // k.micro}")
@@ -285,6 +300,12 @@ def overrides_for(k: Knobs, base: Knobs, cfg: Any, user: Sequence[str]) -> list[
         drop(lambda o: o.split("=", 1)[0] == "model.train_dtype")
         extra.append(f"model.train_dtype={k.train_dtype}")
     return out + extra
+
+
+def _knob_on(k: Knobs, knob: str) -> bool:
+    """Whether candidate ``k`` switches on the plugin of ``knob`` (a bool knob, or a budget that is set)."""
+    value = getattr(k, knob)
+    return value if isinstance(value, bool) else value is not None
 
 
 def _kind_list(kind: str, names: list[str]) -> str:

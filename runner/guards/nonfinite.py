@@ -28,7 +28,7 @@ from collections.abc import Iterable
 
 import torch
 
-from runner.config import NONFINITE_POLICIES
+from runner.constants import NONFINITE_POLICIES
 from runner.errors import ResumableStop
 
 log = logging.getLogger("runner")

@@ -62,7 +62,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from runner.cli.compose import compose_config
+from runner.build import build_plugins
+from runner.compose import compose_config
 from runner.config.checks import validate
 from runner.errors import UserError
 from runner.guards.oom import is_out_of_memory
@@ -154,7 +155,8 @@ def preflight(cfg: Any, run: ResolvedRun, trainer: Any, out: Path) -> Plan | Non
         return None
     try:
         with _said_by_the_run():
-            plan = plan_step(cfg, trainer, run=run)
+            # the plugins as the job's checks built and validated them, built again for the simulated run
+            plan = plan_step(cfg, trainer, build_plugins(cfg, run.simulated(), check=False), run=run)
     except (UserError, KeyboardInterrupt):
         raise
     except Exception as e:  # noqa: BLE001 - see the docstring

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from runner import registry
-from runner.build import build_plugins, build_trainer, prepare_models
+from runner.build import build_plugins, build_trainer, idle_parts, prepare_models
 from runner.compat import without_dispatch_modes
 from runner.context import RunContext
 from runner.data import planned_size
@@ -141,7 +141,7 @@ def plan_step(
 ) -> Plan:
     """Simulate one training step of ``cfg`` (with ``trainer`` and plugin ``schedule`` if given).
 
-    ``cfg``: the composed run config (``runner.cli.compose.compose_config``); ``run``: the resolved
+    ``cfg``: the composed run config (``runner.compose.compose_config``); ``run``: the resolved
     run to plan (a training run's own, for its preflight; default: ``cfg`` resolved for
     ``target``, itself by default CUDA unless ``train.device=cpu``); ``trainer``: any object
     following the trainer protocol (default: built from ``cfg.trainer``); ``schedule``: a
@@ -230,7 +230,7 @@ class _Simulation:
             self.models = prepare_models(trainer.build_models(DEVICE), cfg.model, run)
         self.notes["timings_s"]["build"] = round(time.perf_counter() - t0, 2)
         self.semantics = DeviceSemantics(run.target, self.precision)
-        self.ctx = RunContext(run=run, schedule=schedule, cfg=cfg)
+        self.ctx = RunContext(run=run, schedule=schedule, cfg=cfg, **idle_parts(run))
         self.ctx.trainer = trainer
         self.ctx.accelerator = SimulatedAccelerator(self.semantics, self.precision)
         self.tracker = LiveBytesTracker(count_inputs=False)  # every pre-existing tensor is tracked explicitly

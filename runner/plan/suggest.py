@@ -115,12 +115,13 @@ class _Estimates:
 
     def offload(self) -> None:
         cfg, cats = self.cfg, self.cats
-        if ("offload", "park") not in self.chosen and "park" in _available("offload") and self.frozen:
+        savers = [n for n in _available("offload") if registry.get_plugin("offload", n).plan_saving == "frozen_weights"]
+        if savers and not any(("offload", n) in self.chosen for n in savers) and self.frozen:
             frozen_w = sum(self.weights[m] for m in self.frozen)
             enc = 0
             if "encode" in self.plan.peak_phase:
                 enc = cats.get("temporaries", 0) + cats.get("activations", 0)
-            self.add("+offload=park" if cfg.get("offload") else "offload=park", frozen_w + enc,
+            self.add(f"+offload={savers[0]}" if cfg.get("offload") else f"offload={savers[0]}", frozen_w + enc,
                      "frozen modules' weights on the device at the peak"
                      + (" and the encode step's activations (the peak is in encode)" if enc else "")
                      + "; with cached latents and embeddings they never reach the device")

@@ -158,7 +158,7 @@ def resume_base(cfg: DictConfig, overrides: Sequence[str] | None = None) -> tupl
     own = [f"{k}={OmegaConf.select(cfg, k)}" for k in OWN if OmegaConf.select(cfg, k) is not None]
     if overrides is None and cfg.mode == "export":  # export a checkpoint as it was trained
         if saved.get("overrides") is None:  # nor was its command line known: its config, with this run's own keys
-            from runner.cli.compose import compose_config
+            from runner.compose import compose_config
 
             cfg = OmegaConf.merge(compose_config(own), {k: v for k, v in saved["config"].items() if k not in OWN})
             cfg.mode, cfg.train.resume = "export", own_value(own, "train.resume")
@@ -168,7 +168,7 @@ def resume_base(cfg: DictConfig, overrides: Sequence[str] | None = None) -> tupl
     if overrides is not None:
         from hydra.initialize import get_gh_backup, restore_gh_from_backup
 
-        from runner.cli.compose import compose_config
+        from runner.compose import compose_config
 
         effective = merge_overrides(saved.get("overrides") or [], overrides)
         backup = get_gh_backup()  # composing must leave the running Hydra app's state as it was

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from runner.blocks import find_repeated_blocks
-from runner.config.adapters import TRAIN_MODES
+from runner.constants import TRAIN_MODES
 from runner.data.checks import family_references
 from runner.errors import UserError, valid_list
 from runner.export.comfy import check_comfy_targets

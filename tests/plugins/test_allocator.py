@@ -12,6 +12,7 @@ from hydra.core.config_store import ConfigStore
 
 from runner.cli.compose import compose_config
 from runner.context import RunContext
+from runner.build import idle_parts
 from runner.errors import UserError
 from runner.plugin import PluginSchedule
 from runner.plugins.allocator import (
@@ -21,6 +22,7 @@ from runner.plugins.allocator import (
     DefaultAllocator,
     allocator_conf_string,
     apply_allocator_settings,
+    check_config,
     merge_alloc_conf,
 )
 from runner.resolved import GiB, ResolvedRun, resolve
@@ -128,11 +130,15 @@ def test_nothing_to_set_leaves_env_alone():
     ],
 )
 def test_validation(kwargs, budget, match):
-    plugin = DefaultAllocator(AllocatorConfig(**kwargs), _run(budget))
     with pytest.raises(UserError, match=match):
-        plugin.validate()
+        check_config(AllocatorConfig(**kwargs), budget)  # the node's checks and the run's budget, as a run makes them
     with pytest.raises(UserError, match=match):
         apply_allocator_settings(AllocatorConfig(**kwargs), budget, "cpu")
+
+
+def test_the_plugin_checks_the_cap_against_the_runs_budget():
+    with pytest.raises(UserError, match=r"allocator.default.cap_to_budget=true needs budget_gb"):
+        DefaultAllocator(AllocatorConfig(cap_to_budget=True), _run(None)).validate()
 
 
 def test_valid_cap_config_passes_validation():
@@ -145,7 +151,7 @@ def test_plugin_configure_process_on_cpu(caplog):
     run = _run(12.0)
     plugin = DefaultAllocator(OmegaConf.structured(AllocatorConfig(cap_to_budget=True)), run)
     cfg = OmegaConf.create({"budget_gb": 12.0})
-    ctx = RunContext(run=run, schedule=PluginSchedule.build([plugin]), cfg=cfg)
+    ctx = RunContext(run=run, schedule=PluginSchedule.build([plugin]), cfg=cfg, **idle_parts(run))
     assert [p.key for p in ctx.schedule.by_phase["configure_process"]] == ["allocator/default"]
     with caplog.at_level(logging.INFO, logger="runner"):
         ctx.run_phase("configure_process")

@@ -18,6 +18,7 @@ from torch import nn
 from runner.blocks import find_repeated_blocks
 from runner.cli.compose import compose_config
 from runner.context import RunContext
+from runner.build import idle_parts
 from runner.errors import UserError
 from runner.hooks import marked
 from runner.memory.live_bytes import LiveBytesTracker
@@ -26,6 +27,7 @@ from runner.plugins.checkpoint import (
     BlockCheckpointing,
     CheckpointConfig,
     apply_activation_checkpointing,
+    check_config,
     remove_activation_checkpointing,
 )
 from runner.resolved import ResolvedRun, resolve
@@ -267,7 +269,7 @@ def cpu_run() -> ResolvedRun:
 
 
 def make_ctx(plugin, models: ModelSet) -> RunContext:
-    ctx = RunContext(run=plugin.run, schedule=PluginSchedule.build([plugin]))
+    ctx = RunContext(run=plugin.run, schedule=PluginSchedule.build([plugin]), **idle_parts(plugin.run))
     ctx.models = models
     return ctx
 
@@ -326,7 +328,7 @@ def test_plugin_unknown_module_is_a_user_error():
 )
 def test_validation(kwargs, match):
     with pytest.raises(UserError, match=match):
-        BlockCheckpointing(CheckpointConfig(**kwargs), cpu_run()).validate()
+        check_config(CheckpointConfig(**kwargs))
 
 
 def test_registered_schema():

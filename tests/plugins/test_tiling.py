@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from runner.cli.compose import compose_config
 from runner.config.checks import validate
 from runner.context import RunContext
+from runner.build import idle_parts
 from runner.data.demo import demo_image
 from runner.data.images import _to_tensor
 from runner.errors import UserError
@@ -292,7 +293,7 @@ def cpu_run() -> ResolvedRun:
 
 
 def make_ctx(plugin, models: ModelSet) -> RunContext:
-    ctx = RunContext(run=plugin.run, schedule=PluginSchedule.build([plugin]))
+    ctx = RunContext(run=plugin.run, schedule=PluginSchedule.build([plugin]), **idle_parts(plugin.run))
     ctx.models = models
     return ctx
 

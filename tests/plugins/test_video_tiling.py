@@ -24,6 +24,7 @@ from torch import nn
 from runner.cli.compose import compose_config
 from runner.config.checks import validate
 from runner.context import RunContext
+from runner.build import idle_parts
 from runner.data.demo_video import demo_frame
 from runner.data.video import frames_to_tensor
 from runner.memory.live_bytes import LiveBytesTracker
@@ -136,7 +137,7 @@ def test_the_plugin_tiles_the_run_vae_and_tears_down():
     run = resolve(compose_config(["trainer=wan", "train.device=cpu"]))
     vae = wan_vae()
     ctx = RunContext(run=run, schedule=PluginSchedule.build([VaeTiling(TilingConfig(vae_tile_size=32, vae_tile_overlap=8),
-                                                                       run)]))
+                                                                       run)]), **idle_parts(run))
     ctx.models = ModelSet(modules={"vae": vae})
     ctx.run_phase("transform_models")
     assert vae.use_tiling and (vae.tile_sample_min_width, vae.tile_sample_stride_height) == (32, 24)

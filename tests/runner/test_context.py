@@ -76,3 +76,21 @@ def test_plugins_never_import_the_planner():
         names = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
         names += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         assert not [m for m in names if m.startswith("runner.plan")], f"{path} imports the planner"
+
+
+def test_the_core_imports_no_plugin_and_the_context_no_feature():
+    """The core reads the plugins' declarations through the registry: no module of runner/ imports a
+    plugin's module (only runner.plugins, which declares them all), and runner/context.py imports none
+    of the features whose no-op objects the session injects."""
+    for path in sorted((ROOT / "runner").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        names = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+        names += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        assert not [m for m in names if m.startswith("runner.plugins.")], f"{path} imports a plugin"
+    tree = ast.parse((ROOT / "runner" / "context.py").read_text())
+    guarded = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+               for sub in node.body for n in ast.walk(sub)}
+    runtime = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and id(n) not in guarded]
+    features = ("runner.sampling", "runner.val", "runner.ema", "runner.compile", "runner.memory", "runner.output",
+                "runner.data", "runner.dist")
+    assert not [m for m in runtime if m.startswith(features)], runtime

@@ -148,3 +148,28 @@ def test_an_optional_module_name_is_taken_when_built_and_skipped_when_not():
     assert plugin.known_modules(other, ["text_encoder?"]) == []
     with pytest.raises(UserError, match="'text_encoder', which the trainer does not build"):
         plugin.known_modules(other, ["text_encoder"])
+
+
+def test_a_declared_requirement_is_checked_when_the_schedule_is_built():
+    needy = type("P_needy", (Plugin,), {"kind": "tiling", "name": "needy", "requires": ("checkpoint/blocks",)})(None, RUN)
+    with pytest.raises(UserError, match=r"tiling=needy needs checkpoint=blocks selected too"):
+        PluginSchedule.build([needy, make("checkpoint", "other")])
+    assert keys(PluginSchedule.build([needy, make("checkpoint", "blocks")]).plugins) == ["tiling/needy", "checkpoint/blocks"]
+
+
+def test_a_conflict_is_read_from_either_plugins_declaration():
+    from runner.build import idle_parts
+    from runner.context import RunContext
+
+    why = "the two cannot share a module"
+    a = type("P_a", (Plugin,), {"kind": "offload", "name": "a", "conflicts": {("move", "squash"): why}})(None, RUN)
+    b = make("quantization", "b")
+    for first, second in (((a, "move"), (b, "squash")), ((b, "squash"), (a, "move"))):
+        ctx = RunContext(run=RUN, schedule=PluginSchedule.build([a, b]), **idle_parts(RUN))
+        ctx.claim("unet", first[1], first[0].key)
+        with pytest.raises(UserError, match=rf"both claim 'unet' \({second[1]} and {first[1]}\): {why}"):
+            ctx.claim("unet", second[1], second[0].key)
+    ctx = RunContext(run=RUN, schedule=PluginSchedule.build([a, b]), **idle_parts(RUN))
+    ctx.claim("unet", "move", a.key)
+    ctx.claim("unet", "other", b.key)  # undeclared pairs may share a module
+    assert len(ctx.facts.claims) == 2

@@ -22,6 +22,7 @@ from runner.build import build_plugins, build_trainer, make_context, prepare_mod
 from runner.cli.compose import compose_config
 from runner.config.checks import validate
 from runner.context import RunContext
+from runner.build import idle_parts
 from runner.data import FolderDataset, collate
 from runner.data.order import SampleOrder
 from runner.errors import UserError
@@ -312,7 +313,7 @@ def test_plugin_sets_planner_flags_and_order(tmp_path):
     schedule = build_plugins(cfg, run)
     assert [p.key for p in schedule.by_phase["place_models"]] == ["offload/park"]
     assert Park(ParkConfig(), run).implements("teardown")
-    ctx = RunContext(run=run, schedule=PluginSchedule.build([Park(ParkConfig(cache_latents=False, cache_text=False), run)]))
+    ctx = RunContext(run=run, schedule=PluginSchedule.build([Park(ParkConfig(cache_latents=False, cache_text=False), run)]), **idle_parts(run))
     ctx.models = ModelSet({"unet": nn.Linear(2, 2), "te": nn.Linear(2, 2).requires_grad_(False)}, trained={"unet"})
     ctx.run_phase("claim_modules")
     assert [(c.module, c.action, c.owner) for c in ctx.facts.claims] == [("te", "park", "offload/park")]

@@ -23,6 +23,7 @@ from runner.build import build_plugins, build_trainer, make_context, prepare_mod
 from runner.cli.compose import compose_config
 from runner.config.checks import validate
 from runner.context import RunContext
+from runner.build import idle_parts
 from runner.errors import UserError
 from runner.loop import train
 from runner.memory.live_bytes import LiveBytesTracker
@@ -257,7 +258,7 @@ def test_planner_simulation_same_bytes_and_runs_on_meta_and_fake(lora_sdxl, meth
     run = resolve(cfg, target="cuda", device=torch.device("meta")).simulated()  # as the planner runs it
     plugin = {"nf4": NF4Quantization, "int8": Int8Quantization, "fp8": Fp8Storage}[method](cfg.quantization[method], run)
     sim_models = ModelSet({"unet": copy.deepcopy(meta_models["unet"])}, {"unet"})
-    ctx = RunContext(run=run, schedule=PluginSchedule.build([plugin]), cfg=cfg)
+    ctx = RunContext(run=run, schedule=PluginSchedule.build([plugin]), cfg=cfg, **idle_parts(run))
     assert ctx.simulate and ctx.device.type == "meta"
     ctx.models = sim_models
     ctx.run_phase("transform_models")
@@ -346,7 +347,7 @@ def test_module_choice_and_trained_weights():
     # ... and so is a module another plugin drops (offload=park's cached encoders).
     assert plugin.target_modules(models, dropped=frozenset({"text_encoder"})) == []
 
-    ctx = RunContext(run=run, schedule=PluginSchedule.build([plugin]), cfg=cfg)
+    ctx = RunContext(run=run, schedule=PluginSchedule.build([plugin]), cfg=cfg, **idle_parts(run))
     ctx.models = models
     ctx.run_phase("claim_modules")
     assert [(c.module, c.action, c.owner) for c in ctx.facts.claims] == [("text_encoder", "quantize", "quantization/nf4")]

@@ -19,6 +19,7 @@ from runner.__main__ import task
 from runner.build import build_trainer, prepare_models
 from runner.cli.compose import compose_config
 from runner.context import RunContext
+from runner.build import idle_parts
 from runner.errors import UserError
 from runner.loop import trainer_step_start
 from runner.optim.build import build_optimizer
@@ -80,7 +81,7 @@ def setup_context(*overrides: str) -> RunContext:
     """A real context with no plugins, the models placed by the run's setup and the configured optimizer."""
     cfg = compose_config([*BOTH, *overrides])
     run = resolve(cfg)
-    ctx = RunContext(run=run, schedule=PluginSchedule.build([]), cfg=cfg)
+    ctx = RunContext(run=run, schedule=PluginSchedule.build([]), cfg=cfg, **idle_parts(run))
     ctx.trainer = build_trainer(cfg, run)
     set_seed(0)
     ctx.models = prepare_models(ctx.trainer.build_models("cpu"), cfg.model, run)

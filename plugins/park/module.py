@@ -1,0 +1,151 @@
+"""Parking one frozen module: its weights on the host, swapped onto the device for each call
+(:func:`park_module`, the twin of ``offload=park``'s placement; see plugins/park/__init__.py)."""
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from runner.accel import cuda_like
+from runner.compat import has_compatible_shallow_copy_type
+from runner.hooks import mark, marked, unmark
+
+PARK_METHODS = ("forward", "encode", "decode")
+MARK = "park"  # runner.hooks mark: the module's ParkedModule
+
+
+def _bytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class ParkedModule:
+    """A frozen module whose weights live on ``host`` and are swapped onto ``device`` per call.
+
+    Calls nest (``vae.forward`` calls ``vae.encode``): weights are moved in by the outermost
+    call and out when it returns. ``loads`` counts the moves in.
+    """
+
+    def __init__(self, module: nn.Module, device: torch.device, host: torch.device, pin_memory: bool) -> None:
+        self.module_ref = weakref.ref(module)
+        self.device, self.host = torch.device(device), torch.device(host)
+        self.pinned = bool(pin_memory) and cuda_like(self.device)
+        self.depth = 0
+        self.loads = 0
+        self.swapped: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param or buffer, its host data)
+        self.moved: list[nn.Module] = []  # leaf modules with quantized parameter types: Module.to
+        seen: set[int] = set()  # tied weights (T5's shared embedding) are one tensor: swap it once
+        for sub in module.modules():
+            own_params = list(sub.parameters(recurse=False))
+            if any(type(p) is not nn.Parameter for p in own_params):
+                self.moved.append(sub)
+                sub.to(self.host)
+                continue
+            for t in [*own_params, *sub.buffers(recurse=False)]:
+                if id(t) in seen:
+                    continue
+                seen.add(id(t))
+                if t.device != self.host:
+                    t.data = t.data.to(self.host)
+                if self.pinned:
+                    t.data = t.data.pin_memory()
+                self.swapped.append((t, t.data))
+        self.nbytes = _bytes(h for _, h in self.swapped) + sum(
+            _bytes([*m.parameters(recurse=False), *m.buffers(recurse=False)]) for m in self.moved
+        )
+        # ``param.data = x`` needs tensors of one implementation type (CPU and CUDA are); ``meta``,
+        # the planner's simulated device, is not, so there the tensors' contents are exchanged
+        # with torch.utils.swap_tensors instead (same objects, same effect, frozen tensors only).
+        probe = torch.empty(0, device=self.host)
+        self.swap_objects = not has_compatible_shallow_copy_type(probe, torch.empty(0, device=self.device))
+        self._holders: list[torch.Tensor] = []
+        self.wrapped: dict[str, Any] = {}  # method name -> the instance attribute it replaced (or None)
+        for name in PARK_METHODS:
+            if callable(getattr(type(module), name, None)):
+                self.wrapped[name] = module.__dict__.get(name)
+                setattr(module, name, self._wrapper(name, self.wrapped[name]))
+        self.hooks = [h for sub in list(module.modules())[1:]
+                      for h in (sub.register_forward_pre_hook(lambda *_: self.enter()),
+                                sub.register_forward_hook(lambda *_: self.exit(), always_call=True))]
+        mark(module, MARK, self)
+
+    def _wrapper(self, name: str, previous: Any) -> Callable[..., Any]:
+        module_ref, cls_fn = self.module_ref, getattr(type(self.module_ref()), name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.enter()
+            try:
+                if previous is not None:
+                    return previous(*args, **kwargs)
+                return cls_fn(module_ref(), *args, **kwargs)
+            finally:
+                self.exit()
+
+        return call
+
+    def enter(self) -> None:
+        if self.depth == 0:
+            if self.swap_objects:
+                self._holders = []
+                for t, host in self.swapped:
+                    dev = host.to(self.device)
+                    holder = nn.Parameter(dev, requires_grad=False) if isinstance(t, nn.Parameter) else dev
+                    torch.utils.swap_tensors(t, holder)
+                    self._holders.append(holder)
+            else:
+                for t, host in self.swapped:
+                    t.data = host.to(self.device, non_blocking=self.pinned)
+            for m in self.moved:
+                m.to(self.device)
+            self.loads += 1
+        self.depth += 1
+
+    def exit(self) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            if self.swap_objects:
+                for (t, _), holder in zip(self.swapped, self._holders):
+                    torch.utils.swap_tensors(t, holder)
+                self._holders = []
+            else:
+                for t, host in self.swapped:
+                    t.data = host  # pointer swap: the device copy is released, nothing copied back
+            for m in self.moved:
+                m.to(self.host)
+
+    def remove(self) -> None:
+        """Restore the module's methods; its weights stay on the host."""
+        module = self.module_ref()
+        if module is None:
+            return
+        for name, previous in self.wrapped.items():
+            if previous is None:
+                module.__dict__.pop(name, None)
+            else:
+                setattr(module, name, previous)
+        for h in self.hooks:
+            h.remove()
+        unmark(module, MARK)
+
+
+def park_module(
+    module: nn.Module, device: torch.device | str, host: torch.device | str = "cpu", pin_memory: bool = True
+) -> ParkedModule:
+    """Keep ``module``'s weights on ``host`` and move them to ``device`` for each call.
+
+    Only for frozen modules: a trained parameter's optimizer would keep updating the host copy
+    while gradients were computed against a device copy that is thrown away. Undo with
+    :meth:`ParkedModule.remove` (or :func:`unpark_module`).
+    """
+    if any(p.requires_grad for p in module.parameters()):
+        raise ValueError("park_module() is for frozen modules; this one has parameters with requires_grad=True")
+    if marked(module, MARK) is not None:
+        return marked(module, MARK)
+    return ParkedModule(module, torch.device(device), torch.device(host), pin_memory)
+
+
+def unpark_module(module: nn.Module) -> None:
+    parked = marked(module, MARK)
+    if parked is not None:
+        parked.remove()
