@@ -167,3 +167,19 @@ def test_every_using_it_command_runs_on_the_tiny_default(command, tmp_path):
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, f"{command}\n-> {runnable(command)}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
     assert "Traceback" not in r.stdout + r.stderr
+
+
+def test_the_guides_loops_are_the_tested_assets():
+    """docs/guide/own-trainer.md shows the plain and the hosted loop that tests/runner/test_hosted.py runs
+    and diffs (tests/assets/plain_loop.py, hosted_loop.py): each shown line is the asset's, in order."""
+    text = (ROOT / "docs" / "guide" / "own-trainer.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
+    for asset, marker in (("plain_loop.py", "def main():"), ("hosted_loop.py", "@hosted")):
+        shown = [b for b in blocks if marker in b]
+        assert len(shown) == 1, (asset, len(shown))
+        lines = [ln for ln in shown[0].splitlines() if ln.strip()]
+        source = (ROOT / "tests" / "assets" / asset).read_text().splitlines()
+        at = 0
+        for line in lines:
+            assert line in source[at:], f"{asset}: the guide shows {line!r}, which the asset has not (in this order)"
+            at = source.index(line, at) + 1
