@@ -10,34 +10,20 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may download, ever
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-# The slow tier by path: every test in these files (relative to tests/) is marked ``slow``, so
-# ``make test`` (``-m "not slow"``) leaves them to ``make test-all``. They launch processes
-# (``python -m runner``, pip) or train every preset; the torchrun files say so in their pytestmark.
-# tests/test_tiers.py checks that each path exists and that every tests/ folder keeps a fast test.
-SLOW_FILES = (
-    "conf/test_any_edit_trainer.py",
-    "conf/test_any_trainer.py",
-    "plugins/park/test_cache.py",
-    "runner/cli/test_adapters_cli.py",
-    "runner/cli/test_bad_inputs.py",
-    "runner/cli/test_cli.py",
-    "runner/cli/test_sweep.py",
-    "runner/dist/test_slurm.py",
-    "runner/loss/test_masked_loss.py",
-    "runner/optim/test_optimizer_runs.py",
-    "runner/plan/test_comm_time.py",
-    "runner/plan/test_dist_plan.py",
-    "runner/test_entry_points.py",
-    "runner/test_faults.py",
-    "runner/test_hostmem.py",
-    "test_packaging.py",
-)
-# Single slow tests of files that stay in the fast tier, by function (every parametrisation).
-SLOW_TESTS = (
-    "runner/compile/test_regional.py::test_compiled_blocks_train_like_eager",
-    "runner/compile/test_regional.py::test_teardown_restores_each_blocks_forward",
-)
 TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def _slow_list() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """tests/slow_tests.txt: the slow tier by path, a file (every test in it) or ``file::function``
+    (every parametrisation), relative to tests/. ``make test`` (``-m "not slow"``) leaves them to
+    ``make test-all``; tests/test_tiers.py checks each entry exists and every folder keeps a fast test."""
+    with open(os.path.join(TESTS, "slow_tests.txt")) as f:
+        entries = [line.split("#")[0].strip() for line in f]
+    entries = [e for e in entries if e]
+    return tuple(e for e in entries if "::" not in e), tuple(e for e in entries if "::" in e)
+
+
+SLOW_FILES, SLOW_TESTS = _slow_list()
 
 
 def pytest_collection_modifyitems(config, items):
