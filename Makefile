@@ -1,6 +1,7 @@
 # Two commands on a fresh machine (see README):
-#   make run    set up .venv and train the tiny SDXL model on the built-in demo set (CPU)
-#   make test   set up .venv and run the test suite (what CI runs)
+#   make run       set up .venv and train the tiny SDXL model on the built-in demo set (CPU)
+#   make test      set up .venv and run the fast tier (tests not marked slow)
+#   make test-all  every test, with the 50 slowest listed (what CI runs: .ci/run)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -9,7 +10,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 ARGS   ?=
 
-.PHONY: setup run test plan clean
+.PHONY: setup run test test-all plan clean
 
 setup: $(VENV)/.installed
 
@@ -24,7 +25,10 @@ run: setup
 	$(BIN)/python -m runner +preset=sdxl_24gb $(ARGS)
 
 test: setup
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
+
+test-all: setup
+	$(BIN)/python -m pytest -q --durations=50 $(ARGS)
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache

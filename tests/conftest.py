@@ -10,7 +10,28 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may download, ever
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def _slow_list() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """tests/slow_tests.txt: the slow tier by path, a file (every test in it) or ``file::function``
+    (every parametrisation), relative to tests/. ``make test`` (``-m "not slow"``) leaves them to
+    ``make test-all``; tests/test_tiers.py checks each entry exists and every folder keeps a fast test."""
+    with open(os.path.join(TESTS, "slow_tests.txt")) as f:
+        entries = [line.split("#")[0].strip() for line in f]
+    entries = [e for e in entries if e]
+    return tuple(e for e in entries if "::" not in e), tuple(e for e in entries if "::" in e)
+
+
+SLOW_FILES, SLOW_TESTS = _slow_list()
+
+
 def pytest_collection_modifyitems(config, items):
+    slow = pytest.mark.slow
+    for item in items:
+        rel = os.path.relpath(str(item.path), TESTS).replace(os.sep, "/")
+        if rel in SLOW_FILES or f"{rel}::{item.originalname}" in SLOW_TESTS:
+            item.add_marker(slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

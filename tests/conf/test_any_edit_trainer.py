@@ -182,8 +182,8 @@ def test_every_shipped_preset_plans_and_trains_the_edit_trainer(tmp_path, preset
 
 
 def test_readme_edit_trainer_command_runs(tmp_path):
-    """The README's edit-trainer command ("Your own trainer"), as a user types it, two steps on the CPU."""
-    lines = [ln for ln in (ROOT / "README.md").read_text().splitlines()
+    """The edit-trainer command of docs/guide/own-trainer.md, as a user types it, two steps on the CPU."""
+    lines = [ln for ln in (ROOT / "docs" / "guide" / "own-trainer.md").read_text().splitlines()
              if ln.startswith("PYTHONPATH=tests/assets python -m runner") and "edit_trainer." in ln]
     assert len(lines) == 1, lines
     args = shlex.split(lines[0])[4:]  # after PYTHONPATH=... python -m runner

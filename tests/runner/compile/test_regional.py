@@ -21,7 +21,7 @@ from runner.config.checks import validate
 from runner.errors import UserError
 from runner.output.report import read_metrics
 
-pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 COMMON = ["trainer=flux", "model.train=lora", "train.device=cpu", "train.progress=false", "train.steps=2",
           "export.enabled=false"]
