@@ -31,7 +31,7 @@ MiB = 2**20
 def sdxl_shapes(limit: float) -> list[torch.Size]:
     from diffusers import UNet2DConditionModel
 
-    from runner.trainers import model_configs
+    from runner.families.common import model_configs
 
     with torch.device("meta"):
         unet = UNet2DConditionModel(**model_configs.sdxl_configs("full")["unet"])

@@ -102,7 +102,7 @@ class Result:
 
 # ---- models -------------------------------------------------------------------------------------
 def model_config(case: Case) -> tuple[str, dict[str, Any]]:
-    from runner.trainers import model_configs
+    from runner.families.common import model_configs
 
     cls_name, cfg = model_configs.denoiser_config(case.family)
     if case.tiny:  # the trainers' test-size configs: only for checking this harness on a CPU

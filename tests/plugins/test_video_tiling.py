@@ -26,6 +26,8 @@ from runner.config.checks import validate
 from runner.context import RunContext
 from runner.data.demo_video import demo_frame
 from runner.data.video import frames_to_tensor
+from runner.families.qwen_image.architecture import qwen_image_configs
+from runner.families.wan.architecture import wan_configs
 from runner.memory.live_bytes import LiveBytesTracker
 from runner.plan import plan_step
 from runner.plugin import PluginSchedule
@@ -38,8 +40,6 @@ from runner.plugins.tiling import (
 )
 from runner.resolved import resolve
 from runner.trainer import ModelSet
-from runner.trainers.qwen_image_configs import qwen_image_configs
-from runner.trainers.wan_configs import wan_configs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

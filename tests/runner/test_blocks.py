@@ -12,8 +12,8 @@ from diffusers import (
 from torch import nn
 
 from runner.blocks import find_repeated_blocks
+from runner.families.common import model_configs
 from runner.plugins.stream import apply_stream_offload, minimum_device_bytes
-from runner.trainers import model_configs
 
 
 def test_unet_blocks_are_its_resnets_and_attentions():
