@@ -1,6 +1,6 @@
 """Streamed offload against no offload and the peers' offloading, on one GPU, in one run.
 
-Models (random weights, bf16, built from the published configs in runner/trainers/model_configs):
+Models (random weights, bf16, built from the published configs in runner/families/common/model_configs.py):
 
 * ``sdxl``: the SDXL U-Net (2.6 B parameters), **full fine-tune** (bf16 weights, AdamW), 1024 px;
 * ``flux``: the Flux transformer (11.9 B parameters), **LoRA** rank 16 on the attention

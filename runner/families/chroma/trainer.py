@@ -25,14 +25,13 @@ import torch
 from runner.errors import UserError
 from runner.families.chroma.config import ChromaTrainerConfig
 from runner.families.common import model_configs
-from runner.families.common.flow import FlowMatchTrainer
-from runner.families.common.loading import compute_dtype, pipeline_class
+from runner.families.common.loading import pipeline_class
 from runner.families.common.tokenizers import t5_tokenizer
-from runner.families.flux.trainer import _image_ids, _pack_latents
+from runner.families.flux.dit import PackedDiTTrainer, _image_ids, _pack_latents
 from runner.trainer import Batch, EncodePart, ModelSet, batch_device
 
 
-class ChromaTrainer(FlowMatchTrainer):
+class ChromaTrainer(PackedDiTTrainer):
     """Chroma transformer, rectified-flow matching loss."""
 
     Config = ChromaTrainerConfig
@@ -120,24 +119,15 @@ class ChromaTrainer(FlowMatchTrainer):
         """2x2 latent patches as 64-wide tokens (``FluxPipeline._pack_latents``, which Chroma's is)."""
         return _pack_latents(latents)
 
-    def predict(self, models: ModelSet, noisy: torch.Tensor, timesteps: torch.Tensor, batch: Batch) -> torch.Tensor:
-        transformer = models["transformer"]
-        dt = compute_dtype(transformer)
-        prompt_embeds = batch["prompt_embeds"]
+    def dit_inputs(self, transformer: Any, noisy: torch.Tensor, batch: Batch,
+                   dt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """The packed latents, and the text mask extended by ones over the image tokens (``ChromaPipeline``'s)."""
         b, _, h, w = noisy.shape
         device = noisy.device
         packed = _pack_latents(noisy).to(dt)
         text_mask = batch["prompt_attention_mask"].to(device, dt)
         mask = torch.cat([text_mask, torch.ones(b, packed.shape[1], device=device, dtype=dt)], dim=1)
-        return transformer(
-            hidden_states=packed,
-            timestep=timesteps.to(dt),  # t in (0, 1): the model multiplies by 1000 itself
-            encoder_hidden_states=prompt_embeds.to(dt),
-            txt_ids=torch.zeros(prompt_embeds.shape[1], 3, device=device, dtype=torch.float32),
-            img_ids=_image_ids(h, w, device),
-            attention_mask=mask,
-            return_dict=False,
-        )[0]
+        return packed, _image_ids(h, w, device), {"attention_mask": mask}
 
     def example_batch(self, batch_size: int, device: str | torch.device = "meta") -> Batch:
         """An encoded batch with the shapes ``encode`` gives at :meth:`planned_size`."""

@@ -1,4 +1,5 @@
-"""Sampling for FLUX.1: ``FluxPipeline`` around the transformer in memory, with FLUX.1-dev's scheduler or the folder's."""
+"""Sampling for FLUX.1: ``FluxPipeline`` around the transformer in memory, with FLUX.1-dev's scheduler
+or the folder's."""
 from __future__ import annotations
 
 from collections.abc import Mapping

@@ -19,24 +19,14 @@ from typing import Any
 import torch
 
 from runner.families.common import model_configs
-from runner.families.common.flow import FlowMatchTrainer
-from runner.families.common.loading import compute_dtype, pipeline_class
+from runner.families.common.loading import pipeline_class
 from runner.families.common.tokenizers import clip_tokenizer, t5_tokenizer, tokenize
 from runner.families.flux.config import FluxTrainerConfig
+from runner.families.flux.dit import PackedDiTTrainer, _image_ids, _pack_latents
 from runner.trainer import Batch, ModelSet, batch_device
 
 
-def _pack_latents(latents: torch.Tensor) -> torch.Tensor:
-    b, c, h, w = latents.shape
-    return pipeline_class("FluxPipeline")._pack_latents(latents, b, c, h, w)
-
-
-def _image_ids(h: int, w: int, device: torch.device) -> torch.Tensor:
-    """2-D (tokens, 3) ids, as recent diffusers expects; float32 so large grids stay exact."""
-    return pipeline_class("FluxPipeline")._prepare_latent_image_ids(1, h // 2, w // 2, device, torch.float32)
-
-
-class FluxTrainer(FlowMatchTrainer):
+class FluxTrainer(PackedDiTTrainer):
     """Flux transformer, rectified-flow matching loss."""
 
     Config = FluxTrainerConfig
@@ -116,25 +106,18 @@ class FluxTrainer(FlowMatchTrainer):
         """2x2 latent patches as 64-wide tokens (``FluxPipeline._pack_latents``)."""
         return _pack_latents(latents)
 
-    def predict(self, models: ModelSet, noisy: torch.Tensor, timesteps: torch.Tensor, batch: Batch) -> torch.Tensor:
-        transformer = models["transformer"]
-        dt = compute_dtype(transformer)
-        prompt_embeds = batch["prompt_embeds"]
-        b, _, h, w = noisy.shape
-        device = noisy.device
+    def flux_inputs(self, transformer: Any, noisy: torch.Tensor, batch: Batch, dt: torch.dtype) -> dict[str, Any]:
+        """The guidance embedding's input (guidance-distilled models only) and CLIP's pooled output."""
         guidance = None
         if transformer.config.guidance_embeds:
-            guidance = torch.full((b,), self.guidance, device=device, dtype=torch.float32)
-        return transformer(
-            hidden_states=_pack_latents(noisy).to(dt),
-            timestep=timesteps.to(dt),  # t in (0, 1): the model multiplies by 1000 itself
-            guidance=guidance,
-            pooled_projections=batch["pooled_prompt_embeds"].to(dt),
-            encoder_hidden_states=prompt_embeds.to(dt),
-            txt_ids=torch.zeros(prompt_embeds.shape[1], 3, device=device, dtype=torch.float32),
-            img_ids=_image_ids(h, w, device),
-            return_dict=False,
-        )[0]
+            guidance = torch.full((noisy.shape[0],), self.guidance, device=noisy.device, dtype=torch.float32)
+        return {"guidance": guidance, "pooled_projections": batch["pooled_prompt_embeds"].to(dt)}
+
+    def dit_inputs(self, transformer: Any, noisy: torch.Tensor, batch: Batch,
+                   dt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        _, _, h, w = noisy.shape
+        extra = self.flux_inputs(transformer, noisy, batch, dt)
+        return _pack_latents(noisy).to(dt), _image_ids(h, w, noisy.device), extra
 
     def example_batch(self, batch_size: int, device: str | torch.device = "meta") -> Batch:
         """An encoded batch with the shapes ``encode`` gives at :meth:`planned_size`."""

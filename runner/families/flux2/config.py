@@ -1,5 +1,5 @@
-"""The ``trainer=flux2`` option schema (FLUX.2 (dev and klein)), importable without torch: Hydra composes a run against it
-before any model code loads (runner/families/__init__.py registers it)."""
+"""The ``trainer=flux2`` option schema (FLUX.2 (dev and klein)), importable without torch: Hydra composes a run
+against it before any model code loads (runner/families/__init__.py registers it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,13 +27,13 @@ OPTIONS = (
     TrainerEntry(name="flux2",
                  target="runner.families.flux2.trainer.Flux2Trainer",
                  config=Flux2TrainerConfig,
-                 description=("Flux.2 dev transformer (32 B, Mistral-Small-3.1 text encoder), optional reference images "
-                              "(data.references=1..4), rectified-flow matching loss"),
+                 description=("Flux.2 dev transformer (32 B, Mistral-Small-3.1 text encoder), optional reference "
+                              "images (data.references=1..4), rectified-flow matching loss"),
                  objective=FLOW),
     TrainerEntry(name="flux2_klein",
                  target="runner.families.flux2.trainer.Flux2Trainer",
                  config=Flux2KleinTrainerConfig,
-                 description=("trainer=flux2 with trainer.variant=klein: FLUX.2 klein 4B (Qwen3-4B; trainer.variant=klein-9b for "
-                              "the 9B)"),
+                 description=("trainer=flux2 with trainer.variant=klein: FLUX.2 klein 4B (Qwen3-4B; "
+                              "trainer.variant=klein-9b for the 9B)"),
                  objective=FLOW),
 )

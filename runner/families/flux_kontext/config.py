@@ -1,5 +1,5 @@
-"""The ``trainer=flux_kontext`` option schema (FLUX.1 Kontext), importable without torch: Hydra composes a run against it
-before any model code loads (runner/families/__init__.py registers it)."""
+"""The ``trainer=flux_kontext`` option schema (FLUX.1 Kontext), importable without torch: Hydra composes a run
+against it before any model code loads (runner/families/__init__.py registers it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,7 +19,7 @@ OPTIONS = (
     TrainerEntry(name="flux_kontext",
                  target="runner.families.flux_kontext.trainer.FluxKontextTrainer",
                  config=FluxKontextTrainerConfig,
-                 description=("Flux.1 Kontext (edit) transformer: reference images (data.references=1) join the sequence, "
-                              "rectified-flow matching loss on the target"),
+                 description=("Flux.1 Kontext (edit) transformer: reference images (data.references=1) join the "
+                              "sequence, rectified-flow matching loss on the target"),
                  objective=FLOW),
 )

@@ -28,7 +28,8 @@ import torch
 
 from runner.errors import UserError
 from runner.families.common.loading import compute_dtype, pipeline_class
-from runner.families.flux.trainer import FluxTrainer, _image_ids, _pack_latents
+from runner.families.flux.dit import _image_ids, _pack_latents
+from runner.families.flux.trainer import FluxTrainer
 from runner.families.flux_kontext.config import FluxKontextTrainerConfig
 from runner.trainer import Batch, ModelSet
 
@@ -106,31 +107,13 @@ class FluxKontextTrainer(FluxTrainer):
         out["reference_latents"] = self.normalize_latents(parts["latents"]["reference_mean"].float())
         return out
 
-    def predict(self, models: ModelSet, noisy: torch.Tensor, timesteps: torch.Tensor, batch: Batch) -> torch.Tensor:
-        """``FluxKontextPipeline``'s transformer call: target then reference tokens, target and reference
-        ids, and the output cut back to the target's tokens."""
-        transformer = models["transformer"]
-        dt = compute_dtype(transformer)
-        prompt_embeds = batch["prompt_embeds"]
-        b, _, h, w = noisy.shape
-        device = noisy.device
-        packed = _pack_latents(noisy).to(dt)
-        tokens = packed.shape[1]
-        hidden, ids = join_references(packed, batch["reference_latents"], h, w, dt)
-        del packed
-        guidance = None
-        if transformer.config.guidance_embeds:
-            guidance = torch.full((b,), self.guidance, device=device, dtype=torch.float32)
-        return transformer(
-            hidden_states=hidden,
-            timestep=timesteps.to(dt),  # t in (0, 1): the model multiplies by 1000 itself
-            guidance=guidance,
-            pooled_projections=batch["pooled_prompt_embeds"].to(dt),
-            encoder_hidden_states=prompt_embeds.to(dt),
-            txt_ids=torch.zeros(prompt_embeds.shape[1], 3, device=device, dtype=torch.float32),
-            img_ids=ids,
-            return_dict=False,
-        )[0][:, :tokens]
+    def dit_inputs(self, transformer: Any, noisy: torch.Tensor, batch: Batch,
+                   dt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """``FluxKontextPipeline``'s transformer inputs: target then reference tokens, target and reference ids
+        (the output is cut back to the target's tokens by ``predict``), and FLUX.1's guidance and pooled input."""
+        _, _, h, w = noisy.shape
+        hidden, ids = join_references(_pack_latents(noisy).to(dt), batch["reference_latents"], h, w, dt)
+        return hidden, ids, self.flux_inputs(transformer, noisy, batch, dt)
 
     def example_batch(self, batch_size: int, device: str | torch.device = "meta") -> Batch:
         """Flux's example batch plus the reference latents at the target's size (the planned sequence

@@ -22,6 +22,7 @@ OPTIONS = (
     TrainerEntry(name="lumina2",
                  target="runner.families.lumina2.trainer.Lumina2Trainer",
                  config=Lumina2TrainerConfig,
-                 description="Lumina-Image 2.0 unified NextDiT (2.6 B), Gemma-2 2B text encoder, rectified-flow matching loss",
+                 description=("Lumina-Image 2.0 unified NextDiT (2.6 B), Gemma-2 2B text encoder, rectified-flow "
+                              "matching loss"),
                  objective=FLOW),
 )

@@ -11,7 +11,7 @@ Two choices differ from the pipeline in form, not in result:
 
 * Each caption is encoded on its own (batch of one), so no padding ever enters the causal
   language model; the pipeline pads a batch and masks, which gives the valid tokens the same
-  values (tests/runner/trainers/test_qwen_image.py compares the two).
+  values (tests/runner/families/test_qwen_wan.py compares the two).
 * The embeddings are zero-padded to a fixed ``trainer.max_sequence_length`` (the pipeline's
   default, 512) with the mask marking the padding, rather than to the longest caption of the
   batch: a cache entry then has one shape whatever batch it lands in, and the planner plans the

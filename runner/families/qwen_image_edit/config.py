@@ -1,5 +1,5 @@
-"""The ``trainer=qwen_image_edit`` option schema (Qwen-Image-Edit), importable without torch: Hydra composes a run against it
-before any model code loads (runner/families/__init__.py registers it)."""
+"""The ``trainer=qwen_image_edit`` option schema (Qwen-Image-Edit), importable without torch: Hydra composes a run
+against it before any model code loads (runner/families/__init__.py registers it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,7 +27,8 @@ OPTIONS = (
     TrainerEntry(name="qwen_image_edit",
                  target="runner.families.qwen_image_edit.trainer.QwenImageEditTrainer",
                  config=QwenImageEditTrainerConfig,
-                 description=("Qwen-Image-Edit MMDiT (trainer.variant=edit|plus): reference images (data.references) join the "
-                              "sequence and Qwen2.5-VL sees them with the instruction, rectified-flow matching loss on the target"),
+                 description=("Qwen-Image-Edit MMDiT (trainer.variant=edit|plus): reference images (data.references) "
+                              "join the sequence and Qwen2.5-VL sees them with the instruction, rectified-flow "
+                              "matching loss on the target"),
                  objective=FLOW),
 )

@@ -19,6 +19,7 @@ OPTIONS = (
     TrainerEntry(name="sd35",
                  target="runner.families.sd35.trainer.SD35Trainer",
                  config=SD35TrainerConfig,
-                 description="SD3.5 Medium / Large transformer (trainer.variant=medium|large), rectified-flow matching loss",
+                 description=("SD3.5 Medium / Large transformer (trainer.variant=medium|large), rectified-flow "
+                              "matching loss"),
                  objective=FLOW),
 )

@@ -1,5 +1,5 @@
-"""The ``trainer=wan`` option schema (Wan 2.1, 2.2 and image-to-video), importable without torch: Hydra composes a run against it
-before any model code loads (runner/families/__init__.py registers it)."""
+"""The ``trainer=wan`` option schema (Wan 2.1, 2.2 and image-to-video), importable without torch: Hydra composes a run
+against it before any model code loads (runner/families/__init__.py registers it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,15 +42,16 @@ OPTIONS = (
     TrainerEntry(name="wan",
                  target="runner.families.wan.trainer.WanTrainer",
                  config=WanTrainerConfig,
-                 description=("Wan 2.1/2.2 text-to-video transformer (trainer.variant=14b|1.3b|2.2-5b|2.2-a14b; image-to-video: "
-                              "i2v-2.1-14b|i2v-2.2-a14b), rectified-flow matching loss"),
+                 description=("Wan 2.1/2.2 text-to-video transformer (trainer.variant=14b|1.3b|2.2-5b|2.2-a14b; "
+                              "image-to-video: i2v-2.1-14b|i2v-2.2-a14b), rectified-flow matching loss"),
                  native_resolution=WAN_NATIVE_RESOLUTION,
                  objective=FLOW),
     TrainerEntry(name="wan22_a14b",
                  target="runner.families.wan.trainer.WanTrainer",
                  config=Wan22A14BTrainerConfig,
-                 description=("trainer=wan with trainer.variant=2.2-a14b trainer.experts=both: Wan 2.2 T2V A14B, both experts in one "
-                              "run, switched by timestep (trainer.experts=high or low: one expert per run)"),
+                 description=("trainer=wan with trainer.variant=2.2-a14b trainer.experts=both: Wan 2.2 T2V A14B, both"
+                              " experts in one run, switched by timestep (trainer.experts=high or low: one expert per"
+                              " run)"),
                  native_resolution=WAN_NATIVE_RESOLUTION,
                  objective=FLOW),
     TrainerEntry(name="wan22_5b",

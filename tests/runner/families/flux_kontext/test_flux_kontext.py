@@ -28,7 +28,7 @@ from runner.data.images import _to_tensor
 from runner.errors import UserError
 from runner.export.checkpoint import EXPORT_DIR, INFO_FILE
 from runner.export.lora import DIFFUSERS_FILE, KOHYA_FILE
-from runner.families.flux.trainer import _pack_latents
+from runner.families.flux.dit import _pack_latents
 from runner.families.flux_kontext.trainer import FluxKontextTrainer
 from runner.output.report import read_metrics
 from runner.resolved import resolve
