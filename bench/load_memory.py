@@ -105,7 +105,7 @@ def write_file(path: Path, file_dtype: str) -> int:
 
     from runner.build import build_trainer
     from runner.cli.compose import compose_config
-    from runner.families.common.model_configs import sdxl_configs
+    from runner.families.sdxl.architecture import sdxl_configs
 
     models = build_trainer(compose_config(["trainer=sdxl", "model.size=full"])).build_models("meta")
     state = sdxl_original(models, sdxl_configs("full"))

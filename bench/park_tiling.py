@@ -81,7 +81,7 @@ def vae_case(device: torch.device, size: str, resolution: int, tiles: tuple[int,
     from diffusers import AutoencoderKL
 
     from runner.families.common.loading import cast_module
-    from runner.families.common.model_configs import sdxl_configs
+    from runner.families.sdxl.architecture import sdxl_configs
     from runner.plugins.tiling import apply_vae_tiling
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

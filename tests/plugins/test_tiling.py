@@ -29,7 +29,7 @@ from runner.context import RunContext
 from runner.data.demo import demo_image
 from runner.data.images import _to_tensor
 from runner.errors import UserError
-from runner.families.common.model_configs import sdxl_configs
+from runner.families.sdxl.architecture import sdxl_configs
 from runner.memory.live_bytes import LiveBytesTracker
 from runner.plugin import PluginSchedule
 from runner.plugins.tiling import (

@@ -23,10 +23,11 @@ from typing import Any
 import torch
 
 from runner.errors import UserError
+from runner.families.chroma.architecture import chroma_configs
 from runner.families.chroma.config import ChromaTrainerConfig
-from runner.families.common import model_configs
 from runner.families.common.loading import pipeline_class
 from runner.families.common.tokenizers import t5_tokenizer
+from runner.families.flux.architecture import FLUX_T5_MAX_LENGTH
 from runner.families.flux.dit import PackedDiTTrainer, _image_ids, _pack_latents
 from runner.trainer import Batch, EncodePart, ModelSet, batch_device
 
@@ -66,10 +67,10 @@ class ChromaTrainer(PackedDiTTrainer):
         return {"transformer": ChromaTransformer2DModel, "vae": AutoencoderKL, "text_encoder": T5EncoderModel}
 
     def size_configs(self) -> dict[str, dict[str, Any]]:
-        return model_configs.chroma_configs(self.size)
+        return chroma_configs(self.size)
 
     def default_tokenizer(self, name: str) -> Any:
-        return t5_tokenizer(model_configs.FLUX_T5_MAX_LENGTH[self.size])
+        return t5_tokenizer(FLUX_T5_MAX_LENGTH[self.size])
 
     def pipeline_class(self) -> type:
         return pipeline_class("ChromaPipeline")
@@ -93,7 +94,7 @@ class ChromaTrainer(PackedDiTTrainer):
         """T5 prompt length: the tokenizer's ``model_max_length``, capped at the pipeline's 512 (its
         limit); a real folder used with ``size=tiny`` still gets 512 (see ``FluxTrainer.t5_max_length``)."""
         tok = self.tokenizer("tokenizer")
-        return int(min(tok.model_max_length, model_configs.FLUX_T5_MAX_LENGTH["full"]))
+        return int(min(tok.model_max_length, FLUX_T5_MAX_LENGTH["full"]))
 
     # -- protocol -------------------------------------------------------------------------
     def encode_parts(self) -> dict[str, EncodePart]:

@@ -385,7 +385,7 @@ def build_denoiser(name: str, device: str = "meta", dtype: Any = None) -> Any:
     """Build a full-size denoiser by name; on ``meta`` by default (no storage, for planning)."""
     import diffusers
 
-    from runner.families.common.model_configs import denoiser_config
+    from runner.families.denoisers import denoiser_config
 
     cls_name, cfg = denoiser_config(name)
     return build_module(getattr(diffusers, cls_name), cfg, device, dtype or torch.float32)

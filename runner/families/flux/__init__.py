@@ -1,3 +1,4 @@
 """FLUX.1: trainer.py, config.py (``trainer=flux``), sampling.py (``FluxPipeline``).
-Architecture tables: runner/families/common/model_configs.py (CLIP-L, T5-XXL and the VAE are shared).
+architecture.py (the transformer; CLIP-L, T5-XXL and the VAE from runner/families/common/model_configs.py),
+dit.py (the transformer call FLUX.1, Kontext and Chroma share).
 """

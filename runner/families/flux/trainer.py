@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 
-from runner.families.common import model_configs
 from runner.families.common.loading import pipeline_class
+from runner.families.common.model_configs import CLIP_MAX_LENGTH
 from runner.families.common.tokenizers import clip_tokenizer, t5_tokenizer, tokenize
+from runner.families.flux.architecture import FLUX_T5_MAX_LENGTH, flux_configs
 from runner.families.flux.config import FluxTrainerConfig
 from runner.families.flux.dit import PackedDiTTrainer, _image_ids, _pack_latents
 from runner.trainer import Batch, ModelSet, batch_device
@@ -52,12 +53,12 @@ class FluxTrainer(PackedDiTTrainer):
         }
 
     def size_configs(self) -> dict[str, dict[str, Any]]:
-        return model_configs.flux_configs(self.size)
+        return flux_configs(self.size)
 
     def default_tokenizer(self, name: str) -> Any:
         if name == "tokenizer":
-            return clip_tokenizer(model_configs.CLIP_MAX_LENGTH)
-        return t5_tokenizer(model_configs.FLUX_T5_MAX_LENGTH[self.size])
+            return clip_tokenizer(CLIP_MAX_LENGTH)
+        return t5_tokenizer(FLUX_T5_MAX_LENGTH[self.size])
 
     def pipeline_class(self) -> type:
         return pipeline_class("FluxPipeline")
@@ -84,7 +85,7 @@ class FluxTrainer(PackedDiTTrainer):
         size's length (64 tiny, 512 full), which a saved folder then keeps.
         """
         tok = self.tokenizer("tokenizer_2")
-        return int(min(tok.model_max_length, model_configs.FLUX_T5_MAX_LENGTH["full"]))
+        return int(min(tok.model_max_length, FLUX_T5_MAX_LENGTH["full"]))
 
     # -- protocol -------------------------------------------------------------------------
     @torch.no_grad()

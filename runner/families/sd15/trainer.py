@@ -14,7 +14,7 @@ Conditioning as ``StableDiffusionPipeline`` encodes a prompt: the text encoder's
 sample times ``scaling_factor`` (0.18215). The loss is the DDPM family's
 (runner/families/common/ddpm.py) on SD's scaled-linear betas, with ``loss.*`` options.
 
-The tiny configs keep each variant's structure (runner/families/common/model_configs.py); the full ones
+The tiny configs keep each variant's structure (runner/families/sd15/architecture.py); the full ones
 are the published ``config.json`` values, so ``mode=plan model.size=full`` plans the real model.
 """
 from __future__ import annotations
@@ -24,10 +24,11 @@ from typing import Any
 import torch
 
 from runner.errors import UserError, valid_list
-from runner.families.common import model_configs
 from runner.families.common.ddpm import NUM_TRAIN_TIMESTEPS, SD_NOISE_SCHEDULE, DDPMTrainer
 from runner.families.common.loading import compute_dtype, pipeline_class
+from runner.families.common.model_configs import CLIP_MAX_LENGTH
 from runner.families.common.tokenizers import clip_tokenizer, tokenize
+from runner.families.sd15.architecture import sd15_configs
 from runner.families.sd15.config import SD15_NATIVE_RESOLUTION, SD15TrainerConfig
 from runner.trainer import Batch, EncodePart, ModelSet, batch_device
 
@@ -71,10 +72,10 @@ class SD15Trainer(DDPMTrainer):
         return {"unet": UNet2DConditionModel, "vae": AutoencoderKL, "text_encoder": CLIPTextModel}
 
     def size_configs(self) -> dict[str, dict[str, Any]]:
-        return model_configs.sd15_configs(self.variant, self.size)
+        return sd15_configs(self.variant, self.size)
 
     def default_tokenizer(self, name: str) -> Any:
-        return clip_tokenizer(model_configs.CLIP_MAX_LENGTH)
+        return clip_tokenizer(CLIP_MAX_LENGTH)
 
     def encode_parts(self) -> dict[str, EncodePart]:
         """One text encoder (the base's default has two)."""
@@ -125,7 +126,7 @@ class SD15Trainer(DDPMTrainer):
     def example_batch(self, batch_size: int, device: str | torch.device = "meta") -> Batch:
         """An encoded batch with the shapes ``encode`` gives at ``data.resolution``."""
         te = self.component_config("text_encoder")
-        length = min(model_configs.CLIP_MAX_LENGTH, int(te["max_position_embeddings"]))
+        length = min(CLIP_MAX_LENGTH, int(te["max_position_embeddings"]))
         return {
             "latents": self.example_latents(batch_size, device),
             "prompt_embeds": self.example_tensor((batch_size, length, int(te["hidden_size"])), device, self.storage_dtype, 1),

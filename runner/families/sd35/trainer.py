@@ -24,10 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from runner.errors import UserError, valid_list
-from runner.families.common import model_configs
 from runner.families.common.flow import FlowMatchTrainer
 from runner.families.common.loading import compute_dtype, pipeline_class
+from runner.families.common.model_configs import CLIP_MAX_LENGTH
 from runner.families.common.tokenizers import clip_tokenizer, t5_tokenizer, tokenize
+from runner.families.sd35.architecture import SD3_T5_MAX_LENGTH, sd35_configs
 from runner.families.sd35.config import SD35TrainerConfig
 from runner.trainer import Batch, EncodePart, ModelSet, batch_device
 
@@ -73,12 +74,12 @@ class SD35Trainer(FlowMatchTrainer):
         }
 
     def size_configs(self) -> dict[str, dict[str, Any]]:
-        return model_configs.sd35_configs(self.variant, self.size)
+        return sd35_configs(self.variant, self.size)
 
     def default_tokenizer(self, name: str) -> Any:
         if name == "tokenizer_3":
-            return t5_tokenizer(model_configs.SD3_T5_MAX_LENGTH[self.size])
-        return clip_tokenizer(model_configs.CLIP_MAX_LENGTH)
+            return t5_tokenizer(SD3_T5_MAX_LENGTH[self.size])
+        return clip_tokenizer(CLIP_MAX_LENGTH)
 
     def encode_parts(self) -> dict[str, EncodePart]:
         """Three text encoders (the base's default has two)."""
@@ -104,7 +105,7 @@ class SD35Trainer(FlowMatchTrainer):
     def t5_max_length(self) -> int:
         """T5 prompt length: the tokenizer's, capped at the pipeline's default 256 (see FluxTrainer)."""
         tok = self.tokenizer("tokenizer_3")
-        return int(min(tok.model_max_length, model_configs.SD3_T5_MAX_LENGTH["full"]))
+        return int(min(tok.model_max_length, SD3_T5_MAX_LENGTH["full"]))
 
     # -- protocol -------------------------------------------------------------------------
     @torch.no_grad()
@@ -142,7 +143,7 @@ class SD35Trainer(FlowMatchTrainer):
         """An encoded batch with the shapes ``encode`` gives at ``data.resolution``."""
         clip1, clip2 = self.component_config("text_encoder"), self.component_config("text_encoder_2")
         t5 = self.component_config("text_encoder_3")
-        clip_len = min(model_configs.CLIP_MAX_LENGTH, int(clip1["max_position_embeddings"]))
+        clip_len = min(CLIP_MAX_LENGTH, int(clip1["max_position_embeddings"]))
         b, dt = batch_size, self.storage_dtype
         pooled = int(clip1["projection_dim"]) + int(clip2["projection_dim"])
         return {

@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
-from runner.families.common import model_configs
 from runner.families.common.ddpm import NUM_TRAIN_TIMESTEPS, SD_NOISE_SCHEDULE, DDPMTrainer
 from runner.families.common.latents import vae_scale_factor
 from runner.families.common.loading import compute_dtype, pipeline_class
+from runner.families.common.model_configs import CLIP_MAX_LENGTH
 from runner.families.common.tokenizers import clip_tokenizer, tokenize
+from runner.families.sdxl.architecture import sdxl_configs
 from runner.families.sdxl.config import SDXLTrainerConfig
 from runner.trainer import Batch, ModelSet, batch_device
 
@@ -46,10 +47,10 @@ class SDXLTrainer(DDPMTrainer):
         }
 
     def size_configs(self) -> dict[str, dict[str, Any]]:
-        return model_configs.sdxl_configs(self.size)
+        return sdxl_configs(self.size)
 
     def default_tokenizer(self, name: str) -> Any:
-        return clip_tokenizer(model_configs.CLIP_MAX_LENGTH)
+        return clip_tokenizer(CLIP_MAX_LENGTH)
 
     def pipeline_class(self) -> type:
         return pipeline_class("StableDiffusionXLPipeline")
@@ -120,7 +121,7 @@ class SDXLTrainer(DDPMTrainer):
     def example_batch(self, batch_size: int, device: str | torch.device = "meta") -> Batch:
         """An encoded batch with the shapes ``encode`` gives at :meth:`planned_size`."""
         te1, te2 = self.component_config("text_encoder"), self.component_config("text_encoder_2")
-        length = min(model_configs.CLIP_MAX_LENGTH, int(te1["max_position_embeddings"]))
+        length = min(CLIP_MAX_LENGTH, int(te1["max_position_embeddings"]))
         cross_dim = int(te1["hidden_size"]) + int(te2["hidden_size"])
         b, dt = batch_size, self.storage_dtype
         h, w = (float(x) for x in self.planned_size())

@@ -324,7 +324,7 @@ def test_skip_patterns_and_keep_in_fp32(lora_sdxl):
     from transformers import T5EncoderModel
 
     from runner.families.common.loading import build_module
-    from runner.families.common.model_configs import flux_configs
+    from runner.families.flux.architecture import flux_configs
 
     t5 = build_module(T5EncoderModel, flux_configs("tiny")["text_encoder_2"], "meta", torch.float32).requires_grad_(False)
     assert keep_patterns(t5, torch.bfloat16) == [] and "wo" in keep_patterns(t5, torch.float16)

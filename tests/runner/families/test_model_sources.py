@@ -136,7 +136,7 @@ def test_wrong_size_or_family_is_refused_before_reading_weights(sdxl_models, ful
 
 def write_full_sdxl(path: Path) -> None:
     """The full-size SDXL checkpoint's header (A1111 layout, fp16), all zeros, in no disk space."""
-    from runner.families.common.model_configs import sdxl_configs
+    from runner.families.sdxl.architecture import sdxl_configs
 
     t = trainer("trainer=sdxl", "model.size=full")
     models = t.build_models("meta")
@@ -205,8 +205,8 @@ def test_our_flux_conversion_equals_diffusers_at_full_width():
         convert_flux_transformer_checkpoint_to_diffusers,
     )
 
-    from runner.families.common.model_configs import flux_configs
     from runner.families.common.single_file import convert_flux_transformer
+    from runner.families.flux.architecture import flux_configs
 
     config = {**flux_configs("full")["transformer"], "num_layers": 2, "num_single_layers": 2}
     with torch.device("meta"):

@@ -17,7 +17,6 @@ from runner.config import DataConfig, ModelConfig
 from runner.errors import UserError
 from runner.families.chroma.trainer import ChromaTrainer, ChromaTrainerConfig
 from runner.families.common.loading import build_denoiser, load_single_file
-from runner.families.common.model_configs import sdxl_configs
 from runner.families.common.tokenizers import clip_tokenizer, t5_tokenizer
 from runner.families.flux.trainer import FluxTrainer, FluxTrainerConfig
 from runner.families.flux2.config import Flux2TrainerConfig
@@ -25,6 +24,7 @@ from runner.families.flux2.trainer import Flux2Trainer
 from runner.families.lumina2.trainer import Lumina2Trainer, Lumina2TrainerConfig
 from runner.families.sd15.trainer import SD15Trainer, SD15TrainerConfig
 from runner.families.sd35.trainer import SD35Trainer, SD35TrainerConfig
+from runner.families.sdxl.architecture import sdxl_configs
 from runner.families.sdxl.trainer import SDXLTrainer, SDXLTrainerConfig
 from runner.families.z_image.trainer import ZImageTrainer, ZImageTrainerConfig
 from runner.loss.objectives import LossConfig
