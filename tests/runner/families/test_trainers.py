@@ -233,7 +233,7 @@ def test_new_families_build_their_published_sizes_on_meta(family, published):
     from runner.cli.compose import compose_config
 
     cls, _, variant = FAMILIES[family]
-    trainer_name = cls.__module__.rsplit(".", 1)[-1]
+    trainer_name = cls.__module__.split(".")[2]  # runner.families.<family>.trainer
     tr = build_trainer(compose_config([f"trainer={trainer_name}", "model.size=full",
                                        *(f"trainer.{k}={v}" for k, v in variant.items())]))
     models = tr.build_models("meta")
