@@ -31,10 +31,10 @@ MiB = 2**20
 def sdxl_shapes(limit: float) -> list[torch.Size]:
     from diffusers import UNet2DConditionModel
 
-    from runner.trainers import model_configs
+    from runner.families.sdxl.architecture import sdxl_configs
 
     with torch.device("meta"):
-        unet = UNet2DConditionModel(**model_configs.sdxl_configs("full")["unet"])
+        unet = UNet2DConditionModel(**sdxl_configs("full")["unet"])
     shapes, total = [], 0
     for p in unet.parameters():
         if total >= limit:

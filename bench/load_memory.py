@@ -1,4 +1,4 @@
-"""Peak host RAM while loading a full-size SDXL single file (runner/trainers/single_file.py).
+"""Peak host RAM while loading a full-size SDXL single file (runner/families/common/single_file.py).
 
     python bench/load_memory.py            # fp16 file -> bfloat16, fp32 file -> bfloat16, fp16 file -> float16
     python bench/load_memory.py --write    # also replace this section of docs/benchmarks.md
@@ -105,7 +105,7 @@ def write_file(path: Path, file_dtype: str) -> int:
 
     from runner.build import build_trainer
     from runner.cli.compose import compose_config
-    from runner.trainers.model_configs import sdxl_configs
+    from runner.families.sdxl.architecture import sdxl_configs
 
     models = build_trainer(compose_config(["trainer=sdxl", "model.size=full"])).build_models("meta")
     state = sdxl_original(models, sdxl_configs("full"))
@@ -181,7 +181,7 @@ def main() -> None:
     lines += [
         "",
         "Converted tensors are new memory in the target dtype; the file's pages read for a conversion stay in RSS "
-        "only until the file is reopened (every 256 MiB, runner/trainers/single_file.py), so the peak is the modules "
+        "only until the file is reopened (every 256 MiB, runner/families/common/single_file.py), so the peak is the modules "
         "plus about one such chunk. Tensors already in the target dtype are views of the file's copy-on-write "
         "mapping: nothing is copied while loading, and their pages join RSS (as file-backed, reclaimable pages) "
         "when first used.",

@@ -1,6 +1,6 @@
 """Streamed offload against no offload and the peers' offloading, on one GPU, in one run.
 
-Models (random weights, bf16, built from the published configs in runner/trainers/model_configs):
+Models (random weights, bf16, built from the published configs in runner/families/*/architecture.py):
 
 * ``sdxl``: the SDXL U-Net (2.6 B parameters), **full fine-tune** (bf16 weights, AdamW), 1024 px;
 * ``flux``: the Flux transformer (11.9 B parameters), **LoRA** rank 16 on the attention
@@ -102,12 +102,14 @@ class Result:
 
 # ---- models -------------------------------------------------------------------------------------
 def model_config(case: Case) -> tuple[str, dict[str, Any]]:
-    from runner.trainers import model_configs
+    from runner.families.denoisers import denoiser_config
+    from runner.families.flux.architecture import flux_configs
+    from runner.families.sdxl.architecture import sdxl_configs
 
-    cls_name, cfg = model_configs.denoiser_config(case.family)
+    cls_name, cfg = denoiser_config(case.family)
     if case.tiny:  # the trainers' test-size configs: only for checking this harness on a CPU
-        cfg = (model_configs.sdxl_configs("tiny")["unet"] if case.family == "sdxl"
-               else model_configs.flux_configs("tiny")["transformer"])
+        cfg = (sdxl_configs("tiny")["unet"] if case.family == "sdxl"
+               else flux_configs("tiny")["transformer"])
     elif case.quick and case.family == "sdxl":
         cfg.update(layers_per_block=1, transformer_layers_per_block=[1, 1, 2])
     if case.quick and case.family == "flux":

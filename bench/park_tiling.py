@@ -80,9 +80,9 @@ def train_case(tmp: Path, overrides: list[str]) -> dict:
 def vae_case(device: torch.device, size: str, resolution: int, tiles: tuple[int, int] | None) -> dict:
     from diffusers import AutoencoderKL
 
+    from runner.families.common.loading import cast_module
+    from runner.families.sdxl.architecture import sdxl_configs
     from runner.plugins.tiling import apply_vae_tiling
-    from runner.trainers.loading import cast_module
-    from runner.trainers.model_configs import sdxl_configs
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)

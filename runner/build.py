@@ -29,10 +29,10 @@ from runner.context import RunContext
 from runner.data.checks import EDIT_FAMILIES
 from runner.errors import UserError
 from runner.export.config import check_full_format
+from runner.families.common.loading import attach_lora
 from runner.plugin import Plugin, PluginSchedule, check_requirements
 from runner.resolved import ResolvedRun
 from runner.trainer import ModelSet, Trainer, reference_count
-from runner.trainers.loading import attach_lora
 
 log = logging.getLogger("runner")
 

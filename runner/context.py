@@ -187,7 +187,7 @@ class RunContext:
         self._read_unread()
         self.run_phase("place_models")
         place = getattr(self.trainer, "place_models", None)  # a trainer that keeps a trained module on the host
-        if callable(place):  # (Wan 2.2 A14B's parked expert, runner/trainers/wan_experts.py) adds it to facts.placed
+        if callable(place):  # (Wan 2.2 A14B's parked expert, runner/families/wan/experts.py) adds it to facts.placed
             place(self)
         self.dist.defer_placement(self)  # dist=fsdp: the trained module reaches the device unit by unit, sharded
         for name, m in self.models.items():
@@ -198,8 +198,8 @@ class RunContext:
 
     def _read_unread(self) -> None:
         """What of a module built on meta (``ModelSet.unread``) no plugin read as it replaced its layers
-        (runner/trainers/unread.py): read now, before anything is placed."""
-        from runner.trainers.unread import read_unread
+        (runner/families/common/unread.py): read now, before anything is placed."""
+        from runner.families.common.unread import read_unread
 
         for name in read_unread(self.models):
             log.info("%s: its remaining weights (not quantized) read from its files", name)

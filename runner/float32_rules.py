@@ -4,7 +4,7 @@ transformers and diffusers models declare modules that must not be stored in hal
 (``_keep_in_fp32_modules``, ``_keep_in_fp32_modules_strict``): T5's ``wo`` overflows in float16,
 and Wan keeps its rope tables, time embedder and norms in float32 under bfloat16 too. Two
 callers apply these rules: the trainers when they build and cast modules
-(runner/trainers/loading.py) and the quantization plugins when they choose the layers to leave
+(runner/families/common/loading.py) and the quantization plugins when they choose the layers to leave
 unquantized (plugins/quantization/common.py). They live here, apart from both, so that a plugin
 needs no trainer internals.
 """

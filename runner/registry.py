@@ -13,7 +13,7 @@ node (``offload.park.cache_latents=false``). ``offload=none`` (or ``offload=[]``
 Built-in plugins and trainers are *declared* (:func:`declare_plugin`, :func:`register_trainer`)
 with their schema and the path of their class, and the class is imported only when a run builds
 it (:func:`get_plugin`, the trainer's ``_target_``). That keeps torch out of ``--help``, ``--version``,
-``mode=plugins`` and every config error (runner/plugins/schemas.py, runner/trainers/__init__.py).
+``mode=plugins`` and every config error (runner/plugins/schemas.py, runner/families/__init__.py).
 """
 from __future__ import annotations
 

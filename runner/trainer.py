@@ -70,7 +70,7 @@ takes none, so a reference would be ignored); a target without its references an
 beyond the count when the data folder is checked, before the model build of a training run.
 
 Optional hooks of a trainer with more than one trained module, not all on the device at once
-(Wan 2.2 A14B's two experts, runner/trainers/wan_experts.py):
+(Wan 2.2 A14B's two experts, runner/families/wan/experts.py):
 
 * ``place_models(ctx)``: called after the plugins' ``place_models`` phase, before the runner moves
   the modules no one placed to the device; a module it adds to ``ctx.facts.placed`` stays where the
@@ -113,7 +113,7 @@ class ModelSet:
     dtypes_applied: bool = False
     # Modules built with their parameters on meta whose weights a quantization plugin reads layer by
     # layer as it replaces them; the runner reads the rest after ``transform_models``
-    # (runner/trainers/unread.py). Name -> UnreadWeights; empty unless the run loads a base that way.
+    # (runner/families/common/unread.py). Name -> UnreadWeights; empty unless the run loads a base that way.
     unread: dict[str, Any] = field(default_factory=dict)
 
     def __getitem__(self, name: str) -> nn.Module:

@@ -4,7 +4,7 @@ Not a test module: tests and bench/load_memory.py import it. The mappings are wr
 the documented original key layouts (Stability's generative-models / A1111 layout for SDXL, as in
 diffusers' scripts/convert_diffusers_to_original_sdxl.py; OpenCLIP's text tower; Black Forest
 Labs' flux repository), independently of the forward conversion under test
-(runner/trainers/single_file.py, which uses diffusers' converters), so a round trip that gives
+(runner/families/common/single_file.py, which uses diffusers' converters), so a round trip that gives
 back the source weights checks both.
 
 Every function works on ``meta`` tensors too (the bench writes a full-size header from shapes).

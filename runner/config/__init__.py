@@ -245,7 +245,7 @@ def load_all() -> None:
     store_schemas()
     registry.store_empty_options()
     importlib.import_module("runner.plugins")
-    importlib.import_module("runner.trainers")
+    importlib.import_module("runner.families")
     for group in (registry.PLUGIN_GROUP, registry.TRAINER_GROUP):
         for ep in entry_points(group=group):
             try:

@@ -1,7 +1,7 @@
 """The values of ``model.train`` (torch-free, so config checks stay fast): one place for what is an adapter.
 
 ``full`` trains the denoiser's own weights; every other value attaches a peft adapter to it and
-trains that alone, the base frozen (runner/trainers/loading.py ``attach_lora``): ``lora`` (with
+trains that alone, the base frozen (runner/families/common/loading.py ``attach_lora``): ``lora`` (with
 ``model.lora_dora`` for DoRA), ``lokr`` (Kronecker factors) and ``loha`` (Hadamard product of two
 low-rank pairs). All three read ``model.lora_rank``, ``model.lora_alpha`` and ``model.lora_targets``.
 """

@@ -16,7 +16,7 @@ A mask is grayscale, 0 (ignored) .. 255 (trained fully), any mode PIL reads (col
 to luminance, alpha is ignored). It is resized to the image's size as shown (after EXIF rotation)
 and then cropped, resized and flipped with the image (runner/data/folder.py, runner/data/flip.py),
 so it always covers the same pixels. The trainer downsamples it to the latent grid, area-averaged,
-and the encoder cache keeps it beside the latents (runner/trainers/base.py ``encode_latents``).
+and the encoder cache keeps it beside the latents (runner/families/common/base.py ``encode_latents``).
 
 Refused before training, naming the file (:func:`check_mask`): an image without a mask (a white
 mask trains the whole image), a mask that cannot be read, one whose aspect ratio differs from its

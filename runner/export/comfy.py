@@ -45,7 +45,7 @@ from torch import nn
 
 from runner.errors import UserError
 from runner.export.config import export_config
-from runner.export.flux2_comfy import FLUX2_NAMES
+from runner.families.flux2.comfy import FLUX2_NAMES
 
 COMFY_FILE = "lora_comfy.safetensors"
 COMFY_EMA_FILE = "lora_comfy_ema.safetensors"
@@ -119,7 +119,7 @@ LAYOUTS: dict[str, ComfyLayout] = {
     "wan": ComfyLayout("dotted", "diffusion_model", WAN_RENAMES),
     "z_image": ComfyLayout("dotted", "diffusion_model"),
     "lumina2": ComfyLayout("dotted", "diffusion_model", LUMINA2_RENAMES),
-    # BFL's names, q/k/v fused and the scale in B: written by runner/export/flux2_comfy.py, not comfy_state_dict
+    # BFL's names, q/k/v fused and the scale in B: written by runner/families/flux2/comfy.py, not comfy_state_dict
     "flux2": ComfyLayout("flux2", "diffusion_model", FLUX2_NAMES),
 }
 

@@ -24,7 +24,7 @@ as peft does), so such a file could not be checked to reproduce the trained weig
 * **comfy** (ComfyUI and Forge at the trained strength, every family): the kohya file where that is
   the layout ComfyUI maps (U-Nets, Flux), else ``lora_comfy.safetensors`` in the family's ComfyUI
   layout (SD3.5, Qwen-Image, Wan; runner/export/comfy.py; Flux.2: BFL's names with q/k/v fused,
-  runner/export/flux2_comfy.py).
+  runner/families/flux2/comfy.py).
 
 Every file carries the same plain metadata: rank, alpha, target modules, base model, preset, step
 (and kohya's ``ss_network_*`` keys, which the UIs show).
@@ -161,8 +161,8 @@ def write_comfy_lora(layout_name: str, module: nn.Module, folder: Path, info: di
                      file_name: str = COMFY_FILE) -> Path:
     """``folder/lora_comfy.safetensors``: the family's ComfyUI layout with ``.alpha`` (runner/export/comfy.py)."""
     config = adapter_config(module)
-    if LAYOUTS[layout_name].style == "flux2":  # BFL's fused qkv (runner/export/flux2_comfy.py)
-        from runner.export.flux2_comfy import flux2_comfy_state_dict
+    if LAYOUTS[layout_name].style == "flux2":  # BFL's fused qkv (runner/families/flux2/comfy.py)
+        from runner.families.flux2.comfy import flux2_comfy_state_dict
 
         state = flux2_comfy_state_dict(lora_state_dict(module), float(config.lora_alpha), int(config.r))
     else:

@@ -1,7 +1,7 @@
 """A full fine-tune as ONE safetensors file in the original layout (``export.full_format=single_file|both``).
 
 A1111, Forge and ComfyUI load single files, not diffusers folders. This writes the inverse of what
-``model.path`` reads (runner/trainers/single_file.py), so the file the export writes is a file the
+``model.path`` reads (runner/families/common/single_file.py), so the file the export writes is a file the
 runner itself reads back, bit for bit (tests/runner/export/test_single_file.py):
 
 * **SDXL**: ``checkpoint.safetensors``, the whole checkpoint in Stability's layout: the U-Net as
@@ -226,7 +226,7 @@ def open_clip_to_original(state: dict[str, torch.Tensor], prefix: str) -> dict[s
 
 def flux_to_original(state: dict[str, torch.Tensor], config: Any, prefix: str = "") -> dict[str, torch.Tensor]:
     """FluxTransformer2DModel -> BFL's layout: the reader's ``FLUX_*`` tables inverted, q/k/v(/mlp) fused."""
-    from runner.trainers import single_file as sf
+    from runner.families.common import single_file as sf
 
     src, out = dict(state), {}
 
@@ -437,13 +437,14 @@ def original_state_dict(family: str, models: ModelSet) -> dict[str, torch.Tensor
 def check_inverse(family: str, models: ModelSet, state: dict[str, torch.Tensor]) -> None:
     """Convert ``state``'s shapes back with the reader's own converters (on ``meta``, no data) and
     compare with each module: a ValueError when the file would not read back into the models."""
-    from runner.trainers.single_file import LAYOUTS, _drop_buffers, _shape_report
+    from runner.families.common.single_file import LAYOUTS
+    from runner.families.common.single_file_load import _drop_buffers, _shape_report
 
     spec = FAMILIES[family]
     layout = None if spec.diffusers_keys else next(lay for lay in LAYOUTS if lay.family == family)
     for name in spec.modules:
         model = models[name]
-        if layout is None:  # read back by key name (runner/trainers/loading.py: load_single_file)
+        if layout is None:  # read back by key name (runner/families/common/loading.py: load_single_file)
             back = dict(state)
         else:
             component = layout.components[name]

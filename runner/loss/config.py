@@ -2,7 +2,7 @@
 
 Split from runner/loss/objectives.py (the formulas, which need torch) so that composing a run, ``--help``,
 ``mode=plugins`` and a config error never import torch (runner/config/checks.py fast path). A
-built-in trainer's objective comes from its registration (runner/trainers/__init__.py), so an
+built-in trainer's objective comes from its registration (runner/families/__init__.py), so an
 option of the other objective is refused before any trainer module is imported.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``loss.*``: the loss and noise options of a diffusion objective, and public helpers that apply them.
 
-The built-in family bases (runner/trainers/ddpm.py, runner/trainers/flow.py) read these options;
+The built-in family bases (runner/families/common/ddpm.py, runner/families/common/flow.py) read these options;
 a user's trainer uses the same helpers (``loss_config(cfg)`` and the functions below) to get the
 same options with the same meaning. Every random draw comes from the per-sample seeds
 (:func:`runner.trainer.per_sample_rand` / :func:`~runner.trainer.per_sample_randn`), so a loss

@@ -29,7 +29,7 @@ import torch
 from omegaconf import OmegaConf
 
 from runner.sampling import vae_on_device
-from runner.sampling.families import family_sampling
+from runner.sampling.pipelines import family_sampling
 
 PHASE = "sample"
 

@@ -18,7 +18,7 @@ from torch import nn
 from runner.errors import UserError
 from runner.optim.modes import at_evaluation_point
 from runner.sampling.config import SampleConfig, check_sample_config, read_prompts
-from runner.sampling.families import family_sampling
+from runner.sampling.pipelines import family_sampling
 
 if TYPE_CHECKING:
     from runner.context import RunContext

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from runner.blocks import find_repeated_blocks
-from runner.trainers.sdxl import SDXLTrainer
+from runner.families.sdxl.trainer import SDXLTrainer
 
 
 def _settings() -> dict[str, int]:

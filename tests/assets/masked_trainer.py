@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from runner.families.sdxl.trainer import SDXLTrainer
 from runner.trainer import batch_device
-from runner.trainers.sdxl import SDXLTrainer
 
 
 def tokens(tokenizer, captions, length, device):

@@ -7,8 +7,8 @@ from typing import Any
 import torch
 
 from runner.trainer import per_sample_randn
-from runner.trainers.flux import FluxTrainer
-from runner.trainers.flux_kontext import FluxKontextTrainer
+from runner.families.flux.trainer import FluxTrainer
+from runner.families.flux_kontext.trainer import FluxKontextTrainer
 
 
 def _noisy(out: dict[str, Any]) -> dict[str, Any]:

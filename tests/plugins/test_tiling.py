@@ -30,6 +30,7 @@ from runner.build import idle_parts
 from runner.data.demo import demo_image
 from runner.data.images import _to_tensor
 from runner.errors import UserError
+from runner.families.sdxl.architecture import sdxl_configs
 from runner.memory.live_bytes import LiveBytesTracker
 from runner.plugin import PluginSchedule
 from runner.plugins.tiling import (
@@ -43,7 +44,6 @@ from runner.plugins.tiling import (
 )
 from runner.resolved import ResolvedRun, resolve
 from runner.trainer import ModelSet
-from runner.trainers.model_configs import sdxl_configs
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -27,6 +27,8 @@ from runner.context import RunContext
 from runner.build import idle_parts
 from runner.data.demo_video import demo_frame
 from runner.data.video import frames_to_tensor
+from runner.families.qwen_image.architecture import qwen_image_configs
+from runner.families.wan.architecture import wan_configs
 from runner.memory.live_bytes import LiveBytesTracker
 from runner.plan import plan_step
 from runner.plugin import PluginSchedule
@@ -39,8 +41,6 @@ from runner.plugins.tiling import (
 )
 from runner.resolved import resolve
 from runner.trainer import ModelSet
-from runner.trainers.qwen_image_configs import qwen_image_configs
-from runner.trainers.wan_configs import wan_configs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -12,12 +12,13 @@ from diffusers import (
 from torch import nn
 
 from runner.blocks import find_repeated_blocks
+from runner.families.flux.architecture import flux_configs
+from runner.families.sdxl.architecture import sdxl_configs
 from runner.plugins.stream import apply_stream_offload, minimum_device_bytes
-from runner.trainers import model_configs
 
 
 def test_unet_blocks_are_its_resnets_and_attentions():
-    cfg = model_configs.sdxl_configs("tiny")["unet"]
+    cfg = sdxl_configs("tiny")["unet"]
     with torch.device("meta"):
         unet = UNet2DConditionModel.from_config(cfg)
     stages = [*unet.down_blocks, unet.mid_block, *unet.up_blocks]
@@ -29,7 +30,7 @@ def test_dit_flux_and_wan_blocks_are_their_block_lists():
     with torch.device("meta"):
         dit = DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, num_layers=3,
                                     sample_size=8, patch_size=2, num_embeds_ada_norm=4)
-        flux = FluxTransformer2DModel.from_config(model_configs.flux_configs("tiny")["transformer"])
+        flux = FluxTransformer2DModel.from_config(flux_configs("tiny")["transformer"])
         wan = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4,
                                     out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2)
     assert find_repeated_blocks(dit) == list(dit.transformer_blocks)

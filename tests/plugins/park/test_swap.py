@@ -27,7 +27,7 @@ def module_bytes(module: nn.Module) -> int:
 def tiny_vae():
     from diffusers import AutoencoderKL
 
-    from runner.trainers.model_configs import sdxl_configs
+    from runner.families.sdxl.architecture import sdxl_configs
 
     torch.manual_seed(0)
     return AutoencoderKL.from_config(sdxl_configs("tiny")["vae"]).eval().requires_grad_(False)

@@ -324,8 +324,8 @@ def test_skip_patterns_and_keep_in_fp32(lora_sdxl):
     # T5 keeps its `wo` layers in float32 under float16 compute (transformers' _keep_in_fp32_modules).
     from transformers import T5EncoderModel
 
-    from runner.trainers.loading import build_module
-    from runner.trainers.model_configs import flux_configs
+    from runner.families.common.loading import build_module
+    from runner.families.flux.architecture import flux_configs
 
     t5 = build_module(T5EncoderModel, flux_configs("tiny")["text_encoder_2"], "meta", torch.float32).requires_grad_(False)
     assert keep_patterns(t5, torch.bfloat16) == [] and "wo" in keep_patterns(t5, torch.float16)

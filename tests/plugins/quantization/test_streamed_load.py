@@ -1,4 +1,4 @@
-"""Issue 29: a LoRA over a quantized base, loaded already quantized (runner/trainers/unread.py).
+"""Issue 29: a LoRA over a quantized base, loaded already quantized (runner/families/common/unread.py).
 
 The tiny SDXL U-Net's weights in a safetensors file (diffusers' layout, bfloat16; another seed than
 the run's own init). With ``model.train=lora`` and ``quantization=[nf4]`` (or int8) the U-Net is built
@@ -37,7 +37,7 @@ def tiny_unet_file(path: Path) -> Path:
     """The tiny SDXL U-Net's state dict (seed 1234, not the run's) in bfloat16 with the ``unet.`` prefix."""
     from safetensors.torch import save_file
 
-    from runner.trainers.sdxl import SDXLTrainer
+    from runner.families.sdxl.trainer import SDXLTrainer
 
     torch.manual_seed(1234)
     unet = SDXLTrainer(compose_config(["trainer=sdxl", "model.train=full"])).build_models("cpu")["unet"]

@@ -180,7 +180,7 @@ def deltas(sd: dict[str, torch.Tensor], scale: float = 1.0) -> dict[str, torch.T
 
 
 # Flux.2's file has no .alpha (the scale is in B, as diffusers' reader of BFL's layout requires) and fuses
-# q/k/v: its keys are checked in tests/runner/trainers/test_flux2.py, its values by the two tests below.
+# q/k/v: its keys are checked in tests/runner/families/flux2/test_flux2.py, its values by the two tests below.
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f != "flux2"])
 def test_the_comfy_file_has_comfyuis_keys_and_the_trained_alpha(exports, family):
     _, module, folder, files = exports(family)
@@ -279,8 +279,8 @@ def test_full_size_keys_are_the_ones_comfyui_maps(layout, module, key, comfy_wei
 
 def test_every_linear_of_the_full_size_wan_has_a_comfyui_name():
     """Wan 2.1 14B, 2.2 5B and 2.1 I2V 14B, built on meta: any module a user targets has an original name."""
-    from runner.trainers.loading import build_module
-    from runner.trainers.wan import WanTrainer
+    from runner.families.common.loading import build_module
+    from runner.families.wan.trainer import WanTrainer
 
     for variant in ("14b", "2.2-5b", "i2v-2.1-14b"):  # I2V: the image cross-attention and img_emb too
         cfg = compose_config(["trainer=wan", f"trainer.variant={variant}", "model.size=full", "train.device=cpu"])

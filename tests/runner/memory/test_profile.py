@@ -172,7 +172,7 @@ def test_cuda_snapshot_for_the_memory_viewer(tmp_path):
 def test_the_peak_inside_a_checkpointed_backward_is_recorded(tmp_path):
     """The issue's case: points at phase edges miss the recomputed activations of a checkpointed
     backward; every point's running maximum catches them, and the record's peak is the tracker's."""
-    rec = profiled_run(tmp_path, "trainer=sdxl", "trainer._target_=runner.trainers.sdxl.SDXLTrainer", "data.resolution=32",
+    rec = profiled_run(tmp_path, "trainer=sdxl", "trainer._target_=runner.families.sdxl.trainer.SDXLTrainer", "data.resolution=32",
                        "train.batch_size=2", "train.grad_accum=1", "train.steps=2", "profile.steps=2",
                        "offload=park", "checkpoint=blocks", "optimizer=adamw8bit", "train.preflight=false")
     points = rec["points"]

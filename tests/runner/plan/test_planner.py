@@ -25,6 +25,7 @@ from torch import nn
 from runner.build import build_plugins, build_trainer
 from runner.cli.compose import compose_config
 from runner.config.checks import validate
+from runner.families.common.loading import build_denoiser
 from runner.files import conf_dir
 from runner.loop import forward_backward
 from runner.memory.live_bytes import LiveBytesTracker
@@ -41,7 +42,6 @@ from runner.plan import (
 from runner.plugin import Plugin, PluginSchedule
 from runner.resolved import planned_target, resolve
 from runner.trainer import ModelSet
-from runner.trainers.loading import build_denoiser
 
 ROOT = Path(__file__).resolve().parents[3]
 ASSETS = ROOT / "tests" / "assets"

@@ -17,10 +17,10 @@ from runner.__main__ import task
 from runner.cli.compose import compose_config
 from runner.config.checks import validate
 from runner.errors import UserError
+from runner.families.sdxl.trainer import SDXLTrainer
 from runner.output.report import read_metrics
 from runner.resolved import resolve
 from runner.sampling import NoSampler, Sampler, build_sampler, image_name, read_prompts
-from runner.trainers.sdxl import SDXLTrainer
 
 PROMPTS = "sample.prompts=[a photo of a cat,a red car]"
 FILES = ["00-a-photo-of-a-cat.png", "01-a-red-car.png"]
