@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-
 SYNC_OBSERVERS: list[Any] = []
 """Callables told of every host synchronisation with a simulated stream or event (``train.device=cuda_sim``
 counts them as host syncs: on a GPU each one stops the CPU until the card catches up)."""

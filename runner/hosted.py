@@ -55,8 +55,8 @@ from runner.config.checks import validate
 from runner.context import RunContext
 from runner.errors import UserError
 from runner.loop import TrainResult
-from runner.memory.profile import build_profiler
 from runner.memory.cuda_sim import HostCounts
+from runner.memory.profile import build_profiler
 from runner.memory.stats import MemoryMonitor
 from runner.optim.fused import fusion_of
 from runner.output.report import MetricsWriter, print_summary, write_run_info

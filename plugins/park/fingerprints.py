@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+
 def _sha256_tensor(t: torch.Tensor) -> str:
     t = t.detach().to("cpu").contiguous()
     h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())

@@ -186,7 +186,6 @@ from runner.constants import (  # noqa: E402,F401  (the vocabularies live on the
     TRAIN_DTYPES,
 )
 
-
 NATIVE_RESOLUTION = {"tiny": 64, "full": 1024}  # px; full = SDXL's, Flux's and SD3.5's training resolution
 
 

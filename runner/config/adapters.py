@@ -10,7 +10,6 @@ from __future__ import annotations
 from runner.constants import ADAPTERS, TRAIN_MODES, is_adapter  # noqa: F401  (re-exported)
 from runner.errors import UserError
 
-
 # Quantized bases each adapter was checked to train over (tests/runner/test_adapter_quantization.py).
 # LoRA: every quantization (its forward adds lora_B(lora_A(x)) to any base layer's output). LoKr and
 # LoHa build their delta and add F.linear(x, delta) to the base's output, which works over the int8

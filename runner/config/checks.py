@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig, OmegaConf
 
 from runner import registry
+from runner.compile.config import check_compile_config
 from runner.config.adapters import check_adapter_quantization
 from runner.constants import (
     DTYPES,
@@ -38,7 +39,6 @@ from runner.constants import (
     TRAIN_DTYPES,
     TRAIN_MODES,
 )
-from runner.compile.config import check_compile_config
 from runner.devices import check_device_config
 from runner.dist import validate_dist
 from runner.ema.config import check_ema_config

@@ -42,11 +42,12 @@ from runner.data import planned_size
 from runner.devices import reference_spec
 from runner.dist.loading import load_mode
 from runner.memory.live_bytes import LiveBytesTracker
-from runner.memory.live_bytes_views import CATEGORIES, NO_MODULE, OPTIONAL_CATEGORIES
+from runner.memory.live_bytes_views import NO_MODULE
 from runner.optim.build import build_optimizer
 from runner.optim.fused import FusedBackward, fuse_into_backward
 from runner.plan.adapters import lycoris_draws_skipped
 from runner.plan.allocator import AllocationLog, plan_reserved
+from runner.plan.base_reads import leave_unread, load_note
 from runner.plan.batch import (
     cached_parts,
     encode_batch,
@@ -59,7 +60,7 @@ from runner.plan.batch import (
 from runner.plan.calibrate import cpu_target
 from runner.plan.comm import rank_comm
 from runner.plan.cost import CostCounter
-from runner.plan.dist import gathered_params, host_per_node, rank0_only_params, rank_phase, rank_state_bytes
+from runner.plan.dist import gathered_params, host_per_node, rank0_only_params, rank_state_bytes
 from runner.plan.dist import measure as measure_rank
 from runner.plan.ema import plan_ema
 from runner.plan.fake import fake_module, simulation_mode, weights_left_uninitialised
@@ -67,9 +68,9 @@ from runner.plan.prepass import simulate_cache_fill
 from runner.plan.process import import_model_classes, old_objects_frozen, one_thread
 from runner.plan.result import PhasePeak, Plan
 from runner.plan.sampling import plan_sampling
-from runner.plan.base_reads import leave_unread, load_note
 from runner.plan.semantics import DeviceSemantics, SimulatedAccelerator
 from runner.plan.speed import StepTime, Target, Trained, gpu_target, predict
+from runner.plan.steady import by_category, optimizer_state_by_module, steady_peaks
 from runner.plan.suggest import suggest
 from runner.plan.target import CUDA_WORKSPACE_MARGIN_BYTES, DEVICE, HOST
 from runner.plan.val import plan_validation
@@ -384,56 +385,6 @@ def _label_optimizer_state(tracker: LiveBytesTracker, optimizer: Any, owner: dic
             tracker.track(tensors, "optimizer_state", module=owner.get(id(p)))
 
 
-def _optimizer_state(sim: _Simulation) -> dict[str, dict[str, int]]:
-    """Optimizer state per device and top-level module, as it stands after the step."""
-    state: dict[str, dict[str, int]] = {}
-    for dev, mods in sim.state_by_dev.items():
-        for label, cats in mods.items():
-            n = cats.get("optimizer_state", 0)
-            if n:
-                per = state.setdefault(dev, {})
-                per[sim.recorder.top(label)] = per.get(sim.recorder.top(label), 0) + n
-    return state
-
-
-def _steady_peaks(sim: _Simulation, state: dict[str, dict[str, int]]) -> tuple[dict[str, PhasePeak], dict[str, int]]:
-    """The highest phase per device, and each phase's device peak, in the steady state.
-
-    Forward and backward get the optimizer state added (it lives through them from the second
-    step on) unless the optimizer steps inside backward; with ``dist`` the bytes are one rank's.
-    The device comes first in each phase: ``rank_phase`` carries what it moved to the host over.
-    """
-    best: dict[str, PhasePeak] = {}
-    phases: dict[str, int] = {}
-    for name, per_dev in sim.recorder.phases:
-        moved = 0  # dist.cpu_offload: this rank's shards on the host (runner/plan/dist.py)
-        for dev, pk in sorted(per_dev.items(), key=lambda kv: kv[0] != DEVICE.type):
-            if name.startswith(("forward", "backward")) and not sim.fused:  # steady state: the state lives through them
-                extra = state.get(dev, {})
-                by_module = {m: dict(c) for m, c in pk.by_module.items()}
-                for m, n in extra.items():
-                    by_module.setdefault(m, {})["optimizer_state"] = by_module.get(m, {}).get("optimizer_state", 0) + n
-                pk = PhasePeak(name, pk.where, pk.peak_bytes + sum(extra.values()), by_module)
-            if sim.rank_layout is not None:  # dist=ddp|fsdp: one rank's bytes (runner/plan/dist.py)
-                pk, moved = rank_phase(sim.rank_layout, pk, dev == DEVICE.type, moved)
-            if dev == DEVICE.type:
-                phases[name] = pk.peak_bytes
-            if dev not in best or pk.peak_bytes > best[dev].peak_bytes:
-                best[dev] = pk
-    return best, phases
-
-
-def _by_category(peak: PhasePeak) -> dict[str, int]:
-    """Bytes per category at the peak; optional categories listed only when present, so plans
-    without them keep the keys they had."""
-    by_category = {c: sum(per.get(c, 0) for per in peak.by_module.values()) for c in CATEGORIES}
-    for c in OPTIONAL_CATEGORIES:
-        n = sum(per.get(c, 0) for per in peak.by_module.values())
-        if n:
-            by_category[c] = n
-    return by_category
-
-
 def _run_description(sim: _Simulation) -> dict[str, Any]:
     """What was planned, for the plan's header and its JSON: trainer, sizes, batch, precision,
     plugins, optimizer, dtypes, modules (and the rank, for a distributed plan)."""
@@ -477,8 +428,8 @@ def _assemble(sim: _Simulation, seconds: float) -> Plan:
     cfg, ctx, target = sim.cfg, sim.ctx, sim.target
     notes = dict(sim.notes)
     notes.update({k: v for k, v in ctx.notes.items() if isinstance(v, (int, float, str, bool))})
-    state = _optimizer_state(sim)
-    best, phases = _steady_peaks(sim, state)
+    state = optimizer_state_by_module(sim)
+    best, phases = steady_peaks(sim, state)
     empty = PhasePeak("setup", "setup", 0, {})
     dev_peak, host_peak = best.get(DEVICE.type, empty), best.get(HOST.type, empty)
     where = dev_peak.name if dev_peak.where in (dev_peak.name.split(" ")[0], "(reset)") else f"{dev_peak.name}, in {dev_peak.where}"
@@ -488,7 +439,7 @@ def _assemble(sim: _Simulation, seconds: float) -> Plan:
         peak_phase=where,
         margin_bytes=CUDA_WORKSPACE_MARGIN_BYTES if target == "cuda" else 0,
         budget_bytes=sim.run.budget_bytes,
-        by_category=_by_category(dev_peak),
+        by_category=by_category(dev_peak),
         by_module={m: {k: v for k, v in cats.items() if v} for m, cats in dev_peak.by_module.items()
                    if any(cats.values())},
         phases=phases,

@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
-from runner.trainer import per_sample_randn
 from runner.families.flux.trainer import FluxTrainer
 from runner.families.flux_kontext.trainer import FluxKontextTrainer
+from runner.trainer import per_sample_randn
 
 
 def _noisy(out: dict[str, Any]) -> dict[str, Any]:

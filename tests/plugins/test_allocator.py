@@ -10,9 +10,9 @@ import pytest
 import torch
 from hydra.core.config_store import ConfigStore
 
+from runner.build import idle_parts
 from runner.cli.compose import compose_config
 from runner.context import RunContext
-from runner.build import idle_parts
 from runner.errors import UserError
 from runner.plugin import PluginSchedule
 from runner.plugins.allocator import (

@@ -16,9 +16,9 @@ from hydra.core.config_store import ConfigStore
 from torch import nn
 
 from runner.blocks import find_repeated_blocks
+from runner.build import idle_parts
 from runner.cli.compose import compose_config
 from runner.context import RunContext
-from runner.build import idle_parts
 from runner.errors import UserError
 from runner.hooks import marked
 from runner.memory.live_bytes import LiveBytesTracker

@@ -23,10 +23,10 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from runner.build import idle_parts
 from runner.cli.compose import compose_config
 from runner.config.checks import validate
 from runner.context import RunContext
-from runner.build import idle_parts
 from runner.data.demo import demo_image
 from runner.data.images import _to_tensor
 from runner.errors import UserError

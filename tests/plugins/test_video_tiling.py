@@ -21,10 +21,10 @@ import torch
 from planner_truth import assert_plan_matches_a_real_cpu_step
 from torch import nn
 
+from runner.build import idle_parts
 from runner.cli.compose import compose_config
 from runner.config.checks import validate
 from runner.context import RunContext
-from runner.build import idle_parts
 from runner.data.demo_video import demo_frame
 from runner.data.video import frames_to_tensor
 from runner.families.qwen_image.architecture import qwen_image_configs

@@ -18,11 +18,10 @@ from accelerate.utils import set_seed
 from test_swap import module_bytes, tiny_vae  # tests/plugins/park/test_swap.py
 from torch import nn
 
-from runner.build import build_plugins, build_trainer, make_context, prepare_models
+from runner.build import build_plugins, build_trainer, idle_parts, make_context, prepare_models
 from runner.cli.compose import compose_config
 from runner.config.checks import validate
 from runner.context import RunContext
-from runner.build import idle_parts
 from runner.data import FolderDataset, collate
 from runner.data.order import SampleOrder
 from runner.errors import UserError

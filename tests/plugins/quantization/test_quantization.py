@@ -19,11 +19,10 @@ import torch
 from accelerate.utils import set_seed
 from torch import nn
 
-from runner.build import build_plugins, build_trainer, make_context, prepare_models
+from runner.build import build_plugins, build_trainer, idle_parts, make_context, prepare_models
 from runner.cli.compose import compose_config
 from runner.config.checks import validate
 from runner.context import RunContext
-from runner.build import idle_parts
 from runner.errors import UserError
 from runner.loop import train
 from runner.memory.live_bytes import LiveBytesTracker

@@ -11,8 +11,8 @@ import json
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
 from bad_input import assert_clean_failure, run_main
+from omegaconf import OmegaConf
 
 from runner.cli.compose import compose_config
 from runner.config.checks import validate

@@ -16,10 +16,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from runner.__main__ import task
-from runner.build import build_trainer, prepare_models
+from runner.build import build_trainer, idle_parts, prepare_models
 from runner.cli.compose import compose_config
 from runner.context import RunContext
-from runner.build import idle_parts
 from runner.errors import UserError
 from runner.families.wan.architecture import A14B_BOUNDARY
 from runner.families.wan.experts import MODULE, move_expert, optimizer_state
