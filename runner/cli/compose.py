@@ -17,7 +17,7 @@ from hydra.errors import OverrideParseException
 from omegaconf import DictConfig
 
 from runner.compose import _unparsable, compose_config  # noqa: F401  (compose_config: its public path here too)
-from runner.config.checks import check_config, check_run
+from runner.config.checks import check_config, check_run, typed_overrides
 
 MAX_SWEEP_CHECKS = 64
 
@@ -57,6 +57,7 @@ def precheck(overrides: Sequence[str], multirun: bool, run_checks: bool = True) 
     for cfg in configs:
         check_config(cfg)
     if run_checks:
-        for cfg in configs:
-            check_run(cfg)
+        for cfg, combo in zip(configs, combos):
+            with typed_overrides(combo):  # what the user typed, before Hydra records it (a preset's budget yields)
+                check_run(cfg)
     return configs

@@ -31,7 +31,7 @@ from omegaconf import DictConfig
 from runner.cli.compose import hydra_args, precheck
 from runner.cli.listing import format_plugin_list
 from runner.config import load_all
-from runner.config.checks import check_run
+from runner.config.checks import check_run, typed_overrides
 from runner.dist.launch import agree_on_start
 from runner.errors import Interrupted, UserError, storage_error
 from runner.files import conf_dir
@@ -242,8 +242,9 @@ def launch(task: Callable[[DictConfig], Any]) -> None:
             elif configs and all(str(c.mode) == "plugins" for c in configs):
                 print(format_plugin_list())  # a listing: no run, so no output directory
                 sys.exit(0)
-            for cfg in configs:
-                check_run(cfg)
+            with typed_overrides(args.overrides):  # what the user typed, before Hydra records it
+                for cfg in configs:
+                    check_run(cfg)
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(e.exit_code)

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -243,12 +244,25 @@ def check_budget_fits_card(cfg: DictConfig, run: ResolvedRun) -> None:
                         asked, total, total)
 
 
+_TYPED: ContextVar[Sequence[str] | None] = ContextVar("typed_overrides", default=None)
+
+
+@contextmanager
+def typed_overrides(overrides: Sequence[str]) -> Iterator[None]:
+    """The overrides the user typed, for checks that run before Hydra records them (the entry's precheck)."""
+    token = _TYPED.set(list(overrides))
+    try:
+        yield
+    finally:
+        _TYPED.reset(token)
+
+
 def _set_on_command_line(key: str) -> bool:
-    """Whether the user typed ``key``: Hydra's task overrides, or the command line before Hydra runs."""
+    """Whether the user typed ``key``: Hydra's task overrides, or the precheck's; unknown (an API call) is yes."""
     from hydra.core.hydra_config import HydraConfig
 
-    typed = HydraConfig.get().overrides.task if HydraConfig.initialized() else sys.argv[1:]  # the entry's own check
-    return any(o.lstrip("+~").split("=", 1)[0] == key for o in typed)
+    typed = HydraConfig.get().overrides.task if HydraConfig.initialized() else _TYPED.get()
+    return typed is None or any(o.lstrip("+~").split("=", 1)[0] == key for o in typed)
 
 
 def _check_loss_objective(cfg: DictConfig) -> None:
