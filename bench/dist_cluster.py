@@ -111,7 +111,7 @@ def cluster_section(plan: Callable[[list[str]], tuple[dict, float]]) -> str:
              "Per node: rank 0's host peak + 7 x the other ranks' on one node (every rank's host peak is in setup; "
              "at random init, as here, rank 0 builds the trained module whole and broadcasts it, and loads the "
              "modules that only fill the encoder cache; from safetensors files rank 0 reads its rows like the "
-             "others, runner/dist/loading.py). The 2-node columns put 4 GPUs per node (host RAM "
+             "others, runner/distributed/loading.py). The 2-node columns put 4 GPUs per node (host RAM "
              "per node halves) with one NIC per GPU: the ring crosses nodes on 4 NICs at once. Compute alone is the "
              "step without communication; a link only slows the step where its collectives outlast the compute "
              "they overlap.", "", "Commands:", "", *[f"- {c}" for c in commands], CLUSTER_END]

@@ -118,7 +118,7 @@ def section(rows: list[tuple[str, list[str], dict, float]], load: float) -> str:
               "shows how much of them those are. The host RAM column is each process's tensors: with "
               "`dist.cpu_offload=true` a rank's shards of weights, gradients and optimizer state live there; "
               "under `dist=fsdp` a full fine-tune's trained module is built on meta and filled shard by shard "
-              "(runner/dist/loading.py): at random init, as here, rank 0 builds it whole and broadcasts it "
+              "(runner/distributed/loading.py): at random init, as here, rank 0 builds it whole and broadcasts it "
               "(its larger peak); from a safetensors folder every rank holds the per-rank figure. Per node: "
               "rank 0's peak + (`dist.ranks_per_node` - 1) x the per-rank one (default min(world_size, 8)). "
               "Float32 masters (issue 29): with FSDP2's mixed precision no bf16 copy of the blocks is cached "

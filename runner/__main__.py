@@ -46,11 +46,11 @@ def task(cfg: DictConfig) -> float | None:
     """The Hydra task: one job of a run or of a ``-m`` sweep (composed by Hydra), handed to its mode's task."""
     global _QUICK_EXIT
     _QUICK_EXIT = cfg.mode in QUICK_EXIT_MODES                  # nothing but files already written and closed: see main()
-    from runner.dist.launch import join_run
+    from runner.distributed.launch import join_run
     from runner.hostmem import collector_paused
 
     with collector_paused():                                    # the libraries load without GC passes (runner/hostmem.py)
-        writes = join_run()                                     # several processes: one group, rank 0 writes (runner/dist/)
+        writes = join_run()                                     # several processes: one group, rank 0 writes (runner/distributed/)
         cfg, overrides = resume_base(cfg)                       # resume: on the checkpoint's saved command line
         checked = validate(cfg)                                 # validate: once a job (imports torch to resolve the device)
         run_mode, opens_output = MODE_TASKS[cfg.mode]
@@ -72,7 +72,7 @@ def _load_libraries() -> None:
     while the garbage collector is paused; the tasks' own imports then find them loaded."""
     import importlib
 
-    for module in ("accelerate.utils", "runner.build", "runner.dist.loading", "runner.export.checkpoint",
+    for module in ("accelerate.utils", "runner.build", "runner.distributed.loading", "runner.export.checkpoint",
                    "runner.fit.output", "runner.loop", "runner.output.report", "runner.plan", "runner.sampling",
                    "runner.session", "runner.val.holdout"):
         importlib.import_module(module)
@@ -108,7 +108,7 @@ def _train(job: Job) -> float | None:
     from accelerate.utils import set_seed
 
     from runner.build import build_trainer
-    from runner.dist.loading import build_models_for_rank
+    from runner.distributed.loading import build_models_for_rank
     from runner.export.checkpoint import export_after_training
     from runner.fit.output import auto_fit, command_line
     from runner.loop import train

@@ -110,7 +110,7 @@ def idle_parts(run: ResolvedRun) -> dict[str, Any]:
     session injects, so that runner/context.py imports no feature."""
     from runner.compile.regional import NoCompile
     from runner.data.flip import NO_FLIP
-    from runner.dist.runtime import build_distribution
+    from runner.distributed.runtime import build_distribution
     from runner.ema.average import NoEMA
     from runner.memory.cuda_sim import NoSimulation
     from runner.output.trackers import NoTracking

@@ -74,7 +74,7 @@ One parameter's AdamW update (runner/optim/fused.py; no fallback: an error when 
     ``torch.optim.optimizer._global_optimizer_post_hooks`` and ``Optimizer._optimizer_step_post_hooks``: the
     post-step hooks, run once after such updates (:func:`run_step_post_hooks`).
 
-FSDP2's collectives (runner/dist/agree.py; fallback: none needed, ranks then agree on an
+FSDP2's collectives (runner/distributed/agree.py; fallback: none needed, ranks then agree on an
 out-of-memory retry only at the end of each attempt, see there)
     ``torch.distributed.fsdp._fully_shard._fsdp_collectives``: ``DefaultAllGather`` and
     ``DefaultReduceScatter``, the communication objects FSDP2 uses unless

@@ -34,7 +34,7 @@ from runner.trainer import ModelSet
 if TYPE_CHECKING:
     from runner.compile.regional import NoCompile, RegionalCompile
     from runner.data.flip import VisitFlip
-    from runner.dist.runtime import Distribution
+    from runner.distributed.runtime import Distribution
     from runner.ema.average import EMA, NoEMA
     from runner.output.trackers import Tracking
 
@@ -112,7 +112,7 @@ class RunContext:
     flip: VisitFlip = field(kw_only=True)
     ema: EMA | NoEMA = field(kw_only=True)  # ema.enabled: runner.ema.average.build_ema, after a resume
     validation: Any = field(kw_only=True)  # val.*: runner.val.holdout.build_validation
-    # dist=ddp|fsdp across processes (runner/dist/runtime.py); the no-op Distribution for one process.
+    # dist=ddp|fsdp across processes (runner/distributed/runtime.py); the no-op Distribution for one process.
     dist: Distribution = field(kw_only=True)
     # train.compile (runner/compile/regional.py); a no-op in the planner, which plans the eager step.
     compiler: RegionalCompile | NoCompile = field(kw_only=True)

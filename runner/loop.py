@@ -138,7 +138,7 @@ class Loop:
         # what is used, skipped or upscaled, and why; the prior (class) sets' share and loss weight
         log.info("data: %s%s%s", describe_dataset(self.dataset), ctx.flip.describe(), describe_prior(cfg))
         self.order = BatchOrder(self.dataset, run.batch_size, run.seed)  # step -> (indices, seeds): runner/data/order.py
-        self.dist = ctx.dist  # one process: a no-op; dist=ddp|fsdp: runner/dist/runtime.py
+        self.dist = ctx.dist  # one process: a no-op; dist=ddp|fsdp: runner/distributed/runtime.py
         self.unexported: Path | None = None  # a resumed final checkpoint whose export is missing
         attach_optimizer(ctx)  # DDP/FSDP, optimizer, wrap_optimizer, fused backward (runner/session.py)
         self.fused = fusion_of(ctx.optimizer)  # optimizer.fused_backward: steps inside backward; else a no-op view
@@ -243,7 +243,7 @@ class Loop:
         raw = collate(visit_samples(self.dataset, indices, seeds))
         raw["sample_seed"] = seeds
         raw = ctx.flip.apply(raw)  # data.random_flip: a coin per visit, from sample_seed (runner/data/flip.py)
-        try:  # dist.attempts: every rank agrees on each attempt (runner/dist/agree.py); the global mean loss
+        try:  # dist.attempts: every rank agrees on each attempt (runner/distributed/agree.py); the global mean loss
             return self.recovery.run(step + 1, self.dist.attempts(lambda m: forward_backward(ctx, raw, m, self.profiler)))
         except OutOfMemoryGiveUp as e:  # already at micro-batch 1: keep the last completed step, stop
             self.stop_resumably(e)

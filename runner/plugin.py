@@ -130,7 +130,7 @@ class Plugin:
         """Frozen modules of ``trainer`` this plugin frees in its setup phases once every output they
         compute is cached (park's dropped encoders), so no step, held-out pass or plugin calls them
         afterwards; only the cache fill does. With several processes on one node rank 0 fills the
-        cache and the others read it, so runner/dist/loading.py does not load these modules on the
+        cache and the others read it, so runner/distributed/loading.py does not load these modules on the
         others at all. Asked before the models are built (from the trainer and this plugin's settings
         only); a wrong answer would leave a rank without a module it calls: answer only for modules
         this plugin itself frees. Default: none."""

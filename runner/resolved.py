@@ -33,7 +33,7 @@ import torch
 
 from runner.accel import SIM_DEVICE, is_simulated_cuda
 from runner.devices import DeviceSpec, device_spec
-from runner.dist.config import DistSpec, resolve_distribution
+from runner.distributed.config import DistSpec, resolve_distribution
 from runner.errors import UserError
 
 log = logging.getLogger("runner")
@@ -62,7 +62,7 @@ class ResolvedRun:
     simulate: bool = False  # True inside the planner: tensors are fake, device is meta
     ema_dtype: Optional[torch.dtype] = None  # ema.enabled: the dtype of the EMA copy (runner/ema/average.py); None: no EMA
     gpu: Optional[DeviceSpec] = None  # device.name / device.spec: the GPU the run is for (runner/devices.py)
-    dist: DistSpec = DistSpec()  # dist=none|ddp|fsdp, world size and this rank (runner/dist/config.py)
+    dist: DistSpec = DistSpec()  # dist=none|ddp|fsdp, world size and this rank (runner/distributed/config.py)
     # dist=fsdp with a bf16/fp16 autocast and float32 trained weights: the dtype FSDP2 all-gathers the
     # weights in (MixedPrecisionPolicy param_dtype; gradients reduced in float32). None: FSDP gathers the
     # stored dtype and autocast casts (see fsdp_param_dtype_of).
@@ -129,7 +129,7 @@ def fsdp_param_dtype_of(dist: DistSpec, precision: str, train_dtype: torch.dtype
     """The dtype FSDP2 all-gathers a sharded module's weights in, decided once (``ResolvedRun.fsdp_param_dtype``).
 
     Under ``dist=fsdp`` with a bf16/fp16 autocast and float32 trained weights: the autocast dtype, given to
-    ``fully_shard`` as ``MixedPrecisionPolicy(param_dtype=..., reduce_dtype=float32)`` (runner/dist/runtime.py).
+    ``fully_shard`` as ``MixedPrecisionPolicy(param_dtype=..., reduce_dtype=float32)`` (runner/distributed/runtime.py).
     Why: without it each unit is gathered in float32 and autocast casts every weight to bf16 and keeps the copy
     in its cast cache until the forward ends (with checkpointed blocks: a bf16 copy of the whole module per
     rank); with it the shards stay float32 masters, each unit arrives in bf16 (half the all-gather traffic),

@@ -29,7 +29,7 @@ from accelerate import Accelerator
 from runner.build import build_plugins, make_context, prepare_models
 from runner.config.checks import CheckedRun
 from runner.context import RunContext
-from runner.dist.runtime import accelerator_options
+from runner.distributed.runtime import accelerator_options
 from runner.ema.average import build_ema
 from runner.errors import UserError
 from runner.hostmem import cpu_threads, keep_freed_host_memory

@@ -37,7 +37,7 @@ def one(out: Path, overrides: list[str], label: str) -> None:
     )
     from runner.cli.compose import compose_config
     from runner.config.checks import validate
-    from runner.dist.launch import join_process_group
+    from runner.distributed.launch import join_process_group
     from runner.loop import forward_backward
     from runner.optim.build import build_optimizer
     from runner.optim.fused import fuse_into_backward

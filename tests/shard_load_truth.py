@@ -1,5 +1,5 @@
 """Each rank's host bytes while ``dist=fsdp`` loads the trained module: run with ``PYTHONPATH=tests
-torchrun --nproc_per_node=N -m shard_load_truth OUT_DIR LABEL override...`` (tests/runner/dist/test_sharded_load.py).
+torchrun --nproc_per_node=N -m shard_load_truth OUT_DIR LABEL override...`` (tests/runner/distributed/test_sharded_load.py).
 
 Not a test module (no ``test_`` prefix). Each rank sets up the run as runner/__main__.py does
 (``build_models_for_rank``, the plugins' setup, then FSDP2's sharding, which fills the shards) under a
@@ -24,8 +24,8 @@ def main() -> None:
     from runner.build import build_plugins, build_trainer, make_context, prepare_models
     from runner.cli.compose import compose_config
     from runner.config.checks import validate
-    from runner.dist.launch import join_process_group
-    from runner.dist.loading import build_models_for_rank
+    from runner.distributed.launch import join_process_group
+    from runner.distributed.loading import build_models_for_rank
     from runner.memory.live_bytes import LiveBytesTracker
     from runner.resolved import resolve
     from runner.session import make_accelerator

@@ -61,4 +61,4 @@ def test_the_rule_sees_the_marks_it_counts():
     """The static reading agrees with the marks: a file all slow has none, this file has its own."""
     assert fast_tests(TESTS / SLOW_FILES[0]) == []
     assert "test_every_slow_path_exists" in fast_tests(Path(__file__))
-    assert fast_tests(TESTS / "runner" / "dist" / "test_dist_training.py") == []  # pytestmark = slow
+    assert fast_tests(TESTS / "runner" / "distributed" / "test_dist_training.py") == []  # pytestmark = slow

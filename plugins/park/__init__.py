@@ -44,7 +44,7 @@ VAE and text encoders of the built-in trainers):
    and finds them complete. Entries are renamed into place, so even a rank on another node filling
    a node-local cache at the same time never reads half an entry. On one node the other ranks
    never call the modules this plugin drops (:meth:`Park.frees_after_cache_fill`), so
-   runner/dist/loading.py builds them there without weights; such a rank that still finds entries
+   runner/distributed/loading.py builds them there without weights; such a rank that still finds entries
    missing stops with a UserError naming ``cache_dir`` (plugins/park/loaded.py).
 
    Limitation: the runner builds the models (``trainer.build_models``) before any plugin

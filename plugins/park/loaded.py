@@ -1,6 +1,6 @@
 """Park's check that the modules a cache fill needs were loaded in this process.
 
-With several processes on one node, runner/dist/loading.py builds the modules whose outputs park
+With several processes on one node, runner/distributed/loading.py builds the modules whose outputs park
 caches (:meth:`Park.frees_after_cache_fill`) without weights (parameters on ``meta``) on every rank but
 0: rank 0 fills the cache first (accelerate's ``main_process_first``) and the others read its entries
 and drop those modules unused. A rank that still finds entries missing then (its cache folder is not
@@ -27,7 +27,7 @@ def not_loaded(module: nn.Module) -> bool:
 
 def require_loaded(models: ModelSet, specs: dict[str, Any], plan: CachePlan, root: Any, setting: str) -> None:
     """Entries to encode, but a module that computes them was not loaded in this process. Several
-    processes on one node: only rank 0 loads the modules whose outputs are cached (runner/dist/loading.py)
+    processes on one node: only rank 0 loads the modules whose outputs are cached (runner/distributed/loading.py)
     and fills the cache first; another rank that still finds entries missing does not see rank 0's folder."""
     parts = {p for p, views in plan.missing.items() if views} | {p for p, t in plan.missing_captions.items() if t}
     absent = sorted({m for p in parts for m in specs[p].modules if m in models and not_loaded(models[m])})

@@ -32,7 +32,7 @@ from runner.cli.compose import hydra_args, precheck
 from runner.cli.listing import format_plugin_list
 from runner.config import load_all
 from runner.config.checks import check_run, typed_overrides
-from runner.dist.launch import agree_on_start
+from runner.distributed.launch import agree_on_start
 from runner.errors import Interrupted, UserError, storage_error
 from runner.files import conf_dir
 from runner.output.jobs import (
@@ -71,7 +71,7 @@ def run_job(task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
     Single run: a UserError, an OSError (a full, read-only or vanished folder) and Ctrl-C before
     the loop's own handler are printed as one paragraph without traceback and exit with their
     status; so is a rank's failure inside a collective whose partner stopped first (its own error is
-    the one to read: runner/dist/launch.py ``lost_peer``); other errors (bugs) propagate with their
+    the one to read: runner/distributed/launch.py ``lost_peer``); other errors (bugs) propagate with their
     traceback. In a sweep: every error is
     recorded and logged, and the job returns None, except an interrupt, which ends the sweep.
     """
@@ -106,7 +106,7 @@ def run_job(task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
         _forget(e)
         return None
     except Exception as e:
-        from runner.dist.launch import lost_peer
+        from runner.distributed.launch import lost_peer
         from runner.guards.oom import first_line, is_out_of_memory
 
         record("oom" if is_out_of_memory(e) else "failed", first_line(e), 1)
@@ -248,6 +248,6 @@ def launch(task: Callable[[DictConfig], Any]) -> None:
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(e.exit_code)
-        agree_on_start()  # torchrun / accelerate launch: one process group, one run directory (runner/dist/launch.py)
+        agree_on_start()  # torchrun / accelerate launch: one process group, one run directory (runner/distributed/launch.py)
     hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(lambda cfg: run_job(task, cfg))()
     sys.exit(exit_status())  # non-zero when a sweep job failed

@@ -17,7 +17,7 @@ def format_plugin_list() -> str:
         lines.append(f"  {name:<12} {entry.description}")
         for fname, ftype, default in describe_config(entry.config):
             lines.append(f"      {kind}.{name}.{fname}: {ftype} = {default!r}")
-    from runner.dist import describe_options
+    from runner.distributed import describe_options
 
     lines += ["", *describe_options()]
     lines += ["", "Trainers (select with trainer=<name>, or trainer._target_=module.Class):"]

@@ -17,8 +17,8 @@ from omegaconf import MISSING, OmegaConf
 
 from runner import registry
 from runner.devices import DeviceConfig
-from runner.dist.config import store_dist_schemas
-from runner.dist.launch import runner_now
+from runner.distributed.config import store_dist_schemas
+from runner.distributed.launch import runner_now
 from runner.ema.config import EMAConfig
 from runner.export.config import ExportConfig
 from runner.fit.config import FitConfig
@@ -167,7 +167,7 @@ class RunConfig:
     log: LogConfig = field(default_factory=LogConfig)  # trackers (tensorboard, wandb, ...): runner/output/trackers.py
     ema: EMAConfig = field(default_factory=EMAConfig)  # moving average of the trained weights (runner/ema/average.py)
     val: ValConfig = field(default_factory=ValConfig)  # held-out validation loss (runner/val/holdout.py)
-    dist: Any = MISSING  # dist=none|ddp|fsdp: several processes (runner/dist/); schemas in runner/dist/config.py
+    dist: Any = MISSING  # dist=none|ddp|fsdp: several processes (runner/distributed/); schemas in runner/distributed/config.py
     budget_gb: Optional[float] = None  # device memory budget; used by allocator cap and the planner
     device: DeviceConfig = field(default_factory=DeviceConfig)  # the GPU the run is for: budget default, s/step (runner/devices.py)
     fit: FitConfig = field(default_factory=FitConfig)  # mode=fit / train.auto_fit: the settings search (runner/fit/)
@@ -215,7 +215,7 @@ def full_size_only(value: Any, size: Any) -> Any:
 def store_schemas() -> None:
     OmegaConf.register_new_resolver("native_resolution", native_resolution, replace=True)
     OmegaConf.register_new_resolver("full_size_only", full_size_only, replace=True)
-    # Hydra's ${now:...}, but one time for all processes of a multi-process run (runner/dist/launch.py).
+    # Hydra's ${now:...}, but one time for all processes of a multi-process run (runner/distributed/launch.py).
     OmegaConf.register_new_resolver("runner_now", runner_now, use_cache=True, replace=True)
     from runner.config.sweep_dirs import job_dir  # a sweep job's short folder name (conf/config.yaml)
 

@@ -41,7 +41,7 @@ from runner.constants import (
     TRAIN_MODES,
 )
 from runner.devices import check_device_config
-from runner.dist import validate_dist
+from runner.distributed import validate_dist
 from runner.ema.config import check_ema_config
 from runner.errors import UserError, valid_list
 from runner.export.config import validate_export
@@ -207,7 +207,7 @@ def check_run(cfg: DictConfig, keep: bool = True) -> CheckedRun:
                         "several processes, each with its own card. Drop dist (dist=none) to simulate the one-card "
                         "run, or plan the distributed run with mode=plan, which plans per rank.")
     check_budget_fits_card(cfg, run)
-    validate_dist(cfg, run.dist)  # dist=ddp|fsdp: batch split, refused combinations (runner/dist/config.py)
+    validate_dist(cfg, run.dist)  # dist=ddp|fsdp: batch split, refused combinations (runner/distributed/config.py)
     validate_optimizer(cfg, run)
     check_fused_backward(cfg, run, [(k, n) for k, n, _ in registry.selected(cfg)])
     checked = CheckedRun(run, validate_plugins(cfg, run))

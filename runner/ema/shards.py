@@ -2,12 +2,12 @@
 
 Under ``dist=fsdp`` each rank keeps the EMA of its own shards (runner/ema/average.py). A checkpoint
 of such a run keeps the copy sharded too: :meth:`EMA.shards` views each rank's shard as a DTensor
-placed like its parameter, and runner/dist/checkpoint.py:save_sharded writes them into the same DCP
+placed like its parameter, and runner/distributed/checkpoint.py:save_sharded writes them into the same DCP
 folder as the weights (key ``ema``; every rank its own shards, nothing gathered), while rank 0
 writes ``ema.json`` (names, global shapes, the update count and settings: what ``ema.safetensors``
 keeps in its metadata).
 
-Resume, the same table as the weights' (runner/dist/checkpoint.py):
+Resume, the same table as the weights' (runner/distributed/checkpoint.py):
 
 * ``ema.safetensors`` into whole parameters: copied; into FSDP shards: each rank reads the file
   and keeps its shard (``distribute_tensor`` with ``src_data_rank=None``: the same chunking as
@@ -97,7 +97,7 @@ def read_sharded(ckpt: Path, names: list[str], params: list[torch.Tensor], dtype
     sharded ``params`` (a collective read), whole tensors on the host for whole ones (read by this process alone)."""
     import torch.distributed.checkpoint as dcp
 
-    from runner.dist.checkpoint import EMA_KEY, SHARDED
+    from runner.distributed.checkpoint import EMA_KEY, SHARDED
     from runner.errors import UserError
 
     target: dict[str, Any] = {}

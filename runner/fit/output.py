@@ -239,7 +239,7 @@ def auto_fit(cfg: Any, overrides: Sequence[str], out: Path) -> tuple[Any, list[s
     if cfg.train.get("resume"):
         raise UserError("train.auto_fit=true with train.resume: a resumed run keeps the settings it was saved with "
                         "(those auto_fit chose before). Drop train.auto_fit.")
-    from runner.dist.launch import from_rank0
+    from runner.distributed.launch import from_rank0
 
     def searched() -> list[str]:
         result = fit_command(cfg, overrides, out)

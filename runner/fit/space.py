@@ -173,7 +173,7 @@ class Space:
             "train": [b.train],
             "train_dtype": [b.train_dtype],
         }
-        if self.on_cuda and self.dist == "none":  # host offloads: refused under dist (runner/dist/config.py)
+        if self.on_cuda and self.dist == "none":  # host offloads: refused under dist (runner/distributed/config.py)
             if self.streamable:
                 budgets = [round(self.trained_gib * f * 2) / 2 for f in STREAM_FRACTIONS]
                 v["stream_gb"] = _uniq([b.stream_gb, None, *[g for g in budgets if g > 0]])

@@ -102,7 +102,7 @@ class FusedBackward(ForwardsToInner):
         self.inner = optimizer
         self.max_grad_norm = float(max_grad_norm)
         self.names = dict(names or {})
-        self.reduce = reduce  # dist=ddp: averages a gradient over the ranks before it is used (runner/dist/runtime.py)
+        self.reduce = reduce  # dist=ddp: averages a gradient over the ranks before it is used (runner/distributed/runtime.py)
         # dist: every rank admits a step's backward or none does (its hooks are collectives: DDP's all-reduce,
         # FSDP's reduce-scatter); one process: the identity
         self.agree = agree or (lambda ok: ok)
@@ -407,7 +407,7 @@ def fuse_into_backward(optimizer: torch.optim.Optimizer, cfg: Any, run: Any,
 
     ``run``: the resolved run (``max_grad_norm``); ``named``: (name, parameter) pairs for messages;
     ``reduce``: the distribution's gradient average (dist=ddp), applied in each hook first; ``agree``:
-    the ranks' agreement on a flag (runner/dist/runtime.py ``all_agree``), so that a loss non-finite on
+    the ranks' agreement on a flag (runner/distributed/runtime.py ``all_agree``), so that a loss non-finite on
     one rank keeps every rank out of that backward (its hooks are collectives).
     """
     if not bool(cfg.get("fused_backward", False)):

@@ -139,9 +139,9 @@ def plot_job(cfg: DictConfig) -> None:
 def write_job_summary(cfg: DictConfig, status: str, error: str | None, exit_code: int, num: int | None,
                       overrides: list[str], wall_s: float) -> Path | None:
     from runner.build import output_dir
-    from runner.dist.launch import process_world
+    from runner.distributed.launch import process_world
 
-    if process_world().rank != 0:  # several processes: rank 0 writes the run's files (runner/dist/launch.py)
+    if process_world().rank != 0:  # several processes: rank 0 writes the run's files (runner/distributed/launch.py)
         return None
     try:
         out = output_dir(cfg)

@@ -99,7 +99,7 @@ class Progress:
 
 
 class NoProgress:
-    """Ranks other than 0 of a multi-process run: rank 0 reports the progress (runner/dist/)."""
+    """Ranks other than 0 of a multi-process run: rank 0 reports the progress (runner/distributed/)."""
 
     def update(self, step: int, loss: float, lr: float, seconds: float, memory: dict[str, str]) -> None:
         return None

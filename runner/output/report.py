@@ -50,7 +50,7 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 
 class NullMetrics:
-    """Ranks other than 0 of a multi-process run: rank 0 writes metrics.jsonl (runner/dist/)."""
+    """Ranks other than 0 of a multi-process run: rank 0 writes metrics.jsonl (runner/distributed/)."""
 
     def write(self, row: dict[str, Any]) -> None:
         return None

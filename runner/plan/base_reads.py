@@ -1,6 +1,6 @@
 """The planner's side of a base read layer by layer as it is quantized (runner/families/common/unread.py).
 
-When a run loads the trained module's base that way (runner/dist/loading.py ``load_mode``
+When a run loads the trained module's base that way (runner/distributed/loading.py ``load_mode``
 ``quantized``: one process, and every rank under ``dist=fsdp``), the simulation does what the run
 does: the base's parameters stay on plain ``meta`` (not faked, not counted), ``ModelSet.unread``
 carries an :class:`~runner.families.common.unread.UnreadWeights` whose read makes a fake host tensor of the
@@ -59,7 +59,7 @@ def load_note(trainer: Any, cfg: Any, train_mode: str, load: tuple[str, str]) ->
     """The plan's note ``base load``: how a quantized LoRA base reaches the host (read layer by layer,
     or whole first and why: random init, DoRA ...), for a LoRA run with a quantization plugin on its
     base; no note otherwise."""
-    from runner.dist.loading import quantizers
+    from runner.distributed.loading import quantizers
 
     builtin = callable(getattr(trainer, "weight_files", None)) and hasattr(trainer, "empty_modules")
     if str(train_mode) == "full" or not builtin or not quantizers(trainer, cfg):

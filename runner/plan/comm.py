@@ -32,7 +32,7 @@ what nothing can hide: in forward the first gather (the root's rest and one bloc
 compute), in backward the last reduce-scatters (the root's and one block's, after the last compute).
 Simple on purpose: it ignores the compute slowdown while NCCL's kernels share the SMs and the
 bandwidth taken by copies of ``offload`` plugins; ``dist.cpu_offload``'s host<->device copies of the
-shards are not counted here. DDP here does not overlap at all: runner/dist/runtime.py runs the passes
+shards are not counted here. DDP here does not overlap at all: runner/distributed/runtime.py runs the passes
 on the unwrapped modules and all-reduces the whole gradient once after them (its docstring says why),
 so the all-reduce adds its full time to the optimizer phase; with fused backward each gradient is
 all-reduced in its hook, synchronously, before its parameter steps: full time in backward.
@@ -176,7 +176,7 @@ def _sum_phases(out: CommTime) -> CommTime:
 def comm_time(spec: Any, layout: Any, *, intra: LinkSpec, inter: LinkSpec, micro_batches: int,
               grad_bytes: int, grad_tensors: int, fused: bool) -> CommTime | None:
     """A rank's communication of one optimizer step; None for one process. ``spec``: the run's
-    :class:`~runner.dist.config.DistSpec`; ``layout``: runner/plan/dist.py's (fsdp: required);
+    :class:`~runner.distributed.config.DistSpec`; ``layout``: runner/plan/dist.py's (fsdp: required);
     ``grad_bytes``/``grad_tensors``: the trained gradients (dist=ddp's all-reduce)."""
     if not spec.active:
         return None

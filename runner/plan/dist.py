@@ -5,7 +5,7 @@ is the rank's (``ResolvedRun.micro_batch`` = batch / world / grad_accum), so act
 batches, encoders and every plugin are simulated as on that rank. What the simulation cannot
 see is what the distribution adds or removes, so each phase's peak is then corrected from unit
 sizes the planner measures on the simulated models (every parameter's shape and dtype, each
-FSDP unit's members: the repeated blocks of runner/blocks.py, as runner/dist/runtime.py shards
+FSDP unit's members: the repeated blocks of runner/blocks.py, as runner/distributed/runtime.py shards
 them, and the rest of the module as the root unit). Why computed and not simulated: FSDP2 needs
 a process group of N ranks (in a training run's preflight the real group is already in use), and
 it frees and re-allocates its gathered weights by resizing storages, which the simulation's
@@ -32,7 +32,7 @@ the shard group, bytes exact per parameter)
   weights, ``ema.device=device``) are on the host
   (added to the host figures), only the gathered copies and reduce-scatter buffers on the device;
 * mixed precision (``ResolvedRun.fsdp_param_dtype``: bf16/fp16 autocast, float32 trained weights,
-  FSDP2's ``MixedPrecisionPolicy``, runner/dist/runtime.py): every gathered byte above is counted in
+  FSDP2's ``MixedPrecisionPolicy``, runner/distributed/runtime.py): every gathered byte above is counted in
   the autocast dtype (a float32 unit is gathered at half its size), the unit's unsharded gradients
   too, and the reduce-scatter input in float32; the shards, their gradients and the optimizer state
   stay float32. The weights reach the unit's ops already in bf16, so no op casts them and autocast
@@ -46,20 +46,20 @@ With ``optimizer.fused_backward`` the simulation's own gradients are the few ali
 the shard term above is their share: each rank steps and frees its shards right after the unit's reduce-scatter.
 
 ``dist=ddp``: everything of one process, and DDP's gradient buckets (row ``(ddp buckets)``): the
-trained gradients live in them for the whole run (runner/dist/runtime.py), so every phase holds
+trained gradients live in them for the whole run (runner/distributed/runtime.py), so every phase holds
 all trained gradients once, where one process holds them only from its backward on; around the
 optimizer step twice: the gradient all-reduce runs just before it, and at the second step DDP
 rebuilds its buckets in the order gradients arrived, copying every gradient once.
 
 Host RAM at setup (:func:`host_setup`, :func:`host_per_node`). ``dist=ddp``, and ``dist=fsdp`` when
-the ranks load the trained module whole (LoRA, a user's trainer: runner/dist/loading.py
+the ranks load the trained module whole (LoRA, a user's trainer: runner/distributed/loading.py
 ``load_mode``) or read a quantized base layer by layer (``quantized``, which the simulation itself
 runs: runner/plan/base_reads.py): every rank's host peak is one process's. ``dist=fsdp`` loading by slices or by
 broadcast: a rank holds the frozen modules as one process does, and of the trained module only one
 tensor (or slice) in flight: its shards are made on the device (with ``dist.cpu_offload`` on the host),
 filled after the plugins' setup; rank 0, when it broadcasts, holds the whole module (less the units
 already sent) from its build on. The frozen modules
-only rank 0 loads (runner/dist/loading.py ``rank0_only_modules``: under ``offload=park`` on one node,
+only rank 0 loads (runner/distributed/loading.py ``rank0_only_modules``: under ``offload=park`` on one node,
 those whose outputs it caches) are left out of the other ranks' setup peak: the simulated peak less
 their bytes at its instant, or the host after setup (they are dropped by then), whichever is larger;
 rank 0's keeps them. Per node: rank 0's peak plus
@@ -69,7 +69,7 @@ The backward phase is at least the forward's end (every activation still alive, 
 a rank whose gradients are sharded, or always allocated (DDP's buckets), may peak right at the
 start of backward, where one process peaks later. The peak is re-taken over the corrected phases.
 The figures are an estimate of the FSDP2 terms, not a count: the per-rank truth test
-(tests/runner/dist/) holds it within 5 % of a real 2-process step measured with the live-bytes
+(tests/runner/distributed/) holds it within 5 % of a real 2-process step measured with the live-bytes
 tracker on each rank.
 """
 from __future__ import annotations
@@ -130,7 +130,7 @@ class RankLayout:
     trainable_shard: int = 0
     units: int = 0
     last_forward: Any = None  # the previous forward phase's per-rank peak (see rank_phase)
-    # Host RAM at setup (host_setup): how the ranks get the trained module (runner/dist/loading.py: whole |
+    # Host RAM at setup (host_setup): how the ranks get the trained module (runner/distributed/loading.py: whole |
     # slices | broadcast), its largest tensor (the one slice or tensor in flight), the host bytes once the
     # plugins' setup is done (the frozen modules park kept), and rank 0's setup peak when it broadcasts.
     load: str = "whole"
@@ -139,7 +139,7 @@ class RankLayout:
     host_after_setup: int = 0
     ranks_per_node: int = 1
     host_rank0: int = 0
-    # Frozen modules only rank 0 loads (runner/dist/loading.py rank0_only_modules: they only fill the
+    # Frozen modules only rank 0 loads (runner/distributed/loading.py rank0_only_modules: they only fill the
     # encoder cache) -> their parameters' bytes: the other ranks hold only their buffers.
     rank0_only: dict[str, int] = field(default_factory=dict)
 
@@ -150,7 +150,7 @@ class RankLayout:
 
 def _gathered_bytes(p: torch.Tensor, param_dtype: torch.dtype | None) -> int:
     """Bytes of ``p`` as FSDP2 all-gathers it: float32 weights in ``param_dtype`` under a
-    MixedPrecisionPolicy (runner/dist/runtime.py), every other weight in its stored dtype."""
+    MixedPrecisionPolicy (runner/distributed/runtime.py), every other weight in its stored dtype."""
     if param_dtype is not None and p.dtype == torch.float32:
         return p.numel() * param_dtype.itemsize
     return _bytes(p)
@@ -160,7 +160,7 @@ def gathered_params(layout: RankLayout | None, models: Any) -> frozenset[int]:
     """ids of the weights FSDP2 all-gathers in the autocast dtype (none without a MixedPrecisionPolicy):
     the simulation neither caches nor counts their casts (runner/plan/semantics.py), since the
     layout counts them per unit (module docstring)."""
-    from runner.dist.runtime import _unshardable_params
+    from runner.distributed.runtime import _unshardable_params
 
     if layout is None or layout.name != "fsdp" or layout.param_dtype is None:
         return frozenset()
@@ -170,9 +170,9 @@ def gathered_params(layout: RankLayout | None, models: Any) -> frozenset[int]:
 
 
 def rank0_only_params(cfg: Any, trainer: Any, plugins: list[Any], spec: Any, models: Any) -> dict[str, int]:
-    """The frozen modules only rank 0 loads (runner/dist/loading.py ``rank0_only_modules``) -> their
+    """The frozen modules only rank 0 loads (runner/distributed/loading.py ``rank0_only_modules``) -> their
     parameters' bytes on the simulated ``models``, before setup (the other ranks keep only their buffers)."""
-    from runner.dist.loading import rank0_only_modules
+    from runner.distributed.loading import rank0_only_modules
 
     names = rank0_only_modules(cfg, trainer, plugins, spec)[0]
     return {n: sum(_bytes(p) for p in models[n].parameters()) for n in names if n in models}
@@ -181,12 +181,12 @@ def rank0_only_params(cfg: Any, trainer: Any, plugins: list[Any], spec: Any, mod
 def measure(spec: Any, models: Any, param_dtype: torch.dtype | None = None,
             load: tuple[str, str] = ("whole", ""), host_after_setup: int = 0,
             rank0_only: dict[str, int] | None = None) -> RankLayout | None:
-    """The layout of one rank of ``spec`` (a :class:`~runner.dist.config.DistSpec`) on the simulated
+    """The layout of one rank of ``spec`` (a :class:`~runner.distributed.config.DistSpec`) on the simulated
     ``models`` after the plugins' setup; None for one process. ``param_dtype``: the run's
     ``fsdp_param_dtype`` (runner/resolved.py), the dtype each unit is all-gathered in. ``rank0_only``:
     the frozen modules only rank 0 loads -> their parameters' bytes (:func:`host_setup`)."""
     from runner.blocks import find_repeated_blocks
-    from runner.dist.runtime import _unshardable_params
+    from runner.distributed.runtime import _unshardable_params
 
     if not spec.active:
         return None
@@ -318,7 +318,7 @@ def rank_phase(layout: RankLayout, pk: Any, on_device: bool, moved: int) -> tupl
 
 
 def host_setup(layout: RankLayout, pk: Any, moved: int) -> Any:
-    """The setup phase's host peak of one rank under ``dist=fsdp``'s sharded load (runner/dist/loading.py).
+    """The setup phase's host peak of one rank under ``dist=fsdp``'s sharded load (runner/distributed/loading.py).
 
     The simulation holds every module whole on the host at its start, as one process (and every rank
     before the sharded load) does. With ``slices`` or ``broadcast`` a rank (rank 0 aside when it
@@ -345,7 +345,7 @@ def host_setup(layout: RankLayout, pk: Any, moved: int) -> Any:
     trained = pk.by_module.get(layout.module, {}).get("weights", 0)
     without = pk.peak_bytes - trained
     others = without - sum(skipped.values())
-    # The shards are made on the device (runner/dist/loading.py shard_units: ``materialize(module, device)``;
+    # The shards are made on the device (runner/distributed/loading.py shard_units: ``materialize(module, device)``;
     # with dist.cpu_offload on the host, added as ``moved``): the host holds one tensor (or slice) in flight.
     fill = layout.host_after_setup + layout.largest_tensor
     peak = max(others, fill)

@@ -40,7 +40,7 @@ from runner.compat import without_dispatch_modes
 from runner.context import RunContext
 from runner.data import planned_size
 from runner.devices import reference_spec
-from runner.dist.loading import load_mode
+from runner.distributed.loading import load_mode
 from runner.memory.live_bytes import LiveBytesTracker
 from runner.memory.live_bytes_views import NO_MODULE
 from runner.optim.build import build_optimizer
@@ -312,7 +312,7 @@ class _Simulation:
         self.fused = isinstance(ctx.optimizer, FusedBackward)
         if self.fused and self.rank_layout is not None and self.rank_layout.name == "ddp":
             # dist=ddp with fused backward builds no DDP buckets: each gradient is averaged in its hook
-            # (runner/dist/runtime.py), so a rank holds what one process holds.
+            # (runner/distributed/runtime.py), so a rank holds what one process holds.
             self.rank_layout = None
         if self.fused:
             # Steady state of fused backward: the state exists through forward and backward (it

@@ -61,7 +61,7 @@ class TrainState:
     samples_seen: int = 0
     micro_batch_size: int = 0  # 0 = as configured (per rank when several processes trained)
     format_version: int = FORMAT_VERSION
-    world_size: int = 1  # processes that trained it (a resume may use another number: runner/dist/checkpoint.py)
+    world_size: int = 1  # processes that trained it (a resume may use another number: runner/distributed/checkpoint.py)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -375,7 +375,7 @@ def _check_optimizer(ckpt: Path, opt_state: dict[str, Any], optimizer: torch.opt
 def load_trainable_weights(ckpt: Path, models: ModelSet) -> None:
     """Copy ``ckpt``'s trained weights into ``models``, names and shapes checked first (``mode=export``
     needs no optimizer state)."""
-    from runner.dist.checkpoint import is_sharded, load_sharded_weights
+    from runner.distributed.checkpoint import is_sharded, load_sharded_weights
 
     if is_sharded(ckpt):  # written by dist=fsdp: read whole in this process
         load_sharded_weights(ckpt, models)

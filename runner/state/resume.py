@@ -18,7 +18,7 @@ message that lists each difference. Everything else may change, and the log list
 steps, the LR schedule and optimizer hyperparameters, saving, logging, data, the memory
 plugins (resuming with another memory layout after an out-of-memory stop is the point), and the
 distribution (``dist``, and the number of processes: a checkpoint of any format resumes on any
-world size, runner/dist/checkpoint.py).
+world size, runner/distributed/checkpoint.py).
 
 The EMA of the weights (``ema.*``, runner/ema/average.py) may change too, because it is derived from the
 trained weights and never feeds back into them or the optimizer: turning it on starts the average
@@ -48,7 +48,7 @@ SAVED_CONFIG = "config.yaml"
 # What defines the trained weights and the optimizer state: a resume may not change these.
 TRAINED = ("trainer", "model", "optimizer.name", "quantization", "preset")
 # Never taken from the checkpoint's command line: where this run writes, what it is asked to do, and
-# how many processes it runs on (a checkpoint resumes on another world size: runner/dist/checkpoint.py).
+# how many processes it runs on (a checkpoint resumes on another world size: runner/distributed/checkpoint.py).
 OWN = ("train.resume", "output_dir", "mode", "dist.world_size")
 _MISSING = object()
 

@@ -40,7 +40,7 @@ when it can raise the peak (``val.batch_size`` above the training micro-batch; r
 Several processes. ``dist=ddp``: every rank holds the same weights and evaluates every held-out
 sample on its own; rank 0 logs the value. ``dist=fsdp``: each forward all-gathers the sharded units,
 so every rank must run every forward; every rank evaluates *every* held-out sample too, each attempt
-agreed on like a training step (runner/dist/agree.py: an out-of-memory error on one rank halves the
+agreed on like a training step (runner/distributed/agree.py: an out-of-memory error on one rank halves the
 micro-batch on all of them; the value is the ranks' mean, of equal numbers). Why not a share per
 rank: the forwards are collective, so all ranks would still have to run the same number of them,
 padding the held-out set to a multiple of the world size and weighting the padded samples out;

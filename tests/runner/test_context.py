@@ -92,5 +92,5 @@ def test_the_core_imports_no_plugin_and_the_context_no_feature():
                for sub in node.body for n in ast.walk(sub)}
     runtime = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and id(n) not in guarded]
     features = ("runner.sampling", "runner.val", "runner.ema", "runner.compile", "runner.memory", "runner.output",
-                "runner.data", "runner.dist")
+                "runner.data", "runner.distributed")
     assert not [m for m in runtime if m.startswith(features)], runtime

@@ -110,7 +110,7 @@ class DiffusersTrainer(CacheKeys, ExampleBatches):
     comfy_layout: str = "kohya"  # the LoRA key layout ComfyUI maps for this family (runner/export/comfy.py LAYOUTS)
     max_references: int = 0  # reference images per target an edit family takes (data.references; 0: not an edit family)
     default_references: int = 0  # data.references unset: how many it trains on (an edit family that needs them: its count)
-    # dist=fsdp's sharded load (runner/dist/loading.py) sets this around build_models: these modules are
+    # dist=fsdp's sharded load (runner/distributed/loading.py) sets this around build_models: these modules are
     # built with their parameters on meta (buffers real, :func:`build_empty`), their weights filled in later.
     empty_modules: frozenset[str] = frozenset()
     _file_keys: list[str] | None = None  # the single file's keys, read once (_stored_file_keys)
@@ -260,7 +260,7 @@ class DiffusersTrainer(CacheKeys, ExampleBatches):
         """Where each weight of module ``name`` lies, when it is read as stored, without conversion:
         model key -> (safetensors file, key in it), for a diffusers folder's safetensors or a single
         file in diffusers' key layout (the denoiser). None: built at random, converted from an original
-        layout, or ``.bin`` weights; such a module is read whole (runner/dist/loading.py)."""
+        layout, or ``.bin`` weights; such a module is read whole (runner/distributed/loading.py)."""
         from runner.families.common.loading import folder_weight_files
 
         src = self.source
@@ -353,7 +353,7 @@ class DiffusersTrainer(CacheKeys, ExampleBatches):
         if not full:
             from runner.families.common.unread import stand_in_weights
 
-            # An empty base (runner/dist/loading.py) gets CPU stand-ins while the adapters are drawn, so they
+            # An empty base (runner/distributed/loading.py) gets CPU stand-ins while the adapters are drawn, so they
             # come out on the host in the base's dtype, as over a loaded base (runner/families/common/unread.py).
             empty = self.denoiser in self.empty_modules and torch.device(build_on).type != "meta"
             with stand_in_weights(modules[self.denoiser]) if empty else contextlib.nullcontext():

@@ -253,7 +253,7 @@ def build_empty(cls: type, config: dict[str, Any] | Any, dtype: torch.dtype, eve
     of a diffusers folder), or with ``every_tensor`` every parameter and persistent buffer in
     ``dtype`` (:func:`load_single_file`, which reads every state tensor in ``dtype``).
 
-    What ``dist=fsdp`` builds on every rank before sharding (runner/dist/loading.py): no storage for
+    What ``dist=fsdp`` builds on every rank before sharding (runner/distributed/loading.py): no storage for
     the weights, no random draw for them (so the frozen modules built after it draw the same values
     as in one process), and the buffers that no file holds (non-persistent ones) already right.
     """
@@ -271,7 +271,7 @@ def build_empty(cls: type, config: dict[str, Any] | Any, dtype: torch.dtype, eve
 def folder_weight_files(folder: str, subfolder: str) -> dict[str, tuple[str, str]] | None:
     """key -> (safetensors file, key in it) of a diffusers folder's component, as ``from_pretrained``
     reads it (``diffusion_pytorch_model.safetensors``, or the sharded index); None when the component
-    has no safetensors weights (a ``.bin`` folder: read whole, runner/dist/loading.py)."""
+    has no safetensors weights (a ``.bin`` folder: read whole, runner/distributed/loading.py)."""
     sub = os.path.join(folder, subfolder)
     index = os.path.join(sub, "diffusion_pytorch_model.safetensors.index.json")
     if os.path.isfile(index):

@@ -5,14 +5,14 @@ Why. A LoRA over a quantized base used to be loaded whole in ``model.dtype`` and
 quantized: for Flux 22 GiB of bfloat16 on the host (on every rank under ``dist=fsdp``) to keep
 5.9 GiB of nf4. When a quantization plugin will quantize the trained module's base and its weights
 lie in safetensors files as stored (``DiffusersTrainer.weight_files``), the module is built empty
-(runner/dist/loading.py ``load_mode`` ``quantized``) and carries an :class:`UnreadWeights` in
+(runner/distributed/loading.py ``load_mode`` ``quantized``) and carries an :class:`UnreadWeights` in
 ``ModelSet.unread``. The plugin reads each layer it replaces just before replacing it
 (:meth:`UnreadWeights.read_layer`), so the host holds the quantized layers so far plus one tensor in
 ``model.dtype``; after the plugins' ``transform_models`` phase the runner reads whatever is still
 unread (:meth:`UnreadWeights.read_rest`: norms, skipped layers, biases; everything when no plugin
 took the module after all). The same read and conversion as the whole load
 (``tensor.to(param.dtype)``, the dtype the empty build gave the parameter, as the sharded load of
-runner/dist/loading.py reads it), so the bytes quantized are the same and so are theirs.
+runner/distributed/loading.py reads it), so the bytes quantized are the same and so are theirs.
 
 The adapters are drawn over the empty base with :func:`stand_in_weights`: peft casts a new adapter to
 its base layer's device and dtype, and reads nothing else of a plain LoRA's base; a base on ``meta``

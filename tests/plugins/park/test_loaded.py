@@ -1,6 +1,6 @@
 """plugins/park/loaded.py: a cache fill that needs a module this process built without weights stops
 with a UserError naming ``offload.park.cache_dir``, before any module runs (several processes on one
-node: only rank 0 loads the modules whose outputs are cached, runner/dist/loading.py)."""
+node: only rank 0 loads the modules whose outputs are cached, runner/distributed/loading.py)."""
 from __future__ import annotations
 
 from types import SimpleNamespace

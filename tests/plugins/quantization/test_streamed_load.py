@@ -23,7 +23,7 @@ from accelerate.utils import set_seed
 from runner.build import build_plugins, build_trainer, make_context, prepare_models
 from runner.cli.compose import compose_config
 from runner.config.checks import validate
-from runner.dist import loading
+from runner.distributed import loading
 from runner.memory.live_bytes import LiveBytesTracker
 from runner.plugins.quantization.common import storage_bytes, weight_tensors
 from runner.resolved import resolve
@@ -122,7 +122,7 @@ def test_a_streamed_one_process_run_gives_the_whole_loads_losses(tmp_path, unet_
 
 
 def test_random_init_and_dora_are_loaded_whole_and_say_why(unet_file):
-    from runner.dist.loading import load_mode
+    from runner.distributed.loading import load_mode
 
     def mode(*overrides: str) -> tuple[str, str]:
         cfg = compose_config([*LORA, "quantization=[nf4]", *overrides])

@@ -221,13 +221,13 @@ def test_our_flux_conversion_equals_diffusers_at_full_width():
 
 
 def test_a_folder_unet_read_tensor_by_tensor_into_its_empty_build_equals_from_pretrained(sdxl_models, tmp_path):
-    """dist=fsdp's sharded load (runner/dist/loading.py) in one process: the U-Net of a diffusers folder
+    """dist=fsdp's sharded load (runner/distributed/loading.py) in one process: the U-Net of a diffusers folder
     (saved in bfloat16, as 3+ safetensors shards with an index) built empty (parameters on meta, buffers
     real) and filled from the files named by ``weight_files`` equals ``from_pretrained``'s load, tensor
     for tensor and dtype for dtype (here every rank would read only its rows of the same tensors)."""
     import copy
 
-    from runner.dist.loading import _read_slices, materialize
+    from runner.distributed.loading import _read_slices, materialize
 
     t, models = sdxl_models
     folder = tmp_path / "saved"

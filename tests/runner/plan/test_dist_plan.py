@@ -132,7 +132,7 @@ def test_fsdp_cpu_offload_and_kept_gathered_weights_move_the_bytes_where_fsdp_ke
 
 def test_fsdp_mixed_precision_plans_bf16_units_and_no_cast_cache_of_the_weights():
     """Issue 29: with bf16 autocast and float32 trained weights FSDP2 gathers each unit in bf16
-    (runner/dist/runtime.py), so no op casts a weight and autocast caches none. Against the same plan
+    (runner/distributed/runtime.py), so no op casts a weight and autocast caches none. Against the same plan
     with ``dist.mixed_precision=false`` (float32 gathers, autocast's cast cache), the forward holds
     exactly less: the cache (a bf16 copy of every Linear/Conv weight and bias of the U-Net, alive to
     the end of the forward) and half the forward's gather window (the root unit and two blocks)."""
@@ -177,7 +177,7 @@ def test_one_process_plans_byte_for_byte_as_without_dist():
 
 
 def test_plan_reports_host_ram_per_rank_and_per_node_as_the_ranks_load_the_trained_module(tmp_path):
-    """Issue 29: host RAM per rank follows how the ranks get the trained module (runner/dist/loading.py),
+    """Issue 29: host RAM per rank follows how the ranks get the trained module (runner/distributed/loading.py),
     per node = rank 0's peak + (dist.ranks_per_node - 1) x the others' (default: min(world_size, 8)).
     dist=ddp: every rank loads it whole. dist=fsdp at random init: rank 0 builds it whole (at least
     the DDP rank's peak), the other ranks hold their shards and one tensor instead of the whole U-Net.
@@ -202,7 +202,7 @@ def test_plan_reports_host_ram_per_rank_and_per_node_as_the_ranks_load_the_train
     h = rand.host_ranks
     assert h["load"] == "broadcast" and h["rank0_bytes"] >= ddp["per_rank_bytes"]
     assert h["per_rank_bytes"] <= ddp["per_rank_bytes"] - whole + shards + largest < ddp["per_rank_bytes"]
-    # the shards are made on the device (runner/dist/loading.py shard_units), not on the host: one tensor in flight
+    # the shards are made on the device (runner/distributed/loading.py shard_units), not on the host: one tensor in flight
     assert h["per_rank_bytes"] <= ddp["per_rank_bytes"] - whole + largest
     assert rand.host_peak_bytes == h["per_rank_bytes"]
     assert h["per_node_bytes"] == h["rank0_bytes"] + 3 * h["per_rank_bytes"]
@@ -219,7 +219,7 @@ def test_plan_reports_host_ram_per_rank_and_per_node_as_the_ranks_load_the_train
 
 def test_ranks_other_than_0_plan_their_setup_without_the_modules_only_rank_0_loads():
     """Issue 29: under offload=park on one node only rank 0 loads the modules whose outputs it caches
-    (runner/dist/loading.py), so the other ranks' host peak at setup lacks their parameters; rank 0's
+    (runner/distributed/loading.py), so the other ranks' host peak at setup lacks their parameters; rank 0's
     is the plan where every rank loads them (two nodes of one rank: a node may fill its own cache)."""
     from runner.build import build_trainer
 

@@ -25,7 +25,7 @@ sharded                     DCP reads the shards     DCP re-splits the shards fo
 ==========================  =======================  =======================================
 
 so a run resumes on another number of processes and in the other mode; the sample order is the
-global one (runner/dist/runtime.py), so the loss curve continues as if nothing changed. The
+global one (runner/distributed/runtime.py), so the loss curve continues as if nothing changed. The
 optimizer state moves between formats by parameter name (``torch.distributed.checkpoint.
 state_dict``'s form); what cannot move: the state of an optimizer FSDP does not shard (8-bit
 bitsandbytes; refused with ``dist=fsdp`` anyway), and a step of ``offload=optimizer``'s host
@@ -100,7 +100,7 @@ def save_sharded(dist_: Any, root: Path, state: Any, models: ModelSet, optimizer
     import torch.distributed as tdist
     import torch.distributed.checkpoint as dcp
 
-    from runner.dist.launch import cpu_group
+    from runner.distributed.launch import cpu_group
     from runner.state.checkpoint import (_fsync_dir, _fsync_file, _prune, describe_trained_state, publish_checkpoint,
                                     rng_state)
 

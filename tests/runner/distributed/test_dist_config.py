@@ -11,9 +11,9 @@ import os
 import pytest
 import torch
 
-from runner.dist.config import DistSpec
-from runner.dist.launch import START_TIME_ENV, process_world, runner_now
-from runner.dist.runtime import DataParallel, cpu_offload_policy
+from runner.distributed.config import DistSpec
+from runner.distributed.launch import START_TIME_ENV, process_world, runner_now
+from runner.distributed.runtime import DataParallel, cpu_offload_policy
 from runner.errors import UserError
 from runner.cli.listing import format_plugin_list
 from runner.resolved import resolve
@@ -225,7 +225,7 @@ def test_ranks_agree_on_one_run_directory(monkeypatch):
 
 
 def test_gradient_sync_forward_is_zero_and_touches_every_trained_parameter():
-    from runner.dist.runtime import GradientSync
+    from runner.distributed.runtime import GradientSync
 
     m = torch.nn.Linear(3, 2)
     frozen = torch.nn.Linear(2, 2).requires_grad_(False)
@@ -243,7 +243,7 @@ def test_zz_no_launch_environment_leaks_out_of_these_tests():
 
 def _rank0_only(*extra: str) -> tuple[frozenset[str], str]:
     from runner.build import build_trainer
-    from runner.dist.loading import rank0_only_modules
+    from runner.distributed.loading import rank0_only_modules
 
     cfg = compose_config(["mode=plan", "dist=ddp", "dist.world_size=2", "train.batch_size=4", *extra])
     checked = validate(cfg)
@@ -275,7 +275,7 @@ def test_a_collective_whose_partner_stopped_first_is_told_apart_from_a_bug(monke
     ordinary error stays a bug, and one process never has a partner to lose."""
     import torch.distributed as dist
 
-    from runner.dist.launch import lost_peer
+    from runner.distributed.launch import lost_peer
 
     gloo = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:45187. This is "
                         "typically caused by a remote worker crashing.")

@@ -14,6 +14,6 @@ driven through accelerate's state, and the launchers are the ecosystem's (``torc
   ``torch.distributed.checkpoint`` (FSDP), and resume across both and across world sizes;
 * ``plan``: the per-rank plan (``mode=plan dist=fsdp dist.world_size=N``).
 """
-from runner.dist.config import DistSpec, describe_options, resolve_distribution, store_dist_schemas, validate_dist
+from runner.distributed.config import DistSpec, describe_options, resolve_distribution, store_dist_schemas, validate_dist
 
 __all__ = ["DistSpec", "describe_options", "resolve_distribution", "store_dist_schemas", "validate_dist"]

@@ -14,7 +14,7 @@ over gloo (no GPU synchronisation): ``[out of memory here, done with this attemp
   reduce-scatters go through :class:`AgreeingAllGather`/:class:`AgreeingReduceScatter`, which
   meet ``[0, 0, 0]`` first; when any rank reported an OOM, they raise :class:`PeerOutOfMemory`
   instead of issuing the collective. DDP's attempts have no collective at all (the gradient
-  all-reduce runs after the agreement, runner/dist/runtime.py), so they have no sync point.
+  all-reduce runs after the agreement, runner/distributed/runtime.py), so they have no sync point.
 * When a rank leaves the attempt (passes done, its own OOM, or a peer's), it meets
   ``[own OOM, 1, loss]`` until every rank is done. A rank still inside the attempt is at a sync
   point, learns of the OOM there, and leaves too. So the meetings pair up whatever the point
@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from runner.compat import FSDP_COMMS, FSDPDefaultAllGather, FSDPDefaultReduceScatter
-from runner.dist.launch import cpu_group
+from runner.distributed.launch import cpu_group
 from runner.guards.oom import is_out_of_memory
 
 log = logging.getLogger("runner")

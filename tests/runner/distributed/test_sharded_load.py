@@ -1,5 +1,5 @@
 """Issue 29: under ``dist=fsdp`` the trained module is built on ``meta`` on every rank, sharded, then
-filled shard by shard (runner/dist/loading.py): from a safetensors file each rank reads only its rows;
+filled shard by shard (runner/distributed/loading.py): from a safetensors file each rank reads only its rows;
 at random init rank 0 builds it and the others receive their shards by broadcast. Two CPU ranks
 (gloo, ``torchrun``) train a full fine-tune of the tiny SDXL U-Net 2 steps and must give one
 process's losses (the same weights bit for bit, so only the ranks' float sums differ: REL).
@@ -91,7 +91,7 @@ def test_each_rank_holds_about_half_the_trained_weights_while_loading(tmp_path):
 @pytest.mark.parametrize("source", ["random", "file"])
 def test_fsdp_lora_broadcasts_rank_0s_base_and_adapters_like_one_process(tmp_path, source):
     """model.train=lora without quantization: rank 0 builds the base (at random, or from a file) and
-    draws the adapters, the other rank receives its shards of both (runner/dist/loading.py; from a file
+    draws the adapters, the other rank receives its shards of both (runner/distributed/loading.py; from a file
     it loads the frozen modules itself); the same losses as one process."""
     path = [f"model.path={tiny_unet_file(tmp_path / 'unet.safetensors')}"] if source == "file" else []
     lora = [*BASE, "trainer=sdxl", "model.train=lora", "train.steps=2", *path]

@@ -4,7 +4,7 @@
 plugin's one ``BaseSubmititLauncher``; only the executor differs): the sweep's jobs are pickled and
 run in fresh processes with submitit's job environment, ``tasks_per_node`` tasks each. With two
 tasks per job, each job is a two-rank ``dist=ddp`` run, as one job of ``hydra/launcher=slurm`` is
-on a cluster (runner/dist/launch.py turns submitit's tasks into ranks).
+on a cluster (runner/distributed/launch.py turns submitit's tasks into ranks).
 
 The launcher is the ``slurm`` extra (``pip install '.[slurm]'``, also in the ``test`` extra CI
 installs); without it these tests skip.

@@ -168,7 +168,7 @@ def test_a_resume_continues_the_sharded_ema_in_any_world_size(runs):
 
 def test_an_oom_on_one_rank_in_the_held_out_pass_is_retried_by_every_rank(runs, tmp_path):
     """The held-out forwards under dist=fsdp are collective: an out-of-memory error on rank 1 alone, in the
-    middle of the U-Net's forward, is agreed on (runner/dist/agree.py): both ranks halve the validation
+    middle of the U-Net's forward, is agreed on (runner/distributed/agree.py): both ranks halve the validation
     micro-batch and retry, and val_loss is still one process's (the mean weights each sample equally)."""
     counts = tmp_path / "counts"
     proc = launch("torchrun", tmp_path / "run", "dist=fsdp", *COMMON, *EXTRA, "train.steps=2",

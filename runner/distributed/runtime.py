@@ -14,11 +14,11 @@ What the loop asks of it, each behind one hook in runner/loop.py:
   the shards and in the optimizer, bf16 weights gathered one unit at a time, float32 gradient
   reduction. Autocast still runs around the step for the activations; the weights it would cast
   (and cache for the whole forward) arrive in bf16 already.
-* loading (runner/dist/loading.py): under ``dist=fsdp`` a full fine-tune's trained module arrives
+* loading (runner/distributed/loading.py): under ``dist=fsdp`` a full fine-tune's trained module arrives
   here on ``meta`` (``Distribution.pending``); after ``fully_shard`` each rank fills its shards from
   its slices of the safetensors files, or from rank 0's broadcast.
 * :meth:`Distribution.attempts`: each attempt of a step's passes agreed on by every rank
-  (runner/dist/agree.py), the loss averaged over ranks.
+  (runner/distributed/agree.py), the loss averaged over ranks.
 
 Loss and gradient weighting. runner/loop.py:forward_backward weights each micro-batch's loss by
 ``len(micro-batch) / len(this rank's batch)``, so a rank's gradient is the mean over its share; DDP
@@ -129,8 +129,8 @@ class Distribution:
 
     def load_checkpoint(self, ckpt: Path, models: Any, optimizer: Any, scheduler: Any,
                         optimizer_name: str | None) -> Any:
-        """A checkpoint of any format and world size (runner/dist/checkpoint.py)."""
-        from runner.dist.checkpoint import load_any
+        """A checkpoint of any format and world size (runner/distributed/checkpoint.py)."""
+        from runner.distributed.checkpoint import load_any
 
         return load_any(ckpt, models, optimizer, scheduler, optimizer_name, sharded_run=self.run.dist.sharded)
 
@@ -151,10 +151,10 @@ class DataParallel(Distribution):
         super().__init__(run)
         import torch.distributed as dist
 
-        from runner.dist.agree import Agreement
+        from runner.distributed.agree import Agreement
 
         if not dist.is_initialized():
-            raise RuntimeError("runner.dist: the process group is not initialised (runner/dist/launch.py joins it)")
+            raise RuntimeError("runner.distributed: the process group is not initialised (runner/distributed/launch.py joins it)")
         self.spec = run.dist
         self.is_main = run.dist.is_main
         self.grads_to_none = run.dist.name != "ddp"  # DDP: gradients live in its buckets between steps
@@ -235,7 +235,7 @@ class DataParallel(Distribution):
         from torch.distributed.fsdp import fully_shard
 
         from runner.blocks import find_repeated_blocks
-        from runner.dist.agree import agree_before_fsdp_collectives
+        from runner.distributed.agree import agree_before_fsdp_collectives
 
         if len(trained) > 1:
             raise UserError(
@@ -256,10 +256,10 @@ class DataParallel(Distribution):
             for sub in module.modules():  # fully_shard leaves ignored parameters where they are: move them now
                 if any(p in ignored for p in sub.parameters(recurse=False)):
                     sub.to(ctx.device)
-        from runner.dist.loading import shard_units
+        from runner.distributed.loading import shard_units
 
         root_kwargs = {k: v for k, v in kwargs.items() if k != "reshard_after_forward"}  # the root keeps its rest
-        pending, self.pending = self.pending, None  # built on meta (runner/dist/loading.py): shards filled here
+        pending, self.pending = self.pending, None  # built on meta (runner/distributed/loading.py): shards filled here
         units = shard_units(module, blocks, lambda m, root=False: fully_shard(m, **(root_kwargs if root else kwargs)),
                             pending, torch.device("cpu") if self.spec.cpu_offload else ctx.device, ctx.device,
                             self.is_main)
@@ -306,7 +306,7 @@ class DataParallel(Distribution):
     def barrier(self) -> None:
         import torch.distributed as dist
 
-        from runner.dist.launch import cpu_group
+        from runner.distributed.launch import cpu_group
 
         dist.barrier(group=cpu_group())
 
@@ -325,7 +325,7 @@ class DataParallel(Distribution):
         """A stop signal received by any rank, on every rank (they stop after the same step)."""
         import torch.distributed as dist
 
-        from runner.dist.launch import cpu_group
+        from runner.distributed.launch import cpu_group
 
         t = torch.tensor([signum or 0], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=cpu_group())
@@ -336,9 +336,9 @@ class DataParallel(Distribution):
                         more_files: Callable[[Path], list[str]] | None = None,
                         more_shards: dict[str, Any] | None = None) -> Path:
         """DDP: rank 0 writes the full checkpoint, with ``more_files`` (the EMA, the same on every rank);
-        FSDP: a sharded one (runner/dist/checkpoint.py): ``more_shards`` (the EMA's shards) in its DCP
+        FSDP: a sharded one (runner/distributed/checkpoint.py): ``more_shards`` (the EMA's shards) in its DCP
         folder, written by every rank, and ``more_files`` (the EMA's ema.json) by rank 0."""
-        from runner.dist.checkpoint import save_replicated, save_sharded
+        from runner.distributed.checkpoint import save_replicated, save_sharded
 
         state.world_size = self.spec.world_size
         if self.spec.sharded:
@@ -352,7 +352,7 @@ class DataParallel(Distribution):
         """True on every rank when ``ok`` is true on every rank."""
         import torch.distributed as dist
 
-        from runner.dist.launch import cpu_group
+        from runner.distributed.launch import cpu_group
 
         t = torch.tensor([0 if ok else 1], dtype=torch.int64)
         dist.all_reduce(t, group=cpu_group())

@@ -8,7 +8,7 @@ job environment, which :func:`process_world` exports in the same form (submitit'
 
 Meeting: :func:`join_process_group` initialises ``torch.distributed``'s default group from that
 environment (``env://``), once per process: gloo on CPUs; ``cpu:gloo,cuda:nccl`` with GPUs, so that
-tensors on the GPU go through NCCL and the runner's small agreements (runner/dist/agree.py) go
+tensors on the GPU go through NCCL and the runner's small agreements (runner/distributed/agree.py) go
 through gloo without a GPU synchronisation. accelerate's state adopts the existing group.
 The group's timeout is ``RUNNER_DIST_TIMEOUT_MIN`` minutes (default 180: rank 0 may fill the
 encoder cache for a long time while the others wait; a real hang ends when the launcher kills

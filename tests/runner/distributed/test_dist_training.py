@@ -119,7 +119,7 @@ def test_torchrun_ddp_matches_one_process_and_agrees_on_a_one_rank_oom(tmp_path,
     assert per_rank[1]["raised"] >= 1 and per_rank[0]["raised"] == 0
     # the encoder cache: written by rank 0 alone, read by rank 1 once it was complete
     assert per_rank[0]["encoded"] > 0 and per_rank[1]["encoded"] == 0
-    # so rank 1 never loaded the modules that only fill it (runner/dist/loading.py): no weight bytes built
+    # so rank 1 never loaded the modules that only fill it (runner/distributed/loading.py): no weight bytes built
     assert_cache_only_modules_on_rank_0(per_rank)
     log = next(out.glob("*.log")).read_text()
     assert "dist=ddp: text_encoder, text_encoder_2, vae loaded on rank 0 only" in log
@@ -272,7 +272,7 @@ def test_ddp_with_fused_backward_steps_each_averaged_gradient_like_one_process(t
 
 def test_fsdp_gathers_bf16_units_from_float32_shards_like_one_process_autocast(tmp_path):
     """Issue 29: dist=fsdp with bf16 autocast and float32 trained weights shards each unit with FSDP2's
-    MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32) (runner/dist/runtime.py). A full
+    MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32) (runner/distributed/runtime.py). A full
     fine-tune with block checkpointing trains 3 steps on 2 CPU ranks (``train.cpu_autocast=true`` keeps
     bf16 autocast on the CPU): inside a unit's forward its Linear weights are whole bf16 tensors (one
     process: the float32 weight, which autocast casts per op); outside the forward the U-Net's
@@ -314,7 +314,7 @@ def test_fsdp_cpu_offload_on_a_cpu_run_trains_like_the_run_without_it(tmp_path):
     """Issue 29: ``dist=fsdp dist.cpu_offload=true`` on 2 CPU ranks (train.device=cpu, gloo) trains 3 steps
     of a full fine-tune. Before, FSDP2's CPUOffloadPolicy pinned the host shards and a CPU-only torch
     raised "Cannot access accelerator device" before step 1; now the shards are pinned only for a
-    CUDA-like target (runner/dist/runtime.py:cpu_offload_policy). The losses are those of the same run
+    CUDA-like target (runner/distributed/runtime.py:cpu_offload_policy). The losses are those of the same run
     without offload and of one process (on this CPU the offloaded run measured bit for bit the same
     as the one without: the shards are on the host either way)."""
     extra = ["model.train=full", "train.steps=3"]

@@ -45,7 +45,7 @@ A third way, for one process too: ``quantized``. A LoRA over a base that a ``qua
 quantizes, with its weights in safetensors files as stored: every rank (or the one process) builds the
 base on meta, draws the adapters itself as one process does, and the plugin reads each Linear layer
 from the file just before it quantizes it (runner/families/common/unread.py); the quantized weights stay whole
-on every rank (runner/dist/runtime.py ``_unshardable_params``), what FSDP2 can shard (norms, skipped
+on every rank (runner/distributed/runtime.py ``_unshardable_params``), what FSDP2 can shard (norms, skipped
 layers) is read whole, then sharded. Host peak: the base as quantized plus one tensor in flight, where
 it was the whole base in ``model.dtype``. Not covered (loaded whole, then quantized, on every rank as
 before, said in the log): such a base at random init (drawn layer by layer it would get other values),
@@ -69,7 +69,7 @@ log = logging.getLogger("runner")
 
 @dataclass
 class PendingLoad:
-    """What :meth:`DataParallel._shard` fills in after ``fully_shard`` (runner/dist/runtime.py)."""
+    """What :meth:`DataParallel._shard` fills in after ``fully_shard`` (runner/distributed/runtime.py)."""
 
     name: str  # the trained module
     mode: str  # slices | broadcast
@@ -274,7 +274,7 @@ def broadcast_module(module: nn.Module, is_main: bool) -> None:
     """Every parameter and buffer of a (not sharded) module from rank 0, in place."""
     import torch.distributed as dist
 
-    from runner.dist.launch import cpu_group
+    from runner.distributed.launch import cpu_group
 
     if not is_main:
         materialize(module, torch.device("cpu"))
@@ -287,7 +287,7 @@ def _same_generator_as_rank0() -> None:
     """Rank 0 drew the random init; the others take its generator state, so later draws agree with one process."""
     import torch.distributed as dist
 
-    from runner.dist.launch import cpu_group
+    from runner.distributed.launch import cpu_group
 
     state = torch.get_rng_state()
     dist.broadcast(state, src=0, group=cpu_group())

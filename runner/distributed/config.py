@@ -3,7 +3,7 @@
 The group's options are dataclass schemas (Hydra checks types and keys when it composes), stored
 at ``dist`` like any other group; ``python -m runner --help`` lists them and ``mode=plugins`` prints
 them with their defaults. :func:`resolve_distribution` turns the node plus the process's launch
-environment (runner/dist/launch.py) into the :class:`DistSpec` that ``ResolvedRun.dist`` holds:
+environment (runner/distributed/launch.py) into the :class:`DistSpec` that ``ResolvedRun.dist`` holds:
 the choice, the world size and this process's rank, decided once. Nothing else reads
 ``WORLD_SIZE`` or ``cfg.dist``.
 
@@ -185,7 +185,7 @@ def _node(cfg: Any) -> Any:
 def resolve_distribution(cfg: Any, planning: bool) -> DistSpec:
     """The :class:`DistSpec` of ``cfg`` in this process (see the module docstring). UserError on a
     mismatch between the config and the launch."""
-    from runner.dist.launch import process_world
+    from runner.distributed.launch import process_world
 
     node = _node(cfg)
     name = str(node.get("name", "none")) if hasattr(node, "get") else node.name
