@@ -16,13 +16,14 @@ def _job() -> str | None:
 
 class WarnOnce(logging.Filter):
     """Drops a WARNING (or a record logged with ``extra={"once": True}``) whose text this job has already
-    logged; other records pass. A warning the command line's check printed before the first job counts as
-    that job's (the console showed it); a once-INFO line from then is held and logged when the job's
+    logged; other records pass. What the command line's check says before a job belongs to that job: a
+    warning then counts as said (the console showed it), a once-INFO line is held and logged when the job's
     logging is up (before it no handler shows INFO)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.seen: set[str] = set()
+        self.said_before: set[str] = set()  # warnings shown before the next job started
         self.held: list[logging.LogRecord] = []
         self.job: str | None = None
         self.raised_level = False  # INFO enabled until the first job, so once-lines said before it are held
@@ -36,7 +37,7 @@ class WarnOnce(logging.Filter):
         text = record.getMessage()
         if job is None:
             if record.levelno >= logging.WARNING:
-                self.seen.add(text)
+                self.said_before.add(text)
                 return True
             if text not in {r.getMessage() for r in self.held}:
                 self.held.append(record)
@@ -47,10 +48,9 @@ class WarnOnce(logging.Filter):
         return True
 
     def _new_job(self, job: str) -> None:
-        if self.job is not None:  # a sweep's next job says its warnings again, in its own log
-            self.seen.clear()
-            self.held.clear()
+        """A job starts (a sweep's next one says its warnings again, in its own log)."""
         self.job = job
+        self.seen, self.said_before = self.said_before, set()
         if self.raised_level:  # the job's logging is configured now: its levels decide
             _LOG.setLevel(logging.NOTSET)
             self.raised_level = False

@@ -56,3 +56,19 @@ def test_the_presets_budget_yields_to_the_named_card_without_a_warning(tmp_path,
 def test_a_typed_budget_over_the_card_is_warned_about_once(tmp_path, caplog):
     text = _plan(tmp_path, caplog, "budget_gb=24")
     assert text.count("budget_gb=24 is more than") == 1 and "yields" not in text
+
+
+def test_a_line_held_before_a_later_job_is_logged_with_it(monkeypatch, caplog):
+    import runner.output.once as once
+
+    f = WarnOnce()
+    monkeypatch.setattr(once, "_job", lambda: "job0")
+    assert f.filter(_record(logging.WARNING, "w"))
+    monkeypatch.setattr(once, "_job", lambda: None)  # the next command's check, in the same process (tests, a sweep)
+    assert not f.filter(_record(logging.INFO, "held for job1", once=True))
+    assert f.filter(_record(logging.WARNING, "said before job1"))
+    monkeypatch.setattr(once, "_job", lambda: "job1")
+    caplog.set_level(logging.INFO, logger="runner")
+    assert f.filter(_record(logging.INFO, "anything"))  # job1's first line releases what was held for it
+    assert "held for job1" in caplog.text and not f.held
+    assert f.filter(_record(logging.WARNING, "w")) and not f.filter(_record(logging.WARNING, "said before job1"))
