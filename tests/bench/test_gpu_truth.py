@@ -100,10 +100,15 @@ def test_dry_run_writes_each_row_when_it_finishes_and_leaves_the_docs_alone(dry_
     assert not dry_run["docs_changed"]
     meta = json.loads((dry_run["out"] / "meta.json").read_text())
     assert meta["mode"] == "dry-run" and meta["complete"] and meta["used_s"] < meta["budget_s"]
-    # longest predicted step first
+    # rows never measured on a GPU (bench/results/) first, then the measured ones; longest predicted step first in each
+    import gpu_truth  # the script's module
+
+    measured = gpu_truth.measured_rows(ROOT / "bench" / "results")
     ran = [n for n in meta["order"] if dry_run["rows"][n]["status"] == "ok"]
-    predicted = [dry_run["rows"][n]["predicted_s"] for n in ran]
-    assert predicted == sorted(predicted, reverse=True)
+    assert [n in measured for n in ran] == sorted(n in measured for n in ran)
+    for group in (False, True):
+        predicted = [dry_run["rows"][n]["predicted_s"] for n in ran if (n in measured) == group]
+        assert predicted == sorted(predicted, reverse=True)
 
 
 @pytest.mark.slow
