@@ -367,13 +367,16 @@ def check_output_dir(value: Any) -> None:
                             "Give a folder that does not exist yet or an existing folder, e.g. output_dir=outputs/my_run.")
 
 
-VIDEO_KEYS = {"frames": None, "fps": None, "width": None, "height": None, "frame_sampling": "start"}
+VIDEO_KEYS = ("frames", "fps", "width", "height", "frame_sampling")  # defaults: DataConfig's (runner/config)
 
 
 def warn_video_keys_ignored(cfg: DictConfig) -> None:
     """An image trainer on a video preset: the clip settings it cannot honour, named in one warning line."""
     data = cfg.data
-    set_keys = [f"data.{k}={data.get(k)}" for k, default in VIDEO_KEYS.items() if data.get(k, default) != default]
+    from runner.config import DataConfig
+
+    defaults = DataConfig()
+    set_keys = [f"data.{k}={data.get(k)}" for k in VIDEO_KEYS if data.get(k, getattr(defaults, k)) != getattr(defaults, k)]
     if set_keys:
         name = str(cfg.trainer.get("_target_", "the trainer")).rsplit(".", 1)[-1]
         log.warning("%s trains on images, so %s (video settings, e.g. from a video preset) are ignored: it trains "

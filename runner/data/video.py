@@ -273,27 +273,26 @@ class ClipFolderDataset(Dataset):
                 f"{str(self.root)!r} ({'; '.join(extra)})")
 
 
-def trainer_attribute(cfg: Any, name: str, default: Any) -> tuple[str, Any]:
-    """The run's trainer class name and its class attribute ``name`` (``default`` if it has none or cannot
-    be imported: an unimportable trainer is reported when it is built)."""
+def trainer_class(cfg: Any) -> type | None:
+    """The run's trainer class (not built); None if it cannot be imported (reported when it is built)."""
     from hydra.utils import get_class
 
     try:
-        cls = get_class(str(cfg.trainer.get("_target_")))
-    except Exception:  # noqa: BLE001
-        return "the trainer", default
-    return cls.__name__, getattr(cls, name, default)
+        return get_class(str(cfg.trainer.get("_target_")))
+    except Exception:  # noqa: BLE001 - an unimportable trainer is reported when it is built
+        return None
+
+
+def trainer_attribute(cfg: Any, name: str, default: Any) -> tuple[str, Any]:
+    """The run's trainer class name and its class attribute ``name`` (``default`` if it has none)."""
+    cls = trainer_class(cfg)
+    return ("the trainer", default) if cls is None else (cls.__name__, getattr(cls, name, default))
 
 
 def trainer_video_defaults(cfg: Any) -> tuple[int, float | None] | None:
     """``(frames, fps)`` defaults of the run's trainer when it trains on video (its class has
     ``video_defaults(cfg)``), else None: then ``data.path`` is read as images."""
-    from hydra.utils import get_class
-
-    try:
-        cls = get_class(str(cfg.trainer.get("_target_")))
-    except Exception:  # noqa: BLE001 - an unimportable trainer is reported when it is built
-        return None
+    cls = trainer_class(cfg)
     fn = getattr(cls, "video_defaults", None)
     return fn(cfg) if callable(fn) else None
 

@@ -115,12 +115,9 @@ def plan_command(cfg: Any, out: Path) -> Plan:
 
 def _trainer_of(cfg: Any) -> Any:
     """The run's trainer class (not built), for naming its line in a planner failure."""
-    try:
-        from hydra.utils import get_class
+    from runner.data.video import trainer_class
 
-        return get_class(str(cfg.trainer._target_))
-    except Exception:  # noqa: BLE001 - naming the line is a courtesy; the failure is reported anyway
-        return None
+    return trainer_class(cfg)
 
 
 class _DropInfo(logging.Filter):
