@@ -9,6 +9,10 @@ BIN    := $(VENV)/bin
 # `make setup TORCH=` keeps the torch already in the venv (create it with your CUDA torch first).
 TORCH  ?= torch==2.13.0
 ARGS   ?=
+# pytest-xdist workers: one per core of the 2-core CI machine; a module's tests stay on one worker so its
+# shared fixtures (full-size plans, tiny pipelines) are built once. JOBS=0 runs in one process.
+JOBS   ?= 2
+XDIST  := $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile)
 
 .PHONY: setup run test test-all plan clean
 
@@ -25,10 +29,10 @@ run: setup
 	$(BIN)/python -m runner +preset=sdxl_24gb $(ARGS)
 
 test: setup
-	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
+	$(BIN)/python -m pytest -q -m "not slow" $(XDIST) $(ARGS)
 
 test-all: setup
-	$(BIN)/python -m pytest -q --durations=50 $(ARGS)
+	$(BIN)/python -m pytest -q --durations=50 $(XDIST) $(ARGS)
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache

@@ -12,6 +12,13 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    # `make test` runs pytest-xdist workers side by side: each takes its share of the cores, for
+    # in-process tests and the runs it starts, instead of every worker spinning on all of them.
+    _share = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_share))
+    torch.set_num_threads(min(torch.get_num_threads(), _share))
+
 
 def _slow_list() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """tests/slow_tests.txt: the slow tier by path, a file (every test in it) or ``file::function``
