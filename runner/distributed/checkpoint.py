@@ -45,17 +45,17 @@ import torch
 from torch import nn
 
 from runner.errors import UserError, as_os_error, storage_error
+from runner.state.checkpoint import (  # noqa: F401 - is_sharded, load_sharded_weights: re-exported
+    check_described, _check_optimizer, _check_weights, describe_trained_state, _fsync_dir, _fsync_file,
+    is_sharded, _load, load_checkpoint, load_sharded_weights, _prune, publish_checkpoint, rng_state,
+    set_rng_state, SHARDED, TrainState,
+)
 from runner.trainer import ModelSet
 
 log = logging.getLogger("runner")
 
-SHARDED = "sharded"  # the DCP folder inside a checkpoint of dist=fsdp
 SMALL_FILES = ("state.json", "scheduler.pt", "rng.pt")
 EMA_KEY = "ema"  # the EMA's shards in the DCP state dict (runner/ema/shards.py reads them)
-
-
-def is_sharded(ckpt: Path) -> bool:
-    return (Path(ckpt) / SHARDED / ".metadata").is_file()
 
 
 class TrainedModules(nn.Module):
@@ -101,8 +101,6 @@ def save_sharded(dist_: Any, root: Path, state: Any, models: ModelSet, optimizer
     import torch.distributed.checkpoint as dcp
 
     from runner.distributed.launch import cpu_group
-    from runner.state.checkpoint import (_fsync_dir, _fsync_file, _prune, describe_trained_state, publish_checkpoint,
-                                    rng_state)
 
     main = dist_.is_main
     final = root / f"step-{state.step:08d}"
@@ -207,7 +205,6 @@ def load_any(ckpt: Path, models: ModelSet, optimizer: Any, scheduler: Any, optim
              sharded_run: bool) -> Any:
     """Restore a checkpoint of either format into this run (module docstring's table); the saved
     :class:`~runner.state.checkpoint.TrainState`."""
-    from runner.state.checkpoint import load_checkpoint
 
     if is_sharded(ckpt):
         return _load_sharded(ckpt, models, optimizer, scheduler, optimizer_name)
@@ -217,7 +214,6 @@ def load_any(ckpt: Path, models: ModelSet, optimizer: Any, scheduler: Any, optim
 
 
 def _small_files(ckpt: Path) -> tuple[Any, Any, Any]:
-    from runner.state.checkpoint import TrainState, _load
 
     raw = _load(ckpt / "state.json", "the step state")
     try:
@@ -227,38 +223,11 @@ def _small_files(ckpt: Path) -> tuple[Any, Any, Any]:
     return state, _load(ckpt / "scheduler.pt", "the scheduler state"), _load(ckpt / "rng.pt", "the RNG state")
 
 
-def _check_described(ckpt: Path, models: ModelSet, optimizer_name: str | None) -> None:
-    """Names and shapes (trained.json) and the optimizer's kind against this run, before loading."""
-    from runner.state.checkpoint import _load
-
-    described = ckpt / "trained.json"
-    if not described.is_file():
-        raise UserError(f"Checkpoint {ckpt} is sharded but has no trained.json; it is incomplete. Resume from "
-                        "another one.")
-    info = _load(described, "the trained-state description")
-    saved = {n: tuple(d["shape"]) for n, d in info.get("parameters", {}).items()}
-    params = dict(models.named_trainable_parameters())
-    missing, unexpected = sorted(set(params) - set(saved)), sorted(set(saved) - set(params))
-    shapes = [f"{n}: saved {saved[n]}, this run {tuple(p.shape)}" for n, p in params.items()
-              if n in saved and saved[n] != tuple(p.shape)]
-    if missing or unexpected or shapes:
-        raise UserError(
-            f"Checkpoint {ckpt} does not match this model: {len(missing)} trained parameters missing (e.g. "
-            f"{missing[:2]}), {len(unexpected)} unexpected (e.g. {unexpected[:2]}), {len(shapes)} of another shape "
-            f"({'; '.join(shapes[:2])}). Resume with the settings it was saved with (its config.yaml).")
-    saved_name = info.get("optimizer", {}).get("name")
-    if optimizer_name is not None and saved_name is not None and saved_name != optimizer_name:
-        raise UserError(f"Checkpoint {ckpt} holds the state of optimizer={saved_name}, but this run uses optimizer="
-                        f"{optimizer_name}. Resume with optimizer={saved_name}, or start a new run without "
-                        "train.resume.")
-
-
 def _load_sharded(ckpt: Path, models: ModelSet, optimizer: Any, scheduler: Any, optimizer_name: str | None) -> Any:
     import torch.distributed.checkpoint as dcp
 
-    from runner.state.checkpoint import set_rng_state
 
-    _check_described(ckpt, models, optimizer_name)
+    check_described(ckpt, models, optimizer_name)
     state, sched, rng = _small_files(ckpt)
     holder, msd, osd = _state_dicts(models, optimizer)  # this run's layout: full tensors or this world's shards
     target = {"model": msd, "optim": osd}
@@ -277,7 +246,6 @@ def _load_sharded(ckpt: Path, models: ModelSet, optimizer: Any, scheduler: Any, 
 def _load_full_into_shards(ckpt: Path, models: ModelSet, optimizer: Any, scheduler: Any,
                            optimizer_name: str | None) -> Any:
     """A full checkpoint into an FSDP run: every rank reads the files and keeps its shards."""
-    from runner.state.checkpoint import _check_optimizer, _check_weights, _load, set_rng_state
 
     state, sched, rng = _small_files(ckpt)
     weights = _load(ckpt / "trainable.safetensors", "the trained weights")
@@ -294,16 +262,3 @@ def _load_full_into_shards(ckpt: Path, models: ModelSet, optimizer: Any, schedul
         scheduler.load_state_dict(sched)
     set_rng_state(rng)
     return state
-
-
-def load_sharded_weights(ckpt: Path, models: ModelSet) -> None:
-    """``mode=export`` (one process): the trained weights of a sharded checkpoint, read whole."""
-    import torch.distributed.checkpoint as dcp
-
-    _check_described(ckpt, models, None)
-    params = dict(models.named_trainable_parameters())
-    target = {"model": {n: torch.empty_like(p, device="cpu") for n, p in params.items()}}
-    dcp.load(target, checkpoint_id=str(ckpt / SHARDED), no_dist=True)  # this process alone, even beside a group
-    with torch.no_grad():
-        for n, p in params.items():
-            p.copy_(target["model"][n].to(p.dtype))

@@ -97,7 +97,8 @@ def read_sharded(ckpt: Path, names: list[str], params: list[torch.Tensor], dtype
     sharded ``params`` (a collective read), whole tensors on the host for whole ones (read by this process alone)."""
     import torch.distributed.checkpoint as dcp
 
-    from runner.distributed.checkpoint import EMA_KEY, SHARDED
+    from runner.distributed.checkpoint import EMA_KEY
+    from runner.state.checkpoint import SHARDED
     from runner.errors import UserError
 
     target: dict[str, Any] = {}

@@ -60,7 +60,7 @@ def _copy_file_into(params: dict[str, torch.nn.Parameter], path: Path) -> None:
 def ema_weights_in(models: ModelSet, ckpt: Path) -> Iterator[None]:
     """Inside the block the trained parameters hold ``ckpt``'s EMA weights; after it, its trained weights.
     A sharded checkpoint (dist=fsdp) is read whole in this process, both the EMA and the weights."""
-    from runner.distributed.checkpoint import is_sharded
+    from runner.state.checkpoint import is_sharded
 
     params = dict(models.named_trainable_parameters())
     if is_sharded(ckpt):

@@ -49,6 +49,8 @@ from runner.files import fix_tree_modes, swap_in_folder
 from runner.guards.nonfinite import check_finite_weights
 from runner.trainer import ModelSet
 
+SHARDED = "sharded"  # the DCP folder inside a checkpoint of dist=fsdp (runner/distributed/checkpoint.py writes it)
+
 log = logging.getLogger("runner")
 
 FORMAT_VERSION = 1
@@ -375,8 +377,6 @@ def _check_optimizer(ckpt: Path, opt_state: dict[str, Any], optimizer: torch.opt
 def load_trainable_weights(ckpt: Path, models: ModelSet) -> None:
     """Copy ``ckpt``'s trained weights into ``models``, names and shapes checked first (``mode=export``
     needs no optimizer state)."""
-    from runner.distributed.checkpoint import is_sharded, load_sharded_weights
-
     if is_sharded(ckpt):  # written by dist=fsdp: read whole in this process
         load_sharded_weights(ckpt, models)
         return
@@ -419,3 +419,44 @@ def load_checkpoint(
         scheduler.load_state_dict(sched_state)
     set_rng_state(rng)
     return state
+
+
+def is_sharded(ckpt: Path) -> bool:
+    return (Path(ckpt) / SHARDED / ".metadata").is_file()
+
+
+def check_described(ckpt: Path, models: ModelSet, optimizer_name: str | None) -> None:
+    """Names and shapes (trained.json) and the optimizer's kind against this run, before loading."""
+    described = ckpt / "trained.json"
+    if not described.is_file():
+        raise UserError(f"Checkpoint {ckpt} is sharded but has no trained.json; it is incomplete. Resume from "
+                        "another one.")
+    info = _load(described, "the trained-state description")
+    saved = {n: tuple(d["shape"]) for n, d in info.get("parameters", {}).items()}
+    params = dict(models.named_trainable_parameters())
+    missing, unexpected = sorted(set(params) - set(saved)), sorted(set(saved) - set(params))
+    shapes = [f"{n}: saved {saved[n]}, this run {tuple(p.shape)}" for n, p in params.items()
+              if n in saved and saved[n] != tuple(p.shape)]
+    if missing or unexpected or shapes:
+        raise UserError(
+            f"Checkpoint {ckpt} does not match this model: {len(missing)} trained parameters missing (e.g. "
+            f"{missing[:2]}), {len(unexpected)} unexpected (e.g. {unexpected[:2]}), {len(shapes)} of another shape "
+            f"({'; '.join(shapes[:2])}). Resume with the settings it was saved with (its config.yaml).")
+    saved_name = info.get("optimizer", {}).get("name")
+    if optimizer_name is not None and saved_name is not None and saved_name != optimizer_name:
+        raise UserError(f"Checkpoint {ckpt} holds the state of optimizer={saved_name}, but this run uses optimizer="
+                        f"{optimizer_name}. Resume with optimizer={saved_name}, or start a new run without "
+                        "train.resume.")
+
+
+def load_sharded_weights(ckpt: Path, models: ModelSet) -> None:
+    """``mode=export`` (one process): the trained weights of a sharded checkpoint, read whole."""
+    import torch.distributed.checkpoint as dcp
+
+    check_described(ckpt, models, None)
+    params = dict(models.named_trainable_parameters())
+    target = {"model": {n: torch.empty_like(p, device="cpu") for n, p in params.items()}}
+    dcp.load(target, checkpoint_id=str(ckpt / SHARDED), no_dist=True)  # this process alone, even beside a group
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(target["model"][n].to(p.dtype))
