@@ -10,7 +10,8 @@ between calls, so the ids go to the host; park moves them to the device for the 
 outputs back on the host (plugins/park/align.py). A tiny CLIP text encoder (byte tokens, random
 init, nothing downloaded) conditions a pixel-space diffusers ``UNet2DModel`` through its identity
 class embedding. Its encode step is cacheable: a text part and a pixel part (no module: the pixels
-themselves, so a fully cached run still has them).
+themselves, so a fully cached run still has them). Its loss sends the denoiser's inputs to
+``next(unet.parameters()).device`` too: streamed, quantized or offloaded, the parameters must say the card.
 """
 from __future__ import annotations
 
@@ -77,9 +78,13 @@ class HostIdsTrainer:
         x0, seeds = batch["pixels"], batch["sample_seed"]
         noise = per_sample_randn(seeds, tuple(x0.shape[1:]), x0.device, x0.dtype)
         t = (per_sample_rand(seeds, salt=1, device=x0.device) * 999).long()
-        noisy = self.scheduler.add_noise(x0, noise, t)
-        embeds = batch["embeds"].to(x0.device, x0.dtype)  # on the host when the ids were sent there
-        pred = models["unet"](noisy, t, class_labels=embeds).sample
+        unet = models["unet"]
+        # The same pattern for the trained denoiser (streamed, quantized, its activations offloaded by the presets):
+        # its inputs go where its parameters say, and must be on the card.
+        at = next(unet.parameters()).device
+        noisy = self.scheduler.add_noise(x0, noise, t).to(at)
+        embeds = batch["embeds"].to(at, x0.dtype)  # on the host when the ids were sent there
+        pred = unet(noisy, t.to(at), class_labels=embeds).sample
         return F.mse_loss(pred.float(), noise.float())
 
     def example_batch(self, batch_size: int, device: str | torch.device = "meta") -> dict[str, Any]:
