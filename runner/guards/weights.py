@@ -42,13 +42,16 @@ class WeightsBlewUp(NonFiniteStop):
 
 def weight_rms(params: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor | None:
     """The RMS of every element of ``params``, as a 0-dim float32 tensor on ``device`` (no host read).
-    Parameters on several devices (streamed or host-offloaded ones) are summed per device first."""
+    Parameters on several devices (streamed or host-offloaded ones) are summed per device first; under
+    dist=fsdp each rank measures its own shards (and every rank stops if one sees a blow-up)."""
     if not params:
         return None
     squares, count = [], 0
     for p in params:
-        squares.append(torch.linalg.vector_norm(p.detach().float()).square().to(device))
-        count += p.numel()
+        t = p.detach()
+        t = t.to_local() if callable(getattr(t, "to_local", None)) else t  # dist=fsdp: this rank's shard
+        squares.append(torch.linalg.vector_norm(t.float()).square().to(device))
+        count += t.numel()
     return (torch.stack(squares).sum() / max(count, 1)).sqrt()
 
 
