@@ -50,7 +50,7 @@ def weight_rms(params: Sequence[torch.Tensor], device: torch.device) -> torch.Te
     for p in params:
         t = p.detach()
         t = t.to_local() if callable(getattr(t, "to_local", None)) else t  # dist=fsdp: this rank's shard
-        squares.append(torch.linalg.vector_norm(t.float()).square().to(device))
+        squares.append(torch.linalg.vector_norm(t, dtype=torch.float32).square().to(device))  # no float32 copy
         count += t.numel()
     return (torch.stack(squares).sum() / max(count, 1)).sqrt()
 
