@@ -33,6 +33,7 @@ from runner.data import BatchOrder, collate, describe_dataset, describe_sample, 
 from runner.errors import Interrupted, ResumableStop
 from runner.export.checkpoint import EXPORT_DIR, INFO_FILE
 from runner.guards.nonfinite import NonFiniteGuard, NonFiniteStop, grad_norm
+from runner.guards.weights import WeightGuard, WeightsBlewUp
 from runner.guards.oom import MicroBatchRecovery, OutOfMemoryGiveUp
 from runner.loss.config import describe_prior
 from runner.memory.cuda_sim import HostCounts
@@ -158,6 +159,9 @@ class Loop:
         self.profiler = build_profiler(cfg, ctx) if self.dist.is_main else NullProfiler()  # a no-op unless profile.enabled
         self.guard = NonFiniteGuard(cfg.train.on_nonfinite, cfg.train.nonfinite_patience, lr=cfg.optimizer.get("lr"),
                                     scaler_active=ctx.accelerator.scaler is not None, precision=run.precision)
+        self.weights = WeightGuard(cfg.train.get("max_weight_growth", 0), self.params, ctx.device,  # blow-ups stop
+                                   lr=cfg.optimizer.get("lr"), agree=self.dist.all_agree)
+        self.weights.start(resumed, self.state.step)
         self.progress = build_progress(cfg, self.state.step, self.dist.is_main)  # tqdm on a terminal, else a log line
         self.step_times: list[float] = []
         self.tracking = ctx.tracking = start_tracking(ctx.accelerator, cfg)  # a no-op unless log.tracker
@@ -223,10 +227,12 @@ class Loop:
         self.state.micro_batch_size = self.recovery.micro_batch_size
         ctx, cfg = self.ctx, self.cfg
         to_evaluation_point(ctx.optimizer)  # schedule-free: a checkpoint holds the evaluated weights (runner/optim/modes.py)
-        return self.dist.save_checkpoint(self.out / "checkpoints", self.state, ctx.models, ctx.optimizer, self.scheduler,
+        saved = self.dist.save_checkpoint(self.out / "checkpoints", self.state, ctx.models, ctx.optimizer, self.scheduler,
                                          cfg.train.keep_saved, config_text=saved_config_text(cfg, ctx.overrides),
                                          optimizer_name=cfg.optimizer.get("name"), more_files=ctx.ema.write_checkpoint,
                                          more_shards=ctx.ema.shards())  # dist=fsdp: the EMA's shards, in its DCP folder
+        self.weights.saved(saved, self.state.step)  # every step up to here passed the weight check
+        return saved
 
     def stop_resumably(self, error: ResumableStop) -> None:
         """Before a stop that loses no completed step: save the last completed step (when there is
@@ -266,6 +272,12 @@ class Loop:
         try:
             with self.profiler.phase("optimizer"):
                 self.recovery.update(step, apply, self.result.checkpoint)
+            self.weights.check(step)  # the update blew the weights up: stop, saving nothing
+        except WeightsBlewUp as e:  # applied and not undoable: name the last checkpoint that passed
+            sane = self.weights.sane
+            e.add_checkpoint(sane[0] if sane else None, sane[1] if sane else 0)
+            self.optimizer.zero_grad(set_to_none=True)
+            raise
         except NonFiniteStop as e:  # the update was not applied: the weights are the last good step's
             self.stop_resumably(e)
             self.optimizer.zero_grad(set_to_none=True)
@@ -289,6 +301,8 @@ class Loop:
         row = {"step": step, "loss": step_loss, "lr": self.scheduler.get_last_lr()[0], "s_per_step": dt,
                "samples_seen": self.state.samples_seen, "micro_batch_size": self.recovery.micro_batch_size,
                "oom_retries": self.recovery.retries_this_step, "nonfinite_skips": self.guard.total, **counts, **mem}
+        if self.weights.rms is not None:
+            row["weight_rms"] = self.weights.rms  # read by the weight check (train.max_weight_growth)
         row.update(self.ctx.validation.maybe_evaluate(step))  # val_loss every val.every steps
         row.update(optimizer_columns(self.ctx.optimizer))  # optimizer=prodigy: its step-size estimate
         self.metrics.write(row)

@@ -12,7 +12,10 @@ VAE and text encoders of the built-in trainers):
    hooks would never fire for the VAE. Every submodule gets a pre/post forward hook too: a trainer
    may call an inner model directly (Z-Image's Qwen3 ``.model`` and Qwen-Image's
    ``.model.language_model``, skipping the LM head), and its weights must be on the device then
-   as well (calls nest, so inside the root's call the hooks only count depth).
+   as well (calls nest, so inside the root's call the hooks only count depth). The outermost call
+   also aligns devices as accelerate's hooks do (plugins/park/align.py): its tensor inputs go to the
+   device, its outputs back to where the caller's inputs were, and ``module.device`` reads the device,
+   so code that sends ids to ``next(encoder.parameters()).device`` (the host) works unchanged.
 
    Moving out is a pointer swap, not a copy: frozen weights never change, so the host tensor
    taken once at park time (pinned on CUDA with ``pin_memory``, so copies in are asynchronous)

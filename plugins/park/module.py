@@ -11,6 +11,7 @@ from torch import nn
 from runner.accel import cuda_like
 from runner.compat import has_compatible_shallow_copy_type
 from runner.hooks import mark, marked, unmark
+from runner.plugins.park.align import first_device, outputs_for, report_device, send_to
 
 PARK_METHODS = ("forward", "encode", "decode")
 MARK = "park"  # runner.hooks mark: the module's ParkedModule
@@ -24,7 +25,10 @@ class ParkedModule:
     """A frozen module whose weights live on ``host`` and are swapped onto ``device`` per call.
 
     Calls nest (``vae.forward`` calls ``vae.encode``): weights are moved in by the outermost
-    call and out when it returns. ``loads`` counts the moves in.
+    call and out when it returns. ``loads`` counts the moves in. The outermost call also aligns
+    devices (plugins/park/align.py): its tensor inputs go to ``device``, its outputs back to where
+    the caller's inputs were. ``module.device`` reads ``device``; ``next(module.parameters()).device``
+    reads the host between calls (the weights really are there) and ``device`` during one.
     """
 
     def __init__(self, module: nn.Module, device: torch.device, host: torch.device, pin_memory: bool) -> None:
@@ -65,22 +69,46 @@ class ParkedModule:
             if callable(getattr(type(module), name, None)):
                 self.wrapped[name] = module.__dict__.get(name)
                 setattr(module, name, self._wrapper(name, self.wrapped[name]))
+        self._callers: list[torch.device | None] = []  # per outermost call: where its inputs were
         self.hooks = [h for sub in list(module.modules())[1:]
-                      for h in (sub.register_forward_pre_hook(lambda *_: self.enter()),
-                                sub.register_forward_hook(lambda *_: self.exit(), always_call=True))]
+                      for h in (sub.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
+                                sub.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True))]
+        self.own_class = report_device(module, self.device)  # the class to restore, None if unchanged
         mark(module, MARK, self)
+
+    def _arrive(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        """Enter; an outermost call's tensor inputs to the device (where they were is remembered)."""
+        outermost = self.depth == 0
+        self.enter()
+        if not outermost:
+            return args, kwargs
+        self._callers.append(first_device((args, kwargs)))
+        return send_to(args, self.device), send_to(kwargs, self.device)
+
+    def _leave(self, outputs: Any) -> Any:
+        """Exit; an outermost call's outputs back where its caller's inputs were."""
+        self.exit()
+        if self.depth == 0 and self._callers:
+            return outputs_for(self._callers.pop(), self.device, outputs)
+        return outputs
+
+    def _pre_hook(self, _module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        return self._arrive(args, kwargs)
+
+    def _post_hook(self, _module: nn.Module, _args: Any, _kwargs: Any, outputs: Any) -> Any:
+        return self._leave(outputs)
 
     def _wrapper(self, name: str, previous: Any) -> Callable[..., Any]:
         module_ref, cls_fn = self.module_ref, getattr(type(self.module_ref()), name)
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            self.enter()
+            args, kwargs = self._arrive(args, kwargs)
+            outputs = None
             try:
-                if previous is not None:
-                    return previous(*args, **kwargs)
-                return cls_fn(module_ref(), *args, **kwargs)
+                outputs = previous(*args, **kwargs) if previous is not None else cls_fn(module_ref(), *args, **kwargs)
             finally:
-                self.exit()
+                outputs = self._leave(outputs)
+            return outputs
 
         return call
 
@@ -126,6 +154,8 @@ class ParkedModule:
                 setattr(module, name, previous)
         for h in self.hooks:
             h.remove()
+        if self.own_class is not None and getattr(type(module), "_parked_base", None) is self.own_class:
+            module.__class__ = self.own_class
         unmark(module, MARK)
 
 

@@ -113,6 +113,9 @@ class TrainConfig:
     progress: bool = True
     on_nonfinite: str = "skip"  # skip | stop: a NaN/inf loss or gradient skips the update, or stops the run
     nonfinite_patience: int = 3  # with skip: this many non-finite steps in a row stop the run (exit 4)
+    # A step whose update grows the trained weights' RMS more than this many times stops the run as non-finite
+    # (exit 4), saving nothing and naming the last sane checkpoint (runner/guards/weights.py); 0 = no check
+    max_weight_growth: float = 10.0
     preflight: bool = True  # plan the step first (runner/plan/); refuse to start (exit 3) over budget_gb
     auto_fit: bool = False  # before training, search the fastest settings that fit (mode=fit, runner/fit/) and train with them
     compile: bool = False  # torch.compile each repeated block of the trained modules once per class (runner/compile/)

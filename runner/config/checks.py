@@ -125,7 +125,7 @@ def check_config(cfg: DictConfig) -> None:
     _one_of(cfg, "train.device", ("auto", "cpu", "cuda", "cuda_sim"))
     for key in ("train.steps", "train.batch_size", "train.grad_accum", "optimizer.lr", "model.lora_rank"):
         _positive(cfg, key)
-    for key in ("train.save_every", "train.max_grad_norm", "train.lr_warmup_steps"):
+    for key in ("train.save_every", "train.max_grad_norm", "train.lr_warmup_steps", "train.max_weight_growth"):
         _positive(cfg, key, allow_zero=True)
     if cfg.budget_gb is not None:
         _positive(cfg, "budget_gb")
@@ -134,6 +134,10 @@ def check_config(cfg: DictConfig) -> None:
     _one_of(cfg, "train.lr_scheduler", LR_SCHEDULERS)
     _one_of(cfg, "train.on_nonfinite", NONFINITE_POLICIES)
     _positive(cfg, "train.nonfinite_patience")
+    growth = cfg.train.get("max_weight_growth", 0)
+    if 0 < growth <= 1:
+        raise UserError(f"train.max_weight_growth={growth!r} is not valid: it is how many times the trained weights' RMS "
+                        "may grow in one step, so it must be above 1 (e.g. the default 10), or 0 to turn the check off.")
     _positive(cfg, "train.keep_saved", allow_zero=True)
     if not 0 <= cfg.train.seed < 2**32:
         raise UserError(f"train.seed={cfg.train.seed} is not valid: it must be an integer from 0 to 2**32-1 "

@@ -31,6 +31,19 @@ class TrackerViews:
         self._drain()
         return self.current.get(device, 0)
 
+    def now_by_category(self, device: str) -> dict[str, int]:
+        """Live bytes per category now, cheaply (the planner's timeline reads it after every op)."""
+        self._drain()
+        return self._cat_current.get(device, {})
+
+    def now_total(self, device: str) -> int:
+        self._drain()
+        return self.current.get(device, 0)
+
+    def innermost_module(self) -> str | None:
+        """The module whose forward (or backward) is running now, None outside any."""
+        return self._modules[-1].name if self._modules else None
+
     def peak_bytes(self, device: str = "cpu") -> int:
         self._drain()
         return self.peak.get(device, 0)

@@ -68,6 +68,7 @@ from runner.config.checks import validate
 from runner.errors import UserError
 from runner.guards.oom import is_out_of_memory
 from runner.plan.failure import OPT_OUT, planner_failure
+from runner.plan.picture import draw_plan
 from runner.plan.fake import SimulationMode, fake_module, simulation_mode
 from runner.plan.result import PhasePeak, Plan, format_plan, format_size
 from runner.plan.semantics import DeviceSemantics, SimulatedAccelerator
@@ -108,6 +109,9 @@ def plan_command(cfg: Any, out: Path) -> Plan:
     print(plan.format_table())
     path = plan.write_json(out / PLAN_FILE)
     log.info("plan written to %s", path)
+    picture = draw_plan(plan.to_dict(), out)
+    if picture is not None:
+        log.info("plan picture (memory over the step, by category; host RAM beside it) written to %s", picture)
     if not plan.fits:
         raise PlanDoesNotFit(_over_budget(plan, path))
     return plan

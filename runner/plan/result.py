@@ -49,6 +49,7 @@ class Plan:
     # (dist.ranks_per_node) and how the ranks load the trained module (runner/plan/dist.py host_per_node)
     host_ranks: dict[str, Any] | None = None
     reserved: dict[str, Any] | None = None  # a CUDA target: what the caching allocator reserves (runner/plan/allocator.py)
+    timeline: dict[str, Any] | None = None  # memory over the simulated step, thinned: plan.png (runner/plan/timeline.py)
 
     @property
     def seconds_per_step(self) -> float | None:

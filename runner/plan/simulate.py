@@ -73,6 +73,7 @@ from runner.plan.speed import StepTime, Target, Trained, gpu_target, predict
 from runner.plan.steady import by_category, optimizer_state_by_module, steady_peaks
 from runner.plan.suggest import suggest
 from runner.plan.target import CUDA_WORKSPACE_MARGIN_BYTES, DEVICE, HOST
+from runner.plan.timeline import Timeline, chain
 from runner.plan.val import plan_validation
 from runner.plan.values import known_values
 from runner.resolved import ResolvedRun, planned_target, resolve
@@ -162,7 +163,8 @@ def plan_step(
         sim = _Simulation(cfg, run, trainer, schedule if schedule is not None else build_plugins(cfg, run))
         with contextlib.closing(sim.part_shapes_job):  # no child left running if the plan fails
             counter = timing.counter()
-            sim.tracker.op_observer = counter.observe  # FLOPs, bytes and copies of every op (runner/plan/cost.py)
+            timeline = Timeline(sim.tracker)  # memory after every op: plan.png (runner/plan/picture.py)
+            sim.tracker.op_observer = chain(counter.observe, timeline.observe)  # and FLOPs, bytes, copies (plan/cost.py)
             sampling = plan_sampling(sim)  # sample.every: keeps the VAE as the sampler does; a no-op when off
             validation = plan_validation(sim)  # data.val_*: only when it can raise the peak (runner/plan/val.py)
             with sim.mode:
@@ -179,6 +181,7 @@ def plan_step(
                     sim.ctx.teardown()
     plan = _assemble(sim, time.perf_counter() - started)
     plan.step_time = _step_time(sim, counter, timing).to_dict()
+    plan.timeline = timeline.to_dict()
     if calibrated_s > 0.05:
         plan.notes["timings_s"]["cpu calibration"] = round(calibrated_s, 2)
     sampling.report(plan)

@@ -77,23 +77,6 @@ def flux2_inputs(noisy: torch.Tensor, references: torch.Tensor | None, dtype: to
     return torch.cat(tokens, dim=1), torch.cat(ids, dim=1)
 
 
-def qwen3_prompt_embeds(text_encoder: Any, tok: Any, captions: list[str], device: torch.device) -> torch.Tensor:
-    """FLUX.2 klein's conditioning as ``Flux2KleinPipeline._get_qwen3_prompt_embeds`` computes it (chat
-    template without thinking, padded to 512 tokens, hidden states 9/18/27 stacked per token), with
-    the token ids on ``device``. Why not the pipeline's method: it moves the ids to the text encoder's
-    parameters' device, which for a parked encoder is the host until its call moves it (on a GPU:
-    a device mismatch at the first encode)."""
-    texts = [tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True,
-                                     enable_thinking=False) for c in captions]
-    tokens = tok(texts, return_tensors="pt", padding="max_length", truncation=True,
-                 max_length=flux2_configs.MAX_SEQUENCE_LENGTH)
-    out = text_encoder(input_ids=tokens.input_ids.to(device), attention_mask=tokens.attention_mask.to(device),
-                       output_hidden_states=True, use_cache=False)
-    stacked = torch.stack([out.hidden_states[k] for k in flux2_configs.QWEN3_HIDDEN_LAYERS], dim=1)
-    b, layers, length, width = stacked.shape
-    return stacked.to(text_encoder.dtype).permute(0, 2, 1, 3).reshape(b, length, layers * width)
-
-
 class Flux2Trainer(FlowMatchTrainer):
     """FLUX.2 dev / klein transformer, rectified-flow matching loss, optional reference images."""
 
@@ -186,8 +169,11 @@ class Flux2Trainer(FlowMatchTrainer):
             return out
         captions, device = list(batch["caption"]), batch_device(batch)
         if self.klein:
-            return {"prompt_embeds": qwen3_prompt_embeds(models["text_encoder"], self.tokenizer("tokenizer"), captions,
-                                                         device)}
+            embeds = _pipe(True)._get_qwen3_prompt_embeds(
+                models["text_encoder"], self.tokenizer("tokenizer"), captions, device=device,
+                max_sequence_length=flux2_configs.MAX_SEQUENCE_LENGTH,
+                hidden_states_layers=flux2_configs.QWEN3_HIDDEN_LAYERS)
+            return {"prompt_embeds": embeds}
         pipe = _pipe()
         from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 

@@ -101,6 +101,7 @@ CASES = [
     ("unknown scheduler", ["train.lr_scheduler=cosin"], ["train.lr_scheduler='cosin'", "cosine"]),
     ("unknown nonfinite policy", ["train.on_nonfinite=maybe"], ["train.on_nonfinite", "skip, stop"]),
     ("nonfinite patience zero", ["train.nonfinite_patience=0"], ["train.nonfinite_patience"]),
+    ("weight growth that stops every run", ["train.max_weight_growth=1"], ["train.max_weight_growth=1", "above 1"]),
     ("unknown precision", ["train.mixed_precision=fp8"], ["train.mixed_precision"]),
     ("unknown device", ["train.device=tpu"], ["train.device"]),
     ("max_grad_norm negative", ["train.max_grad_norm=-1"], ["train.max_grad_norm"]),

@@ -135,6 +135,8 @@ def test_mode_plan_prints_a_table_writes_plan_json_and_exits_3_over_budget(tmp_p
     assert data["fits"] is True and data["budget_bytes"] == 12 * GiB
     assert data["required_bytes"] == data["peak_bytes"] + CUDA_WORKSPACE_MARGIN_BYTES
     assert set(data["by_module"]) >= {"unet"}
+    png = tmp_path / "ok" / "plan.png"  # the step's memory over time, and the console says where
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and str(png) in ok.stderr + ok.stdout
 
     over = cli("+preset=constrained", "mode=plan", "budget_gb=0.01", f"output_dir={tmp_path / 'over'}")
     assert over.returncode == 3, over.stderr[-3000:]
