@@ -141,6 +141,7 @@ LAYOUTS: dict[str, ComfyLayout] = {
     "qwen_image": ComfyLayout("dotted", "diffusion_model"),
     "wan": ComfyLayout("dotted", "diffusion_model", WAN_RENAMES),
     "z_image": ComfyLayout("dotted", "diffusion_model"),
+    "hidream": ComfyLayout("dotted", "diffusion_model"),  # ComfyUI's HiDream modules carry diffusers' names
     "lumina2": ComfyLayout("dotted", "diffusion_model", LUMINA2_RENAMES, fused=LUMINA2_FUSED),
     # BFL's names, q/k/v fused and the scale in B: written by runner/families/flux2/comfy.py, not comfy_state_dict
     "flux2": ComfyLayout("flux2", "diffusion_model", FLUX2_NAMES),
