@@ -59,13 +59,22 @@ NEXTDIT_NAMES = (
        "final_layer.linear", "x_embedder"]
 )
 
-# case -> (run overrides, ComfyUI's model table, its weight names)
+# ComfyUI's HiDream model (comfy/ldm/hidream/model.py) has diffusers' module names (HiDreamBlock.block,
+# HiDreamAttention.to_q ... to_out_t, MOEFeedForwardSwiGLU.experts.N.w1, TextProjection.linear), one linear each;
+# a few of its weights, which the tiny model must have too.
+HIDREAM = ((r"(?P<n>.+)", ("{n}",)),)
+HIDREAM_NAMES = ("double_stream_blocks.0.block.attn1.to_q_t", "double_stream_blocks.1.block.attn1.to_out_t",
+                 "single_stream_blocks.1.block.attn1.to_out", "double_stream_blocks.0.block.ff_i.experts.3.w2",
+                 "single_stream_blocks.0.block.ff_i.shared_experts.w1", "caption_projection.4.linear")
+
+# case -> (run overrides, ComfyUI's model table, its weight names: None = every linear of the diffusers model)
 CASES = {
     # the default targets (q, k, v, out): one fused qkv LoRA per block
     "lumina2": (["trainer=lumina2"], NEXTDIT, NEXTDIT_NAMES),
     # k left out (its rows stay zero; under GQA k and v are narrower than q), feed-forward and modulation too
     "lumina2_qv_ffn": (["trainer=lumina2", "model.lora_targets=[to_q,to_v,feed_forward.linear_1,norm1.linear]"],
                        NEXTDIT, NEXTDIT_NAMES),
+    "hidream": (["trainer=hidream", "model.lora_targets=[to_q,to_k,to_v,to_out,to_q_t,to_out_t,w1]"], HIDREAM, None),
 }
 
 
@@ -129,6 +138,9 @@ def test_comfyui_applies_the_file_at_the_trained_strength(tmp_path, case):
                              ExportConfig())
     assert files == [DIFFUSERS_FILE, COMFY_FILE]
     lora = load_file(str(tmp_path / COMFY_FILE))
+    if names is None:
+        names = sorted(weights(module, merged=False))
+        assert set(HIDREAM_NAMES) <= set(names)
     base = comfy_model(weights(module, merged=False), table, names)
     patched, not_loaded = apply_like_comfyui(base, lora)
     assert not_loaded == set()
