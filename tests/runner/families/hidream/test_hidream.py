@@ -3,9 +3,9 @@
 * the text conditioning is the pipeline's ``encode_prompt`` (pooled CLIP pair, T5, every Llama layer), bit for bit;
 * ``predict`` is the pipeline's transformer call with its conventions (timestep ``1000 t``, output the
   negative velocity), in eval mode and in train mode (the experts' training path, the patch layout);
-* a 2-step LoRA run exports files that ``HiDreamImagePipeline.load_lora_weights`` loads (the diffusers
-  file and the ComfyUI one) with the trained LoRA's fused weights; the full-size configs have the
-  published sizes; the preset trains at tiny size.
+* a 2-step LoRA run exports a file that ``HiDreamImagePipeline.load_lora_weights`` loads (the diffusers
+  file) with the trained LoRA's fused weights; the planner's peak agrees with a real CPU step; the
+  full-size configs have the published sizes; the preset trains at tiny size.
 """
 from __future__ import annotations
 
@@ -15,10 +15,12 @@ import pytest
 import torch
 from accelerate.utils import set_seed
 from peft.tuners.lora import LoraLayer
+from planner_truth import assert_plan_matches_a_real_cpu_step
 
 from runner.__main__ import task
 from runner.build import build_trainer, prepare_models
 from runner.cli.compose import compose_config
+from runner.config.checks import validate
 from runner.export.checkpoint import EXPORT_DIR
 from runner.export.comfy import COMFY_FILE
 from runner.export.lora import DIFFUSERS_FILE
@@ -143,6 +145,15 @@ def test_a_lora_trains_two_steps_and_loads_into_the_pipeline_with_its_fused_weig
         module = got[name]
         w = module.get_base_layer().weight if isinstance(module, LoraLayer) else module.weight
         torch.testing.assert_close(w, weight, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("extra", [[], ["model.train=lora", "checkpoint=blocks"]], ids=["full", "lora-ckpt"])
+def test_planned_peak_matches_a_real_cpu_step(extra):
+    """The planner runs the experts' balanced split (runner/families/hidream/experts.py); the real step
+    routes by the gate's values: the same routed-token total, so the peak agrees within 5 %."""
+    cfg = compose_config([*COMMON, "data.resolution=128", *extra])
+    validate(cfg)
+    assert_plan_matches_a_real_cpu_step(cfg)
 
 
 def test_the_preset_trains_at_tiny_size(tmp_path):
