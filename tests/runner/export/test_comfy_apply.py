@@ -67,7 +67,35 @@ HIDREAM_NAMES = ("double_stream_blocks.0.block.attn1.to_q_t", "double_stream_blo
                  "single_stream_blocks.1.block.attn1.to_out", "double_stream_blocks.0.block.ff_i.experts.3.w2",
                  "single_stream_blocks.0.block.ff_i.shared_experts.w1", "caption_projection.4.linear")
 
-# case -> (run overrides, ComfyUI's model table, its weight names: None = every linear of the diffusers model)
+# ComfyUI's Wan model (comfy/ldm/wan/model.py, the original Wan layout): one linear each; the attention's.
+WAN = (
+    (r"blocks\.(?P<i>\d+)\.self_attn\.(?P<p>[qkv])", ("blocks.{i}.attn1.to_{p}",)),
+    (r"blocks\.(?P<i>\d+)\.self_attn\.o", ("blocks.{i}.attn1.to_out.0",)),
+    (r"blocks\.(?P<i>\d+)\.cross_attn\.(?P<p>[qkv])", ("blocks.{i}.attn2.to_{p}",)),
+    (r"blocks\.(?P<i>\d+)\.cross_attn\.o", ("blocks.{i}.attn2.to_out.0",)),
+)
+
+
+def wan_names(module) -> list[str]:
+    return [f"blocks.{i}.{a}.{p}" for i in range(len(module.blocks)) for a in ("self_attn", "cross_attn")
+            for p in "qkvo"]
+
+
+# ComfyUI's FLUX.2 model (BFL's layout, comfy/ldm/flux/model.py): the image stream's attention of each
+# double block is one qkv linear (rows q, k, v) and a proj.
+FLUX2 = (
+    (r"double_blocks\.(?P<i>\d+)\.img_attn\.qkv", ("transformer_blocks.{i}.attn.to_q", "transformer_blocks.{i}.attn.to_k",
+                                                     "transformer_blocks.{i}.attn.to_v")),
+    (r"double_blocks\.(?P<i>\d+)\.img_attn\.proj", ("transformer_blocks.{i}.attn.to_out.0",)),
+)
+
+
+def flux2_names(module) -> list[str]:
+    return [f"double_blocks.{i}.img_attn.{w}" for i in range(len(module.transformer_blocks)) for w in ("qkv", "proj")]
+
+
+# case -> (run overrides, ComfyUI's model table, its weight names: a list, a function of the diffusers
+# denoiser, or None = every linear of the diffusers model)
 CASES = {
     # the default targets (q, k, v, out): one fused qkv LoRA per block
     "lumina2": (["trainer=lumina2"], NEXTDIT, NEXTDIT_NAMES),
@@ -75,6 +103,12 @@ CASES = {
     "lumina2_qv_ffn": (["trainer=lumina2", "model.lora_targets=[to_q,to_v,feed_forward.linear_1,norm1.linear]"],
                        NEXTDIT, NEXTDIT_NAMES),
     "hidream": (["trainer=hidream", "model.lora_targets=[to_q,to_k,to_v,to_out,to_q_t,to_out_t,w1]"], HIDREAM, None),
+    # the default targets; Wan 2.2 TI2V-5B, and one expert of Wan 2.2 I2V A14B (each expert's file is one of these)
+    "wan22_5b": (["trainer=wan", "trainer.variant=2.2-5b"], WAN, wan_names),
+    "wan22_i2v_a14b": (["trainer=wan", "trainer.variant=i2v-2.2-a14b", "trainer.experts=high", "data.frames=5"], WAN,
+                       wan_names),
+    # FLUX.2 klein: q/k/v fused into BFL's qkv, the scale folded into B and no .alpha (ComfyUI applies it as stored)
+    "flux2_klein": (["trainer=flux2_klein"], FLUX2, flux2_names),
 }
 
 
@@ -141,6 +175,8 @@ def test_comfyui_applies_the_file_at_the_trained_strength(tmp_path, case):
     if names is None:
         names = sorted(weights(module, merged=False))
         assert set(HIDREAM_NAMES) <= set(names)
+    elif callable(names):
+        names = names(module)
     base = comfy_model(weights(module, merged=False), table, names)
     patched, not_loaded = apply_like_comfyui(base, lora)
     assert not_loaded == set()
