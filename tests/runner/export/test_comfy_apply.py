@@ -1,6 +1,8 @@
 """The ComfyUI LoRA file applied as ComfyUI's loader applies it gives the runner's fused weights.
 
-For each family, ComfyUI's own model (its weight names and which diffusers rows each holds, below as
+Families: Lumina 2 (q/k/v fused into NextDiT's qkv), HiDream-I1, Wan 2.2 TI2V-5B and I2V A14B, FLUX.2 klein
+(BFL's fused qkv), Qwen-Image-Edit, Flux.1 Kontext and Chroma (the kohya file, patching slices of BFL's
+fused qkv / linear1 as ComfyUI's flux_to_diffusers maps them). For each family, ComfyUI's own model (its weight names and which diffusers rows each holds, below as
 data from ComfyUI's model code) is built from the tiny diffusers denoiser's weights; the exported
 ``lora_comfy.safetensors`` is then applied by ComfyUI's rule (``comfy/lora.py`` ``model_lora_keys_unet``:
 ``diffusion_model.<weight name less .weight>`` is the key; ``comfy/weight_adapter/lora.py``: ``W +=
@@ -23,7 +25,7 @@ from runner.cli.compose import compose_config
 from runner.errors import UserError
 from runner.export.comfy import COMFY_FILE
 from runner.export.config import ExportConfig
-from runner.export.lora import DIFFUSERS_FILE, write_lora_files
+from runner.export.lora import DIFFUSERS_FILE, KOHYA_FILE, write_lora_files
 from runner.resolved import resolve
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -59,10 +61,12 @@ NEXTDIT_NAMES = (
        "final_layer.linear", "x_embedder"]
 )
 
+# One linear per diffusers module under the same name (identity).
+IDENTITY = ((r"(?P<n>.+)", ("{n}",)),)
 # ComfyUI's HiDream model (comfy/ldm/hidream/model.py) has diffusers' module names (HiDreamBlock.block,
 # HiDreamAttention.to_q ... to_out_t, MOEFeedForwardSwiGLU.experts.N.w1, TextProjection.linear), one linear each;
 # a few of its weights, which the tiny model must have too.
-HIDREAM = ((r"(?P<n>.+)", ("{n}",)),)
+HIDREAM = IDENTITY
 HIDREAM_NAMES = ("double_stream_blocks.0.block.attn1.to_q_t", "double_stream_blocks.1.block.attn1.to_out_t",
                  "single_stream_blocks.1.block.attn1.to_out", "double_stream_blocks.0.block.ff_i.experts.3.w2",
                  "single_stream_blocks.0.block.ff_i.shared_experts.w1", "caption_projection.4.linear")
@@ -94,6 +98,40 @@ def flux2_names(module) -> list[str]:
     return [f"double_blocks.{i}.img_attn.{w}" for i in range(len(module.transformer_blocks)) for w in ("qkv", "proj")]
 
 
+# ComfyUI's Flux model (BFL's layout; Kontext and Chroma load as Flux models): the default targets' weights.
+# Each double block's image qkv is one linear (rows q, k, v), each single block's linear1 holds q, k, v then
+# the MLP's input; the kohya file's lora_transformer_<diffusers name> keys patch slices of them
+# (comfy/utils.py flux_to_diffusers: (weight, (dim 0, offset, hidden size))).
+FLUX = (
+    (r"double_blocks\.(?P<i>\d+)\.img_attn\.qkv", ("transformer_blocks.{i}.attn.to_q", "transformer_blocks.{i}.attn.to_k",
+                                                     "transformer_blocks.{i}.attn.to_v")),
+    (r"double_blocks\.(?P<i>\d+)\.img_attn\.proj", ("transformer_blocks.{i}.attn.to_out.0",)),
+    (r"single_blocks\.(?P<i>\d+)\.linear1", ("single_transformer_blocks.{i}.attn.to_q", "single_transformer_blocks.{i}.attn.to_k",
+                                               "single_transformer_blocks.{i}.attn.to_v", "single_transformer_blocks.{i}.proj_mlp")),
+)
+
+
+def flux_names(module) -> list[str]:
+    return ([f"double_blocks.{i}.img_attn.{w}" for i in range(len(module.transformer_blocks)) for w in ("qkv", "proj")]
+            + [f"single_blocks.{i}.linear1" for i in range(len(module.single_transformer_blocks))])
+
+
+def flux_keys(module) -> dict:
+    """ComfyUI's flux_to_diffusers keys for the kohya (OneTrainer) prefix, the default targets' modules."""
+    h = module.config.num_attention_heads * module.config.attention_head_dim
+    keys: dict = {}
+    for i in range(len(module.transformer_blocks)):
+        for j, p in enumerate("qkv"):
+            keys[f"lora_transformer_transformer_blocks_{i}_attn_to_{p}"] = (
+                f"diffusion_model.double_blocks.{i}.img_attn.qkv.weight", (0, j * h, h))
+        keys[f"lora_transformer_transformer_blocks_{i}_attn_to_out_0"] = f"diffusion_model.double_blocks.{i}.img_attn.proj.weight"
+    for i in range(len(module.single_transformer_blocks)):
+        for j, p in enumerate("qkv"):
+            keys[f"lora_transformer_single_transformer_blocks_{i}_attn_to_{p}"] = (
+                f"diffusion_model.single_blocks.{i}.linear1.weight", (0, j * h, h))
+    return keys
+
+
 # case -> (run overrides, ComfyUI's model table, its weight names: a list, a function of the diffusers
 # denoiser, or None = every linear of the diffusers model)
 CASES = {
@@ -109,6 +147,11 @@ CASES = {
                        wan_names),
     # FLUX.2 klein: q/k/v fused into BFL's qkv, the scale folded into B and no .alpha (ComfyUI applies it as stored)
     "flux2_klein": (["trainer=flux2_klein"], FLUX2, flux2_names),
+    # Qwen-Image-Edit: ComfyUI loads it as its Qwen-Image model, whose modules carry diffusers' names
+    "qwen_image_edit": (["trainer=qwen_image_edit", "data.references=1"], IDENTITY, lambda m: sorted(weights(m, False))),
+    # Flux.1 Kontext and Chroma: the kohya file (lora_kohya.safetensors) is their ComfyUI file
+    "flux_kontext": (["trainer=flux_kontext", "data.references=1"], FLUX, flux_names, flux_keys),
+    "chroma": (["trainer=chroma"], FLUX, flux_names, flux_keys),
 }
 
 
@@ -122,17 +165,21 @@ def comfy_model(weights: dict[str, torch.Tensor], table, names) -> dict[str, tor
     return out
 
 
-def apply_like_comfyui(model: dict[str, torch.Tensor], lora: dict[str, torch.Tensor],
-                       strength: float = 1.0) -> tuple[dict[str, torch.Tensor], set[str]]:
-    """(patched model, the file's keys ComfyUI would not load)."""
-    key_map = {k.removesuffix(".weight"): k for k in model}  # the generic diffusion_model.* LoRA keys
-    patched, loaded = dict(model), set()
-    for key, weight in key_map.items():
+def apply_like_comfyui(model: dict[str, torch.Tensor], lora: dict[str, torch.Tensor], strength: float = 1.0,
+                       key_map: dict | None = None) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """(patched model, the file's keys ComfyUI would not load). ``key_map``: LoRA key -> model weight, or
+    (weight, (dim, offset, size)) for a slice of it (ComfyUI's flux_to_diffusers); default the generic
+    ``diffusion_model.<weight less .weight>`` keys."""
+    key_map = key_map or {k.removesuffix(".weight"): k for k in model}
+    patched, loaded = {k: v.clone() for k, v in model.items()}, set()
+    for key, target in key_map.items():
+        weight, (dim, offset, size) = target if isinstance(target, tuple) else (target, (0, 0, model[target].shape[0]))
         for up_name, down_name in (("lora_B.weight", "lora_A.weight"), ("lora_up.weight", "lora_down.weight")):
             if f"{key}.{up_name}" in lora:
                 up, down = lora[f"{key}.{up_name}"], lora[f"{key}.{down_name}"]
                 alpha = lora[f"{key}.alpha"].item() / down.shape[0] if f"{key}.alpha" in lora else 1.0
-                patched[weight] = model[weight] + strength * alpha * (up @ down).reshape(model[weight].shape)
+                part = patched[weight].narrow(dim, offset, size)
+                part += strength * alpha * (up @ down).reshape(part.shape)
                 loaded |= {f"{key}.{up_name}", f"{key}.{down_name}", f"{key}.alpha"}
     return patched, set(lora) - loaded
 
@@ -166,19 +213,21 @@ def weights(module: torch.nn.Module, merged: bool) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_comfyui_applies_the_file_at_the_trained_strength(tmp_path, case):
-    overrides, table, names = CASES[case]
+    overrides, table, names, *keys = CASES[case]
     trainer, module = adapted(overrides)
     files = write_lora_files(trainer, trainer.pipeline_class(), trainer.denoiser, module, tmp_path, {"step": 1},
                              ExportConfig())
-    assert files == [DIFFUSERS_FILE, COMFY_FILE]
-    lora = load_file(str(tmp_path / COMFY_FILE))
+    comfy_file = KOHYA_FILE if keys else COMFY_FILE
+    assert files == [DIFFUSERS_FILE, comfy_file]
+    lora = load_file(str(tmp_path / comfy_file))
+    key_map = keys[0](module) if keys else None
     if names is None:
         names = sorted(weights(module, merged=False))
         assert set(HIDREAM_NAMES) <= set(names)
     elif callable(names):
         names = names(module)
     base = comfy_model(weights(module, merged=False), table, names)
-    patched, not_loaded = apply_like_comfyui(base, lora)
+    patched, not_loaded = apply_like_comfyui(base, lora, key_map=key_map)
     assert not_loaded == set()
     expected = comfy_model(weights(module, merged=True), table, names)
     changed = [k for k in base if not torch.equal(expected[k], base[k])]
@@ -186,7 +235,7 @@ def test_comfyui_applies_the_file_at_the_trained_strength(tmp_path, case):
     for k in base:
         torch.testing.assert_close(patched[k], expected[k], rtol=1e-5, atol=1e-6)
     # a half strength gives half the update: the scale is alpha / rank, not the file's rank
-    half, _ = apply_like_comfyui(base, lora, 0.5)
+    half, _ = apply_like_comfyui(base, lora, 0.5, key_map)
     k = changed[0]
     torch.testing.assert_close(half[k] - base[k], (expected[k] - base[k]) / 2, rtol=1e-5, atol=1e-6)
 
