@@ -243,7 +243,7 @@ def test_comfyui_applies_the_file_at_the_trained_strength(tmp_path, case):
 def test_the_fused_lumina2_qkv_lora_is_rank_3r_with_3_alpha():
     """One ``attention.qkv`` module per block: the three downs stacked (3r rows), the up block-diagonal
     over q, k, v's rows (GQA: q wider), ``.alpha`` = 3 x alpha so alpha / rank is the run's."""
-    trainer, module = adapted(CASES["lumina2"][0])
+    _, module = adapted(CASES["lumina2"][0])
     from runner.export.comfy import LAYOUTS, comfy_state_dict, linear_widths
     from runner.export.lora import lora_state_dict
 
