@@ -38,6 +38,7 @@ class HiDreamSampling(_GuidedFlowSampling):
         pipe = trainer.pipeline_class()(scheduler=self.scheduler(trainer), vae=vae, transformer=modules["transformer"],
                                         **none)
         pipe.set_progress_bar_config(disable=True)
+        pipe.default_sample_size = resolution // pipe.vae_scale_factor  # it rescales every size to this area (1024 px)
         kw = _pipeline_embeds(negative, device, "negative_") if negative is not None else {}
         latents = pipe(**_pipeline_embeds(cond, device), **kw, guidance_scale=guidance, num_inference_steps=steps,
                        height=resolution, width=resolution, generator=generator, output_type="latent",

@@ -97,6 +97,7 @@ def test_predict_is_the_pipelines_transformer_call(built, mode):
     cond = text(trainer, models)
     transformer = models["transformer"].eval()
     pipe = trainer.pipeline(models)
+    pipe.default_sample_size = 64 // pipe.vae_scale_factor  # the pipeline rescales any size to this area
     seen = {}
 
     def capture(module, args, kwargs, out):
@@ -110,6 +111,7 @@ def test_predict_is_the_pipelines_transformer_call(built, mode):
     finally:
         handle.remove()
     sigma = seen["t"] / 1000  # the pipeline passes the scheduler's timesteps
+    assert seen["x"].shape[-2:] == (8, 8)
     assert 0.0 < float(sigma[0]) < 1.0
     transformer.train(mode == "train")
     try:
@@ -145,6 +147,16 @@ def test_a_lora_trains_two_steps_and_loads_into_the_pipeline_with_its_fused_weig
         module = got[name]
         w = module.get_base_layer().weight if isinstance(module, LoraLayer) else module.weight
         torch.testing.assert_close(w, weight, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_samples_during_training(tmp_path):
+    """HiDreamImagePipeline fed the trainer's embeddings (and an empty negative prompt's: CFG 5.0)."""
+    task(compose_config([*COMMON, f"output_dir={tmp_path}", "sample.every=1", "sample.steps=2",
+                         "sample.prompts=[a red circle]", "train.steps=1", "export.enabled=false"]))
+    from PIL import Image
+
+    with Image.open(next((tmp_path / "samples" / "step-1").glob("*.png"))) as im:
+        assert im.size == (64, 64) and len(set(im.getdata())) > 1  # decoded, not a blank image
 
 
 @pytest.mark.parametrize("extra", [[], ["model.train=lora", "checkpoint=blocks"]], ids=["full", "lora-ckpt"])
