@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from runner.errors import UserError
 from runner.families.common.flow import FlowMatchTrainer
 from runner.families.common.loading import compute_dtype, pipeline_class
 from runner.families.common.tokenizers import clip_tokenizer, qwen2_tokenizer, t5_tokenizer
@@ -49,6 +50,16 @@ class HiDreamTrainer(FlowMatchTrainer):
     kohya_lora = False  # diffusers reads no kohya-layout HiDream LoRA back: the diffusers file and ComfyUI's
     comfy_layout = "hidream"  # diffusion_model.<diffusers name>: ComfyUI's HiDream modules carry diffusers' names
     family = "hidream"
+
+    def __init__(self, cfg: Any, run: Any = None) -> None:
+        super().__init__(cfg, run)
+        side = 8 * int(self.size_configs()["transformer"]["max_resolution"][0])  # VAE factor 8
+        data = cfg.get("data") if hasattr(cfg, "get") else None
+        if data is not None and bool(data.get("buckets", False)) and self.resolution() > side:
+            raise UserError(
+                f"data.resolution={self.resolution()} with data.buckets=true is not usable for HiDream-I1: the "
+                f"transformer pads a non-square image to its max_resolution's {side}x{side} px of tokens and has no "
+                f"room for more. Use data.resolution<={side} with buckets, or data.buckets=false (square crops).")
 
     def module_classes(self) -> dict[str, type]:
         from diffusers import AutoencoderKL, HiDreamImageTransformer2DModel

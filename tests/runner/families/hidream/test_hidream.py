@@ -21,6 +21,7 @@ from runner.__main__ import task
 from runner.build import build_trainer, prepare_models
 from runner.cli.compose import compose_config
 from runner.config.checks import validate
+from runner.errors import UserError
 from runner.export.checkpoint import EXPORT_DIR
 from runner.export.comfy import COMFY_FILE
 from runner.export.lora import DIFFUSERS_FILE
@@ -166,6 +167,15 @@ def test_planned_peak_matches_a_real_cpu_step(extra):
     cfg = compose_config([*COMMON, "data.resolution=128", *extra])
     validate(cfg)
     assert_plan_matches_a_real_cpu_step(cfg)
+
+
+def test_buckets_above_the_transformers_padded_size_are_refused():
+    """A non-square image is padded to max_resolution's tokens (tiny: 32 latent px, 256 px): larger buckets
+    would not fit, so they are refused before step 1, naming the keys."""
+    with pytest.raises(UserError, match=r"data.resolution=512 with data.buckets=true .*data.resolution<=256"):
+        build_trainer(compose_config([*COMMON, "data.resolution=512", "data.buckets=true"]))
+    build_trainer(compose_config([*COMMON, "data.resolution=256", "data.buckets=true"]))
+    build_trainer(compose_config([*COMMON, "data.resolution=512"]))  # square crops: no padding
 
 
 def test_the_preset_trains_at_tiny_size(tmp_path):
