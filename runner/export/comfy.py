@@ -24,8 +24,10 @@ layout ComfyUI maps for it, with ``.alpha``:
   file back (``_convert_non_diffusers_z_image_lora_to_diffusers``).
 * **lumina2** (Lumina 2): ``diffusion_model.<original NextDiT name>`` (:data:`LUMINA2_RENAMES`:
   ``attention.out``, ``feed_forward.w1``...), the names ComfyUI's Lumina 2 model has. Its q/k/v are
-  one fused ``attention.qkv`` there, which this layout does not write: a LoRA on ``to_q``/``to_k``/
-  ``to_v`` is refused for the ComfyUI file before step 1 (``export.lora_format=diffusers`` trains it).
+  one fused ``attention.qkv`` there (rows q, k, v; k and v narrower under GQA), so the three LoRAs are
+  written as one (:data:`LUMINA2_FUSED`, :func:`fuse_group`): down weights stacked, up weights
+  block-diagonal, rank the sum, ``.alpha`` scaled by the same factor so alpha / rank is the run's.
+  Exact: ``B A`` is the three updates stacked, the rows of an unadapted part zero.
 * **wan** (Wan 2.1/2.2): ``diffusion_model.<original Wan name>.lora_A/lora_B`` + ``.alpha``:
   ComfyUI knows only the original module names (``blocks.N.self_attn.q``, ``cross_attn.o``,
   ``ffn.0`` ...), so diffusers' names are renamed by :data:`WAN_RENAMES` (the inverse of
@@ -52,6 +54,21 @@ COMFY_EMA_FILE = "lora_comfy_ema.safetensors"
 
 
 @dataclass(frozen=True)
+class FusedGroup:
+    """Diffusers' linears that ComfyUI's model has as one, their output rows stacked in ``parts`` order.
+
+    ``pattern``: a regex over a member's diffusers name with named groups ``block`` and ``part``;
+    ``target``: the fused module's ComfyUI name (a ``re.sub`` replacement); ``member``: a member's
+    diffusers name from ``{block}`` and ``{part}``.
+    """
+
+    pattern: str
+    target: str
+    member: str
+    parts: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class ComfyLayout:
     """How one family's LoRA modules are keyed in its ComfyUI file.
 
@@ -60,12 +77,14 @@ class ComfyLayout:
     ``renames``: ``(regex over the diffusers module name, replacement)``, the first full match
     wins; ``None`` keeps diffusers' names (the family's ComfyUI names are diffusers' own).
     ``separate``: whether it is its own file (``lora_comfy.safetensors``) or the kohya file.
+    ``fused``: modules ComfyUI has as one linear (:class:`FusedGroup`), written as one LoRA.
     """
 
     style: str
     prefix: str
     renames: tuple[tuple[str, str], ...] | None = None
     separate: bool = True
+    fused: tuple[FusedGroup, ...] = ()
 
 
 # Wan: diffusers' WanTransformer3DModel module -> the original Wan module ComfyUI knows
@@ -111,6 +130,10 @@ LUMINA2_RENAMES: tuple[tuple[str, str], ...] = (
     (r"x_embedder", "x_embedder"),
 )
 
+# Lumina 2's q/k/v -> NextDiT's attention.qkv (JointAttention.qkv, split q, k, v in its forward).
+LUMINA2_FUSED = (FusedGroup(r"(?P<block>(?:layers|noise_refiner|context_refiner)\.\d+)\.attn\.to_(?P<part>[qkv])",
+                            r"\g<block>.attention.qkv", "{block}.attn.to_{part}", ("q", "k", "v")),)
+
 # Trainer.comfy_layout -> its layout (see the module docstring).
 LAYOUTS: dict[str, ComfyLayout] = {
     "kohya": ComfyLayout("kohya", "", separate=False),  # the prefix is the kohya file's (runner/export/lora.py)
@@ -118,14 +141,19 @@ LAYOUTS: dict[str, ComfyLayout] = {
     "qwen_image": ComfyLayout("dotted", "diffusion_model"),
     "wan": ComfyLayout("dotted", "diffusion_model", WAN_RENAMES),
     "z_image": ComfyLayout("dotted", "diffusion_model"),
-    "lumina2": ComfyLayout("dotted", "diffusion_model", LUMINA2_RENAMES),
+    "hidream": ComfyLayout("dotted", "diffusion_model"),  # ComfyUI's HiDream modules carry diffusers' names
+    "lumina2": ComfyLayout("dotted", "diffusion_model", LUMINA2_RENAMES, fused=LUMINA2_FUSED),
     # BFL's names, q/k/v fused and the scale in B: written by runner/families/flux2/comfy.py, not comfy_state_dict
     "flux2": ComfyLayout("flux2", "diffusion_model", FLUX2_NAMES),
 }
 
 
 def comfy_module_name(layout: ComfyLayout, name: str) -> str | None:
-    """ComfyUI's name of the diffusers module ``name`` (``None``: the rename table has none)."""
+    """ComfyUI's name of the diffusers module ``name`` (``None``: the rename table has none).
+    A member of a fused group is named by its fused module, which the LoRA writer alone can fill."""
+    for group in layout.fused:
+        if re.fullmatch(group.pattern, name):
+            return re.sub(f"^{group.pattern}$", group.target, name)
     if layout.renames is None:
         return name
     for pattern, replacement in layout.renames:
@@ -139,10 +167,49 @@ def lora_modules(peft_state: dict[str, torch.Tensor]) -> list[str]:
     return sorted(k[: -len(".lora_A.weight")] for k in peft_state if k.endswith(".lora_A.weight"))
 
 
-def comfy_state_dict(peft_state: dict[str, torch.Tensor], layout: ComfyLayout,
-                     alpha: float) -> dict[str, torch.Tensor]:
+def fuse_group(peft_state: dict[str, torch.Tensor], group: FusedGroup, block: str, alpha: float,
+               out_features: dict[str, int]) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(down, up, alpha) of the one LoRA over ``block``'s fused linear: the adapted members' downs
+    stacked, their ups block-diagonal at the member's rows (an unadapted member's rows zero, its width
+    from ``out_features``), alpha scaled with the rank so that alpha / rank stays the members'."""
+    members = [group.member.format(block=block, part=p) for p in group.parts]
+    adapted = [m for m in members if f"{m}.lora_A.weight" in peft_state]
+    downs = [peft_state[f"{m}.lora_A.weight"] for m in adapted]
+    ranks = {d.shape[0] for d in downs}
+    if len(ranks) != 1:
+        raise ValueError(f"the fused LoRA over {members} needs one rank for its parts, not {sorted(ranks)}")
+    widths = []
+    for m in members:
+        up = peft_state.get(f"{m}.lora_B.weight")
+        if up is None and m not in out_features:
+            raise ValueError(f"the output width of the unadapted {m!r} is needed to fuse {members}")
+        widths.append(int(up.shape[0]) if up is not None else int(out_features[m]))
+    down = torch.cat(downs, dim=0)
+    first = peft_state[f"{adapted[0]}.lora_B.weight"]
+    up = torch.zeros(sum(widths), down.shape[0], dtype=first.dtype, device=first.device)
+    col = 0
+    for i, m in enumerate(members):
+        if m in adapted:
+            row = sum(widths[:i])
+            b = peft_state[f"{m}.lora_B.weight"]
+            up[row:row + widths[i], col:col + b.shape[1]] = b
+            col += b.shape[1]
+    return down.contiguous(), up, float(alpha) * down.shape[0] / ranks.pop()
+
+
+def _fused_block(layout: ComfyLayout, module: str) -> tuple[FusedGroup, str] | None:
+    for group in layout.fused:
+        m = re.fullmatch(group.pattern, module)
+        if m:
+            return group, m.group("block")
+    return None
+
+
+def comfy_state_dict(peft_state: dict[str, torch.Tensor], layout: ComfyLayout, alpha: float,
+                     out_features: dict[str, int] | None = None) -> dict[str, torch.Tensor]:
     """peft's adapter (``<module>.lora_A.weight``/``lora_B``) in ``layout``, with the run's
-    ``alpha`` as every module's ``.alpha`` (a 0-dim float tensor, what ComfyUI's ``.item()`` reads)."""
+    ``alpha`` as every module's ``.alpha`` (a 0-dim float tensor, what ComfyUI's ``.item()`` reads);
+    ``out_features`` (module -> output width): an unadapted member's rows in a fused LoRA."""
     out: dict[str, torch.Tensor] = {}
     for module in lora_modules(peft_state):
         name = comfy_module_name(layout, module)
@@ -152,6 +219,12 @@ def comfy_state_dict(peft_state: dict[str, torch.Tensor], layout: ComfyLayout,
             key, down, up = f"{layout.prefix}_{name.replace('.', '_')}", "lora_down.weight", "lora_up.weight"
         else:
             key, down, up = f"{layout.prefix}.{name}", "lora_A.weight", "lora_B.weight"
+        fused = _fused_block(layout, module)
+        if fused is not None:
+            if f"{key}.{down}" not in out:  # the group's first adapted member writes the whole group
+                a, b, scaled = fuse_group(peft_state, *fused, alpha, out_features or {})
+                out[f"{key}.{down}"], out[f"{key}.{up}"], out[f"{key}.alpha"] = a, b, torch.tensor(scaled)
+            continue
         if f"{key}.{down}" in out:
             raise ValueError(f"two LoRA modules share the ComfyUI key {key!r}")
         out[f"{key}.{down}"] = peft_state[f"{module}.lora_A.weight"].contiguous()
@@ -160,9 +233,16 @@ def comfy_state_dict(peft_state: dict[str, torch.Tensor], layout: ComfyLayout,
     return out
 
 
-def unmapped_modules(layout: ComfyLayout, names: list[str]) -> list[str]:
-    """The module names (diffusers') that ``layout`` has no ComfyUI name for."""
-    return [n for n in names if comfy_module_name(layout, n) is None]
+def unmapped_modules(layout: ComfyLayout, names: list[str], fuse: bool = True) -> list[str]:
+    """The module names (diffusers') that ``layout`` has no ComfyUI name for (``fuse=False``: an
+    adapter that cannot be fused, LoKr/LoHa, has none for a fused group's members either)."""
+    return [n for n in names if comfy_module_name(layout, n) is None or (not fuse and _fused_block(layout, n))]
+
+
+def linear_widths(module: nn.Module) -> dict[str, int]:
+    """module name -> output width of every linear of ``module`` (peft's wrappers named as their base)."""
+    return {n.removesuffix(".base_layer"): int(m.out_features) for n, m in module.named_modules()
+            if isinstance(m, nn.Linear)}
 
 
 def check_comfy_targets(cfg: object, layout_name: str, module: nn.Module, family: str) -> None:
@@ -177,8 +257,18 @@ def check_comfy_targets(cfg: object, layout_name: str, module: nn.Module, family
         return  # DoRA writes no ComfyUI file (runner/export/lora.py)
     from peft.tuners.tuners_utils import BaseTunerLayer
 
+    from runner.export.lycoris import adapter_kind
+
     adapted = sorted(n for n, m in module.named_modules() if isinstance(m, BaseTunerLayer))
-    missing = unmapped_modules(layout, adapted)
+    lora = all(adapter_kind(c) == "lora" for c in configs.values())
+    missing = unmapped_modules(layout, adapted, fuse=lora)
+    if missing and not lora and not unmapped_modules(layout, missing):  # only fused members: a LoRA would do
+        raise UserError(
+            f"model.train={adapter_kind(next(iter(configs.values())))} adapts {len(missing)} {family} module(s) "
+            f"that ComfyUI has as one fused linear (e.g. {missing[0]}), which a Kronecker/Hadamard adapter cannot "
+            f"be fused into, so export.lora_format={ec.lora_format} could not write the ComfyUI file. Leave them "
+            f"out of model.lora_targets, or set model.train=lora (its q/k/v LoRAs are fused exactly)."
+        )
     if missing:
         known = ", ".join(p.replace(r"(\d+)", "N").replace("\\", "") for p, _ in layout.renames or ())
         raise UserError(

@@ -23,8 +23,8 @@ as peft does), so such a file could not be checked to reproduce the trained weig
 
 * **comfy** (ComfyUI and Forge at the trained strength, every family): the kohya file where that is
   the layout ComfyUI maps (U-Nets, Flux), else ``lora_comfy.safetensors`` in the family's ComfyUI
-  layout (SD3.5, Qwen-Image, Wan; runner/export/comfy.py; Flux.2: BFL's names with q/k/v fused,
-  runner/families/flux2/comfy.py).
+  layout (SD3.5, Qwen-Image, Wan, Lumina 2 with q/k/v fused; runner/export/comfy.py; Flux.2: BFL's
+  names with q/k/v fused, runner/families/flux2/comfy.py).
 
 Every file carries the same plain metadata: rank, alpha, target modules, base model, preset, step
 (and kohya's ``ss_network_*`` keys, which the UIs show).
@@ -41,7 +41,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from runner.export.comfy import COMFY_EMA_FILE, COMFY_FILE, LAYOUTS, comfy_state_dict
+from runner.export.comfy import COMFY_EMA_FILE, COMFY_FILE, LAYOUTS, comfy_state_dict, linear_widths
 from runner.export.config import ExportConfig
 from runner.export.lycoris import adapter_kind, comfy_lycoris_state_dict
 
@@ -166,7 +166,8 @@ def write_comfy_lora(layout_name: str, module: nn.Module, folder: Path, info: di
 
         state = flux2_comfy_state_dict(lora_state_dict(module), float(config.lora_alpha), int(config.r))
     else:
-        state = comfy_state_dict(lora_state_dict(module), LAYOUTS[layout_name], float(config.lora_alpha))
+        state = comfy_state_dict(lora_state_dict(module), LAYOUTS[layout_name], float(config.lora_alpha),
+                                 linear_widths(module))
     path = folder / file_name
     save_file(state, str(path), metadata={"format": "pt", **lora_metadata(config, info)})
     return path

@@ -44,7 +44,7 @@ class Lumina2Trainer(FlowMatchTrainer):
     display_name = "Lumina 2"
     reference_repo = "Alpha-VLLM/Lumina-Image-2.0"
     kohya_lora = False  # no kohya layout for Lumina 2: the diffusers file, and the ComfyUI one below
-    comfy_layout = "lumina2"  # diffusion_model.<original NextDiT name>; q/k/v refused (runner/export/comfy.py)
+    comfy_layout = "lumina2"  # diffusion_model.<original NextDiT name>; q/k/v fused (runner/export/comfy.py)
     family = "lumina2"
 
     def __init__(self, cfg: Any, run: Any = None) -> None:

@@ -47,7 +47,8 @@ FAMILIES = {  # test id -> trainer overrides
     # Wan 2.1 I2V: the image cross-attention's own projections adapted too (ComfyUI's k_img / v_img)
     "wan21_i2v": ["trainer=wan", "trainer.variant=i2v-2.1-14b", "data.frames=5",
                   "model.lora_targets=[to_q,to_k,to_v,to_out.0,add_k_proj,add_v_proj]"],
-    # Lumina 2: ComfyUI fuses q/k/v (attention.qkv), which its ComfyUI file does not write: other targets
+    # Lumina 2: the unfused modules here (one ComfyUI module each); q/k/v, fused into ComfyUI's attention.qkv,
+    # are applied as ComfyUI applies them in tests/runner/export/test_comfy_apply.py
     "lumina2": ["trainer=lumina2", "model.lora_targets=[to_out.0,feed_forward.linear_1,norm1.linear]"],
     "qwen_image_edit": ["trainer=qwen_image_edit", "data.references=1"],
     "flux2": ["trainer=flux2", "model.lora_targets=[to_q,to_k,to_v,to_out.0,add_k_proj,to_qkv_mlp_proj]"],

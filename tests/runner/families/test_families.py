@@ -33,7 +33,7 @@ from runner.trainer import encode
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-FAMILIES = ["sd15", "sd35", "chroma", "flux_kontext", "z_image", "lumina2", "flux2", "qwen_image_edit"]
+FAMILIES = ["sd15", "sd35", "chroma", "flux_kontext", "z_image", "lumina2", "flux2", "qwen_image_edit", "hidream"]
 EDIT = {"flux_kontext": ["data.references=1"], "qwen_image_edit": ["data.references=1"]}  # an edit family trains on the paired demo set (a reference per target)
 COMMON = ["train.device=cpu", "train.progress=false", "data.demo_size=4", "export.enabled=false"]
 
@@ -135,7 +135,8 @@ STREAM = {"sd15": ["offload.stream.device_fraction=0.3"],
           "z_image": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"],  # 3 + 2 refiner blocks
           "lumina2": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"],  # 3 + 2 refiner blocks
           "flux2": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"],  # 1 double + 2 single tiny blocks
-          "qwen_image_edit": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"]}  # Qwen-Image's 3
+          "qwen_image_edit": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"],  # Qwen-Image's 3
+          "hidream": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"]}  # 2 double + 2 single tiny blocks
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -158,9 +159,7 @@ def test_checkpointing_and_streaming_keep_the_losses_bit_identical(tmp_path, cap
                          ids=["nf4", "fp8", "tiled-vae"])
 def test_quantized_base_and_tiled_vae_train(tmp_path, family, plugins):
     """LoRA on a quantized frozen denoiser, and a tiled VAE encode (32 px tiles of the 64 px images)."""
-    # Lumina 2's LoRA on q/k/v has no ComfyUI file (ComfyUI fuses them): exported for diffusers only
-    fmt = ["export.lora_format=diffusers"] if family == "lumina2" else []
-    steps = losses(tmp_path, family, "train.steps=2", "model.train=lora", *fmt, *plugins)
+    steps = losses(tmp_path, family, "train.steps=2", "model.train=lora", *plugins)
     assert len(steps) == 2 and all(math.isfinite(x) and x > 0 for x in steps)
 
 

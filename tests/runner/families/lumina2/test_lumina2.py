@@ -18,6 +18,7 @@ import pytest
 import torch
 from accelerate.utils import set_seed
 from planner_truth import assert_plan_matches_a_real_cpu_step
+from safetensors.torch import load_file
 
 from runner.__main__ import task
 from runner.build import build_trainer, prepare_models
@@ -25,6 +26,7 @@ from runner.cli.compose import compose_config
 from runner.config.checks import validate
 from runner.errors import UserError
 from runner.export.checkpoint import EXPORT_DIR
+from runner.export.comfy import COMFY_FILE
 from runner.export.lora import DIFFUSERS_FILE
 from runner.families.lumina2.trainer import Lumina2Trainer
 from runner.output.report import read_metrics
@@ -34,8 +36,7 @@ from runner.state.checkpoint import load_trainable_weights
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 CAPTIONS = ["a photo of a cat", "a red bicycle leaning on a wall, oil painting"]
-COMMON = ["trainer=lumina2", "train.device=cpu", "train.progress=false", "data.demo_size=2",
-          "export.lora_format=diffusers"]
+COMMON = ["trainer=lumina2", "train.device=cpu", "train.progress=false", "data.demo_size=2"]
 
 
 @pytest.fixture(autouse=True)
@@ -179,15 +180,9 @@ def test_the_preset_trains_at_tiny_size(tmp_path):
     task(compose_config(["+preset=lumina2_16gb", *COMMON[1:], "train.steps=2", f"output_dir={tmp_path}"]))
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
-    assert (tmp_path / "checkpoints" / "step-00000002" / EXPORT_DIR / DIFFUSERS_FILE).is_file()
-
-
-def test_a_lora_on_q_k_v_is_refused_for_the_comfyui_file():
-    """ComfyUI fuses Lumina 2's q/k/v into attention.qkv, which the ComfyUI file does not write: refused
-    before step 1, naming the setting; export.lora_format=diffusers trains it."""
-    cfg = compose_config(["trainer=lumina2", "train.device=cpu", "model.train=lora"])
-    with pytest.raises(UserError, match=r"model.lora_targets adapts .* Lumina 2 module.*export.lora_format=diffusers"):
-        build_trainer(cfg, resolve(cfg)).build_models("meta")
+    export = tmp_path / "checkpoints" / "step-00000002" / EXPORT_DIR
+    assert (export / DIFFUSERS_FILE).is_file()  # and ComfyUI's, q/k/v fused (tests/runner/export/test_comfy_apply.py)
+    assert "diffusion_model.layers.0.attention.qkv.lora_A.weight" in load_file(str(export / COMFY_FILE))
 
 
 @pytest.mark.parametrize("value", ["0", "300"])

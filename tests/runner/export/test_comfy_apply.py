@@ -1,0 +1,283 @@
+"""The ComfyUI LoRA file applied as ComfyUI's loader applies it gives the runner's fused weights.
+
+Families: Lumina 2 (q/k/v fused into NextDiT's qkv), HiDream-I1, Wan 2.2 TI2V-5B and I2V A14B, FLUX.2 klein
+(BFL's fused qkv), Qwen-Image-Edit, Flux.1 Kontext and Chroma (the kohya file, patching slices of BFL's
+fused qkv / linear1 as ComfyUI's flux_to_diffusers maps them). For each family, ComfyUI's own model (its weight names and which diffusers rows each holds, below as
+data from ComfyUI's model code) is built from the tiny diffusers denoiser's weights; the exported
+``lora_comfy.safetensors`` is then applied by ComfyUI's rule (``comfy/lora.py`` ``model_lora_keys_unet``:
+``diffusion_model.<weight name less .weight>`` is the key; ``comfy/weight_adapter/lora.py``: ``W +=
+strength * alpha / rank * up @ down``, rank = the down's rows; strength 1.0) and compared with the same
+ComfyUI model built from peft's merged weights (``base + get_delta_weight``). Every key of the file must
+be one ComfyUI loads (it logs "lora key not loaded" and drops the rest).
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from accelerate.utils import set_seed
+from peft.tuners.lora import LoraLayer
+from safetensors.torch import load_file
+
+from runner.build import build_trainer, prepare_models
+from runner.cli.compose import compose_config
+from runner.errors import UserError
+from runner.export.comfy import COMFY_FILE
+from runner.export.config import ExportConfig
+from runner.export.lora import DIFFUSERS_FILE, KOHYA_FILE, write_lora_files
+from runner.resolved import resolve
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+RANK, ALPHA = 4, 8.0
+LORA = ["model.train=lora", f"model.lora_rank={RANK}", f"model.lora_alpha={ALPHA}"]
+
+# ComfyUI's Lumina 2 model (comfy/ldm/lumina/model.py, NextDiT): weight name -> the diffusers
+# Lumina2Transformer2DModel weights whose rows it holds, in order (JointAttention.qkv is split q, k, v
+# in its forward; the rest are one linear each; diffusers' convert_lumina2_to_diffusers is the inverse).
+_B = r"(?P<b>(?:layers|noise_refiner|context_refiner)\.\d+)"
+NEXTDIT = (
+    (_B + r"\.attention\.qkv", ("{b}.attn.to_q", "{b}.attn.to_k", "{b}.attn.to_v")),
+    (_B + r"\.attention\.out", ("{b}.attn.to_out.0",)),
+    (_B + r"\.feed_forward\.w(?P<i>[123])", ("{b}.feed_forward.linear_{i}",)),
+    (_B + r"\.adaLN_modulation\.1", ("{b}.norm1.linear",)),
+    (r"cap_embedder\.1", ("time_caption_embed.caption_embedder.1",)),
+    (r"t_embedder\.mlp\.0", ("time_caption_embed.timestep_embedder.linear_1",)),
+    (r"t_embedder\.mlp\.2", ("time_caption_embed.timestep_embedder.linear_2",)),
+    (r"final_layer\.adaLN_modulation\.1", ("norm_out.linear_1",)),
+    (r"final_layer\.linear", ("norm_out.linear_2",)),
+    (r"x_embedder", ("x_embedder",)),
+)
+# Blocks and names of ComfyUI's NextDiT at the tiny config (3 layers, 1 refiner of each kind; the
+# context refiner has no adaLN modulation, as in ComfyUI's JointTransformerBlock(modulation=False)).
+NEXTDIT_NAMES = (
+    [f"{b}.{w}" for b in ("layers.0", "layers.1", "layers.2", "noise_refiner.0")
+     for w in ("attention.qkv", "attention.out", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3",
+               "adaLN_modulation.1")]
+    + [f"context_refiner.0.{w}" for w in ("attention.qkv", "attention.out", "feed_forward.w1", "feed_forward.w2",
+                                          "feed_forward.w3")]
+    + ["cap_embedder.1", "t_embedder.mlp.0", "t_embedder.mlp.2", "final_layer.adaLN_modulation.1",
+       "final_layer.linear", "x_embedder"]
+)
+
+# One linear per diffusers module under the same name (identity).
+IDENTITY = ((r"(?P<n>.+)", ("{n}",)),)
+# ComfyUI's HiDream model (comfy/ldm/hidream/model.py) has diffusers' module names (HiDreamBlock.block,
+# HiDreamAttention.to_q ... to_out_t, MOEFeedForwardSwiGLU.experts.N.w1, TextProjection.linear), one linear each;
+# a few of its weights, which the tiny model must have too.
+HIDREAM = IDENTITY
+HIDREAM_NAMES = ("double_stream_blocks.0.block.attn1.to_q_t", "double_stream_blocks.1.block.attn1.to_out_t",
+                 "single_stream_blocks.1.block.attn1.to_out", "double_stream_blocks.0.block.ff_i.experts.3.w2",
+                 "single_stream_blocks.0.block.ff_i.shared_experts.w1", "caption_projection.4.linear")
+
+# ComfyUI's Wan model (comfy/ldm/wan/model.py, the original Wan layout): one linear each; the attention's.
+WAN = (
+    (r"blocks\.(?P<i>\d+)\.self_attn\.(?P<p>[qkv])", ("blocks.{i}.attn1.to_{p}",)),
+    (r"blocks\.(?P<i>\d+)\.self_attn\.o", ("blocks.{i}.attn1.to_out.0",)),
+    (r"blocks\.(?P<i>\d+)\.cross_attn\.(?P<p>[qkv])", ("blocks.{i}.attn2.to_{p}",)),
+    (r"blocks\.(?P<i>\d+)\.cross_attn\.o", ("blocks.{i}.attn2.to_out.0",)),
+)
+
+
+def wan_names(module) -> list[str]:
+    return [f"blocks.{i}.{a}.{p}" for i in range(len(module.blocks)) for a in ("self_attn", "cross_attn")
+            for p in "qkvo"]
+
+
+# ComfyUI's FLUX.2 model (BFL's layout, comfy/ldm/flux/model.py): the image stream's attention of each
+# double block is one qkv linear (rows q, k, v) and a proj.
+FLUX2 = (
+    (r"double_blocks\.(?P<i>\d+)\.img_attn\.qkv", ("transformer_blocks.{i}.attn.to_q", "transformer_blocks.{i}.attn.to_k",
+                                                     "transformer_blocks.{i}.attn.to_v")),
+    (r"double_blocks\.(?P<i>\d+)\.img_attn\.proj", ("transformer_blocks.{i}.attn.to_out.0",)),
+)
+
+
+def flux2_names(module) -> list[str]:
+    return [f"double_blocks.{i}.img_attn.{w}" for i in range(len(module.transformer_blocks)) for w in ("qkv", "proj")]
+
+
+# ComfyUI's Flux model (BFL's layout; Kontext and Chroma load as Flux models): the default targets' weights.
+# Each double block's image qkv is one linear (rows q, k, v), each single block's linear1 holds q, k, v then
+# the MLP's input; the kohya file's lora_transformer_<diffusers name> keys patch slices of them
+# (comfy/utils.py flux_to_diffusers: (weight, (dim 0, offset, hidden size))).
+FLUX = (
+    (r"double_blocks\.(?P<i>\d+)\.img_attn\.qkv", ("transformer_blocks.{i}.attn.to_q", "transformer_blocks.{i}.attn.to_k",
+                                                     "transformer_blocks.{i}.attn.to_v")),
+    (r"double_blocks\.(?P<i>\d+)\.img_attn\.proj", ("transformer_blocks.{i}.attn.to_out.0",)),
+    (r"single_blocks\.(?P<i>\d+)\.linear1", ("single_transformer_blocks.{i}.attn.to_q", "single_transformer_blocks.{i}.attn.to_k",
+                                               "single_transformer_blocks.{i}.attn.to_v", "single_transformer_blocks.{i}.proj_mlp")),
+)
+
+
+def flux_names(module) -> list[str]:
+    return ([f"double_blocks.{i}.img_attn.{w}" for i in range(len(module.transformer_blocks)) for w in ("qkv", "proj")]
+            + [f"single_blocks.{i}.linear1" for i in range(len(module.single_transformer_blocks))])
+
+
+def flux_keys(module) -> dict:
+    """ComfyUI's flux_to_diffusers keys for the kohya (OneTrainer) prefix, the default targets' modules."""
+    h = module.config.num_attention_heads * module.config.attention_head_dim
+    keys: dict = {}
+    for i in range(len(module.transformer_blocks)):
+        for j, p in enumerate("qkv"):
+            keys[f"lora_transformer_transformer_blocks_{i}_attn_to_{p}"] = (
+                f"diffusion_model.double_blocks.{i}.img_attn.qkv.weight", (0, j * h, h))
+        keys[f"lora_transformer_transformer_blocks_{i}_attn_to_out_0"] = f"diffusion_model.double_blocks.{i}.img_attn.proj.weight"
+    for i in range(len(module.single_transformer_blocks)):
+        for j, p in enumerate("qkv"):
+            keys[f"lora_transformer_single_transformer_blocks_{i}_attn_to_{p}"] = (
+                f"diffusion_model.single_blocks.{i}.linear1.weight", (0, j * h, h))
+    return keys
+
+
+# case -> (run overrides, ComfyUI's model table, its weight names: a list, a function of the diffusers
+# denoiser, or None = every linear of the diffusers model)
+CASES = {
+    # the default targets (q, k, v, out): one fused qkv LoRA per block
+    "lumina2": (["trainer=lumina2"], NEXTDIT, NEXTDIT_NAMES),
+    # k left out (its rows stay zero; under GQA k and v are narrower than q), feed-forward and modulation too
+    "lumina2_qv_ffn": (["trainer=lumina2", "model.lora_targets=[to_q,to_v,feed_forward.linear_1,norm1.linear]"],
+                       NEXTDIT, NEXTDIT_NAMES),
+    "hidream": (["trainer=hidream", "model.lora_targets=[to_q,to_k,to_v,to_out,to_q_t,to_out_t,w1]"], HIDREAM, None),
+    # the default targets; Wan 2.2 TI2V-5B, and one expert of Wan 2.2 I2V A14B (each expert's file is one of these)
+    "wan22_5b": (["trainer=wan", "trainer.variant=2.2-5b"], WAN, wan_names),
+    "wan22_i2v_a14b": (["trainer=wan", "trainer.variant=i2v-2.2-a14b", "trainer.experts=high", "data.frames=5"], WAN,
+                       wan_names),
+    # FLUX.2 klein: q/k/v fused into BFL's qkv, the scale folded into B and no .alpha (ComfyUI applies it as stored)
+    "flux2_klein": (["trainer=flux2_klein"], FLUX2, flux2_names),
+    # Qwen-Image-Edit: ComfyUI loads it as its Qwen-Image model, whose modules carry diffusers' names
+    "qwen_image_edit": (["trainer=qwen_image_edit", "data.references=1"], IDENTITY, lambda m: sorted(weights(m, False))),
+    # Flux.1 Kontext and Chroma: the kohya file (lora_kohya.safetensors) is their ComfyUI file
+    "flux_kontext": (["trainer=flux_kontext", "data.references=1"], FLUX, flux_names, flux_keys),
+    "chroma": (["trainer=chroma"], FLUX, flux_names, flux_keys),
+}
+
+
+def comfy_model(weights: dict[str, torch.Tensor], table, names) -> dict[str, torch.Tensor]:
+    """ComfyUI's model state dict (``diffusion_model.<name>.weight``) from diffusers' weights."""
+    out = {}
+    for name in names:
+        pattern, rows = next((p, r) for p, r in table if re.fullmatch(p, name))
+        groups = re.fullmatch(pattern, name).groupdict()
+        out[f"diffusion_model.{name}.weight"] = torch.cat([weights[r.format(**groups)] for r in rows], dim=0)
+    return out
+
+
+def apply_like_comfyui(model: dict[str, torch.Tensor], lora: dict[str, torch.Tensor], strength: float = 1.0,
+                       key_map: dict | None = None) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """(patched model, the file's keys ComfyUI would not load). ``key_map``: LoRA key -> model weight, or
+    (weight, (dim, offset, size)) for a slice of it (ComfyUI's flux_to_diffusers); default the generic
+    ``diffusion_model.<weight less .weight>`` keys."""
+    key_map = key_map or {k.removesuffix(".weight"): k for k in model}
+    patched, loaded = {k: v.clone() for k, v in model.items()}, set()
+    for key, target in key_map.items():
+        weight, (dim, offset, size) = target if isinstance(target, tuple) else (target, (0, 0, model[target].shape[0]))
+        for up_name, down_name in (("lora_B.weight", "lora_A.weight"), ("lora_up.weight", "lora_down.weight")):
+            if f"{key}.{up_name}" in lora:
+                up, down = lora[f"{key}.{up_name}"], lora[f"{key}.{down_name}"]
+                alpha = lora[f"{key}.alpha"].item() / down.shape[0] if f"{key}.alpha" in lora else 1.0
+                part = patched[weight].narrow(dim, offset, size)
+                part += strength * alpha * (up @ down).reshape(part.shape)
+                loaded |= {f"{key}.{up_name}", f"{key}.{down_name}", f"{key}.alpha"}
+    return patched, set(lora) - loaded
+
+
+def adapted(overrides: list[str]):
+    """(trainer, denoiser with a random non-zero adapter) of the tiny model."""
+    cfg = compose_config([*overrides, "train.device=cpu", "train.batch_size=1", "data.demo_size=2", *LORA])
+    run = resolve(cfg)
+    trainer = build_trainer(cfg, run)
+    set_seed(run.seed)
+    module = prepare_models(trainer.build_models("cpu"), cfg.model, run)[trainer.denoiser]
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return trainer, module
+
+
+def weights(module: torch.nn.Module, merged: bool) -> dict[str, torch.Tensor]:
+    """Every linear's weight by diffusers' module name; ``merged``: plus peft's delta (the fused weight)."""
+    out = {}
+    for name, m in module.named_modules():
+        if isinstance(m, LoraLayer):
+            base = m.get_base_layer().weight.detach()
+            out[name] = base + m.get_delta_weight("default").detach() if merged else base
+        elif isinstance(m, torch.nn.Linear) and not name.endswith(".base_layer") and ".lora_" not in name:
+            out[name] = m.weight.detach()
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_comfyui_applies_the_file_at_the_trained_strength(tmp_path, case):
+    overrides, table, names, *keys = CASES[case]
+    trainer, module = adapted(overrides)
+    files = write_lora_files(trainer, trainer.pipeline_class(), trainer.denoiser, module, tmp_path, {"step": 1},
+                             ExportConfig())
+    comfy_file = KOHYA_FILE if keys else COMFY_FILE
+    assert files == [DIFFUSERS_FILE, comfy_file]
+    lora = load_file(str(tmp_path / comfy_file))
+    key_map = keys[0](module) if keys else None
+    if names is None:
+        names = sorted(weights(module, merged=False))
+        assert set(HIDREAM_NAMES) <= set(names)
+    elif callable(names):
+        names = names(module)
+    base = comfy_model(weights(module, merged=False), table, names)
+    patched, not_loaded = apply_like_comfyui(base, lora, key_map=key_map)
+    assert not_loaded == set()
+    expected = comfy_model(weights(module, merged=True), table, names)
+    changed = [k for k in base if not torch.equal(expected[k], base[k])]
+    assert changed and all(not torch.equal(patched[k], base[k]) for k in changed)
+    for k in base:
+        torch.testing.assert_close(patched[k], expected[k], rtol=1e-5, atol=1e-6)
+    # a half strength gives half the update: the scale is alpha / rank, not the file's rank
+    half, _ = apply_like_comfyui(base, lora, 0.5, key_map)
+    k = changed[0]
+    torch.testing.assert_close(half[k] - base[k], (expected[k] - base[k]) / 2, rtol=1e-5, atol=1e-6)
+
+
+def test_the_fused_lumina2_qkv_lora_is_rank_3r_with_3_alpha():
+    """One ``attention.qkv`` module per block: the three downs stacked (3r rows), the up block-diagonal
+    over q, k, v's rows (GQA: q wider), ``.alpha`` = 3 x alpha so alpha / rank is the run's."""
+    _, module = adapted(CASES["lumina2"][0])
+    from runner.export.comfy import LAYOUTS, comfy_state_dict, linear_widths
+    from runner.export.lora import lora_state_dict
+
+    sd = comfy_state_dict(lora_state_dict(module), LAYOUTS["lumina2"], ALPHA, linear_widths(module))
+    key = "diffusion_model.layers.1.attention.qkv"
+    a, b, alpha = sd[f"{key}.lora_A.weight"], sd[f"{key}.lora_B.weight"], sd[f"{key}.alpha"]
+    q = module.layers[1].attn.to_q
+    qo, ko = q.out_features, module.layers[1].attn.to_k.out_features
+    assert a.shape == (3 * RANK, q.in_features) and b.shape == (qo + 2 * ko, 3 * RANK) and qo == 2 * ko
+    assert alpha.item() == 3 * ALPHA and alpha.item() / a.shape[0] == ALPHA / RANK
+    assert not b[:qo, RANK:].any() and not b[qo:qo + ko, :RANK].any() and not b[qo + ko:, :2 * RANK].any()
+    assert not any(".to_q." in k or ".to_k." in k for k in sd)
+
+
+def test_full_size_lumina2_qkv_has_comfyuis_rows():
+    """Lumina-Image-2.0 on meta: q 24 heads, k and v 8 (GQA), head dim 96 -> NextDiT's qkv has
+    (24 + 8 + 8) * 96 = 3840 rows; the fused up weight has them, an unadapted k included."""
+    from runner.export.comfy import LAYOUTS, comfy_state_dict, linear_widths
+    from runner.families.common.loading import build_module
+
+    cfg = compose_config(["trainer=lumina2", "model.size=full", "train.device=cpu"])
+    trainer = build_trainer(cfg, resolve(cfg))
+    model = build_module(trainer.module_classes()["transformer"], trainer.size_configs()["transformer"], "meta",
+                         torch.float32)
+    widths = linear_widths(model)
+    peft = {f"layers.25.attn.to_{p}.lora_{s}.weight": torch.zeros(*shape, device="meta") for p in "qv"
+            for s, shape in (("A", (RANK, 2304)), ("B", (widths[f"layers.25.attn.to_{p}"], RANK)))}
+    sd = comfy_state_dict(peft, LAYOUTS["lumina2"], ALPHA, widths)
+    assert sd["diffusion_model.layers.25.attention.qkv.lora_B.weight"].shape == (3840, 2 * RANK)
+    assert sd["diffusion_model.layers.25.attention.qkv.alpha"].item() == 2 * ALPHA
+
+
+def test_a_lokr_on_lumina2_q_k_v_is_refused_for_the_comfyui_file():
+    """A LoKr's Kronecker factors of q, k, v have no exact fused form: refused before step 1, naming the way out."""
+    cfg = compose_config(["trainer=lumina2", "train.device=cpu", "model.train=lokr"])
+    with pytest.raises(UserError, match=r"model.train=lokr adapts .* Lumina 2 module.*one fused linear .*model.train=lora"):
+        build_trainer(cfg, resolve(cfg)).build_models("meta")
