@@ -257,7 +257,7 @@ def check_comfy_targets(cfg: object, layout_name: str, module: nn.Module, family
         return  # DoRA writes no ComfyUI file (runner/export/lora.py)
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    from runner.export.lycoris import adapter_kind
+    from runner.export.config import adapter_kind
 
     adapted = sorted(n for n, m in module.named_modules() if isinstance(m, BaseTunerLayer))
     lora = all(adapter_kind(c) == "lora" for c in configs.values())

@@ -7,6 +7,7 @@ from typing import Any
 from runner.errors import UserError, valid_list
 
 LORA_FORMATS = ("diffusers", "kohya", "comfy", "both")
+LYCORIS_KINDS = ("lokr", "loha")  # model.train values written in LyCORIS' tensor names (runner/export/lycoris.py)
 FULL_FORMATS = ("diffusers", "single_file", "both")
 # Families whose full fine-tune export.full_format=single_file|both writes as one original-layout file
 # (runner/export/single_file.py): those whose original single file model.path reads, so each export is a
@@ -65,7 +66,7 @@ def validate_export(cfg: Any) -> None:
             "export.lora_format=diffusers or both (both writes the diffusers file alone for DoRA)."
         )
     train = str(model.get("train", "full")) if model is not None else "full"
-    if train in ("lokr", "loha") and ec.lora_format in ("diffusers", "kohya"):
+    if train in LYCORIS_KINDS and ec.lora_format in ("diffusers", "kohya"):
         raise UserError(
             f"export.lora_format={ec.lora_format} with model.train={train}: diffusers has no loader for a {train} "
             "adapter of the families the runner trains (its LoKr reader serves Z-Image and Flux.2 only; LoHa has "
@@ -103,3 +104,9 @@ def check_full_format(cfg: Any, trainer: Any) -> None:
             "OpenCLIP-H has a layer the diffusers form drops), SD3.5, Qwen-Image, Wan and Z-Image only. Use "
             "export.full_format=diffusers (the pipeline folder) for this trainer."
         )
+
+
+def adapter_kind(config: object) -> str:
+    """``lora``, ``lokr`` or ``loha``: the kind of a peft adapter config."""
+    kind = str(getattr(config, "peft_type", "LORA")).split(".")[-1].lower()
+    return kind if kind in LYCORIS_KINDS else "lora"

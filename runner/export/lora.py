@@ -42,8 +42,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from runner.export.comfy import COMFY_EMA_FILE, COMFY_FILE, LAYOUTS, comfy_state_dict, linear_widths
-from runner.export.config import ExportConfig
-from runner.export.lycoris import adapter_kind, comfy_lycoris_state_dict
+from runner.export.config import ExportConfig, adapter_kind
+from runner.export.lycoris import comfy_lycoris_state_dict
 
 log = logging.getLogger(__name__)
 

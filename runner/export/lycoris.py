@@ -29,12 +29,6 @@ TENSORS: dict[str, tuple[str, ...]] = {
 }
 
 
-def adapter_kind(config: object) -> str:
-    """``lora``, ``lokr`` or ``loha``: the kind of a peft adapter config."""
-    kind = str(getattr(config, "peft_type", "LORA")).split(".")[-1].lower()
-    return kind if kind in TENSORS else "lora"
-
-
 def lycoris_modules(peft_state: dict[str, torch.Tensor], kind: str) -> dict[str, dict[str, torch.Tensor]]:
     """peft's state dict (``<module>.lokr_w1``...) grouped by module: {module: {tensor name: tensor}}."""
     out: dict[str, dict[str, torch.Tensor]] = {}
