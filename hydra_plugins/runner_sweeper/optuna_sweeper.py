@@ -71,6 +71,10 @@ class RunnerOptunaSweeper(OptunaSweeper):
         space, fixed = create_params_from_overrides(impl._parse_sweeper_params_config() + list(arguments))
         for name in fixed:
             space.pop(name, None)
+        if not space:
+            log.warning("optuna: no search space, so every trial runs the same settings: use "
+                        "hydra/sweeper=runner_lora, or give ranges ('optimizer.lr=tag(log,interval(1e-5,1e-3))', "
+                        "'model.lora_rank=choice(4,8)') on the command line or under hydra.sweeper.params")
         dirs = impl._get_directions() if impl.direction is not None else directions(impl.config)
         study = optuna.create_study(study_name=impl.study_name, storage=impl.storage, sampler=impl.sampler,
                                     directions=dirs, load_if_exists=True)

@@ -199,6 +199,9 @@ class SweepSummary(Callback):
         from runner.output.plots import SWEEP_PNG, safely, write_sweep_plot
 
         safely(SWEEP_PNG, lambda: write_sweep_plot(rows, sweep_dir / SWEEP_PNG))  # a warning at worst
+        from runner.sweep.samples import SWEEP_SAMPLES_PNG, write_sweep_samples
+
+        safely(SWEEP_SAMPLES_PNG, lambda: write_sweep_samples(rows, sweep_dir / SWEEP_SAMPLES_PNG))  # when jobs sampled
         bad = [r for r in rows if r.get("status") not in OK_STATUSES]
         from runner.sweep.report import best_lines
 

@@ -1,7 +1,9 @@
 """How each job ended, and a summary of a ``-m`` sweep.
 
 Every job (a single run too) writes ``job_summary.json`` in its directory, atomically and as
-strict JSON (a NaN loss is ``null``): its overrides, status (``ok``; ``failed``: bad input, exit 2;
+strict JSON (a NaN loss is ``null``): its overrides, status (``ok``; ``pruned``: stopped early by the sweep,
+runner/sweep/watch.py; ``does_not_fit``: train.auto_fit found no setting within budget_gb, exit 3, nothing ran;
+``failed``: bad input, exit 2;
 ``oom``: exit 3; ``nonfinite``: NaN/inf loss or gradients, exit 4; ``io_error``: a full, read-only
 or vanished folder, exit 5; ``interrupted``: 128 + the signal), steps done, final loss, s/step, peak memory and
 final micro-batch size, read back from its metrics.jsonl. After a sweep, the
@@ -43,7 +45,7 @@ JOB_SUMMARY = "job_summary.json"
 SWEEP_CSV = "sweep_summary.csv"
 
 
-STATUSES = ("ok", "pruned", "oom", "failed", "interrupted", "nonfinite", "io_error")
+STATUSES = ("ok", "pruned", "does_not_fit", "oom", "failed", "interrupted", "nonfinite", "io_error")
 
 
 COLUMNS = ("job", "status", "overrides", "steps_done", "final_loss", "final_loss_steps", "val_loss", "s_per_step", "peak_memory_gb",

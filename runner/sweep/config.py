@@ -21,7 +21,9 @@ OBJECTIVES: dict[str, tuple[str, str]] = {
     "peak_memory_gb": ("peak_memory_gb", "minimize"),
 }
 DIRECTIONS = ("minimize", "maximize")
-OK_STATUSES = ("ok", "pruned")  # a sweep with only these ended well (exit status 0)
+# A sweep with only these ended well (exit status 0): does_not_fit is train.auto_fit's answer for a trial that no
+# setting fits in budget_gb (runner/fit/output.py NothingFits), reported, not run.
+OK_STATUSES = ("ok", "pruned", "does_not_fit")
 
 
 @dataclass

@@ -68,3 +68,17 @@ def test_a_grid_sweeps_stop_if_stops_the_diverging_job(tmp_path):
     assert "sweep.stop_if=3: val_loss" in rows[1]["error"] or "is nan" in rows[1]["error"] or "is inf" in rows[1]["error"]
     assert (tmp_path / "1_lr=1000.0" / "checkpoints" / "step-00000001").is_dir()
     assert "sweep: 2 jobs, 1 ok, 1 pruned, 0 not ok" in r.stdout
+
+
+def test_a_trial_that_auto_fit_cannot_fit_is_reported_not_run(tmp_path):
+    """train.auto_fit=true with a budget below anything the tiny model can plan: the job is does_not_fit, names
+    the smallest plan, trains nothing, and the sweep still ends well (exit 0)."""
+    r = subprocess.run([sys.executable, "-m", "runner", "-m", "train.auto_fit=true", "budget_gb=0.01", "train.steps=1",
+                        "model.train=lora", "model.lora_rank=4", "train.progress=false", f"hydra.sweep.dir={tmp_path}"],
+                       check=False, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    with open(tmp_path / "sweep_summary.csv", encoding="utf-8") as f:
+        (row,) = list(csv.DictReader(f))
+    assert row["status"] == "does_not_fit" and row["exit_code"] == "3" and row["steps_done"] == "0"
+    assert "No configuration fits budget" in row["error"] and "The smallest:" in row["error"]
+    assert not list(tmp_path.glob("*/checkpoints"))

@@ -117,3 +117,24 @@ def test_the_best_job_and_the_pareto_front_with_their_commands():
     text = "\n".join(best_lines(rows, cfg))
     assert "best by val_loss (minimize):" in text and "job 1: val_loss=0.4" in text
     assert "python -m runner optimizer.lr=2e-4 'a=b c'" in text
+
+
+def test_sweep_samples_shows_each_jobs_newest_sample_in_a_row(tmp_path):
+    from PIL import Image
+
+    from runner.sweep.samples import LABEL_H, write_sweep_samples
+
+    rows = []
+    for job, colour in enumerate([(255, 0, 0), (0, 0, 255)]):
+        d = tmp_path / f"{job}_lr={job}"
+        for step, c in ((2, (0, 255, 0)), (10, colour)):  # the newest step's image is the one shown
+            (d / "samples" / f"step-{step}").mkdir(parents=True)
+            Image.new("RGB", (64, 64), c).save(d / "samples" / f"step-{step}" / "00-a-cat.png")
+        rows.append({"job": job, "status": "ok", "dir": str(d)})
+    rows.append({"job": 2, "status": "failed", "dir": str(tmp_path / "2_none")})  # no samples: no row
+    out = write_sweep_samples(rows, tmp_path / "sweep_samples.png", size=32)
+    with Image.open(out) as grid:
+        assert grid.size == (160, 2 * (32 + LABEL_H))
+        assert grid.getpixel((16, LABEL_H + 16)) == (255, 0, 0)
+        assert grid.getpixel((16, 32 + 2 * LABEL_H + 16)) == (0, 0, 255)
+    assert write_sweep_samples(rows[2:], tmp_path / "none.png") is None
