@@ -337,7 +337,8 @@ def train(ctx: RunContext) -> TrainResult:
             loop.record(step_loss, dt)
             stop.announce()
             stop.signum = loop.dist.agree_stop(stop.signum)  # a signal on any rank stops every rank after this step
-            early = loop.result.stopped_early = loop.watch.check(state.step, loop.val_loss)  # the sweep's pruner
+            early = loop.watch.check(state.step, loop.val_loss)  # the sweep's pruner (reports val_loss to it first)
+            early = loop.result.stopped_early = early if state.step < steps else None  # the last step: finished anyway
             if (save_every and state.step % save_every == 0) or state.step == steps or stop.signum is not None or early:
                 with stop.deferred():  # a second Ctrl-C waits for the save; a third forces the exit
                     loop.result.checkpoint = stop.last_saved = loop.save()

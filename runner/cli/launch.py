@@ -199,20 +199,25 @@ class SweepSummary(Callback):
         from runner.output.plots import SWEEP_PNG, safely, write_sweep_plot
 
         safely(SWEEP_PNG, lambda: write_sweep_plot(rows, sweep_dir / SWEEP_PNG))  # a warning at worst
+        from runner.sweep.picture import SWEEP_OBJECTIVE_PNG, write_objective_plot
         from runner.sweep.samples import SWEEP_SAMPLES_PNG, write_sweep_samples
 
+        safely(SWEEP_OBJECTIVE_PNG, lambda: write_objective_plot(rows, config, sweep_dir / SWEEP_OBJECTIVE_PNG))
         safely(SWEEP_SAMPLES_PNG, lambda: write_sweep_samples(rows, sweep_dir / SWEEP_SAMPLES_PNG))  # when jobs sampled
         bad = [r for r in rows if r.get("status") not in OK_STATUSES]
         from runner.sweep.report import best_lines
 
         pruned = sum(r.get("status") == "pruned" for r in rows)
-        print(f"\nsweep: {len(rows)} jobs, {len(rows) - len(bad) - pruned} ok, {pruned} pruned, {len(bad)} not ok  "
+        unfit = sum(r.get("status") == "does_not_fit" for r in rows)
+        print(f"\nsweep: {len(rows)} jobs, {len(rows) - len(bad) - pruned - unfit} ok, {pruned} pruned, "
+              + (f"{unfit} do not fit, " if unfit else "") + f"{len(bad)} not ok  "
               f"({sweep_dir / SWEEP_CSV})\n{format_table(rows)}\n" + "\n".join(best_lines(rows, config)))
         _last_sweep = rows
 
 
 def exit_status() -> int:
-    """1 when the last sweep of this process had a job that did not end ``ok`` (or ``pruned``), else 0."""
+    """1 when the last sweep of this process had a job that did not end ``ok`` (or ``pruned``, ``does_not_fit``:
+    runner/sweep/config.py OK_STATUSES), else 0."""
     return int(bool(_last_sweep) and any(r.get("status") not in OK_STATUSES for r in _last_sweep))
 
 

@@ -138,3 +138,20 @@ def test_sweep_samples_shows_each_jobs_newest_sample_in_a_row(tmp_path):
         assert grid.getpixel((16, LABEL_H + 16)) == (255, 0, 0)
         assert grid.getpixel((16, 32 + 2 * LABEL_H + 16)) == (0, 0, 255)
     assert write_sweep_samples(rows[2:], tmp_path / "none.png") is None
+
+
+def test_the_objective_against_each_swept_key_and_the_pareto_front(tmp_path):
+    from runner.sweep.picture import swept_values, write_objective_plot
+
+    rows = [{"job": i, "status": s, "val_loss": v, "s_per_step": t, "overrides": [f"optimizer.lr={lr}", f"model.lora_rank={k}",
+                                                                                "train.steps=4"]}
+            for i, (s, v, t, lr, k) in enumerate([("ok", 0.5, 2.0, 1e-5, 4), ("ok", 0.4, 3.0, 1e-3, 8),
+                                                  ("pruned", 0.9, 1.0, 1e-2, 4), ("failed", None, None, 1e-4, 8)])]
+    assert swept_values(rows) == {"model.lora_rank": ["4", "8", "4", "8"],
+                                  "optimizer.lr": ["1e-05", "0.001", "0.01", "0.0001"]}
+    one = compose_config(["sweep.objective=val_loss", "data.val_fraction=0.25"])
+    assert write_objective_plot(rows, one, tmp_path / "a.png") == ["model.lora_rank", "optimizer.lr"]
+    two = compose_config(["sweep.objective=[val_loss,s_per_step]", "data.val_fraction=0.25"])
+    assert write_objective_plot(rows, two, tmp_path / "b.png") == ["model.lora_rank", "optimizer.lr", "pareto"]
+    assert (tmp_path / "a.png").stat().st_size > 0 and (tmp_path / "b.png").stat().st_size > 0
+    assert write_objective_plot(rows[:1], one, tmp_path / "c.png") is None  # one job: nothing swept
