@@ -39,7 +39,9 @@ class Watch:
             return None
         if self.trial is not None:
             self.trial.report(float(val_loss), step)
-            if self.trial.should_prune():
+            # A NaN held-out loss never recovers; Optuna's pruners do not all stop on it (MedianPruner did not)
+            diverged = not math.isfinite(val_loss) and type(self.trial.study.pruner).__name__ != "NopPruner"
+            if diverged or self.trial.should_prune():
                 return f"Optuna's pruner stopped trial {self.trial.number} at step {step} (val_loss {val_loss:.6g})"
         if self.stop_if is not None:
             best = best_sibling(self.sweep_dir, self.own_dir, step)

@@ -4,6 +4,7 @@ jobs' metrics, and the best job's command."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from omegaconf import OmegaConf
@@ -80,8 +81,10 @@ def test_a_job_finds_its_trial_in_the_storage_and_the_pruner_stops_it(tmp_path):
     reason = Watch(own_trial(_hydra(tmp_path, 2, pruner))).check(2, 5.0)
     assert reason is not None and "pruner stopped trial 2 at step 2" in reason
     assert Watch(own_trial(_hydra(tmp_path, 3, None))).check(2, 100.0) is None
+    study.ask()  # trial 4: a held-out loss of NaN stops it at once (with a pruner), whatever the median says
+    assert "pruner stopped trial 4 at step 2" in (Watch(own_trial(_hydra(tmp_path, 4, pruner))).check(2, math.nan) or "")
     trials = optuna.load_study(study_name="runner", storage=storage).trials
-    assert [t.intermediate_values for t in trials[1:]] == [{2: 0.9}, {2: 5.0}, {2: 100.0}]
+    assert [t.intermediate_values for t in trials[1:4]] == [{2: 0.9}, {2: 5.0}, {2: 100.0}]
 
 
 def _metrics(path, rows):
