@@ -140,6 +140,10 @@ def _train(job: Job) -> float | None:
         print_summary(result, out)                              # report: stdout and __main__.log (loss.png: launch.run_job)
     if result.interrupted_by is not None:
         sys.exit(128 + result.interrupted_by)
+    if result.stopped_early:                                    # pruned by the sweep: status pruned (runner/cli/launch.py)
+        from runner.sweep.config import SweepStop
+
+        raise SweepStop(result.stopped_early)
     return result.losses[-1] if result.losses else None
 
 

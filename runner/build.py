@@ -24,6 +24,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from runner import registry
+from runner.config.adapters import lora_alpha
 from runner.constants import is_adapter
 from runner.context import RunContext
 from runner.data.checks import EDIT_FAMILIES
@@ -172,7 +173,7 @@ def prepare_models(models: ModelSet, model_cfg: Any, run: ResolvedRun) -> ModelS
             if not models.dtypes_applied:
                 _cast(module, run.frozen_dtype)
             dora = bool(model_cfg.get("lora_dora", False))
-            attach_lora(module, int(model_cfg.lora_rank), float(model_cfg.lora_alpha), list(model_cfg.lora_targets),
+            attach_lora(module, int(model_cfg.lora_rank), lora_alpha(model_cfg), list(model_cfg.lora_targets),
                         run.train_dtype, dora=dora, kind=run.train_mode, factor=int(model_cfg.get("lokr_factor", -1)))
             kind = "DoRA" if dora else {"lora": "LoRA", "lokr": "LoKr", "loha": "LoHa"}[run.train_mode]
             log.info("model.train=%s: peft %s (rank %s) on %s's %s", run.train_mode, kind, model_cfg.lora_rank, name,

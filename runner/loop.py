@@ -47,6 +47,7 @@ from runner.output.trackers import start_tracking
 from runner.session import attach_ema, attach_optimizer
 from runner.state.checkpoint import TrainState, find_checkpoint, remove_leftovers
 from runner.state.resume import saved_config_text
+from runner.sweep.watch import build_watch
 from runner.trainer import batch_len, encode, move_batch, slice_batch
 
 log = logging.getLogger("runner")
@@ -125,6 +126,7 @@ class TrainResult:
     checkpoint: Path | None = None
     seconds_per_step: float = math.nan
     nonfinite_skips: int = 0  # steps whose update was skipped on a non-finite loss or gradient
+    stopped_early: str | None = None  # why the sweep stopped this job (Optuna's pruner, sweep.stop_if): runner/sweep/watch.py
     notes: dict[str, Any] = field(default_factory=dict)  # ctx.notes at the end (optimizer state bytes, ...)
 
 
@@ -165,6 +167,8 @@ class Loop:
         self.progress = build_progress(cfg, self.state.step, self.dist.is_main)  # tqdm on a terminal, else a log line
         self.step_times: list[float] = []
         self.tracking = ctx.tracking = start_tracking(ctx.accelerator, cfg)  # a no-op unless log.tracker
+        self.watch = build_watch(cfg, self.out, run.dist.world_size)  # a sweep's early stop (runner/sweep/watch.py)
+        self.val_loss: float | None = None  # this step's held-out loss, when it was computed
 
     def _resume(self, micro: int) -> tuple[TrainState, int, Path | None]:
         """The train state to start from: fresh, or ``train.resume``'s checkpoint loaded into the
@@ -304,6 +308,7 @@ class Loop:
         if self.weights.rms is not None:
             row["weight_rms"] = self.weights.rms  # read by the weight check (train.max_weight_growth)
         row.update(self.ctx.validation.maybe_evaluate(step))  # val_loss every val.every steps
+        self.val_loss = row.get("val_loss")
         row.update(optimizer_columns(self.ctx.optimizer))  # optimizer=prodigy: its step-size estimate
         self.metrics.write(row)
         self.tracking.log_metrics(step, row)
@@ -346,13 +351,18 @@ def train(ctx: RunContext) -> TrainResult:
             loop.record(step_loss, dt)
             stop.announce()
             stop.signum = loop.dist.agree_stop(stop.signum)  # a signal on any rank stops every rank after this step
-            if (save_every and state.step % save_every == 0) or state.step == steps or stop.signum is not None:
+            early = loop.watch.check(state.step, loop.val_loss)  # the sweep's pruner (reports val_loss to it first)
+            early = loop.result.stopped_early = early if state.step < steps else None  # the last step: finished anyway
+            if (save_every and state.step % save_every == 0) or state.step == steps or stop.signum is not None or early:
                 with stop.deferred():  # a second Ctrl-C waits for the save; a third forces the exit
                     loop.result.checkpoint = stop.last_saved = loop.save()
                 stop.announce()
             ctx.sampler.maybe_sample(state.step)  # every sample.every steps and at the end (runner/sampling/)
             if stop.signum is not None:
                 loop.result.interrupted_by = stop.signum
+                break
+            if early:
+                log.info("sweep: %s; the checkpoint of step %d is kept", early, state.step)
                 break
         to_evaluation_point(ctx.optimizer)  # schedule-free: the run ends on the weights it saved (and exports)
     return loop.finish()

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import IntervalSweep
 from hydra.errors import OverrideParseException
 from omegaconf import DictConfig
 
@@ -28,7 +29,10 @@ def expand_sweeps(overrides: Sequence[str]) -> list[list[str]]:
     choices = []
     for o in parsed:
         key = o.get_key_element()
-        if o.is_sweep_override():
+        if o.is_sweep_override() and isinstance(o.value(), IntervalSweep):  # an Optuna range: both ends are checked
+            ends = (o.value().start, o.value().end)
+            choices.append([f"{key}={int(v) if float(v).is_integer() else v}" for v in ends])
+        elif o.is_sweep_override():
             choices.append([f"{key}={v}" for v in o.sweep_string_iterator()])
         else:
             choices.append([o.input_line])

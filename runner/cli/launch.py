@@ -44,6 +44,7 @@ from runner.output.jobs import (
     write_csv,
     write_job_summary,
 )
+from runner.sweep.config import OK_STATUSES, SweepStop, trial_outcome
 
 log = logging.getLogger("runner")
 
@@ -79,15 +80,20 @@ def run_job(task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
     started = time.perf_counter()
     _reset_cuda_peaks()
 
-    def record(status: str, error: str | None, exit_code: int) -> None:
+    def record(status: str, error: str | None, exit_code: int) -> dict[str, Any] | None:
+        summary = None
         try:  # the error path must not raise: on a full disk this write fails too
-            write_job_summary(cfg, status, error, exit_code, num, overrides, time.perf_counter() - started)
+            summary = write_job_summary(cfg, status, error, exit_code, num, overrides, time.perf_counter() - started)
         except Exception as e:
             log.warning("could not write %s: %s", JOB_SUMMARY, f"{type(e).__name__}: {e}".splitlines()[0])
         plot_job(cfg)  # loss.png, however the job ended; a warning at worst
+        return summary
 
     try:
         value = task(cfg)
+    except SweepStop as e:  # the sweep's pruner stopped the job: not an error, its checkpoint is kept
+        summary = record(SweepStop.status, str(e), SweepStop.exit_code)
+        return trial_outcome(cfg, SweepStop.status, summary) if multirun else None
     except SystemExit as e:  # run() exits 128+signal when interrupted; such a signal stops the sweep too
         code = e.code if isinstance(e.code, int) else 1
         if code == 0:
@@ -119,8 +125,8 @@ def run_job(task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
         log.error("job %s failed; the sweep goes on", num, exc_info=e)
         _forget(e)
         return None
-    record("ok", None, 0)
-    return value
+    summary = record("ok", None, 0)
+    return trial_outcome(cfg, "ok", summary) if multirun else value  # a sweep's job: its objective(s) for the sweeper
 
 
 def as_user_error(error: BaseException) -> UserError:
@@ -193,15 +199,26 @@ class SweepSummary(Callback):
         from runner.output.plots import SWEEP_PNG, safely, write_sweep_plot
 
         safely(SWEEP_PNG, lambda: write_sweep_plot(rows, sweep_dir / SWEEP_PNG))  # a warning at worst
-        bad = [r for r in rows if r.get("status") != "ok"]
-        print(f"\nsweep: {len(rows)} jobs, {len(rows) - len(bad)} ok, {len(bad)} not ok  "
-              f"({sweep_dir / SWEEP_CSV})\n{format_table(rows)}")
+        from runner.sweep.picture import SWEEP_OBJECTIVE_PNG, write_objective_plot
+        from runner.sweep.samples import SWEEP_SAMPLES_PNG, write_sweep_samples
+
+        safely(SWEEP_OBJECTIVE_PNG, lambda: write_objective_plot(rows, config, sweep_dir / SWEEP_OBJECTIVE_PNG))
+        safely(SWEEP_SAMPLES_PNG, lambda: write_sweep_samples(rows, sweep_dir / SWEEP_SAMPLES_PNG))  # when jobs sampled
+        bad = [r for r in rows if r.get("status") not in OK_STATUSES]
+        from runner.sweep.report import best_lines
+
+        pruned = sum(r.get("status") == "pruned" for r in rows)
+        unfit = sum(r.get("status") == "does_not_fit" for r in rows)
+        print(f"\nsweep: {len(rows)} jobs, {len(rows) - len(bad) - pruned - unfit} ok, {pruned} pruned, "
+              + (f"{unfit} do not fit, " if unfit else "") + f"{len(bad)} not ok  "
+              f"({sweep_dir / SWEEP_CSV})\n{format_table(rows)}\n" + "\n".join(best_lines(rows, config)))
         _last_sweep = rows
 
 
 def exit_status() -> int:
-    """1 when the last sweep of this process had a job that did not end ``ok``, else 0."""
-    return int(bool(_last_sweep) and any(r.get("status") != "ok" for r in _last_sweep))
+    """1 when the last sweep of this process had a job that did not end ``ok`` (or ``pruned``, ``does_not_fit``:
+    runner/sweep/config.py OK_STATUSES), else 0."""
+    return int(bool(_last_sweep) and any(r.get("status") not in OK_STATUSES for r in _last_sweep))
 
 
 def _fast_help(args: Any) -> None:

@@ -26,6 +26,7 @@ from runner.loss.config import LossConfig
 from runner.output.config import LogConfig
 from runner.plugin import Plugin
 from runner.sampling.config import SampleConfig
+from runner.sweep.config import SweepConfig
 from runner.val.config import ValConfig
 
 log = logging.getLogger("runner")
@@ -39,6 +40,7 @@ class ModelConfig:
     train_dtype: str = "float32"  # dtype of the trained weights (full: the denoiser; lora: the adapters): float32 | bfloat16
     lora_rank: int = 4
     lora_alpha: float = 4.0
+    lora_alpha_per_rank: Optional[float] = None  # set: alpha = lora_rank x this (a rank search keeps alpha/rank), not lora_alpha
     lora_targets: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
     # DoRA (peft use_dora): LoRA plus a trained per-output-row magnitude; model.train=lora only. Exports the
     # diffusers file only (the kohya/ComfyUI dora_scale layout is not checked to load the same weights)
@@ -170,6 +172,7 @@ class RunConfig:
     log: LogConfig = field(default_factory=LogConfig)  # trackers (tensorboard, wandb, ...): runner/output/trackers.py
     ema: EMAConfig = field(default_factory=EMAConfig)  # moving average of the trained weights (runner/ema/average.py)
     val: ValConfig = field(default_factory=ValConfig)  # held-out validation loss (runner/val/holdout.py)
+    sweep: SweepConfig = field(default_factory=SweepConfig)  # a -m sweep's objective and early stop (runner/sweep/)
     dist: Any = MISSING  # dist=none|ddp|fsdp: several processes (runner/distributed/); schemas in runner/distributed/config.py
     budget_gb: Optional[float] = None  # device memory budget; used by allocator cap and the planner
     device: DeviceConfig = field(default_factory=DeviceConfig)  # the GPU the run is for: budget default, s/step (runner/devices.py)
@@ -215,8 +218,16 @@ def full_size_only(value: Any, size: Any) -> Any:
     return value if str(size) == "full" else None
 
 
+def held_out_share(objective: Any, val_path: Any) -> float:
+    """``data.val_fraction``'s default: 0.1 when ``sweep.objective`` names val_loss (it needs held-out data) and
+    no ``data.val_path`` is given, else 0 (nothing held out)."""
+    names = [objective] if isinstance(objective, str) else list(objective or [])
+    return 0.1 if "val_loss" in [str(n) for n in names] and val_path is None else 0.0
+
+
 def store_schemas() -> None:
     OmegaConf.register_new_resolver("native_resolution", native_resolution, replace=True)
+    OmegaConf.register_new_resolver("held_out_share", held_out_share, replace=True)
     OmegaConf.register_new_resolver("full_size_only", full_size_only, replace=True)
     # Hydra's ${now:...}, but one time for all processes of a multi-process run (runner/distributed/launch.py).
     OmegaConf.register_new_resolver("runner_now", runner_now, use_cache=True, replace=True)
@@ -230,6 +241,9 @@ def store_schemas() -> None:
 
     store_optimizer_schemas()
     store_dist_schemas()
+    from runner.sweep.hydra import install_optuna_sweeper
+
+    install_optuna_sweeper()  # hydra/sweeper=optuna: the runner's sweeper, when hydra-optuna-sweeper is installed
 
 
 _LOADED = False

@@ -7,6 +7,8 @@ low-rank pairs). All three read ``model.lora_rank``, ``model.lora_alpha`` and ``
 """
 from __future__ import annotations
 
+from typing import Any
+
 from runner.constants import ADAPTERS, TRAIN_MODES, is_adapter  # noqa: F401  (re-exported)
 from runner.errors import UserError
 
@@ -19,6 +21,13 @@ from runner.errors import UserError
 # none of the runner's int8 / fp8 layers (int8 crashes; fp8 would take the norm of the stored fp8
 # values whatever the layer's scale): refused over every quantization.
 QUANTIZED_BASES: dict[str, tuple[str, ...]] = {"lokr": ("int8", "fp8"), "loha": ("int8", "fp8"), "dora": ()}
+
+
+def lora_alpha(model_cfg: Any) -> float:
+    """The adapter's alpha: ``model.lora_rank`` x ``model.lora_alpha_per_rank`` when that is set (a sweep
+    over rank keeps the scale alpha/rank), else ``model.lora_alpha``."""
+    per_rank = model_cfg.get("lora_alpha_per_rank")
+    return float(model_cfg.lora_rank) * float(per_rank) if per_rank is not None else float(model_cfg.lora_alpha)
 
 
 def check_adapter_quantization(train: str, dora: bool, quantization: list[str]) -> None:

@@ -50,6 +50,7 @@ from runner.loss.config import check_objective, loss_config, validate_loss
 from runner.optim.config import check_optimizer_config
 from runner.output.config import validate_log_config
 from runner.sampling.config import check_sample_config
+from runner.sweep.config import check_sweep_config
 from runner.val.config import check_val_config, check_val_path
 
 if TYPE_CHECKING:
@@ -161,6 +162,7 @@ def check_config(cfg: DictConfig) -> None:
     check_sample_config(cfg)
     check_ema_config(cfg)
     check_val_config(cfg)
+    check_sweep_config(cfg)
     validate_loss(cfg)
     _check_loss_objective(cfg)
     if cfg.mode == "train":

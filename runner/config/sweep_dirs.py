@@ -31,9 +31,12 @@ def _short(value: str) -> str:
     return value if len(value) <= MAX_VALUE else value[:MAX_VALUE - 1] + "~"
 
 
-def job_dir(num: Any, overrides: Sequence[str] | None) -> str:
-    """``<num>_<key>=<value>_...`` for the swept keys among this job's ``overrides`` (the last part of each key)."""
+def job_dir(num: Any, overrides: Sequence[str] | None, params: Any = None) -> str:
+    """``<num>_<key>=<value>_...`` for the swept keys among this job's ``overrides`` (the last part of each key);
+    ``params``: an Optuna sweep's ``hydra.sweeper.params`` (a preset's search space), swept too."""
     swept = swept_keys(sys.argv[1:])
+    if swept is not None and params:
+        swept |= {str(k) for k in params}
     parts = []
     for o in overrides or ():
         key, _, value = str(o).partition("=")

@@ -38,9 +38,11 @@ TRAIN_KEYS = ("batch_size", "grad_accum", "mixed_precision", "cpu_autocast", "ma
 
 
 class NothingFits(UserError):
-    """No configuration fits the budget: exit status 3, like a plan over budget."""
+    """No configuration fits the budget: exit status 3, like a plan over budget; in a sweep the job's status is
+    ``does_not_fit`` (nothing ran) and the message names the smallest plan."""
 
     exit_code = 3
+    status = "does_not_fit"
 
 
 def _status(c: Candidate, result: FitResult) -> str:
@@ -226,7 +228,10 @@ def fit_command(cfg: Any, overrides: Sequence[str], out: Path) -> FitResult:
     print(format_result(result, int(cfg.fit.top)))
     paths = write_outputs(result, out)
     if result.winner is None:
-        raise NothingFits(f"No configuration fits budget {format_size(result.limit)}: see the table above and "
+        c = result.closest
+        smallest = (f" The smallest: {c.knobs.describe(int(cfg.train.batch_size))} at {format_size(c.required_bytes)}."
+                    if c is not None else "")
+        raise NothingFits(f"No configuration fits budget {format_size(result.limit)}.{smallest} See the table above and "
                           f"{paths['json']}. Allow settings that change the math (fit.allow=[...]), lower "
                           "data.resolution or train.batch_size, or use a larger device.")
     picture = f" and {paths['png']}" if paths["png"] else ""

@@ -1,7 +1,9 @@
 """How each job ended, and a summary of a ``-m`` sweep.
 
 Every job (a single run too) writes ``job_summary.json`` in its directory, atomically and as
-strict JSON (a NaN loss is ``null``): its overrides, status (``ok``; ``failed``: bad input, exit 2;
+strict JSON (a NaN loss is ``null``): its overrides, status (``ok``; ``pruned``: stopped early by the sweep,
+runner/sweep/watch.py; ``does_not_fit``: train.auto_fit found no setting within budget_gb, exit 3, nothing ran;
+``failed``: bad input, exit 2;
 ``oom``: exit 3; ``nonfinite``: NaN/inf loss or gradients, exit 4; ``io_error``: a full, read-only
 or vanished folder, exit 5; ``interrupted``: 128 + the signal), steps done, final loss, s/step, peak memory and
 final micro-batch size, read back from its metrics.jsonl. After a sweep, the
@@ -43,10 +45,10 @@ JOB_SUMMARY = "job_summary.json"
 SWEEP_CSV = "sweep_summary.csv"
 
 
-STATUSES = ("ok", "oom", "failed", "interrupted", "nonfinite", "io_error")
+STATUSES = ("ok", "pruned", "does_not_fit", "oom", "failed", "interrupted", "nonfinite", "io_error")
 
 
-COLUMNS = ("job", "status", "overrides", "steps_done", "final_loss", "final_loss_steps", "s_per_step", "peak_memory_gb",
+COLUMNS = ("job", "status", "overrides", "steps_done", "final_loss", "final_loss_steps", "val_loss", "s_per_step", "peak_memory_gb",
            "peak_memory_source", "planned_peak_gb", "host_rss_peak_gb", "micro_batch_size", "nonfinite_skips", "exit_code",
            "error", "dir")
 
@@ -97,7 +99,7 @@ def summarize_metrics(out: Path) -> dict[str, Any]:
     planned = planned_peak_bytes(out)
     planned_gb = None if planned is None else planned / GIB
     if not rows:
-        return {"steps_done": 0, "final_loss": None, "final_loss_steps": 0, "s_per_step": None, "peak_memory_gb": None,
+        return {"steps_done": 0, "final_loss": None, "final_loss_steps": 0, "val_loss": None, "s_per_step": None, "peak_memory_gb": None,
                 "peak_memory_source": None, "planned_peak_gb": planned_gb, "host_rss_peak_gb": None,
                 "micro_batch_size": None, "nonfinite_skips": None, "host_syncs_per_step": None, "card_ops_per_step": None}
     times = [r["s_per_step"] for r in rows]
@@ -105,7 +107,9 @@ def summarize_metrics(out: Path) -> dict[str, Any]:
     loss, k = final_loss([r.get("loss") for r in rows])
     peak, source = peak_memory(out, rows)
     rss = [r["host_rss_gb"] for r in rows if r.get("host_rss_gb") is not None]
-    return {"steps_done": rows[-1]["step"], "final_loss": loss, "final_loss_steps": k, "s_per_step": sum(tail) / len(tail),
+    val = [r["val_loss"] for r in rows if r.get("val_loss") is not None]  # the last held-out loss
+    return {"steps_done": rows[-1]["step"], "final_loss": loss, "final_loss_steps": k, "val_loss": val[-1] if val else None,
+            "s_per_step": sum(tail) / len(tail),
             "peak_memory_gb": peak, "peak_memory_source": source, "planned_peak_gb": planned_gb,
             "host_rss_peak_gb": max(rss) if rss else None, "micro_batch_size": rows[-1].get("micro_batch_size"),
             "nonfinite_skips": rows[-1].get("nonfinite_skips"), **per_step_counts(rows)}
@@ -137,7 +141,8 @@ def plot_job(cfg: DictConfig) -> None:
 
 
 def write_job_summary(cfg: DictConfig, status: str, error: str | None, exit_code: int, num: int | None,
-                      overrides: list[str], wall_s: float) -> Path | None:
+                      overrides: list[str], wall_s: float) -> dict[str, Any] | None:
+    """Write the job's job_summary.json (rank 0); the summary, or None where there is no output folder."""
     from runner.build import output_dir
     from runner.distributed.launch import process_world
 
@@ -154,7 +159,7 @@ def write_job_summary(cfg: DictConfig, status: str, error: str | None, exit_code
                "exit_code": exit_code, "error": error, "dir": str(out), "wall_s": round(wall_s, 3)}
     path = out / JOB_SUMMARY
     write_text_atomic(path, json_text(summary, indent=2) + "\n")  # valid JSON even for a NaN loss, never torn
-    return path
+    return summary
 
 
 # ---- the sweep ---------------------------------------------------------------------------------
@@ -198,14 +203,15 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     """The sweep as a text table; overrides shared by every job are listed once above it."""
     lists = [r.get("overrides") or [] for r in rows]
     common = [o for o in lists[0] if all(o in other for other in lists[1:])] if len(lists) > 1 else []
-    header = ("job", "status", "overrides", "steps", "loss (last 10%)", "s/step", "peak GiB", "planned GiB", "micro",
+    header = ("job", "status", "overrides", "steps", "loss (last 10%)", "val_loss", "s/step", "peak GiB", "planned GiB", "micro",
               "error")
     body = []
     for r, overrides in zip(rows, lists):
         error = (r.get("error") or "").replace("\n", " ")
         own = " ".join(o for o in overrides if o not in common) or "-"
         body.append((_fmt(r.get("job")), r.get("status", "?"), own,
-                     _fmt(r.get("steps_done")), _fmt(r.get("final_loss"), ".4f"), _fmt(r.get("s_per_step"), ".3f"),
+                     _fmt(r.get("steps_done")), _fmt(r.get("final_loss"), ".4f"), _fmt(r.get("val_loss"), ".4f"),
+                     _fmt(r.get("s_per_step"), ".3f"),
                      _fmt(r.get("peak_memory_gb"), ".2f"), _fmt(r.get("planned_peak_gb"), ".2f"),
                      _fmt(r.get("micro_batch_size")),
                      error[:70] + ("..." if len(error) > 70 else "")))

@@ -26,3 +26,12 @@ def test_values_are_file_safe_and_short(monkeypatch, value):
 def test_an_argv_it_cannot_parse_names_every_override(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["worker", "a=(("])
     assert job_dir(2, ["seed=3"]) == "2_seed=3"
+
+
+def test_an_optuna_presets_search_space_names_the_folder(monkeypatch):
+    """hydra/sweeper=runner_lora: the swept keys are in hydra.sweeper.params, not on the command line."""
+    monkeypatch.setattr(sys, "argv", ["runner", "-m", "hydra/sweeper=runner_lora", "train.steps=2"])
+    params = {"optimizer.lr": "tag(log, interval(1e-5, 1e-3))", "model.lora_rank": "choice(4, 8)"}
+    job = ["optimizer.lr=0.0002", "model.lora_rank=8", "train.steps=2"]
+    assert job_dir(3, job, params) == "3_lr=0.0002_lora_rank=8"
+    assert job_dir(3, job) == "3"

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from runner.blocks import find_repeated_blocks
+from runner.config.adapters import lora_alpha
 from runner.constants import TRAIN_MODES
 from runner.data.checks import family_references
 from runner.errors import UserError, valid_list
@@ -357,7 +358,7 @@ class DiffusersTrainer(CacheKeys, ExampleBatches):
             # come out on the host in the base's dtype, as over a loaded base (runner/families/common/unread.py).
             empty = self.denoiser in self.empty_modules and torch.device(build_on).type != "meta"
             with stand_in_weights(modules[self.denoiser]) if empty else contextlib.nullcontext():
-                attach_lora(modules[self.denoiser], m.lora_rank, m.lora_alpha, list(m.lora_targets), self.train_dtype,
+                attach_lora(modules[self.denoiser], m.lora_rank, lora_alpha(m), list(m.lora_targets), self.train_dtype,
                             dora=bool(m.get("lora_dora", False)), kind=str(m.train), factor=int(m.get("lokr_factor", -1)))
             check_comfy_targets(self.cfg, self.comfy_layout, modules[self.denoiser], self.display_name or type(self).__name__)
             modules[self.denoiser].train()

@@ -75,6 +75,7 @@ import torch
 from torch import nn
 
 from runner.compat import has_compatible_shallow_copy_type
+from runner.config.adapters import lora_alpha
 from runner.context import Transfer
 from runner.errors import UserError
 from runner.families.common.loading import attach_lora
@@ -168,7 +169,7 @@ class WanExpertsTrainer(WanTrainer):
                             "the high-noise expert from transformer/ and the low-noise one from transformer_2/.")
         models = super().build_models(device)  # the high-noise expert with its LoRA, the low-noise one frozen
         m, low = self.cfg.model, models[MODULE["low"]]
-        attach_lora(low, m.lora_rank, m.lora_alpha, list(m.lora_targets), self.train_dtype,
+        attach_lora(low, m.lora_rank, lora_alpha(m), list(m.lora_targets), self.train_dtype,
                     dora=bool(m.get("lora_dora", False)), kind=str(m.train), factor=int(m.get("lokr_factor", -1)))
         low.train()
         models.trained = set(MODULE.values())

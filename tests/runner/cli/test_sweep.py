@@ -59,7 +59,7 @@ def test_multirun_marks_the_oom_job_and_goes_on(tmp_path):
     assert "micro-batch 1" in rows[2]["error"] and "no checkpoint" in rows[2]["error"]
 
     table = r.stdout[r.stdout.index("sweep: 3 jobs"):]
-    assert "sweep: 3 jobs, 2 ok, 1 not ok" in table
+    assert "sweep: 3 jobs, 2 ok, 0 pruned, 1 not ok" in table
     assert "common overrides: trainer=custom" in table
     lines = table.splitlines()
     job_lines = [ln for ln in lines if ln[:1].isdigit()]
