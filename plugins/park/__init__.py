@@ -115,6 +115,7 @@ class ParkResult:
     plan: CachePlan | None = None
     encode: CachedEncode | None = None
     all_parts_cached: bool = False  # every encode part is cached: nothing is encoded during training
+    entries: dict[str, tuple[int, int]] = field(default_factory=dict)  # part -> (cached, needed) entries, when counted
     restore: list[Callable[[], None]] = field(default_factory=list)
 
 
@@ -123,6 +124,19 @@ def parts_to_cache(trainer: Any, cache_latents: bool, cache_text: bool) -> list[
     if not callable(getattr(trainer, "encode_parts", None)):
         return []
     return [p for p, spec in trainer.encode_parts().items() if (cache_latents if is_image_part(spec) else cache_text)]
+
+
+def count_entries(trainer: Any, parts: list[str], cache_dir: str | None, extra_signature: Any,
+                  random_flip: bool) -> dict[str, tuple[int, int]]:
+    """Part -> (entries cached and intact, entries the run reads), keyed and verified as the run
+    does (:func:`plan_cache`); a cache folder that does not exist yet is read as empty."""
+    cache = EncoderCache(resolve_cache_dir(cache_dir))
+    plan = plan_cache(trainer, trainer.dataset(), parts, cache, extra_signature, random_flip)
+    counts = {}
+    for p in parts:
+        needed = len(set(plan.keys[p]) | set(plan.captions.get(p, {}).values()))
+        counts[p] = (needed - len(plan.missing[p]) - len(plan.missing_captions.get(p, ())), needed)
+    return counts
 
 
 def only_cached_modules(trainer: Any, parts: list[str]) -> set[str]:
@@ -167,6 +181,7 @@ def park_and_cache(
     cache_setting: str = "offload.park.cache_dir",
     random_flip: bool = False,
     simulated_fill: Callable[[list[str], int], None] | None = None,
+    count_cached: Callable[[Callable[[], Any]], Any] | None = None,
 ) -> ParkResult:
     """Park every frozen module of ``models``; fill and use the encoder cache for ``trainer``.
 
@@ -175,7 +190,9 @@ def park_and_cache(
     ``ParkResult.restore`` undoes that. The cache folder is written only when entries are missing
     or fail verification (then it must be writable, else a UserError naming ``cache_setting``).
     ``random_flip`` (``data.random_flip``): image parts are cached in both orientations and each
-    batch reads the one its ``flip`` asks for (runner/data/flip.py).
+    batch reads the one its ``flip`` asks for (runner/data/flip.py). ``count_cached`` (with ``simulate``):
+    runs a function outside the simulation; given, the cache folder is read and the pre-pass planned
+    only for parts with entries missing (else for all of them).
     """
     result = ParkResult()
 
@@ -192,9 +209,13 @@ def park_and_cache(
     result.all_parts_cached = set(parts) == set(specs)
     result.cached_parts = list(parts)
     if simulate:
-        if simulated_fill is not None:  # the planner: the first run's pre-pass, encoders parked as below
+        todo = parts
+        if count_cached is not None:  # the preflight: this run's pre-pass, only for the parts with entries to encode
+            result.entries = count_cached(lambda: count_entries(trainer, parts, cache_dir, extra_signature, random_flip))
+            todo = [p for p in parts if result.entries[p][0] < result.entries[p][1]]
+        if simulated_fill is not None and todo:  # the planner: the pre-pass, encoders parked as below
             park_frozen()
-            simulated_fill(parts, encode_batch_size)
+            simulated_fill(todo, encode_batch_size)
         _drop_modules(models, droppable, result)
         park_frozen()
         return result
@@ -316,7 +337,7 @@ class Park(Plugin):
                 cache_latents=c.cache_latents, cache_text=c.cache_text, encode_batch_size=batch,
                 pin_memory=c.pin_memory, extra_signature=self._signature(ctx), autocast=autocast,
                 simulate=ctx.simulate, cache_setting=self.setting("cache_dir"), random_flip=ctx.flip.enabled,
-                simulated_fill=ctx.simulated_encode,
+                simulated_fill=ctx.simulated_encode, count_cached=ctx.simulated_read,
             )
         self.result = result
         for name, parked in result.parked.items():
@@ -328,6 +349,7 @@ class Park(Plugin):
         facts.encode_replaced = facts.encode_replaced or result.encode is not None
         facts.parked |= set(result.parked)
         facts.dropped |= set(result.dropped)
+        facts.cache_entries.update(result.entries)
         if result.parked:
             where = ("the device is the host on this run, so nothing moves" if ctx.device == ctx.host
                      else f"moved to {ctx.device} only for their calls")
