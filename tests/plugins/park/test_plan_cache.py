@@ -55,3 +55,38 @@ def test_mode_plan_reads_no_data_and_says_it_assumes_a_cold_cache(tmp_path, caps
     out = capsys.readouterr().out
     assert "encoder cache not read (mode=plan reads no data): a cold cache assumed" in out
     assert "the run's peak is the pre-pass's" in out
+
+
+def test_an_nf4_filled_cache_is_never_read_as_bf16(tmp_path, monkeypatch):
+    # The text entries' keys hold the text encoders' quantization and dtype (the quantization plugin's
+    # settings): a bf16 run re-encodes them, reading only the latents; an nf4 run again reads them all,
+    # as its preflight counts (the planner keys as the run does).
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    common = ["offload=park", f"offload.park.cache_dir={tmp_path / 'c'}", "model.train=lora", "train.steps=1",
+              "data.demo_size=4", "model.dtype=bfloat16"]
+    nf4 = ["quantization=nf4", "quantization.nf4.modules=[text_encoder,text_encoder_2]"]
+    runs = {"nf4": [*common, *nf4], "bf16": common, "nf4 again": [*common, *nf4]}
+    counted = {}
+    for name, overrides in runs.items():
+        s = job(tmp_path / name.replace(" ", "_"), *overrides)
+        assert s["status"] == "ok", s.get("error")
+        counted[name] = _plan(tmp_path / name.replace(" ", "_"))["cache_fill"]["entries"]
+    assert counted["nf4"] == {"latents": [0, 4], "text": [0, 4]}
+    assert counted["bf16"] == {"latents": [4, 4], "text": [0, 4]}  # not the nf4 embeddings
+    assert counted["nf4 again"] == {"latents": [4, 4], "text": [4, 4]}
+
+
+def test_the_cache_keys_hold_the_encoders_dtype():
+    # model.dtype is the frozen encoders' dtype (a CPU run keeps float32, so resolved for a CUDA target).
+    from runner.build import build_trainer
+    from runner.cli.compose import compose_config
+    from runner.plan.target import DEVICE
+    from runner.resolved import resolve
+
+    def signature(dtype: str) -> dict:
+        cfg = compose_config(["train.mixed_precision=bf16", f"model.dtype={dtype}", "model.train=lora"])
+        return build_trainer(cfg, resolve(cfg, target="cuda", device=DEVICE)).cache_signature("text")
+
+    bf16, fp32 = signature("bfloat16"), signature("float32")
+    assert {m["dtype"] for m in bf16["modules"].values()} == {"bfloat16"}
+    assert {m["dtype"] for m in fp32["modules"].values()} == {"float32"}
