@@ -185,14 +185,19 @@ class RunContext:
         return sig
 
     # ---- setup --------------------------------------------------------------------------------
-    def apply_setup_phases(self) -> None:
-        """Claims, then the model phases on ``self.models``; modules no plugin (nor the trainer's optional
-        ``place_models(ctx)``) placed go to the device."""
+    def apply_model_transforms(self) -> None:
+        """The setup phases before placement: claims, ``transform_models`` (quantization), the rest of the
+        weights read; what ``mode=cache`` runs before a plugin fills its cache (the keys name the transforms)."""
         if not self.card.active:
             self.card.__enter__()  # cuda_sim: every storage from here on is placed on the card or the host
         self.run_phase("claim_modules")
         self.run_phase("transform_models")
         self._read_unread()
+
+    def apply_setup_phases(self) -> None:
+        """Claims, then the model phases on ``self.models``; modules no plugin (nor the trainer's optional
+        ``place_models(ctx)``) placed go to the device."""
+        self.apply_model_transforms()
         self.run_phase("place_models")
         place = getattr(self.trainer, "place_models", None)  # a trainer that keeps a trained module on the host
         if callable(place):  # (Wan 2.2 A14B's parked expert, runner/families/wan/experts.py) adds it to facts.placed

@@ -363,6 +363,35 @@ class Park(Plugin):
         if result.cached_parts and not ctx.simulate:
             ctx.notes["encoder cache"] = f"{result.cache.root} ({result.encoded} entries encoded this run)"
 
+    def fill_cache(self, ctx: RunContext) -> int | None:
+        """``mode=cache``: encode every missing entry with the encoders where ``fill`` puts them (device:
+        parked, as a training run's pre-pass; host: on the CPU, under the run's autocast dtype there), keyed
+        as the training run keys them (its device type and autocast), then undo everything; the entries
+        encoded, or None with nothing to cache."""
+        c, run = self.config, self.run
+        parts = self._parts(ctx)
+        if not parts:
+            return None
+        on_host = c.fill == "host"
+        autocast = ctx.accelerator.autocast if ctx.accelerator is not None else None
+        if on_host:
+            dtype = run.autocast_dtype
+            autocast = (lambda: torch.autocast("cpu", dtype=dtype)) if dtype is not None else None
+        with ctx.dist.main_process_first():
+            result = park_and_cache(
+                ctx.trainer, ctx.models, ctx.host if on_host else ctx.device, host=ctx.host, cache_dir=c.cache_dir,
+                cache_latents=c.cache_latents, cache_text=c.cache_text,
+                encode_batch_size=int(c.encode_batch_size) if c.encode_batch_size else run.micro_batch,
+                pin_memory=c.pin_memory and not on_host, extra_signature=self._signature(ctx), autocast=autocast,
+                cache_setting=self.setting("cache_dir"), random_flip=ctx.flip.enabled)
+        for undo in reversed(result.restore):
+            undo()
+        for parked in result.parked.values():
+            parked.remove()
+        log.info("park: encoder cache %s filled on the %s: %d entries encoded", result.cache.root,
+                 "host" if on_host else f"device ({ctx.device})", result.encoded)
+        return result.encoded
+
     def _loads(self) -> dict[str, int]:
         result: ParkResult | None = getattr(self, "result", None)
         return {n: p.loads for n, p in result.parked.items()} if result is not None else {}
