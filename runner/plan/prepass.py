@@ -69,6 +69,9 @@ def cache_fill_report(sim: Any, training_peak: int) -> dict[str, Any] | None:
     if not ctx.facts.cached_parts and not sim.cache_fill:
         return None
     fill = sim.cache_fill or {"parts": [], "peak_bytes": 0}
+    on_host = bool(ctx.notes.get("cache fill on the host"))  # offload.park.fill=host: no device bytes
+    host_parts = [p for p, (n, m) in counted.items() if n < m] if counted else sorted(ctx.facts.cached_parts)
     return {"read": bool(counted), "entries": counted, "parts": fill["parts"], "peak_bytes": fill["peak_bytes"],
+            "host_parts": host_parts if on_host else [],
             "training_peak_bytes": training_peak,
             "run_peak": "pre-pass" if fill["parts"] and fill["peak_bytes"] >= training_peak else "training"}

@@ -166,6 +166,9 @@ def _cache_fill_line(c: dict[str, Any], unit: tuple[float, str]) -> str:
         seen = "encoder cache: " + ", ".join(f"{p} {n}/{m}" for p, (n, m) in c["entries"].items()) + " entries cached"
     else:
         seen = "encoder cache not read (mode=plan reads no data): a cold cache assumed"
+    if c.get("host_parts"):
+        return (f"  {seen}; pre-pass ({', '.join(c['host_parts'])}) on the host: no device bytes, the run's peak "
+                "is training's")
     if not c["parts"]:
         return f"  {seen}; no pre-pass: the run's peak is training's"
     return (f"  {seen}; pre-pass ({', '.join(c['parts'])}): peak {format_size(c['peak_bytes'], unit)}, training "

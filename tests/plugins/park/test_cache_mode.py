@@ -43,3 +43,21 @@ def test_a_fill_placement_not_built_is_refused_naming_the_key_and_the_choices(fi
 def test_mode_cache_without_a_cache_is_refused_before_anything_is_built(tmp_path):
     s = job(tmp_path / "none", "mode=cache", "offload=none")
     assert s["status"] != "ok" and "no plugin of this run keeps one: add offload=park" in s["error"]
+
+
+def test_a_run_that_fills_on_the_host_plans_no_device_bytes_for_its_pre_pass(tmp_path, capsys):
+    # chroma_16gb's first run peaks in T5's pre-pass on the card (test_plan_cache.py); with fill=host the
+    # encoders run on the CPU, so the plan's peak is training's.
+    from runner.__main__ import task
+    from runner.cli.launch import run_job
+
+    try:
+        run_job(task, compose_config([f"output_dir={tmp_path / 'p'}", "mode=plan", "+preset=chroma_16gb",
+                                      "train.device=cuda_sim", "offload.park.fill=host"]))
+    except SystemExit:
+        pass
+    plan = json.loads((tmp_path / "p" / "plan.json").read_text())
+    fill = plan["cache_fill"]
+    assert fill["parts"] == [] and fill["host_parts"] == ["latents", "text"] and fill["run_peak"] == "training"
+    assert plan["peak_bytes"] == fill["training_peak_bytes"] and "cache fill" not in plan["peak_phase"]
+    assert "pre-pass (latents, text) on the host: no device bytes" in capsys.readouterr().out
