@@ -182,7 +182,8 @@ def park_and_cache(
     random_flip: bool = False,
     simulated_fill: Callable[[list[str], int], None] | None = None,
     count_cached: Callable[[Callable[[], Any]], Any] | None = None,
-    fill_on_host: Callable[[], Any] | None = None,
+    fill_on_host: bool = False,
+    host_autocast: Callable[[], Any] | None = None,
 ) -> ParkResult:
     """Park every frozen module of ``models``; fill and use the encoder cache for ``trainer``.
 
@@ -194,8 +195,8 @@ def park_and_cache(
     batch reads the one its ``flip`` asks for (runner/data/flip.py). ``count_cached`` (with ``simulate``):
     runs a function outside the simulation; given, the cache folder is read and the pre-pass planned
     only for parts with entries missing (else for all of them). ``fill_on_host`` (``offload.park.fill=host``):
-    the pre-pass runs the encoders on ``host`` under this autocast (a function making the context, or None:
-    none), not parked on the device; the planner then plans no device bytes for it.
+    the pre-pass runs the encoders on ``host`` under ``host_autocast`` (None: none), not parked on the
+    device; the planner then plans no device bytes for it.
     """
     result = ParkResult()
 
@@ -216,7 +217,7 @@ def park_and_cache(
         if count_cached is not None:  # the preflight: this run's pre-pass, only for the parts with entries to encode
             result.entries = count_cached(lambda: count_entries(trainer, parts, cache_dir, extra_signature, random_flip))
             todo = [p for p in parts if result.entries[p][0] < result.entries[p][1]]
-        if simulated_fill is not None and todo and fill_on_host is None:  # the pre-pass, encoders parked as below
+        if simulated_fill is not None and todo and not fill_on_host:  # the pre-pass, encoders parked as below
             park_frozen()
             simulated_fill(todo, encode_batch_size)
         _drop_modules(models, droppable, result)
@@ -236,14 +237,13 @@ def park_and_cache(
                     "it" if len(plan.bad) == 1 else "them")
     if plan.missing_count():
         require_loaded(models, specs, plan, cache.root, cache_setting)  # a rank built without the encoders
-        on_host = fill_on_host is not None
-        if not on_host:
+        if not fill_on_host:
             park_frozen()  # the pre-pass runs the encoders parked: one on the device at a time
         with cache.filling() as waited:  # another run filling the same cache: wait, then encode what it did not
             if waited:
                 plan = result.plan = plan_cache(trainer, dataset, parts, cache, extra_signature, random_flip)
             result.encoded = fill_cache(trainer, models, dataset, plan, cache, encode_batch_size,
-                                        host if on_host else device, fill_on_host() if on_host else autocast)
+                                        host if fill_on_host else device, host_autocast if fill_on_host else autocast)
     # A complete cache: the modules that only compute cached parts are freed before they are
     # ever parked (no pinned copy of weights that will not be used).
     _drop_modules(models, droppable, result)
@@ -343,7 +343,7 @@ class Park(Plugin):
                 cache_latents=c.cache_latents, cache_text=c.cache_text, encode_batch_size=batch,
                 pin_memory=c.pin_memory, extra_signature=self._signature(ctx), autocast=autocast,
                 simulate=ctx.simulate, cache_setting=self.setting("cache_dir"), random_flip=ctx.flip.enabled,
-                simulated_fill=ctx.simulated_encode, count_cached=ctx.simulated_read, fill_on_host=self._host_fill(),
+                simulated_fill=ctx.simulated_encode, count_cached=ctx.simulated_read, **self._host_fill(),
             )
         if self.config.fill == "host" and parts and ctx.simulate:
             ctx.notes["cache fill on the host"] = "on the host (offload.park.fill=host): the pre-pass holds no device bytes"
@@ -371,12 +371,11 @@ class Park(Plugin):
         if result.cached_parts and not ctx.simulate:
             ctx.notes["encoder cache"] = f"{result.cache.root} ({result.encoded} entries encoded this run)"
 
-    def _host_fill(self) -> Callable[[], Any] | None:
-        """``fill=host``: what gives the host pre-pass its autocast (the run's dtype, on the CPU); None: the device's."""
-        if self.config.fill != "host":
-            return None
+    def _host_fill(self) -> dict[str, Any]:
+        """``fill=host``: the pre-pass on the CPU under the run's autocast dtype (none without one)."""
         dtype = self.run.autocast_dtype
-        return lambda: (lambda: torch.autocast("cpu", dtype=dtype)) if dtype is not None else None
+        return {"fill_on_host": self.config.fill == "host",
+                "host_autocast": (lambda: torch.autocast("cpu", dtype=dtype)) if dtype is not None else None}
 
     def fill_cache(self, ctx: RunContext) -> int | None:
         """``mode=cache``: encode every missing entry with the encoders where ``fill`` puts them (device:
@@ -395,7 +394,7 @@ class Park(Plugin):
                 encode_batch_size=int(c.encode_batch_size) if c.encode_batch_size else run.micro_batch,
                 pin_memory=c.pin_memory and not on_host, extra_signature=self._signature(ctx),
                 autocast=ctx.accelerator.autocast if ctx.accelerator is not None else None,
-                cache_setting=self.setting("cache_dir"), random_flip=ctx.flip.enabled, fill_on_host=self._host_fill())
+                cache_setting=self.setting("cache_dir"), random_flip=ctx.flip.enabled, **self._host_fill())
         for undo in reversed(result.restore):
             undo()
         for parked in result.parked.values():
