@@ -139,6 +139,18 @@ def count_entries(trainer: Any, parts: list[str], cache_dir: str | None, extra_s
     return counts
 
 
+def prepass_parts(result: ParkResult, trainer: Any, parts: list[str],
+                  count_cached: Callable[[Callable[[], Any]], Any] | None, cache_dir: str | None,
+                  extra_signature: Any, random_flip: bool) -> list[str]:
+    """The parts the planner's pre-pass encodes: all of them (a cold cache assumed), or, in the preflight
+    (``count_cached`` runs a function outside the simulation), those with entries missing, counted into
+    ``result.entries``."""
+    if count_cached is None:
+        return parts
+    result.entries = count_cached(lambda: count_entries(trainer, parts, cache_dir, extra_signature, random_flip))
+    return [p for p in parts if result.entries[p][0] < result.entries[p][1]]
+
+
 def only_cached_modules(trainer: Any, parts: list[str]) -> set[str]:
     """Modules that compute only the cached ``parts`` (no other encode part needs them)."""
     specs = trainer.encode_parts()
@@ -192,11 +204,9 @@ def park_and_cache(
     ``ParkResult.restore`` undoes that. The cache folder is written only when entries are missing
     or fail verification (then it must be writable, else a UserError naming ``cache_setting``).
     ``random_flip`` (``data.random_flip``): image parts are cached in both orientations and each
-    batch reads the one its ``flip`` asks for (runner/data/flip.py). ``count_cached`` (with ``simulate``):
-    runs a function outside the simulation; given, the cache folder is read and the pre-pass planned
-    only for parts with entries missing (else for all of them). ``fill_on_host`` (``offload.park.fill=host``):
-    the pre-pass runs the encoders on ``host`` under ``host_autocast`` (None: none), not parked on the
-    device; the planner then plans no device bytes for it.
+    batch reads the one its ``flip`` asks for (runner/data/flip.py). ``count_cached``: see :func:`prepass_parts`.
+    ``fill_on_host`` (``offload.park.fill=host``): the pre-pass runs the encoders on ``host`` under
+    ``host_autocast``, not parked on the device (the planner plans no device bytes for it).
     """
     result = ParkResult()
 
@@ -213,10 +223,7 @@ def park_and_cache(
     result.all_parts_cached = set(parts) == set(specs)
     result.cached_parts = list(parts)
     if simulate:
-        todo = parts
-        if count_cached is not None:  # the preflight: this run's pre-pass, only for the parts with entries to encode
-            result.entries = count_cached(lambda: count_entries(trainer, parts, cache_dir, extra_signature, random_flip))
-            todo = [p for p in parts if result.entries[p][0] < result.entries[p][1]]
+        todo = prepass_parts(result, trainer, parts, count_cached, cache_dir, extra_signature, random_flip)
         if simulated_fill is not None and todo and not fill_on_host:  # the pre-pass, encoders parked as below
             park_frozen()
             simulated_fill(todo, encode_batch_size)
@@ -346,7 +353,7 @@ class Park(Plugin):
                 simulated_fill=ctx.simulated_encode, count_cached=ctx.simulated_read, **self._host_fill(),
             )
         if self.config.fill == "host" and parts and ctx.simulate:
-            ctx.notes["cache fill on the host"] = "on the host (offload.park.fill=host): the pre-pass holds no device bytes"
+            ctx.notes["cache fill on the host"] = "offload.park.fill=host: the pre-pass holds no device bytes"
         self.result = result
         for name, parked in result.parked.items():
             ctx.hooks.add(models[name], MARK, self.key, handle=parked, undo=parked.remove)

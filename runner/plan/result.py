@@ -160,8 +160,12 @@ def _host_ram_lines(peak: int) -> list[str]:
             "train on a machine with more RAM (fit.host_ram_gb=<GiB> plans for it in mode=fit)."]
 
 
-def _cache_fill_line(c: dict[str, Any], unit: tuple[float, str]) -> str:
+def _cache_fill_line(c: dict[str, Any] | None, unit: tuple[float, str]) -> list[str]:
     """The encoder cache's pre-pass: what was read (or that a cold cache is assumed), its peak and the run's."""
+    return [] if c is None else [_cache_fill_text(c, unit)]
+
+
+def _cache_fill_text(c: dict[str, Any], unit: tuple[float, str]) -> str:
     if c["read"]:
         seen = "encoder cache: " + ", ".join(f"{p} {n}/{m}" for p, (n, m) in c["entries"].items()) + " entries cached"
     else:
@@ -211,8 +215,7 @@ def format_plan(plan: Plan) -> str:
     lines.append(f"  {'all':<22}" + "".join(f"{plan.by_category.get(c, 0) / unit[0]:>12.3f}" for c in cats)
                  + f"{plan.peak_bytes / unit[0]:>12.3f}")
     lines += ["", "  steady-state peak by phase: " + ", ".join(f"{k} {format_size(v, unit)}" for k, v in plan.phases.items())]
-    if plan.cache_fill:
-        lines.append(_cache_fill_line(plan.cache_fill, unit))
+    lines += _cache_fill_line(plan.cache_fill, unit)
     if plan.sampling:
         sp = plan.sampling
         lines.append(f"  sampling pass (sample.every, {sp['resolution']} px, denoiser batch {sp['denoiser_batch']}"
