@@ -256,6 +256,14 @@ def park_and_cache(
     _drop_modules(models, droppable, result)
     park_frozen()
 
+    _read_from_cache(trainer, dataset, cache, plan, parts, result)
+    return result
+
+
+def _read_from_cache(trainer: Any, dataset: Any, cache: EncoderCache, plan: CachePlan, parts: list[str],
+                     result: ParkResult) -> None:
+    """The trainer's ``encode`` replaced by cache reads (and, with every part cached, its dataset by sample
+    indices), each undone by ``result.restore``."""
     encode = CachedEncode(trainer, cache, {p: plan.keys[p] for p in parts}, plan.captions, plan.samples)
     result.encode = encode
     had_encode = trainer.__dict__.get("encode")
@@ -266,7 +274,6 @@ def park_and_cache(
         had_dataset = trainer.__dict__.get("dataset")
         trainer.dataset = lambda: light
         result.restore.append(lambda: _restore_attr(trainer, "dataset", had_dataset))
-    return result
 
 
 def _restore_attr(obj: Any, name: str, previous: Any) -> None:
