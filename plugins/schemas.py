@@ -282,9 +282,19 @@ class ParkConfig(PluginConfig):
     cache_dir: Optional[str] = None  # default: $XDG_CACHE_HOME or ~/.cache, /diffusion-memory-runner/latents
     encode_batch_size: Optional[int] = None  # pre-pass batch; default: the run's micro-batch (bitwise-equal results)
     pin_memory: bool = True  # pinned host copies of parked weights on CUDA (async copies in)
+    # Where the encoders run to fill the cache: device (parked, one on the device per call: the pre-pass of a
+    # training run) or host (on the CPU, for mode=cache on a card that cannot hold the encoder).
+    fill: str = "device"
+
+
+PARK_FILLS = ("device", "host")  # offload.park.fill ("stream", the encoder's blocks streamed, is not built)
 
 
 def check_park(c: Any, key: str = "offload.park") -> None:
+    fill = c.fill
+    if fill not in PARK_FILLS:
+        why = (" (streaming the encoder's blocks through the card is not built yet)" if fill == "stream" else "")
+        raise UserError(f"{key}.fill={fill!r} is not valid{why}. Valid values: {valid_list(str(fill), PARK_FILLS)}.")
     if c.encode_batch_size is not None and int(c.encode_batch_size) < 1:
         raise UserError(
             f"{key}.encode_batch_size={c.encode_batch_size!r} is not valid: give a whole number >= 1 "

@@ -147,6 +147,27 @@ def _train(job: Job) -> float | None:
     return result.losses[-1] if result.losses else None
 
 
+def _cache(job: Job) -> None:
+    """Fill the encoder cache (offload=park) as its own step and exit: no plan, no training. The next
+    run with the same settings reads it and plans no pre-pass."""
+    from accelerate.utils import set_seed
+
+    from runner.build import build_trainer
+    from runner.distributed.loading import build_models_for_rank
+    from runner.session import cache_fillers, fill_caches, open_run, take_models
+
+    ctx = open_run(job.cfg, job.out, job.overrides, job.checked)
+    fillers = cache_fillers(ctx)                                # refused before anything is built without one
+    ctx.trainer = build_trainer(job.cfg, ctx.run)
+    set_seed(ctx.run.seed)                                      # the weights a training run starts from
+    take_models(ctx, build_models_for_rank(ctx))
+    try:
+        filled = fill_caches(ctx, fillers)
+    finally:
+        ctx.teardown()
+    log.info("mode=cache: %s", ", ".join(f"{k}: {n} entries encoded" for k, n in filled.items()) or "nothing to cache")
+
+
 # mode -> (its task, whether it opens the output folder and loads the training libraries first)
 MODE_TASKS: dict[str, tuple[Callable[[Job], float | None], bool]] = {
     "plugins": (_plugins, False),
@@ -154,6 +175,7 @@ MODE_TASKS: dict[str, tuple[Callable[[Job], float | None], bool]] = {
     "export": (_export, True),
     "fit": (_fit, True),
     "train": (_train, True),
+    "cache": (_cache, True),
 }
 
 

@@ -3,7 +3,7 @@ importing nothing of the runner, so the checks, the builders, the guards and the
 without importing runner/config/."""
 from __future__ import annotations
 
-MODES = ("train", "plan", "fit", "export", "plugins")
+MODES = ("train", "plan", "fit", "export", "plugins", "cache")  # runner/__main__.py:MODE_TASKS
 SIZES = ("tiny", "full")
 DTYPES = ("float32", "bfloat16", "float16")
 TRAIN_DTYPES = ("float32", "bfloat16")  # model.train_dtype (bfloat16 = kohya's --full_bf16)

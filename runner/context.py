@@ -80,6 +80,9 @@ class RunFacts:
     compiled: dict[str, int] = field(default_factory=dict)  # train.compile: module -> compiled blocks
     pinned_host_bytes: int = 0  # page-locked host bytes (or that would be, on the target GPU)
     transfers: dict[str, Transfer] = field(default_factory=dict)  # plugin key -> its copies in the last step
+    # An encoder cache's entries as a plugin counted them before its pre-pass: part -> (cached, needed);
+    # empty when it was not read (the planner's ``mode=plan``: a cold cache is assumed).
+    cache_entries: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def claimed(self, action: str) -> set[str]:
         return {c.module for c in self.claims if c.action == action}
@@ -123,6 +126,10 @@ class RunContext:
     # them (``(parts, batch_size)``), so a plugin's encoding pre-pass in setup (park's cache fill) is
     # planned; None in a real run.
     simulated_encode: Callable[[list[str], int], None] | None = None
+    # Inside the planner's preflight: runs a function outside the simulation (real tensors), for a plugin
+    # that reads its cache folder to plan only the pre-pass this run does; None for ``mode=plan``, which
+    # reads no data and assumes a cold cache.
+    simulated_read: Callable[[Callable[[], Any]], Any] | None = None
     _torn_down: bool = False
 
     # The resolved run's devices, under the names plugins have always used.
@@ -168,7 +175,8 @@ class RunContext:
         """Every plugin's settings that change what the frozen modules ``modules`` compute (cache
         keys; None: any module). A plugin that leaves those modules alone is not part of the key,
         so switching a preset's quantization of the denoiser does not re-encode every caption."""
-        sig: dict[str, Any] = {"device_type": self.run.target if self.simulate else self.device.type,
+        planned = self.run.run_device_type or self.run.target  # the planner: the type the run will have
+        sig: dict[str, Any] = {"device_type": planned if self.simulate else self.device.type,
                                "autocast": self.run.precision}
         for p in self.schedule.plugins:
             s = p.encoder_signature(None if modules is None else frozenset(modules))
@@ -177,14 +185,19 @@ class RunContext:
         return sig
 
     # ---- setup --------------------------------------------------------------------------------
-    def apply_setup_phases(self) -> None:
-        """Claims, then the model phases on ``self.models``; modules no plugin (nor the trainer's optional
-        ``place_models(ctx)``) placed go to the device."""
+    def apply_model_transforms(self) -> None:
+        """The setup phases before placement: claims, ``transform_models`` (quantization), the rest of the
+        weights read; what ``mode=cache`` runs before a plugin fills its cache (the keys name the transforms)."""
         if not self.card.active:
             self.card.__enter__()  # cuda_sim: every storage from here on is placed on the card or the host
         self.run_phase("claim_modules")
         self.run_phase("transform_models")
         self._read_unread()
+
+    def apply_setup_phases(self) -> None:
+        """Claims, then the model phases on ``self.models``; modules no plugin (nor the trainer's optional
+        ``place_models(ctx)``) placed go to the device."""
+        self.apply_model_transforms()
         self.run_phase("place_models")
         place = getattr(self.trainer, "place_models", None)  # a trainer that keeps a trained module on the host
         if callable(place):  # (Wan 2.2 A14B's parked expert, runner/families/wan/experts.py) adds it to facts.placed

@@ -126,6 +126,11 @@ class Plugin:
         None when it changes nothing of theirs. ``modules=None``: any module of the run."""
         return None
 
+    def fill_cache(self, ctx: RunContext) -> int | None:
+        """``mode=cache``: fill this plugin's encoder cache for the run ``ctx`` configures (models built, the
+        claim and transform phases run) and return the entries encoded; None: this plugin caches nothing."""
+        return None
+
     def frees_after_cache_fill(self, trainer: Any) -> frozenset[str]:
         """Frozen modules of ``trainer`` this plugin frees in its setup phases once every output they
         compute is cached (park's dropped encoders), so no step, held-out pass or plugin calls them

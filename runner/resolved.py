@@ -67,6 +67,9 @@ class ResolvedRun:
     # weights in (MixedPrecisionPolicy param_dtype; gradients reduced in float32). None: FSDP gathers the
     # stored dtype and autocast casts (see fsdp_param_dtype_of).
     fsdp_param_dtype: torch.dtype | None = None
+    # The planner's copy of a run about to start (the preflight): the run's own device type, which keys
+    # its encoder cache (``cpu`` for cuda_sim's card); "" when the run is only planned.
+    run_device_type: str = ""
 
     @property
     def rank_batch(self) -> int:
@@ -103,7 +106,9 @@ class ResolvedRun:
 
     def simulated(self) -> ResolvedRun:
         """The same run as the planner simulates it: fake tensors on ``meta``, host on fake ``cpu``."""
-        return dataclasses.replace(self, device=torch.device("meta"), host=torch.device("cpu"), simulate=True)
+        own = self.run_device_type or ("" if self.device.type == "meta" else self.device.type)
+        return dataclasses.replace(self, device=torch.device("meta"), host=torch.device("cpu"), simulate=True,
+                                   run_device_type=own)
 
     def describe(self, own_batches: bool = False) -> str:
         """One log line: what was decided. ``own_batches``: a hosted loop's batches are its loader's,

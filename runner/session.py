@@ -37,7 +37,7 @@ from runner.optim.build import build_optimizer
 from runner.optim.fused import fuse_into_backward
 from runner.output.trackers import accelerator_kwargs
 from runner.plan import preflight
-from runner.plugin import PluginSchedule
+from runner.plugin import Plugin, PluginSchedule
 from runner.resolved import ResolvedRun, resolve
 from runner.trainer import ModelSet
 
@@ -103,6 +103,24 @@ def plan_run(ctx: RunContext, planned: Any) -> None:
     """Preflight: the planner simulates one full step of ``planned`` (a trainer, or a hosted loop's
     protocol view) with this run's plugins; over ``budget_gb`` the run stops here (exit 3)."""
     preflight(ctx.cfg, ctx.run, planned, ctx.output_dir)
+
+
+def cache_fillers(ctx: RunContext) -> list[Any]:
+    """The run's plugins that keep an encoder cache (they implement ``fill_cache``); ``mode=cache`` refuses a
+    run without one before anything is built."""
+    fillers = [p for p in ctx.schedule.plugins if type(p).fill_cache is not Plugin.fill_cache]
+    if not fillers:
+        raise UserError("mode=cache fills the encoder cache, but no plugin of this run keeps one: add offload=park "
+                        "(offload=[park,...] beside others), or run mode=train.")
+    return fillers
+
+
+def fill_caches(ctx: RunContext, fillers: list[Any]) -> dict[str, int]:
+    """``mode=cache``: each plugin's encoder cache filled for the run ``ctx`` configures (its keys: the
+    training run's), after the claims and the model transforms; plugin key -> entries encoded."""
+    ctx.apply_model_transforms()
+    filled = {p.key: p.fill_cache(ctx) for p in fillers}
+    return {k: n for k, n in filled.items() if n is not None}
 
 
 def take_models(ctx: RunContext, models: ModelSet) -> None:

@@ -118,6 +118,7 @@ class ParkResult:
     plan: CachePlan | None = None
     encode: CachedEncode | None = None
     all_parts_cached: bool = False  # every encode part is cached: nothing is encoded during training
+    entries: dict[str, tuple[int, int]] = field(default_factory=dict)  # part -> (cached, needed) entries, when counted
     restore: list[Callable[[], None]] = field(default_factory=list)
 
 
@@ -126,6 +127,31 @@ def parts_to_cache(trainer: Any, cache_latents: bool, cache_text: bool) -> list[
     if not callable(getattr(trainer, "encode_parts", None)):
         return []
     return [p for p, spec in trainer.encode_parts().items() if (cache_latents if is_image_part(spec) else cache_text)]
+
+
+def count_entries(trainer: Any, parts: list[str], cache_dir: str | None, extra_signature: Any,
+                  random_flip: bool) -> dict[str, tuple[int, int]]:
+    """Part -> (entries cached and intact, entries the run reads), keyed and verified as the run
+    does (:func:`plan_cache`); a cache folder that does not exist yet is read as empty."""
+    cache = EncoderCache(resolve_cache_dir(cache_dir))
+    plan = plan_cache(trainer, trainer.dataset(), parts, cache, extra_signature, random_flip)
+    counts = {}
+    for p in parts:
+        needed = len(set(plan.keys[p]) | set(plan.captions.get(p, {}).values()))
+        counts[p] = (needed - len(plan.missing[p]) - len(plan.missing_captions.get(p, ())), needed)
+    return counts
+
+
+def prepass_parts(result: ParkResult, trainer: Any, parts: list[str],
+                  count_cached: Callable[[Callable[[], Any]], Any] | None, cache_dir: str | None,
+                  extra_signature: Any, random_flip: bool) -> list[str]:
+    """The parts the planner's pre-pass encodes: all of them (a cold cache assumed), or, in the preflight
+    (``count_cached`` runs a function outside the simulation), those with entries missing, counted into
+    ``result.entries``."""
+    if count_cached is None:
+        return parts
+    result.entries = count_cached(lambda: count_entries(trainer, parts, cache_dir, extra_signature, random_flip))
+    return [p for p in parts if result.entries[p][0] < result.entries[p][1]]
 
 
 def only_cached_modules(trainer: Any, parts: list[str]) -> set[str]:
@@ -170,6 +196,9 @@ def park_and_cache(
     cache_setting: str = "offload.park.cache_dir",
     random_flip: bool = False,
     simulated_fill: Callable[[list[str], int], None] | None = None,
+    count_cached: Callable[[Callable[[], Any]], Any] | None = None,
+    fill_on_host: bool = False,
+    host_autocast: Callable[[], Any] | None = None,
 ) -> ParkResult:
     """Park every frozen module of ``models``; fill and use the encoder cache for ``trainer``.
 
@@ -178,7 +207,9 @@ def park_and_cache(
     ``ParkResult.restore`` undoes that. The cache folder is written only when entries are missing
     or fail verification (then it must be writable, else a UserError naming ``cache_setting``).
     ``random_flip`` (``data.random_flip``): image parts are cached in both orientations and each
-    batch reads the one its ``flip`` asks for (runner/data/flip.py).
+    batch reads the one its ``flip`` asks for (runner/data/flip.py). ``count_cached``: see :func:`prepass_parts`.
+    ``fill_on_host`` (``offload.park.fill=host``): the pre-pass runs the encoders on ``host`` under
+    ``host_autocast``, not parked on the device (the planner plans no device bytes for it).
     """
     result = ParkResult()
 
@@ -195,9 +226,10 @@ def park_and_cache(
     result.all_parts_cached = set(parts) == set(specs)
     result.cached_parts = list(parts)
     if simulate:
-        if simulated_fill is not None:  # the planner: the first run's pre-pass, encoders parked as below
+        todo = prepass_parts(result, trainer, parts, count_cached, cache_dir, extra_signature, random_flip)
+        if simulated_fill is not None and todo and not fill_on_host:  # the pre-pass, encoders parked as below
             park_frozen()
-            simulated_fill(parts, encode_batch_size)
+            simulated_fill(todo, encode_batch_size)
         _drop_modules(models, droppable, result)
         park_frozen()
         return result
@@ -215,16 +247,26 @@ def park_and_cache(
                     "it" if len(plan.bad) == 1 else "them")
     if plan.missing_count():
         require_loaded(models, specs, plan, cache.root, cache_setting)  # a rank built without the encoders
-        park_frozen()  # the pre-pass runs the encoders parked: one on the device at a time
+        if not fill_on_host:
+            park_frozen()  # the pre-pass runs the encoders parked: one on the device at a time
         with cache.filling() as waited:  # another run filling the same cache: wait, then encode what it did not
             if waited:
                 plan = result.plan = plan_cache(trainer, dataset, parts, cache, extra_signature, random_flip)
-            result.encoded = fill_cache(trainer, models, dataset, plan, cache, encode_batch_size, device, autocast)
+            result.encoded = fill_cache(trainer, models, dataset, plan, cache, encode_batch_size,
+                                        host if fill_on_host else device, host_autocast if fill_on_host else autocast)
     # A complete cache: the modules that only compute cached parts are freed before they are
     # ever parked (no pinned copy of weights that will not be used).
     _drop_modules(models, droppable, result)
     park_frozen()
 
+    _read_from_cache(trainer, dataset, cache, plan, parts, result)
+    return result
+
+
+def _read_from_cache(trainer: Any, dataset: Any, cache: EncoderCache, plan: CachePlan, parts: list[str],
+                     result: ParkResult) -> None:
+    """The trainer's ``encode`` replaced by cache reads (and, with every part cached, its dataset by sample
+    indices), each undone by ``result.restore``."""
     encode = CachedEncode(trainer, cache, {p: plan.keys[p] for p in parts}, plan.captions, plan.samples)
     result.encode = encode
     had_encode = trainer.__dict__.get("encode")
@@ -235,7 +277,6 @@ def park_and_cache(
         had_dataset = trainer.__dict__.get("dataset")
         trainer.dataset = lambda: light
         result.restore.append(lambda: _restore_attr(trainer, "dataset", had_dataset))
-    return result
 
 
 def _restore_attr(obj: Any, name: str, previous: Any) -> None:
@@ -319,8 +360,10 @@ class Park(Plugin):
                 cache_latents=c.cache_latents, cache_text=c.cache_text, encode_batch_size=batch,
                 pin_memory=c.pin_memory, extra_signature=self._signature(ctx), autocast=autocast,
                 simulate=ctx.simulate, cache_setting=self.setting("cache_dir"), random_flip=ctx.flip.enabled,
-                simulated_fill=ctx.simulated_encode,
+                simulated_fill=ctx.simulated_encode, count_cached=ctx.simulated_read, **self._host_fill(),
             )
+        if self.config.fill == "host" and parts and ctx.simulate:
+            ctx.notes["cache fill on the host"] = "offload.park.fill=host: the pre-pass holds no device bytes"
         self.result = result
         for name, parked in result.parked.items():
             ctx.hooks.add(models[name], MARK, self.key, handle=parked, undo=parked.remove)
@@ -331,6 +374,7 @@ class Park(Plugin):
         facts.encode_replaced = facts.encode_replaced or result.encode is not None
         facts.parked |= set(result.parked)
         facts.dropped |= set(result.dropped)
+        facts.cache_entries.update(result.entries)
         if result.parked:
             where = ("the device is the host on this run, so nothing moves" if ctx.device == ctx.host
                      else f"moved to {ctx.device} only for their calls")
@@ -343,6 +387,38 @@ class Park(Plugin):
             ctx.notes["dropped weight bytes"] = sum(result.dropped.values())
         if result.cached_parts and not ctx.simulate:
             ctx.notes["encoder cache"] = f"{result.cache.root} ({result.encoded} entries encoded this run)"
+
+    def _host_fill(self) -> dict[str, Any]:
+        """``fill=host``: the pre-pass on the CPU under the run's autocast dtype (none without one)."""
+        dtype = self.run.autocast_dtype
+        return {"fill_on_host": self.config.fill == "host",
+                "host_autocast": (lambda: torch.autocast("cpu", dtype=dtype)) if dtype is not None else None}
+
+    def fill_cache(self, ctx: RunContext) -> int | None:
+        """``mode=cache``: encode every missing entry with the encoders where ``fill`` puts them (device:
+        parked, as a training run's pre-pass; host: on the CPU, under the run's autocast dtype there), keyed
+        as the training run keys them (its device type and autocast), then undo everything; the entries
+        encoded, or None with nothing to cache."""
+        c, run = self.config, self.run
+        parts = self._parts(ctx)
+        if not parts:
+            return None
+        on_host = c.fill == "host"
+        with ctx.dist.main_process_first():
+            result = park_and_cache(
+                ctx.trainer, ctx.models, ctx.device, host=ctx.host, cache_dir=c.cache_dir,
+                cache_latents=c.cache_latents, cache_text=c.cache_text,
+                encode_batch_size=int(c.encode_batch_size) if c.encode_batch_size else run.micro_batch,
+                pin_memory=c.pin_memory and not on_host, extra_signature=self._signature(ctx),
+                autocast=ctx.accelerator.autocast if ctx.accelerator is not None else None,
+                cache_setting=self.setting("cache_dir"), random_flip=ctx.flip.enabled, **self._host_fill())
+        for undo in reversed(result.restore):
+            undo()
+        for parked in result.parked.values():
+            parked.remove()
+        log.info("park: encoder cache %s filled on the %s: %d entries encoded", result.cache.root,
+                 "host" if on_host else f"device ({ctx.device})", result.encoded)
+        return result.encoded
 
     def _loads(self) -> dict[str, int]:
         result: ParkResult | None = getattr(self, "result", None)

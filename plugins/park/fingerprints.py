@@ -87,5 +87,10 @@ class SampleFingerprints:
 
 
 def entry_key(signature: dict[str, Any], fingerprint: dict[str, Any]) -> str:
+    """One entry's key: the sample's ``fingerprint`` under the part's ``signature``, which records what the
+    encoder is: each module's dtype and weights (the trainer's ``cache_signature``), its quantization (the
+    quantization plugin's settings when it quantized one of the part's modules), the device type the run
+    computes on and its autocast (``ctx.encoder_signature``). So an nf4 encoder's embeddings are never read
+    by a bf16 run, nor the other way round (tests/plugins/park/test_plan_cache.py)."""
     blob = json.dumps({"signature": signature, "inputs": fingerprint}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()

@@ -177,7 +177,7 @@ class RunConfig:
     budget_gb: Optional[float] = None  # device memory budget; used by allocator cap and the planner
     device: DeviceConfig = field(default_factory=DeviceConfig)  # the GPU the run is for: budget default, s/step (runner/devices.py)
     fit: FitConfig = field(default_factory=FitConfig)  # mode=fit / train.auto_fit: the settings search (runner/fit/)
-    mode: str = "train"  # train | plan (predict memory and s/step, exit 3 if over budget_gb) | fit (the fastest settings that fit) | export (a saved checkpoint: train.resume=...) | plugins
+    mode: str = "train"  # train | plan (predict memory and s/step, exit 3 if over budget_gb) | fit (the fastest settings that fit) | export (a saved checkpoint: train.resume=...) | plugins | cache (fill the encoder cache of offload=park, then exit)
     preset: Optional[str] = None  # set by the preset file, for the log
     output_dir: Optional[str] = None  # default: Hydra's run directory
 

@@ -157,7 +157,7 @@ def preflight(cfg: Any, run: ResolvedRun, trainer: Any, out: Path) -> Plan | Non
     try:
         with _said_by_the_run():
             # the plugins as the job's checks built and validated them, built again for the simulated run
-            plan = plan_step(cfg, trainer, build_plugins(cfg, run.simulated(), check=False), run=run)
+            plan = plan_step(cfg, trainer, build_plugins(cfg, run.simulated(), check=False), run=run, reads_cache=True)
     except (UserError, KeyboardInterrupt):
         raise
     except Exception as e:  # noqa: BLE001 - see the docstring

@@ -4,7 +4,9 @@ Why: park encodes the whole data set before step 1 (plugins/park/cache.py:fill_c
 ``offload.park.encode_batch_size`` per call, each part's encoders on the device for their call. The
 plan used to start after it, so a first run could need more than its plan (``train.device=cuda_sim``
 showed it: a tiny Lumina 2's text encoder, with eager attention, peaked at 2.4x the planned step).
-Trade-off: the plan assumes a first run (nothing cached yet), the run that needs the most.
+The preflight plans the pre-pass this run will do: park counts its cache's entries first
+(``ctx.simulated_reads_cache``) and asks for the parts with entries missing only, none for a full cache.
+``mode=plan`` reads no data, so it assumes a cold cache (the run that needs the most) and says so.
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ def simulate_cache_fill(sim: Any, parts: list[str], batch_size: int) -> None:
                 skipped.append(f"{part} ({type(e).__name__})")
             del batch
     del host_batch
+    sim.cache_fill = {"parts": list(parts), "peak_bytes": int(tracker.phase_peaks.get("cache fill", {}).get(DEVICE.type, 0))}
     if skipped:
         sim.notes["cache fill"] = ("first-run encoder pre-pass not planned for " + ", ".join(skipped)
                                     + ": its encoder reads values a shape-only plan does not have")
@@ -55,3 +58,20 @@ def device_seeds(n: int) -> torch.Tensor:
     with unset_fake_temporarily():
         seeds = torch.zeros(n, dtype=torch.int64)
     return seeds.to(DEVICE)
+
+
+def cache_fill_report(sim: Any, training_peak: int) -> dict[str, Any] | None:
+    """What the plan says of an encoder cache's pre-pass (None when no plugin caches an encode step):
+    whether the cache was read, its entries per part, the parts the pre-pass encodes, its device peak
+    beside training's, and which is the run's peak."""
+    ctx = sim.ctx
+    counted = {p: list(n) for p, n in ctx.facts.cache_entries.items()}
+    if not ctx.facts.cached_parts and not sim.cache_fill:
+        return None
+    fill = sim.cache_fill or {"parts": [], "peak_bytes": 0}
+    on_host = bool(ctx.notes.get("cache fill on the host"))  # offload.park.fill=host: no device bytes
+    host_parts = [p for p, (n, m) in counted.items() if n < m] if counted else sorted(ctx.facts.cached_parts)
+    return {"read": bool(counted), "entries": counted, "parts": fill["parts"], "peak_bytes": fill["peak_bytes"],
+            "host_parts": host_parts if on_host else [],
+            "training_peak_bytes": training_peak,
+            "run_peak": "pre-pass" if fill["parts"] and fill["peak_bytes"] >= training_peak else "training"}

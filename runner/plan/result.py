@@ -48,6 +48,9 @@ class Plan:
     # dist=ddp|fsdp: host RAM per rank, rank 0's (larger when it broadcasts the trained module), per node
     # (dist.ranks_per_node) and how the ranks load the trained module (runner/plan/dist.py host_per_node)
     host_ranks: dict[str, Any] | None = None
+    # An encoder cache's pre-pass (offload=park): entries read or a cold cache assumed, parts encoded, peaks
+    # (runner/plan/prepass.py:cache_fill_report); None when nothing caches an encode step.
+    cache_fill: dict[str, Any] | None = None
     reserved: dict[str, Any] | None = None  # a CUDA target: what the caching allocator reserves (runner/plan/allocator.py)
     timeline: dict[str, Any] | None = None  # memory over the simulated step, thinned: plan.png (runner/plan/timeline.py)
 
@@ -158,6 +161,25 @@ def _host_ram_lines(peak: int) -> list[str]:
             "train on a machine with more RAM (fit.host_ram_gb=<GiB> plans for it in mode=fit)."]
 
 
+def _cache_fill_line(c: dict[str, Any] | None, unit: tuple[float, str]) -> list[str]:
+    """The encoder cache's pre-pass: what was read (or that a cold cache is assumed), its peak and the run's."""
+    return [] if c is None else [_cache_fill_text(c, unit)]
+
+
+def _cache_fill_text(c: dict[str, Any], unit: tuple[float, str]) -> str:
+    if c["read"]:
+        seen = "encoder cache: " + ", ".join(f"{p} {n}/{m}" for p, (n, m) in c["entries"].items()) + " entries cached"
+    else:
+        seen = "encoder cache not read (mode=plan reads no data): a cold cache assumed"
+    if c.get("host_parts"):
+        return (f"  {seen}; pre-pass ({', '.join(c['host_parts'])}) on the host: no device bytes, the run's peak "
+                "is training's")
+    if not c["parts"]:
+        return f"  {seen}; no pre-pass: the run's peak is training's"
+    return (f"  {seen}; pre-pass ({', '.join(c['parts'])}): peak {format_size(c['peak_bytes'], unit)}, training "
+            f"{format_size(c['training_peak_bytes'], unit)}: the run's peak is the {c['run_peak']}'s")
+
+
 def format_plan(plan: Plan) -> str:
     """The plan as a readable table (what ``mode=plan`` prints)."""
     s = plan.run
@@ -194,6 +216,7 @@ def format_plan(plan: Plan) -> str:
     lines.append(f"  {'all':<22}" + "".join(f"{plan.by_category.get(c, 0) / unit[0]:>12.3f}" for c in cats)
                  + f"{plan.peak_bytes / unit[0]:>12.3f}")
     lines += ["", "  steady-state peak by phase: " + ", ".join(f"{k} {format_size(v, unit)}" for k, v in plan.phases.items())]
+    lines += _cache_fill_line(plan.cache_fill, unit)
     if plan.sampling:
         sp = plan.sampling
         lines.append(f"  sampling pass (sample.every, {sp['resolution']} px, denoiser batch {sp['denoiser_batch']}"

@@ -64,7 +64,7 @@ from runner.plan.dist import gathered_params, host_per_node, rank0_only_params, 
 from runner.plan.dist import measure as measure_rank
 from runner.plan.ema import plan_ema
 from runner.plan.fake import fake_module, simulation_mode, weights_left_uninitialised
-from runner.plan.prepass import simulate_cache_fill
+from runner.plan.prepass import cache_fill_report, simulate_cache_fill
 from runner.plan.process import import_model_classes, old_objects_frozen, one_thread
 from runner.plan.result import PhasePeak, Plan
 from runner.plan.sampling import plan_sampling
@@ -140,6 +140,7 @@ def plan_step(
     *,
     run: ResolvedRun | None = None,
     target: str | None = None,
+    reads_cache: bool = False,
 ) -> Plan:
     """Simulate one training step of ``cfg`` (with ``trainer`` and plugin ``schedule`` if given).
 
@@ -148,7 +149,8 @@ def plan_step(
     ``target``, itself by default CUDA unless ``train.device=cpu``); ``trainer``: any object
     following the trainer protocol (default: built from ``cfg.trainer``); ``schedule``: a
     :class:`~runner.plugin.PluginSchedule` (default: the plugins ``cfg`` names, built for the
-    simulated run). Nothing real is allocated.
+    simulated run). Nothing real is allocated. ``reads_cache``: plugins may read their encoder cache to
+    plan only the pre-pass this run does (the preflight); otherwise a cold cache is assumed.
     """
     if run is None:
         run = resolve(cfg, target=target or planned_target(cfg), device=DEVICE)
@@ -161,6 +163,8 @@ def plan_step(
     import_model_classes(trainer)  # before the freeze: see the function
     with one_thread(), old_objects_frozen():
         sim = _Simulation(cfg, run, trainer, schedule if schedule is not None else build_plugins(cfg, run))
+        if reads_cache:
+            sim.ctx.simulated_read = sim.outside
         with contextlib.closing(sim.part_shapes_job):  # no child left running if the plan fails
             counter = timing.counter()
             timeline = Timeline(sim.tracker)  # memory after every op: plan.png (runner/plan/picture.py)
@@ -249,6 +253,7 @@ class _Simulation:
         self.cached: set[str] = set()
         self.state_by_dev: dict[str, dict[str, dict[str, int]]] = {}
         self.host_steady = 0
+        self.cache_fill: dict[str, Any] | None = None  # the encoders' pre-pass, when planned (runner/plan/prepass.py)
         self.ema = plan_ema(self)  # ema.enabled: the copy, counted where it lives (runner/plan/ema.py); else a no-op
         self.fused = False  # optimizer.fused_backward: the optimizer steps inside backward (runner/optim/fused.py)
         self.rank_layout: Any = None
@@ -265,6 +270,11 @@ class _Simulation:
             with weights_left_uninitialised():
                 models = prepare_models(self.trainer.build_models(DEVICE), self.cfg.model, self.run)
             return encode_part_shapes(self.trainer, models, self.micro)
+
+    def outside(self, fn: Any) -> Any:
+        """``fn()`` on real tensors, with the simulation's modes off (a plugin reading its cache folder)."""
+        with without_dispatch_modes(), self.semantics.paused():
+            return fn()
 
     @property
     def part_shapes(self) -> dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]]:
@@ -456,6 +466,7 @@ def _assemble(sim: _Simulation, seconds: float) -> Plan:
         notes=notes,
         seconds=seconds,
     )
+    plan.cache_fill = cache_fill_report(sim, max([v for k, v in phases.items() if k != "setup"], default=0))
     if target == "cuda" and not sim.run.dist.active:  # what the caching allocator reserves (runner/plan/allocator.py)
         cap = None if plan.budget_bytes is None else plan.budget_bytes - plan.margin_bytes
         plan.reserved = plan_reserved(sim.alloc_log, cfg, cap).to_dict()

@@ -23,6 +23,7 @@ from runner.errors import UserError
 from runner.memory.cuda_sim import DEVICE_KEY, HOST_KEY, SimulatedCuda
 from runner.memory.live_bytes import LiveBytesTracker
 from runner.plan.target import CUDA_WORKSPACE_MARGIN_BYTES
+from runner_setup import job
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -191,16 +192,6 @@ def test_bitsandbytes_4bit_weights_move_to_the_card_and_back():
 
 # ---- whole runs on the simulated card ----------------------------------------------------------
 
-QUIET = ["train.progress=false", "sample.every=0"]
-
-
-def job(out, *overrides: str) -> dict:
-    """One job as ``python -m runner`` runs it; its job_summary.json."""
-    try:
-        run_job(task, compose_config([f"output_dir={out}", *QUIET, *overrides]))
-    except SystemExit:
-        pass
-    return json.loads((out / "job_summary.json").read_text())
 
 
 def test_the_tiny_default_on_the_simulated_card_peaks_where_its_plan_says(tmp_path, monkeypatch):

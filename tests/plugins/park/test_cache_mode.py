@@ -1,0 +1,63 @@
+"""``mode=cache`` (issue 46): the encoder cache filled as its own step, on the device or the host, keyed as the
+training run keys it; ``offload.park.fill`` is checked before anything is built."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from runner_setup import job
+
+from runner.cli.compose import compose_config
+from runner.config.checks import check_config
+from runner.errors import UserError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_mode_cache_fills_on_the_host_and_the_next_run_plans_and_runs_no_pre_pass(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    cache = tmp_path / "c"
+    common = ["offload=park", f"offload.park.cache_dir={cache}", "data.demo_size=4", "train.device=cuda_sim",
+              "train.steps=2", "model.train=lora"]
+    s = job(tmp_path / "fill", "mode=cache", "offload.park.fill=host", *common)
+    assert s["status"] == "ok" and s["steps_done"] == 0
+    filled = {p: p.stat().st_mtime_ns for p in cache.rglob("*.safetensors")}
+    assert len(filled) == 8  # 4 samples' latents and text embeddings
+    s = job(tmp_path / "train", *common)
+    assert s["status"] == "ok" and s["steps_done"] == 2
+    plan = json.loads((tmp_path / "train" / "plan.json").read_text())["cache_fill"]
+    assert plan["entries"] == {"latents": [4, 4], "text": [4, 4]} and plan["parts"] == []  # no pre-pass planned
+    assert {p: p.stat().st_mtime_ns for p in cache.rglob("*.safetensors")} == filled  # none run: nothing rewritten
+    assert 0.97 <= s["peak_memory_gb"] / s["planned_peak_gb"] <= 1.03
+
+
+@pytest.mark.parametrize("fill, says", [
+    ("stream", r"offload\.park\.fill='stream' is not valid \(streaming .* not built yet\)\. Valid values: device, host"),
+    ("gpu", r"offload\.park\.fill='gpu' is not valid\. Valid values: device, host"),
+])
+def test_a_fill_placement_not_built_is_refused_naming_the_key_and_the_choices(fill, says):
+    with pytest.raises(UserError, match=says):
+        check_config(compose_config(["mode=cache", "offload=park", f"offload.park.fill={fill}"]))
+
+
+def test_mode_cache_without_a_cache_is_refused_before_anything_is_built(tmp_path):
+    s = job(tmp_path / "none", "mode=cache", "offload=none")
+    assert s["status"] != "ok" and "no plugin of this run keeps one: add offload=park" in s["error"]
+
+
+def test_a_run_that_fills_on_the_host_plans_no_device_bytes_for_its_pre_pass(tmp_path, capsys):
+    # chroma_16gb's first run peaks in T5's pre-pass on the card (test_plan_cache.py); with fill=host the
+    # encoders run on the CPU, so the plan's peak is training's.
+    from runner.__main__ import task
+    from runner.cli.launch import run_job
+
+    try:
+        run_job(task, compose_config([f"output_dir={tmp_path / 'p'}", "mode=plan", "+preset=chroma_16gb",
+                                      "train.device=cuda_sim", "offload.park.fill=host"]))
+    except SystemExit:
+        pass
+    plan = json.loads((tmp_path / "p" / "plan.json").read_text())
+    fill = plan["cache_fill"]
+    assert fill["parts"] == [] and fill["host_parts"] == ["latents", "text"] and fill["run_peak"] == "training"
+    assert plan["peak_bytes"] == fill["training_peak_bytes"] and "cache fill" not in plan["peak_phase"]
+    assert "pre-pass (latents, text) on the host: no device bytes" in capsys.readouterr().out
