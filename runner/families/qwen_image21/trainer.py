@@ -37,6 +37,7 @@ from runner.families.common.flow import FlowMatchTrainer
 from runner.families.common.loading import compute_dtype, pipeline_class
 from runner.families.common.tokenizers import load_folder_tokenizer, qwen2_vl_tokenizer
 from runner.families.qwen_image.trainer import latent_factor, normalize_per_channel
+from runner.families.qwen_image.architecture import TINY_QWEN_VOCAB
 from runner.families.qwen_image21 import architecture as qwen21_configs
 from runner.families.qwen_image21.config import QwenImage21TrainerConfig
 from runner.trainer import Batch, EncodePart, ModelSet, batch_device
@@ -75,9 +76,11 @@ class QwenImage21Trainer(FlowMatchTrainer):
     def __init__(self, cfg: Any, run: Any = None) -> None:
         super().__init__(cfg, run)
         length = cfg.trainer.get("max_sequence_length")
-        default = qwen21_configs.QWEN21_MAX_SEQUENCE_LENGTH["full" if self.source is not None else self.size]
+        # The tiny byte-level vocabulary (a random tiny build, or a folder saved from one) gets the tiny default.
+        vocab = int(self.component_config("text_encoder")["text_config"]["vocab_size"])
+        default = qwen21_configs.QWEN21_MAX_SEQUENCE_LENGTH["tiny" if vocab <= TINY_QWEN_VOCAB else "full"]
         self.max_sequence_length = int(default if length is None else length)
-        if not 1 <= self.max_sequence_length <= MAX_SEQUENCE_LENGTH or (length is not None and int(length) != length):
+        if not 1 <= self.max_sequence_length <= MAX_SEQUENCE_LENGTH:
             raise UserError(f"trainer.max_sequence_length={length!r} is not valid: it must be a whole number from 1 to "
                             f"{MAX_SEQUENCE_LENGTH}, or null for {default}.")
 

@@ -34,6 +34,7 @@ from runner.trainer import encode
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 FAMILIES = ["sd15", "sd35", "chroma", "flux_kontext", "z_image", "lumina2", "flux2", "qwen_image_edit"]
+FAMILIES += ["qwen_image21"]
 EDIT = {"flux_kontext": ["data.references=1"], "qwen_image_edit": ["data.references=1"]}  # an edit family trains on the paired demo set (a reference per target)
 COMMON = ["train.device=cpu", "train.progress=false", "data.demo_size=4", "export.enabled=false"]
 

@@ -155,7 +155,7 @@ def test_samples_during_training(tmp_path):
         assert im.size == (64, 64) and im.mode == "RGB"
 
 
-@pytest.mark.parametrize("value", ["0", "5000", "1.5"])
+@pytest.mark.parametrize("value", ["0", "5000"])
 def test_a_bad_max_sequence_length_is_a_user_error(value):
     with pytest.raises(UserError, match=rf"trainer.max_sequence_length={value} is not valid"):
         build_trainer(compose_config(["trainer=qwen_image21", f"trainer.max_sequence_length={value}",
