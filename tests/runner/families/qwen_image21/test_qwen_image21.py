@@ -17,12 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate.utils import set_seed
+from safetensors.torch import load_file
 
 from runner.__main__ import task
 from runner.build import build_trainer, prepare_models
 from runner.cli.compose import compose_config
 from runner.errors import UserError
 from runner.export.checkpoint import EXPORT_DIR
+from runner.export.comfy import COMFY_FILE
 from runner.export.lora import DIFFUSERS_FILE
 from runner.families.qwen_image21.trainer import QwenImage21Trainer
 from runner.output.report import read_metrics
@@ -32,6 +34,12 @@ from runner.state.checkpoint import load_trainable_weights
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 CAPTIONS = ["a photo of a cat", "a red bicycle leaning on a wall, oil painting"]
+# The ComfyUI file's layout (runner/export/comfy.py "qwen_image"): ComfyUI's generic diffusion_model.<module>
+# keys with diffusers' module names and .alpha (None: present, any value). The ComfyUI source read here (Oct
+# 2025) has no Qwen-Image 2.1 model, so that its module names are diffusers' is assumed, as for Qwen-Image.
+COMFY_KEYS = {"diffusion_model.transformer_blocks.0.attn.to_q.lora_A.weight": None,
+              "diffusion_model.transformer_blocks.2.attn.to_out.0.lora_B.weight": None,
+              "diffusion_model.transformer_blocks.1.attn.to_k.alpha": 8.0}
 COMMON = ["trainer=qwen_image21", "train.device=cpu", "train.progress=false", "data.demo_size=2"]
 
 
@@ -143,6 +151,17 @@ def test_two_steps_train_and_the_lora_loads_into_the_pipeline_with_the_runners_w
     assert (after - before).abs().max() > 1e-4
     torch.testing.assert_close(after, expected, rtol=1e-4, atol=1e-5)
     pipe.fuse_lora()
+    torch.testing.assert_close(denoise(pipe.transformer), expected, rtol=1e-4, atol=1e-5)
+    # The ComfyUI file: diffusers' names under diffusion_model. with the trained alpha (COMFY_KEYS); diffusers'
+    # own reader of that layout (QwenImageLoraLoaderMixin's, which QwenImage21Pipeline has) gives the same model.
+    comfy = load_file(str(export / COMFY_FILE))
+    for key, value in COMFY_KEYS.items():
+        assert key in comfy, key
+        if value is not None:
+            assert float(comfy[key]) == value
+    _, base = fresh()
+    pipe = trainer.pipeline(base)
+    pipe.load_lora_weights(str(export / COMFY_FILE))
     torch.testing.assert_close(denoise(pipe.transformer), expected, rtol=1e-4, atol=1e-5)
 
 
