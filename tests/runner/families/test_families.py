@@ -137,6 +137,7 @@ STREAM = {"sd15": ["offload.stream.device_fraction=0.3"],
           "lumina2": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"],  # 3 + 2 refiner blocks
           "flux2": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"],  # 1 double + 2 single tiny blocks
           "qwen_image_edit": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"]}  # Qwen-Image's 3
+STREAM["qwen_image21"] = ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"]  # 3 tiny blocks
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -161,6 +162,8 @@ def test_quantized_base_and_tiled_vae_train(tmp_path, family, plugins):
     """LoRA on a quantized frozen denoiser, and a tiled VAE encode (32 px tiles of the 64 px images)."""
     # Lumina 2's LoRA on q/k/v has no ComfyUI file (ComfyUI fuses them): exported for diffusers only
     fmt = ["export.lora_format=diffusers"] if family == "lumina2" else []
+    if family == "qwen_image21":  # a 16x VAE: tiles and overlap in multiples of 16 (a smaller one is refused)
+        plugins = [p.replace("vae_tile_overlap=8", "vae_tile_overlap=16") for p in plugins]
     steps = losses(tmp_path, family, "train.steps=2", "model.train=lora", *fmt, *plugins)
     assert len(steps) == 2 and all(math.isfinite(x) and x > 0 for x in steps)
 
@@ -170,6 +173,8 @@ def test_an_out_of_memory_step_retried_in_halves_equals_a_run_configured_so(tmp_
     """A real ``torch.OutOfMemoryError`` from the denoiser while a micro-batch holds 2 samples: the
     loop halves the micro-batch and runs the step again; the losses are those of a run with
     ``train.grad_accum=2`` from the start, bit for bit (every draw is per sample)."""
+    if family == "qwen_image21":  # one transformer call per caption length: its own test injects at predict
+        pytest.skip("tests/runner/families/qwen_image21/test_qwen_image21.py injects the OOM at predict")
     def run_with(out: Path, *overrides: str, oom: bool) -> list[float]:
         ctx = prepared_context(out, f"trainer={family}", *EDIT.get(family, []), *COMMON, "train.steps=2", "train.preflight=false", *overrides)
         ctx.apply_setup_phases()

@@ -19,10 +19,13 @@ import torch
 from accelerate.utils import set_seed
 from safetensors.torch import load_file
 
+from runner_setup import prepared_context
+
 from runner.__main__ import task
 from runner.build import build_trainer, prepare_models
 from runner.cli.compose import compose_config
 from runner.errors import UserError
+from runner.loop import train as train_loop
 from runner.export.checkpoint import EXPORT_DIR
 from runner.export.comfy import COMFY_FILE
 from runner.export.lora import DIFFUSERS_FILE
@@ -179,3 +182,31 @@ def test_a_bad_max_sequence_length_is_a_user_error(value):
     with pytest.raises(UserError, match=rf"trainer.max_sequence_length={value} is not valid"):
         build_trainer(compose_config(["trainer=qwen_image21", f"trainer.max_sequence_length={value}",
                                       "train.device=cpu"]))
+
+
+def test_an_out_of_memory_step_retried_in_halves_equals_a_run_configured_so(tmp_path):
+    """A real ``torch.OutOfMemoryError`` while the step's micro-batch holds 2 samples (raised in ``predict``: the
+    transformer itself sees one caption length per call), retried in halves: the losses of a run with
+    ``train.grad_accum=2`` from the start, bit for bit."""
+    def run_with(out: Path, *overrides: str, oom: bool) -> list[float]:
+        ctx = prepared_context(out, *COMMON, "train.steps=2", "train.preflight=false", "export.enabled=false",
+                               *overrides)
+        ctx.apply_setup_phases()
+        predict = ctx.trainer.predict
+
+        def raise_while_two(models, noisy, t, batch):
+            if len(noisy) > 1:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+            return predict(models, noisy, t, batch)
+
+        if oom:
+            ctx.trainer.predict = raise_while_two
+        try:
+            return train_loop(ctx).losses
+        finally:
+            ctx.teardown()
+
+    split = run_with(tmp_path / "oom", oom=True)
+    assert split == run_with(tmp_path / "accum", "train.grad_accum=2", oom=False) and len(split) == 2
+    rows = read_metrics(tmp_path / "oom" / "metrics.jsonl")
+    assert rows[0]["micro_batch_size"] == 1 and rows[0]["oom_retries"] == 1
