@@ -45,7 +45,7 @@ class Krea2Trainer(QwenImageTrainer):
     Config = Krea2TrainerConfig
     display_name = "Krea 2"
     reference_repo = "krea/Krea-2"
-    comfy_layout = "qwen_image"  # diffusion_model.<diffusers name> (runner/export/comfy.py)
+    comfy_layout = "krea2"  # diffusion_model.<original krea-2 name>, scale in B (runner/export/comfy.py)
     family = "krea2"
 
     def __init__(self, cfg: Any, run: Any = None) -> None:
