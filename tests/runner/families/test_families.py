@@ -35,6 +35,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 FAMILIES = ["sd15", "sd35", "chroma", "flux_kontext", "z_image", "lumina2", "flux2", "qwen_image_edit"]
 FAMILIES += ["qwen_image21"]
+FAMILIES += ["krea2"]
 EDIT = {"flux_kontext": ["data.references=1"], "qwen_image_edit": ["data.references=1"]}  # an edit family trains on the paired demo set (a reference per target)
 COMMON = ["train.device=cpu", "train.progress=false", "data.demo_size=4", "export.enabled=false"]
 
@@ -138,6 +139,7 @@ STREAM = {"sd15": ["offload.stream.device_fraction=0.3"],
           "flux2": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"],  # 1 double + 2 single tiny blocks
           "qwen_image_edit": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"]}  # Qwen-Image's 3
 STREAM["qwen_image21"] = ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"]  # 3 tiny blocks
+STREAM["krea2"] = ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"]  # 3 tiny blocks
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -21,6 +21,7 @@ from runner.families.common.tokenizers import clip_tokenizer, t5_tokenizer
 from runner.families.flux.trainer import FluxTrainer, FluxTrainerConfig
 from runner.families.flux2.config import Flux2TrainerConfig
 from runner.families.flux2.trainer import Flux2Trainer
+from runner.families.krea2.trainer import Krea2Trainer, Krea2TrainerConfig
 from runner.families.lumina2.trainer import Lumina2Trainer, Lumina2TrainerConfig
 from runner.families.qwen_image21.trainer import QwenImage21Trainer, QwenImage21TrainerConfig
 from runner.families.sd15.trainer import SD15Trainer, SD15TrainerConfig
@@ -45,6 +46,7 @@ FAMILIES = {
     "flux2": (Flux2Trainer, Flux2TrainerConfig, {}),
     "flux2_klein": (Flux2Trainer, Flux2TrainerConfig, {"variant": "klein"}),
     "qwen_image21": (QwenImage21Trainer, QwenImage21TrainerConfig, {}),
+    "krea2": (Krea2Trainer, Krea2TrainerConfig, {}),
 }
 
 
@@ -201,7 +203,8 @@ def test_trainer_options_change_the_loss(full_setup):
               "lumina2": {"loss": {"timestep_sampling": "uniform"}},
               "flux2": {"trainer": {"guidance": 4.0}},  # dev's guidance embedding
               "flux2_klein": {"loss": {"timestep_sampling": "uniform"}},
-              "qwen_image21": {"loss": {"timestep_sampling": "uniform"}}}[family]
+              "qwen_image21": {"loss": {"timestep_sampling": "uniform"}},
+              "krea2": {"loss": {"timestep_sampling": "uniform"}}}[family]
     other = make_trainer(family, **option)
     with torch.no_grad():
         batch = tr.example_batch(2, "cpu")
@@ -279,6 +282,7 @@ def test_repeated_blocks_are_outermost(full_setup):
         "flux2": {"Flux2TransformerBlock", "Flux2SingleTransformerBlock"},
         "flux2_klein": {"Flux2TransformerBlock", "Flux2SingleTransformerBlock"},
         "qwen_image21": {"QwenImage21TransformerBlock"},
+        "krea2": {"Krea2TransformerBlock"},
     }
     assert names == expected[family]
 
