@@ -155,3 +155,11 @@ def test_samples_during_training(tmp_path):
 
     with Image.open(next((tmp_path / "samples" / "step-1").glob("*.png"))) as im:
         assert im.size == (64, 64)
+
+
+@pytest.mark.parametrize("value", ["0", "5000"])
+def test_a_bad_max_sequence_length_is_a_user_error(value):
+    from runner.errors import UserError
+
+    with pytest.raises(UserError, match=rf"trainer.max_sequence_length={value} is not valid"):
+        build_trainer(compose_config(["trainer=krea2", f"trainer.max_sequence_length={value}", "train.device=cpu"]))
