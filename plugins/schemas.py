@@ -193,6 +193,7 @@ DEFAULT_SKIP: tuple[str, ...] = (
     r"(^|\.)(time_embedding|add_embedding|time_text_embed)\.",
     r"^(x_embedder|context_embedder|proj_in|proj_out|norm_out)(\.|$)",
     r"(^|\.)text_projection$",
+    r"(^|\.)text_fusion\.projector$",  # Krea 2: mixes the 12 tapped text layers (12 weights; bitsandbytes fails a 1-row layer)
 )
 """Regular expressions (``re.search`` on the logical layer name) of layers kept unquantized."""
 

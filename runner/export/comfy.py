@@ -78,6 +78,7 @@ class ComfyLayout:
     wins; ``None`` keeps diffusers' names (the family's ComfyUI names are diffusers' own).
     ``separate``: whether it is its own file (``lora_comfy.safetensors``) or the kohya file.
     ``fused``: modules ComfyUI has as one linear (:class:`FusedGroup`), written as one LoRA.
+    ``scale_in_b``: no ``.alpha`` keys, ``alpha / rank`` folded into B (a reader that refuses ``.alpha``).
     """
 
     style: str
@@ -85,6 +86,7 @@ class ComfyLayout:
     renames: tuple[tuple[str, str], ...] | None = None
     separate: bool = True
     fused: tuple[FusedGroup, ...] = ()
+    scale_in_b: bool = False
 
 
 # Wan: diffusers' WanTransformer3DModel module -> the original Wan module ComfyUI knows
@@ -134,6 +136,26 @@ LUMINA2_RENAMES: tuple[tuple[str, str], ...] = (
 LUMINA2_FUSED = (FusedGroup(r"(?P<block>(?:layers|noise_refiner|context_refiner)\.\d+)\.attn\.to_(?P<part>[qkv])",
                             r"\g<block>.attention.qkv", "{block}.attn.to_{part}", ("q", "k", "v")),)
 
+# Krea 2: diffusers' Krea2Transformer2DModel module -> the original krea-ai/krea-2 module, which the reference
+# trainer's and ComfyUI's files key under diffusion_model. (the inverse of diffusers'
+# _convert_non_diffusers_krea2_lora_to_diffusers, which reads the file back and refuses .alpha keys).
+_KREA2_ATTN = {"to_q": "wq", "to_k": "wk", "to_v": "wv", "to_out\\.0": "wo", "to_gate": "gate"}
+KREA2_RENAMES: tuple[tuple[str, str], ...] = (
+    *((rf"transformer_blocks\.(\d+)\.attn\.{d}", rf"blocks.\1.attn.{o}") for d, o in _KREA2_ATTN.items()),
+    (r"transformer_blocks\.(\d+)\.ff\.(gate|up|down)", r"blocks.\1.mlp.\2"),
+    *((rf"text_fusion\.(layerwise_blocks|refiner_blocks)\.(\d+)\.attn\.{d}", rf"txtfusion.\1.\2.attn.{o}")
+      for d, o in _KREA2_ATTN.items()),
+    (r"text_fusion\.(layerwise_blocks|refiner_blocks)\.(\d+)\.ff\.(gate|up|down)", r"txtfusion.\1.\2.mlp.\3"),
+    (r"img_in", "first"),
+    (r"final_layer\.linear", "last.linear"),
+    (r"time_embed\.linear_1", "tmlp.0"),
+    (r"time_embed\.linear_2", "tmlp.2"),
+    (r"time_mod_proj", "tproj.1"),
+    (r"txt_in\.linear_1", "txtmlp.1"),
+    (r"txt_in\.linear_2", "txtmlp.3"),
+    (r"text_fusion\.projector", "txtfusion.projector"),
+)
+
 # Trainer.comfy_layout -> its layout (see the module docstring).
 LAYOUTS: dict[str, ComfyLayout] = {
     "kohya": ComfyLayout("kohya", "", separate=False),  # the prefix is the kohya file's (runner/export/lora.py)
@@ -143,6 +165,7 @@ LAYOUTS: dict[str, ComfyLayout] = {
     "z_image": ComfyLayout("dotted", "diffusion_model"),
     "hidream": ComfyLayout("dotted", "diffusion_model"),  # ComfyUI's HiDream modules carry diffusers' names
     "lumina2": ComfyLayout("dotted", "diffusion_model", LUMINA2_RENAMES, fused=LUMINA2_FUSED),
+    "krea2": ComfyLayout("dotted", "diffusion_model", KREA2_RENAMES, scale_in_b=True),
     # BFL's names, q/k/v fused and the scale in B: written by runner/families/flux2/comfy.py, not comfy_state_dict
     "flux2": ComfyLayout("flux2", "diffusion_model", FLUX2_NAMES),
 }
@@ -227,9 +250,13 @@ def comfy_state_dict(peft_state: dict[str, torch.Tensor], layout: ComfyLayout, a
             continue
         if f"{key}.{down}" in out:
             raise ValueError(f"two LoRA modules share the ComfyUI key {key!r}")
-        out[f"{key}.{down}"] = peft_state[f"{module}.lora_A.weight"].contiguous()
-        out[f"{key}.{up}"] = peft_state[f"{module}.lora_B.weight"].contiguous()
-        out[f"{key}.alpha"] = torch.tensor(float(alpha))
+        a, b = peft_state[f"{module}.lora_A.weight"], peft_state[f"{module}.lora_B.weight"]
+        out[f"{key}.{down}"] = a.contiguous()
+        if layout.scale_in_b:
+            out[f"{key}.{up}"] = (b * (float(alpha) / a.shape[0])).contiguous()
+        else:
+            out[f"{key}.{up}"] = b.contiguous()
+            out[f"{key}.alpha"] = torch.tensor(float(alpha))
     return out
 
 

@@ -173,12 +173,15 @@ class DeviceSemantics(TorchFunctionMode):
             return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
         name = getattr(func, "__name__", None)
-        if name in ("tensor", "as_tensor") and args and not _holds_tensor(args[0]) \
-                and torch.device(kwargs.get("device") or "cpu").type == "cpu":
+        if name in ("tensor", "as_tensor") and args and not _holds_tensor(args[0]):
             # A tensor made from Python data on the host holds real values (seeds, sizes, ids)
-            # that code reads back with tolist(): keep it real. It is a few bytes.
+            # that code reads back with tolist(): keep it real. It is a few bytes. Made on the
+            # simulated device, it is that real tensor moved there (a move keeps its value:
+            # runner/plan/values.py).
+            device = kwargs.get("device")
             with unset_fake_temporarily():
-                return func(*args, **kwargs)
+                real = func(*args, **{**kwargs, "device": "cpu"})
+            return real if torch.device(device or "cpu").type == "cpu" else real.to(device)
         if self.casting and name is not None:
             if name in AUTOCAST_LOWER:
                 args, kwargs = self._cast_all(args, kwargs, self.dtype)

@@ -362,7 +362,8 @@ class _Simulation:
                     enc = batch
                 loss = trainer.loss(ctx.models, enc)
         self.recorder.take("forward" + suffix)
-        with tracker.phase("backward"):
+        # known values also in the backward: an index by a mask the forward saved (Qwen-Image 2.1) reads it
+        with tracker.phase("backward"), known_values():
             ctx.accelerator.backward(loss * (self.micro / self.batch_size))
         del loss, enc, batch, host_batch  # the loop holds them until its backward returns
         for p in self.params:

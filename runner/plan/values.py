@@ -13,7 +13,11 @@ only then move to the device. :class:`KnownValues` keeps them:
   values from them, on the CPU, with the simulation's modes off (nothing it makes is counted);
 * a read of a value (``.item()``, ``bool()``, ``torch.equal``, a move back to the host as ``tolist``
   makes) is answered from it;
-* an in-place op on a tensor with a value, given an input without one, forgets the value.
+* an in-place op on a tensor with a value, given an input without one, forgets the value;
+* an op whose output's shape depends on values (``nonzero``, ``repeat_interleave`` by a tensor, indexing
+  by a boolean mask), which a fake tensor cannot answer, is answered from the values: computed on them
+  when every input has one, else (an index by a known mask into an activation) run with the mask's
+  ``nonzero`` indices in its place (Qwen-Image 2.1's transformer lays out its joint sequence so).
 
 A read of a tensor with no value still fails as before, and the planner reports the call and the
 trainer's line (runner/plan/__init__.py). The trade-off: a few microseconds an op while values are
@@ -34,12 +38,15 @@ from typing import Any
 
 import torch
 
-from runner.compat import TorchDispatchMode, is_fake, tree_flatten, tree_map, without_dispatch_modes
+from runner.compat import (FAKE_VALUE_ERRORS, TorchDispatchMode, is_fake, tree_flatten, tree_map,
+                           without_dispatch_modes)
 
 LIMIT = 1 << 16  # elements: ids, masks and the scalars made from them; never activations
 _ATTR = "_runner_known_value"
 _MOVES = {torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype_layout, torch.ops.aten.to.device,
           torch.ops.aten.to.dtype, torch.ops.aten.to.other}
+_INDEXING = {torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default, torch.ops.aten.index_put.default,
+             torch.ops.aten._index_put_impl_.default}
 _READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default}
 
 
@@ -83,10 +90,46 @@ class KnownValues(TorchDispatchMode):
         if func in _MOVES and _to_host(args, kwargs) and (value := value_of(args[0])) is not None and _simulated(args[0]):
             with without_dispatch_modes():  # a read back to the host (``tolist``): the value, moved as asked
                 return func(value, *args[1:], **kwargs)
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except FAKE_VALUE_ERRORS:
+            out = self._shaped_by_values(func, args, kwargs)
         if func in _MOVES or self.alive:
             self._follow(func, args, kwargs, out)
         return out
+
+    def _shaped_by_values(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """An op whose output shape depends on values (the fake kernel refused it), from the known values:
+        outputs made empty on the simulated device with the real result's shapes (``_follow`` then gives
+        them the values), or the op run with each known boolean index replaced by its nonzero indices."""
+        device = next(a.device for a in tree_flatten((args, kwargs))[0] if _simulated(a))
+        values = self._values(args, kwargs)
+        if values is not None:
+            with without_dispatch_modes():
+                result = func(*values[0], **values[1])
+            return tree_map(lambda r: torch.empty(r.shape, dtype=r.dtype, device=device)
+                            if isinstance(r, torch.Tensor) else r, result)
+        unknown = False
+
+        def positions(a: Any) -> Any:
+            nonlocal unknown
+            if not (isinstance(a, torch.Tensor) and a.dtype == torch.bool and _simulated(a)):
+                return a
+            v = value_of(a)
+            if v is None:
+                unknown = True
+                return a
+            with without_dispatch_modes():
+                counts = [len(ix) for ix in v.nonzero(as_tuple=True)]
+            return [torch.empty(n, dtype=torch.long, device=device) for n in counts]
+
+        if func not in _INDEXING:
+            raise
+        indices = [] if args[1] is None else [p for ix in args[1] for p in
+                                              (positions(ix) if ix is not None else [None])]
+        if unknown:
+            raise
+        return func(args[0], indices, *args[2:], **kwargs)
 
     def _values(self, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         """``(args, kwargs)`` with every simulated tensor replaced by its value and every simulated

@@ -34,6 +34,8 @@ from runner.trainer import encode
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 FAMILIES = ["sd15", "sd35", "chroma", "flux_kontext", "z_image", "lumina2", "flux2", "qwen_image_edit", "hidream"]
+FAMILIES += ["qwen_image21"]
+FAMILIES += ["krea2"]
 EDIT = {"flux_kontext": ["data.references=1"], "qwen_image_edit": ["data.references=1"]}  # an edit family trains on the paired demo set (a reference per target)
 COMMON = ["train.device=cpu", "train.progress=false", "data.demo_size=4", "export.enabled=false"]
 
@@ -137,6 +139,8 @@ STREAM = {"sd15": ["offload.stream.device_fraction=0.3"],
           "flux2": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"],  # 1 double + 2 single tiny blocks
           "qwen_image_edit": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"],  # Qwen-Image's 3
           "hidream": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"]}  # 2 double + 2 single tiny blocks
+STREAM["qwen_image21"] = ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"]  # 3 tiny blocks
+STREAM["krea2"] = ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"]  # 3 tiny blocks
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -159,6 +163,8 @@ def test_checkpointing_and_streaming_keep_the_losses_bit_identical(tmp_path, cap
                          ids=["nf4", "fp8", "tiled-vae"])
 def test_quantized_base_and_tiled_vae_train(tmp_path, family, plugins):
     """LoRA on a quantized frozen denoiser, and a tiled VAE encode (32 px tiles of the 64 px images)."""
+    if family == "qwen_image21":  # a 16x VAE: tiles and overlap in multiples of 16 (a smaller one is refused)
+        plugins = [p.replace("vae_tile_overlap=8", "vae_tile_overlap=16") for p in plugins]
     steps = losses(tmp_path, family, "train.steps=2", "model.train=lora", *plugins)
     assert len(steps) == 2 and all(math.isfinite(x) and x > 0 for x in steps)
 
@@ -168,6 +174,8 @@ def test_an_out_of_memory_step_retried_in_halves_equals_a_run_configured_so(tmp_
     """A real ``torch.OutOfMemoryError`` from the denoiser while a micro-batch holds 2 samples: the
     loop halves the micro-batch and runs the step again; the losses are those of a run with
     ``train.grad_accum=2`` from the start, bit for bit (every draw is per sample)."""
+    if family == "qwen_image21":  # one transformer call per caption length: its own test injects at predict
+        pytest.skip("tests/runner/families/qwen_image21/test_qwen_image21.py injects the OOM at predict")
     def run_with(out: Path, *overrides: str, oom: bool) -> list[float]:
         ctx = prepared_context(out, f"trainer={family}", *EDIT.get(family, []), *COMMON, "train.steps=2", "train.preflight=false", *overrides)
         ctx.apply_setup_phases()

@@ -22,7 +22,9 @@ from runner.families.flux.trainer import FluxTrainer, FluxTrainerConfig
 from runner.families.flux2.config import Flux2TrainerConfig
 from runner.families.flux2.trainer import Flux2Trainer
 from runner.families.hidream.trainer import HiDreamTrainer, HiDreamTrainerConfig
+from runner.families.krea2.trainer import Krea2Trainer, Krea2TrainerConfig
 from runner.families.lumina2.trainer import Lumina2Trainer, Lumina2TrainerConfig
+from runner.families.qwen_image21.trainer import QwenImage21Trainer, QwenImage21TrainerConfig
 from runner.families.sd15.trainer import SD15Trainer, SD15TrainerConfig
 from runner.families.sd35.trainer import SD35Trainer, SD35TrainerConfig
 from runner.families.sdxl.architecture import sdxl_configs
@@ -45,6 +47,8 @@ FAMILIES = {
     "hidream": (HiDreamTrainer, HiDreamTrainerConfig, {}),
     "flux2": (Flux2Trainer, Flux2TrainerConfig, {}),
     "flux2_klein": (Flux2Trainer, Flux2TrainerConfig, {"variant": "klein"}),
+    "qwen_image21": (QwenImage21Trainer, QwenImage21TrainerConfig, {}),
+    "krea2": (Krea2Trainer, Krea2TrainerConfig, {}),
 }
 
 
@@ -140,10 +144,10 @@ def test_example_batch_matches_encode_and_runs(full_setup):
         assert math.isfinite(tr.loss(models, ex).item())
 
 
-# Not lumina2: its transformer reads its mask's token counts (mask.sum(dim=1).tolist()), which plain meta
-# tensors cannot answer; the planner gives masks their values (runner/plan/values.py), and
-# tests/runner/families/lumina2/test_lumina2.py plans it against real CPU steps.
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "lumina2"])
+# Not lumina2 nor qwen_image21: their transformers read their masks' token counts (mask.sum(dim=1).tolist()),
+# which plain meta tensors cannot answer; the planner gives masks their values (runner/plan/values.py), and
+# each family's own tests plan it (lumina2 against real CPU steps).
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in ("lumina2", "qwen_image21")])
 def test_example_batch_on_meta_models(family):
     tr = make_trainer(family)
     models = tr.build_models("meta")
@@ -201,7 +205,9 @@ def test_trainer_options_change_the_loss(full_setup):
               "lumina2": {"loss": {"timestep_sampling": "uniform"}},
               "hidream": {"loss": {"timestep_shift": "none"}},  # the family's default is the fixed 3.0
               "flux2": {"trainer": {"guidance": 4.0}},  # dev's guidance embedding
-              "flux2_klein": {"loss": {"timestep_sampling": "uniform"}}}[family]
+              "flux2_klein": {"loss": {"timestep_sampling": "uniform"}},
+              "qwen_image21": {"loss": {"timestep_sampling": "uniform"}},
+              "krea2": {"loss": {"timestep_sampling": "uniform"}}}[family]
     other = make_trainer(family, **option)
     with torch.no_grad():
         batch = tr.example_batch(2, "cpu")
@@ -279,6 +285,8 @@ def test_repeated_blocks_are_outermost(full_setup):
         "hidream": {"HiDreamBlock"},  # double and single stream (trainer.repeated_blocks: not the caption projections)
         "flux2": {"Flux2TransformerBlock", "Flux2SingleTransformerBlock"},
         "flux2_klein": {"Flux2TransformerBlock", "Flux2SingleTransformerBlock"},
+        "qwen_image21": {"QwenImage21TransformerBlock"},
+        "krea2": {"Krea2TransformerBlock"},
     }
     assert names == expected[family]
 
