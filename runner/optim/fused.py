@@ -163,16 +163,13 @@ class FusedBackward(ForwardsToInner):
             return
         if self.reduce is not None:  # every rank then clips, checks and steps the same averaged gradient
             self.reduce(grad)
-        ok = None  # the planner (fake values): nothing to decide
+        # The planner runs this too, on fake values: its ops and copies are what it prices (only settle's read is skipped)
         if self.max_grad_norm > 0:  # per-parameter clipping by its own norm, on the card (module docstring)
             norm = torch.nn.utils.clip_grad_norm_([p], self.max_grad_norm)
-            ok = None if self._simulated else torch.isfinite(whole_value(norm))
-        elif not self._simulated:
-            ok = finite_flag(grad)
-        if ok is None:
-            self._step_one(p)  # type: ignore[arg-type]
+            ok = torch.isfinite(whole_value(norm))
         else:
-            self._masked_step(p, ok)  # type: ignore[arg-type]
+            ok = finite_flag(grad)
+        self._masked_step(p, ok)  # type: ignore[arg-type]
         self.stepped += 1
         p.grad = None
 
@@ -195,7 +192,7 @@ class FusedBackward(ForwardsToInner):
         gradient was not finite (their weights and card state already restored) restore the optimizer's
         host-side state (step counters) and name them."""
         pending, self._pending = self._pending, []
-        if not pending:
+        if not pending or self._simulated:  # the planner: fake flags have no values (the read is priced as one sync)
             return
         flags = self._flags[: len(pending)].tolist()  # the step's one read of the card
         for before, ok in zip(pending, flags):
