@@ -29,7 +29,7 @@ def run_one(preset: str, steps: int, fused: str, clip: str, extra: list[str]) ->
         r = subprocess.run([sys.executable, "-m", "runner", f"+preset={preset}", "train.device=cuda_sim",
                             f"train.steps={steps}", "train.progress=false", "sample.every=0", "export.enabled=false",
                             f"optimizer.fused_backward={fused}", f"train.max_grad_norm={clip}", f"output_dir={out}", *extra],
-                           cwd=ROOT, env=env, capture_output=True, text=True)
+                           cwd=ROOT, env=env, capture_output=True, text=True, check=False)
         try:
             s = json.loads((out / "job_summary.json").read_text())
             st = json.loads((out / "plan.json").read_text())["step_time"]
