@@ -164,11 +164,10 @@ class ForwardsToInner(torch.optim.Optimizer):
 
 # ---- builders -----------------------------------------------------------------------------------
 def _build_adamw(cfg: Any, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    # On a card (real or cuda_sim): torch's fused kernel, one multi-tensor update in place, without temporaries
-    # (sdxl_24gb tiny, optimizer=adamw, cuda_sim: 6,114 -> 2,692 card ops per step, docs/benchmarks.md).
-    # Elsewhere foreach=False. Never foreach=True: it allocates temporaries for all parameters at once.
-    fused = bool(params) and all(cuda_like(p.device) and p.is_floating_point() for p in params)
-    kind: dict[str, bool] = {"fused": True} if fused else {"foreach": False}
+    # On a card (real or cuda_sim): torch's fused in-place multi-tensor kernel (docs/benchmarks.md: 6,114 -> 2,692 card
+    # ops a step); elsewhere foreach=False. Never foreach=True: temporaries for all parameters at once.
+    on_card = bool(params) and all(cuda_like(p.device) and p.is_floating_point() for p in params)
+    kind: dict[str, bool] = {"fused": True} if on_card else {"foreach": False}
     return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay,
                              **kind)
 
