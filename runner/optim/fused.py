@@ -66,6 +66,7 @@ moment (the message names the newest checkpoint to resume from).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Iterable
@@ -117,6 +118,9 @@ class FusedBackward(ForwardsToInner):
         self._direct = False  # a parameter stepped through the optimizer's one-parameter update (not its step())
         self.loss_admitted = True
         self.loss_value: float | None = None  # the micro-batch's loss, read before its backward (admits)
+        # where the one-parameter copies are made; the planner's dist=fsdp plan leaves their bytes out (a rank
+        # copies its shard, the plan's fake parameter is whole), their ops stay counted
+        self.copy_scope: Callable[[], Any] = contextlib.nullcontext
         self._warned_late = False
         for gi, group in enumerate(optimizer.param_groups):
             for pi, p in enumerate(group["params"]):
@@ -179,7 +183,8 @@ class FusedBackward(ForwardsToInner):
         if self._flags is not None and len(self._pending) >= self._flags.numel():
             self.settle()  # more updates than parameters without a zero_grad (steps outside the loop)
         state = self.inner.state.get(p) or {}
-        before = _Before(p, state)
+        with self.copy_scope():
+            before = _Before(p, state)
         self._step_one(p)
         before.keep_where(ok, self.inner.state.get(p) or {})
         self._pending.append(before)

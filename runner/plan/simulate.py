@@ -311,6 +311,8 @@ class _Simulation:
         self.ema.create()  # where the loop builds it: after the optimizer, on the weights as placed
         ctx.optimizer = fuse_into_backward(ctx.optimizer, self.cfg.optimizer, self.run)
         self.fused = isinstance(ctx.optimizer, FusedBackward)
+        if self.fused and self.rank_layout is not None and self.rank_layout.name == "fsdp":
+            ctx.optimizer.copy_scope = tracker.uncounted  # a rank's hook copies its shard: bytes left out, ops counted
         if self.fused and self.rank_layout is not None and self.rank_layout.name == "ddp":
             # dist=ddp with fused backward builds no DDP buckets: each gradient is averaged in its hook
             # (runner/distributed/runtime.py), so a rank holds what one process holds.
