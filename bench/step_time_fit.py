@@ -48,7 +48,7 @@ AS_RUN: dict[str, dict[str, Any]] = {
     "sdxl_24gb": {"plan": "sdxl_24gb", "micro_batches": 1, "update_syncs_per_param": 1,
                   "ran": "bitsandbytes 0.50 AdamW8bit: sync_gpu after each parameter"},
     "sdxl_24gb__fused_backward": {"plan": "sdxl_24gb__fused_backward", "micro_batches": 1, "update_syncs_per_param": 1,
-                                  "hook_syncs_per_param": 1,
+                                  "hook_syncs_per_param": 1, "hook_step_calls_per_param": 1,
                                   "ran": "fused backward, clipping on: float(norm) and bitsandbytes' sync per parameter"},
     "sd35_24gb": {"plan": "sd35_24gb", "micro_batches": 1, "update_syncs_per_param": 0,
                   "ran": "LoRA, torch AdamW foreach=False: no sync per parameter"},
@@ -101,7 +101,8 @@ def _inputs(rec: dict[str, Any]) -> tuple:
                       device_params=u["device_params"], host_elements=u["host_elements"],
                       host_bytes=_param_bytes(rec, "host"), host_params=u["host_params"])
     transfers = {k: Transfer(**{**t, "host_step_elements": 0}) for k, t in d["transfers"].items()}
-    out = (counter, trained, transfers, StepShape(**rec["shape"]))
+    calls = AS_RUN.get(rec.get("row", ""), {}).get("hook_step_calls_per_param", 0)  # what the row ran (AS_RUN)
+    out = (counter, trained, transfers, StepShape(**{**rec["shape"], "hook_step_calls_per_param": calls}))
     _INPUTS[id(rec)] = (rec, out)
     return out
 
@@ -200,7 +201,8 @@ def extract(rows_dirs: list[Path], plans: Path) -> dict[str, Any]:
         shape = StepShape(optimizer=_optimizer_of(plans / "plans" / how["plan"]), params=d["optimizer_update"]["device_params"],
                           micro_batches=how["micro_batches"], fused=d["optimizer_update"]["in"] == "backward",
                           update_syncs_per_param=how["update_syncs_per_param"],
-                          hook_syncs_per_param=how.get("hook_syncs_per_param"))
+                          hook_syncs_per_param=how.get("hook_syncs_per_param"),
+                          hook_step_calls_per_param=how.get("hook_step_calls_per_param", 0))
         rows.append({"row": row, "plan": how["plan"], "measured_s": measured[row], "ran": how["ran"],
                      "shape": asdict(shape), "flops": st["flops"], "detail": keep})
     return {"device": "h200", "source": [str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p)

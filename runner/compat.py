@@ -301,8 +301,8 @@ if hasattr(torch, "_foreach_norm") and hasattr(torch, "_foreach_mul_"):
     foreach_mul_: Callable[..., Any] = torch._foreach_mul_
 else:  # pragma: no cover
 
-    def foreach_norm(tensors: list[torch.Tensor], ord: float = 2.0) -> list[torch.Tensor]:
-        return [torch.linalg.vector_norm(t, ord) for t in tensors]
+    def foreach_norm(tensors: list[torch.Tensor], ord: float = 2.0, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        return [torch.linalg.vector_norm(t, ord, dtype=dtype) for t in tensors]
 
     def foreach_mul_(tensors: list[torch.Tensor], scalar: Any) -> None:
         for t in tensors:

@@ -30,7 +30,8 @@ device). A torch-function mode makes the rest of the CUDA semantics hold:
   tensor used on a side stream lives exactly as long as the plugin keeps a reference to it
   (its stash or prefetch window), which is what the caching allocator would keep.
 
-What the host does is counted too (:class:`HostCounts`): every op dispatched on the card (``card_ops``) and
+What the host does is counted too (:class:`HostCounts`): every kernel or copy dispatched on the card (``card_ops``;
+views and allocations launch nothing: runner/memory/op_kinds.py, the planner's definition) and
 every host sync (``host_syncs``): a read of a card value on the host (``.item()``, ``float``/``int``/``bool``
 of a card tensor, ``.tolist()``), a blocking copy from the card to the host, and a synchronize of a
 simulated stream or event. On a GPU each sync stops the CPU until the card has caught up, so the CPU
@@ -61,6 +62,7 @@ from runner.accel import SIM_DEVICE, SYNC_OBSERVERS, is_simulated_cuda
 from runner.compat import TorchFunctionMode, engine_run_backward, parse_to, tree_iter
 from runner.memory.caching_allocator import CachingAllocatorModel
 from runner.memory.live_bytes import LiveBytesTracker, _storage_of
+from runner.memory.op_kinds import launches_nothing
 
 DEVICE_KEY = "cuda_sim"
 """The tracker's name for storages on the simulated card."""
@@ -152,7 +154,7 @@ class PlacementTracker(LiveBytesTracker):
         self.call_place: str | None = None  # the user-level call's inputs are on the card (_PlacementCalls)
         self._pinning = 0
         self._pinned: dict[int, tuple[weakref.ref, int]] = {}
-        self.card_ops = 0  # ops dispatched with an input or output on the card
+        self.card_ops = 0  # kernels and copies dispatched with an input or output on the card (not views)
         self.host_syncs = 0  # reads of card values on the host, blocking copies to it, stream/event synchronizes
 
     def _count(self, func: Any, args: tuple, kwargs: dict) -> None:
@@ -169,7 +171,7 @@ class PlacementTracker(LiveBytesTracker):
                 self.host_syncs += waits  # the CPU waits for a blocking copy to the host
                 self.card_ops += not waits
                 return
-        self.card_ops += self._op_key == DEVICE_KEY
+        self.card_ops += self._op_key == DEVICE_KEY and not launches_nothing(func)
 
     def _on_card(self, t: Any) -> bool:
         return isinstance(t, torch.Tensor) and self.place_of(t) == DEVICE_KEY

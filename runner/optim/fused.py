@@ -66,6 +66,7 @@ moment (the message names the newest checkpoint to resume from).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Iterable
@@ -117,6 +118,9 @@ class FusedBackward(ForwardsToInner):
         self._direct = False  # a parameter stepped through the optimizer's one-parameter update (not its step())
         self.loss_admitted = True
         self.loss_value: float | None = None  # the micro-batch's loss, read before its backward (admits)
+        # where the one-parameter copies are made; the planner's dist=fsdp plan leaves their bytes out (a rank
+        # copies its shard, the plan's fake parameter is whole), their ops stay counted
+        self.copy_scope: Callable[[], Any] = contextlib.nullcontext
         self._warned_late = False
         for gi, group in enumerate(optimizer.param_groups):
             for pi, p in enumerate(group["params"]):
@@ -163,16 +167,13 @@ class FusedBackward(ForwardsToInner):
             return
         if self.reduce is not None:  # every rank then clips, checks and steps the same averaged gradient
             self.reduce(grad)
-        ok = None  # the planner (fake values): nothing to decide
+        # The planner runs this too, on fake values: its ops and copies are what it prices (only settle's read is skipped)
         if self.max_grad_norm > 0:  # per-parameter clipping by its own norm, on the card (module docstring)
             norm = torch.nn.utils.clip_grad_norm_([p], self.max_grad_norm)
-            ok = None if self._simulated else torch.isfinite(whole_value(norm))
-        elif not self._simulated:
-            ok = finite_flag(grad)
-        if ok is None:
-            self._step_one(p)  # type: ignore[arg-type]
+            ok = torch.isfinite(whole_value(norm))
         else:
-            self._masked_step(p, ok)  # type: ignore[arg-type]
+            ok = finite_flag(grad)
+        self._masked_step(p, ok)  # type: ignore[arg-type]
         self.stepped += 1
         p.grad = None
 
@@ -182,7 +183,8 @@ class FusedBackward(ForwardsToInner):
         if self._flags is not None and len(self._pending) >= self._flags.numel():
             self.settle()  # more updates than parameters without a zero_grad (steps outside the loop)
         state = self.inner.state.get(p) or {}
-        before = _Before(p, state)
+        with self.copy_scope():
+            before = _Before(p, state)
         self._step_one(p)
         before.keep_where(ok, self.inner.state.get(p) or {})
         self._pending.append(before)
@@ -195,7 +197,7 @@ class FusedBackward(ForwardsToInner):
         gradient was not finite (their weights and card state already restored) restore the optimizer's
         host-side state (step counters) and name them."""
         pending, self._pending = self._pending, []
-        if not pending:
+        if not pending or self._simulated:  # the planner: fake flags have no values (the read is priced as one sync)
             return
         flags = self._flags[: len(pending)].tolist()  # the step's one read of the card
         for before, ok in zip(pending, flags):

@@ -35,6 +35,7 @@ from torch.utils.flop_counter import (
 )
 
 from runner.compat import autograd_node_name
+from runner.memory.op_kinds import launches_nothing
 from runner.optim.build import SimulatedOptimizer
 
 aten = torch.ops.aten
@@ -88,14 +89,6 @@ def flop_count(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
         return int(fn(*_shapes(args), out_shape=_shapes(out), **{k: _shapes(v) for k, v in kwargs.items()}))
     return int(fn(*args, **kwargs, out_val=out))
 
-# Ops that allocate or relabel memory without reading or writing it.
-NO_TRAFFIC = frozenset(op for op in (
-    getattr(aten.empty, "memory_format", None), getattr(aten.empty_strided, "default", None),
-    getattr(aten.empty_like, "default", None), getattr(aten.new_empty, "default", None),
-    getattr(aten.new_empty_strided, "default", None), getattr(aten.detach, "default", None),
-    getattr(aten.alias, "default", None), getattr(aten.lift_fresh, "default", None),
-    getattr(aten.set_, "source_Storage_storage_offset", None), getattr(aten.resize_, "default", None),
-) if op is not None)
 COPIES = frozenset((aten._to_copy.default, aten.copy_.default))
 _SKIP, _COPY, _FLOP, _PLAIN = 0, 1, 2, 3
 _PYTHON_NODES = (None, "AccumulateGrad")  # no node: Python outside the engine; AccumulateGrad: a leaf's hooks
@@ -166,7 +159,7 @@ class CostCounter:
         if kind is None:
             if func in COPIES:
                 kind = _COPY
-            elif func in NO_TRAFFIC or getattr(func, "is_view", False):
+            elif launches_nothing(func):
                 kind = _SKIP
             elif getattr(func, "overloadpacket", None) in FLOP_FORMULAS:
                 kind = _FLOP

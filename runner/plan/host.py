@@ -42,20 +42,24 @@ class HostCosts:
     torchao_call_s: float  # torchao's per-parameter 8-bit update call
     step_s: float  # per step, outside the phases: the batch, the loop's bookkeeping
     device_scale: float  # card time ÷ the datasheet roofline's (achieved efficiency below the assumed)
+    # one optimizer ``step()`` call narrowed to one parameter, over the update it makes (the fused hook before issue 41
+    # ran one per parameter; today's hook calls the one-parameter update directly: the H200 fused row only)
+    step_call_s: float = 52e-6
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
 
 
 # Fitted by bench/step_time_fit.py (its full fit over the committed H200 rows; a test checks these).
-H200_FIT = HostCosts(kernel_op_s=49.76e-6, recompute_op_s=51.38e-6, view_op_s=4.241e-6, engine_op_s=8.936e-6,
-                     copy_s=10e-6, sync_s=14.34e-6, update_kernel_s=8e-6, bnb_call_s=207.3e-6, torchao_call_s=40e-6,
-                     step_s=0.02359, device_scale=1.2524)
+H200_FIT = HostCosts(kernel_op_s=45.70e-6, recompute_op_s=59.89e-6, view_op_s=4.843e-6, engine_op_s=8.632e-6,
+                     copy_s=10e-6, sync_s=18.30e-6, update_kernel_s=8e-6, bnb_call_s=202.5e-6, torchao_call_s=40e-6,
+                     step_s=0.02541, device_scale=1.3009)
 # The prior of each constant (the fit's pull, and the value where no row informs it): eager PyTorch's
 # overhead per op with Python module calls (~10-30 us), a view's dispatch without allocation or launch,
 # the C++ engine's dispatch, cudaMemcpyAsync plus torch's copy_, a cudaStreamSynchronize round trip,
 # a plain in-place kernel without autograd, bitsandbytes' and torchao's Python per call, a loop's
-# bookkeeping, and the datasheet efficiencies of runner/plan/speed.py as they are.
+# bookkeeping, and the datasheet efficiencies of runner/plan/speed.py as they are. step_call_s: measured, not fitted
+# (a narrowed bitsandbytes step() against update_one on this project's 2-core CPU, best of 15; docs/benchmarks.md).
 PRIOR = HostCosts(kernel_op_s=20e-6, recompute_op_s=20e-6, view_op_s=4e-6, engine_op_s=8e-6, copy_s=10e-6, sync_s=15e-6,
                   update_kernel_s=8e-6, bnb_call_s=40e-6, torchao_call_s=40e-6, step_s=0.02, device_scale=1.0)
 FITTED = ("kernel_op_s", "recompute_op_s", "view_op_s", "engine_op_s", "sync_s", "bnb_call_s", "step_s", "device_scale")
@@ -93,6 +97,7 @@ class StepShape:
     fused: bool
     update_syncs_per_param: int | None = None  # None: the code's (UPDATES); the H200 rows say what they ran
     hook_syncs_per_param: int | None = None  # None: the code's (FUSED_HOOK_SYNCS)
+    hook_step_calls_per_param: int = 0  # fused hook's narrowed step() calls (0 in this code; the H200 fused row: 1)
 
     @property
     def update(self) -> Update:
@@ -114,7 +119,8 @@ class StepShape:
     def update_host_s(self, costs: HostCosts) -> float:
         u = self.update
         per = {"torch": u.kernels * costs.update_kernel_s, "bnb": costs.bnb_call_s, "torchao": costs.torchao_call_s}
-        return self.params * per[u.impl]
+        calls = self.hook_step_calls_per_param * costs.step_call_s if self.fused else 0.0
+        return self.params * (per[u.impl] + calls)
 
 
 def phase_host_s(name: str, c: dict[str, Any], costs: HostCosts) -> float:

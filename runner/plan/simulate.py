@@ -41,6 +41,7 @@ from runner.context import RunContext
 from runner.data import planned_size
 from runner.devices import reference_spec
 from runner.distributed.loading import load_mode
+from runner.guards.nonfinite import grad_norm
 from runner.memory.live_bytes import LiveBytesTracker
 from runner.memory.live_bytes_views import NO_MODULE
 from runner.optim.build import build_optimizer
@@ -323,6 +324,8 @@ class _Simulation:
         self.ema.create()  # where the loop builds it: after the optimizer, on the weights as placed
         ctx.optimizer = fuse_into_backward(ctx.optimizer, self.cfg.optimizer, self.run)
         self.fused = isinstance(ctx.optimizer, FusedBackward)
+        if self.fused and self.rank_layout is not None and self.rank_layout.name == "fsdp":
+            ctx.optimizer.copy_scope = tracker.uncounted  # a rank's hook copies its shard: bytes left out, ops counted
         if self.fused and self.rank_layout is not None and self.rank_layout.name == "ddp":
             # dist=ddp with fused backward builds no DDP buckets: each gradient is averaged in its hook
             # (runner/distributed/runtime.py), so a rank holds what one process holds.
@@ -379,6 +382,8 @@ class _Simulation:
         with tracker.phase("optimizer"):
             if self.run.max_grad_norm > 0:
                 ctx.accelerator.clip_grad_norm_([p for p in self.params if p.grad is not None], self.run.max_grad_norm)
+            elif self.precision != "fp16":  # the non-finite guard's norm (runner/loop.py; fp16's scaler checks instead)
+                grad_norm(self.params)
             ctx.optimizer.step()
         _label_optimizer_state(tracker, ctx.optimizer, self.owner)
         self.recorder.take("optimizer")

@@ -222,7 +222,9 @@ def test_a_hosted_loop_runs_on_the_simulated_card_like_managed_mode(tmp_path):
     loader's batches on the card, CUDA's branches of the plugins) trains the plain loop's losses, and
     the card's measured peak is the preflight plan's (a CUDA plan) within 3 %."""
     losses, _, _ = hosted_losses(tmp_path, "train.device=cuda_sim")
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain_losses()), rtol=0, atol=0)
+    # On a card the runner's AdamW is torch's fused kernel, the plain loop's on the host the per-parameter one:
+    # the same update up to float rounding (measured 2.1e-7 relative at step 2)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain_losses()), rtol=2e-6, atol=0)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert {r["memory_source"] for r in rows} == {"cuda_sim"} and plan["target"] == "cuda"

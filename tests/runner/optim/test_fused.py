@@ -176,7 +176,9 @@ def test_planned_and_tracked_peaks_drop_by_about_the_gradient_bytes():
     grad_bytes = plan_n.by_category["gradients"]
     n_params = sum(p.numel() for p in prepared_step(normal)[1])
     assert grad_bytes == 4 * n_params  # float32 gradients of the whole U-Net are alive at the normal peak
-    assert plan_f.by_category.get("gradients", 0) == 0
+    # at most the gradient of the parameter whose hook is running (its update's one-parameter copies peak there)
+    largest = max(p.numel() for p in prepared_step(normal)[1]) * 4
+    assert plan_f.by_category.get("gradients", 0) <= largest
     assert 0.8 * grad_bytes <= plan_n.peak_bytes - plan_f.peak_bytes <= grad_bytes
     assert plan_f.optimizer_state_bytes == plan_n.optimizer_state_bytes  # the same state, alive all along
     (real_n, real_grads), (real_f, fused_grads) = tracked_peak(normal), tracked_peak(fused)

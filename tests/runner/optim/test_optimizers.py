@@ -459,3 +459,31 @@ def test_schedulefree_modes_evaluated_weights_and_exact_return():
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))  # schedulefree's own y
     compute_grads(model)
     optimizer.step()  # in train mode again
+
+
+def test_adamw_on_a_card_is_torchs_fused_kernel_and_steps_as_the_per_parameter_loop():
+    """On a card (here the simulated one) AdamW is torch's fused multi-tensor kernel (no temporaries); on the
+    host the per-parameter loop (foreach=False). Same state tensors, and the same update within float rounding."""
+    from runner.accel import SIM_DEVICE
+    from runner.memory.cuda_sim import SimulatedCuda
+
+    host = tiny_model()
+    card_start = [p.detach().clone() for p in host.parameters()]
+    with SimulatedCuda(None):
+        card = tiny_model().to(SIM_DEVICE)
+        with torch.no_grad():
+            for p, s in zip(card.parameters(), card_start):
+                p.copy_(s)
+        opts = {"host": build_optimizer(opt_cfg("adamw", "optimizer.lr=1e-3"), host.parameters()),
+                "card": build_optimizer(opt_cfg("adamw", "optimizer.lr=1e-3"), card.parameters())}
+        assert opts["card"].param_groups[0]["fused"] and opts["card"].param_groups[0]["foreach"] is not True
+        assert not opts["host"].param_groups[0]["fused"] and opts["host"].param_groups[0]["foreach"] is False
+        for _ in range(3):
+            for name, model in (("host", host), ("card", card)):
+                torch.manual_seed(0)
+                for p in model.parameters():
+                    p.grad = torch.randn(p.shape).to(p.device)
+                opts[name].step()
+        for ph, pc in zip(host.parameters(), card.parameters()):
+            assert set(opts["host"].state[ph]) == set(opts["card"].state[pc])  # step, exp_avg, exp_avg_sq
+            assert torch.allclose(ph.detach(), pc.detach().to("cpu", copy=True), rtol=1e-5, atol=1e-6)
