@@ -46,12 +46,9 @@ step (LoRA's B matrices, freshly initialised norm biases), which the planner, wo
 tensors, cannot see. The arithmetic is the same (``0 - x`` either way; tests/runner/optim/test_optimizers.py
 compares the weights with prodigyopt's bit for bit); the cost is those parameters' size once more.
 
-Adafactor is configured as kohya/OneTrainer recommend for diffusion fine-tunes:
-``relative_step=False`` and ``scale_parameter=False``, so ``optimizer.lr`` is the step size and
-``train.lr_scheduler`` schedules it exactly as for the other optimizers. Adafactor's relative
-step would replace the runner's schedule, and transformers then requires ``lr=None``, which
-torch's LR schedulers cannot scale; so it is not offered. ``beta1=None`` (no first moment) is
-what makes Adafactor small; setting it adds an n-element float32 moment.
+Adafactor runs with ``relative_step=False`` and ``scale_parameter=False`` (kohya/OneTrainer's choice for
+diffusion): ``optimizer.lr`` is the step size and ``train.lr_scheduler`` schedules it (a relative step
+needs ``lr=None``, which torch's schedulers cannot scale). ``beta1=None`` (no first moment) keeps it small.
 
 Paged optimizers keep their large state tensors in CUDA unified memory, which the driver pages
 to host RAM when the device runs short (cheap when everything fits). On the CPU bitsandbytes
@@ -164,8 +161,7 @@ class ForwardsToInner(torch.optim.Optimizer):
 
 # ---- builders -----------------------------------------------------------------------------------
 def _build_adamw(cfg: Any, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    # On a card (real or cuda_sim): torch's fused in-place multi-tensor kernel (docs/benchmarks.md: 6,114 -> 2,692 card
-    # ops a step); elsewhere foreach=False. Never foreach=True: temporaries for all parameters at once.
+    # a card: torch's fused multi-tensor kernel, in place; the host: foreach=False (foreach's temporaries span all params)
     on_card = bool(params) and all(cuda_like(p.device) and p.is_floating_point() for p in params)
     kind: dict[str, bool] = {"fused": True} if on_card else {"foreach": False}
     return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay,
