@@ -16,14 +16,14 @@ passed this check (every checkpoint this run saved, and the one it resumed from)
 """
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import logging
-
 import torch
 
+from runner.compat import foreach_norm
 from runner.guards.nonfinite import NonFiniteStop
 
 log = logging.getLogger("runner")
@@ -46,12 +46,15 @@ def weight_rms(params: Sequence[torch.Tensor], device: torch.device) -> torch.Te
     dist=fsdp each rank measures its own shards (and every rank stops if one sees a blow-up)."""
     if not params:
         return None
-    squares, count = [], 0
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    count = 0
     for p in params:
         t = p.detach()
         t = t.to_local() if callable(getattr(t, "to_local", None)) else t  # dist=fsdp: this rank's shard
-        squares.append(torch.linalg.vector_norm(t, dtype=torch.float32).square().to(device))  # no float32 copy
+        groups.setdefault((t.device, t.dtype), []).append(t)
         count += t.numel()
+    # one multi-tensor norm per device and dtype, in float32 without a float32 copy of the weights
+    squares = [torch.stack(foreach_norm(ts, 2.0, dtype=torch.float32)).square().sum().to(device) for ts in groups.values()]
     return (torch.stack(squares).sum() / max(count, 1)).sqrt()
 
 

@@ -98,6 +98,7 @@ class StepShape:
     update_syncs_per_param: int | None = None  # None: the code's (UPDATES); the H200 rows say what they ran
     hook_syncs_per_param: int | None = None  # None: the code's (FUSED_HOOK_SYNCS)
     hook_step_calls_per_param: int = 0  # fused hook's narrowed step() calls (0 in this code; the H200 fused row: 1)
+    weight_reads: int = 0  # the weight check's one read after the update (train.max_weight_growth; none in the H200 rows)
 
     @property
     def update(self) -> Update:
@@ -111,9 +112,10 @@ class StepShape:
     def syncs(self) -> dict[str, int]:
         """Host syncs per step by phase: the loss read per micro-batch (runner/loop.py; fused backward reads
         it before backward too), the gradient norm read by clipping or the non-finite guard (not under
-        fused backward: no gradient is left), and the per-parameter ones of the update."""
+        fused backward: no gradient is left), the per-parameter ones of the update, and the weight check's read."""
         out = {"backward": self.micro_batches * (2 if self.fused else 1), "optimizer": 0 if self.fused else 1}
         out["backward" if self.fused else "optimizer"] += self.per_param_syncs()
+        out["optimizer"] += self.weight_reads
         return out
 
     def update_host_s(self, costs: HostCosts) -> float:

@@ -218,9 +218,15 @@ def _step_time(sim: _Simulation, counter: CostCounter, timing: Target) -> StepTi
             trained.device_params += 1
     return predict(counter, timing, micro_batches=sim.run.grad_accum, simulated_micro=sim.n_micro,
                    transfers=sim.ctx.facts.transfers, optimizer=str(sim.cfg.optimizer.get("name", "adamw")),
-                   trained=trained, fused=sim.fused,
+                   trained=trained, fused=sim.fused, weight_reads=_weight_reads(sim),
                    comm=rank_comm(sim.run, sim.rank_layout, grad_bytes=trained.device_bytes + trained.host_bytes,
                                   grad_tensors=trained.device_params + trained.host_params, fused=sim.fused))
+
+
+def _weight_reads(sim: _Simulation) -> int:
+    """The loop's weight check (runner/guards/weights.py): one read per step when on and anything is trained."""
+    growth = float(sim.cfg.train.get("max_weight_growth", 0) or 0)
+    return int(growth > 0 and bool(sim.params))
 
 
 class _Simulation:

@@ -200,10 +200,11 @@ def _optimizer_work(optimizer: str, trained: Trained) -> tuple[float, float, int
 
 def predict(counter: CostCounter, target: Target, *, micro_batches: int, simulated_micro: int,
             transfers: dict[str, Any], optimizer: str, trained: Trained, fused: bool,
-            comm: CommTime | None = None, shape: StepShape | None = None) -> StepTime:
+            comm: CommTime | None = None, shape: StepShape | None = None, weight_reads: int = 0) -> StepTime:
     """The step time of the simulated step whose ops ``counter`` counted (see the module docstring);
     ``comm``: a rank's collectives under dist=ddp|fsdp, added per phase as runner/plan/comm.py says;
-    ``shape``: what the step does on the host beyond its ops (default: this code's, for ``micro_batches``)."""
+    ``shape``: what the step does on the host beyond its ops (default: this code's, for ``micro_batches``, with
+    ``weight_reads`` reads of the weight check after the update)."""
     phases = _scaled_phases(counter, micro_batches / max(simulated_micro, 1))
     overlapped = {"h2d": 0, "d2h": 0}
     for t in transfers.values():
@@ -221,7 +222,7 @@ def predict(counter: CostCounter, target: Target, *, micro_batches: int, simulat
     upd_host_s = host_b / target.host.bytes_per_s + host_k * target.update_op_s
     costs = target.host_costs
     if shape is None:
-        shape = StepShape(optimizer, trained.device_params, max(int(micro_batches), 1), fused)
+        shape = StepShape(optimizer, trained.device_params, max(int(micro_batches), 1), fused, weight_reads=weight_reads)
     host = _GpuHost(costs, shape, upd_phase) if costs is not None else None
     seconds: dict[str, float] = {}
     compute_only: dict[str, float] = {}
