@@ -13,9 +13,10 @@ Hydra instantiates sweepers only from the ``hydra_plugins`` package, hence this 
   pruner (runner/sweep/watch.py): the plugin's sweeper keeps the trial object to itself.
 - A failed job (status failed / oom / ...) is a failed trial and the sweep goes on; a pruned job is a pruned
   trial. (The plugin's ``max_failure_rate`` still applies: 1.0 in the runner's preset.)
-"""
-from __future__ import annotations
 
+Hydra's plugin scan runs this module without registering it in ``sys.modules``, so it has no
+``from __future__ import annotations``: dataclasses resolve string annotations through ``sys.modules``.
+"""
 import functools
 import logging
 from dataclasses import dataclass, field
@@ -92,7 +93,7 @@ class RunnerOptunaSweeper(OptunaSweeper):
         _save_results(study, len(dirs), f"{impl.config.hydra.sweep.dir}/optimization_results.yaml")
 
 
-def _close_killed(study: optuna.Study) -> int:
+def _close_killed(study: "optuna.Study") -> int:
     """Mark the trials a killed sweep left RUNNING as failed; the number of trials that count as done."""
     from optuna.trial import TrialState
 
@@ -103,7 +104,7 @@ def _close_killed(study: optuna.Study) -> int:
     return sum(1 for t in study.get_trials(deepcopy=False) if not t.user_attrs.get(KILLED))
 
 
-def _tell(study: optuna.Study, trial: optuna.Trial, ret: Any, n_objectives: int) -> None:
+def _tell(study: "optuna.Study", trial: "optuna.Trial", ret: Any, n_objectives: int) -> None:
     """The job's end as the trial's state: complete with its values, pruned, or failed."""
     from optuna.trial import TrialState
 
@@ -125,7 +126,7 @@ def _tell(study: optuna.Study, trial: optuna.Trial, ret: Any, n_objectives: int)
     study.tell(trial, state=TrialState.FAIL)
 
 
-def _save_results(study: optuna.Study, n_objectives: int, path: str) -> None:
+def _save_results(study: "optuna.Study", n_objectives: int, path: str) -> None:
     """optimization_results.yaml as the plugin writes it: the best trial, or the Pareto front."""
     from optuna.trial import TrialState
 

@@ -133,8 +133,12 @@ def count_entries(trainer: Any, parts: list[str], cache_dir: str | None, extra_s
                   random_flip: bool) -> dict[str, tuple[int, int]]:
     """Part -> (entries cached and intact, entries the run reads), keyed and verified as the run
     does (:func:`plan_cache`); a cache folder that does not exist yet is read as empty."""
+    from runner.data import handover_kept
+
     cache = EncoderCache(resolve_cache_dir(cache_dir))
-    plan = plan_cache(trainer, trainer.dataset(), parts, cache, extra_signature, random_flip)
+    with handover_kept():  # the checked folder stays the run's: read once, not scanned again
+        dataset = trainer.dataset()
+    plan = plan_cache(trainer, dataset, parts, cache, extra_signature, random_flip)
     counts = {}
     for p in parts:
         needed = len(set(plan.keys[p]) | set(plan.captions.get(p, {}).values()))

@@ -31,6 +31,9 @@ from runner.val.config import ValConfig
 
 log = logging.getLogger("runner")
 
+
+DEFAULT_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")  # diffusers' attention projections
+
 @dataclass
 class ModelConfig:
     size: str = "tiny"  # tiny | full
@@ -41,7 +44,8 @@ class ModelConfig:
     lora_rank: int = 4
     lora_alpha: float = 4.0
     lora_alpha_per_rank: Optional[float] = None  # set: alpha = lora_rank x this (a rank search keeps alpha/rank), not lora_alpha
-    lora_targets: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
+    # a family may name its own (runner/families/common/base.py: lora_default_targets) where these are left as they are
+    lora_targets: list[str] = field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
     # DoRA (peft use_dora): LoRA plus a trained per-output-row magnitude; model.train=lora only. Exports the
     # diffusers file only (the kohya/ComfyUI dora_scale layout is not checked to load the same weights)
     lora_dora: bool = False

@@ -32,8 +32,9 @@ images, bad ``data.*`` values) raise :class:`runner.errors.UserError` naming the
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,7 +150,7 @@ def build_dataset(data_cfg: Any, references: int | None = None) -> Dataset:
                                 priors=frozenset({1}))
         return TrainingData([(base, 1, None, "demo")], o.rules) if o.rules.active else base
 
-    handed_over = _CHECKED.pop(_folder_key(data_cfg, references=o.references), None)
+    handed_over = _take(_folder_key(data_cfg, references=o.references))
     if handed_over is not None:
         return handed_over
     if not o.sets:
@@ -211,7 +212,7 @@ def build_video_dataset(data_cfg: Any, default_frames: int, default_fps: float |
             raise UserError(f"data.demo_size={demo_size!r} is not valid: it is the number of clips in the built-in "
                             "demo set (used because data.path is unset) and must be a whole number of at least 1.")
         return _with_caption_rules(DemoClips(demo_size, settings), rules, "demo")
-    handed_over = _CHECKED.pop(_folder_key(data_cfg, (default_frames, default_fps)), None)
+    handed_over = _take(_folder_key(data_cfg, (default_frames, default_fps)))
     if handed_over is not None:
         return handed_over
     clips = ClipFolderDataset(path, settings, missing_caption=_check_missing_caption(_get(data_cfg, "missing_caption",
@@ -252,6 +253,24 @@ def refuse_image_only_options(data_cfg: Any) -> None:
 
 
 _CHECKED: dict[tuple, Dataset] = {}
+_KEEP_HANDOVER: list[bool] = [False]
+
+
+def _take(key: tuple) -> Dataset | None:
+    """The data set the checks read, handed over to the run's first reader (kept for it while a
+    :func:`handover_kept` reader, the preflight's cache count, reads it first)."""
+    return _CHECKED.get(key) if _KEEP_HANDOVER[0] else _CHECKED.pop(key, None)
+
+
+@contextlib.contextmanager
+def handover_kept() -> Iterator[None]:
+    """Readers inside this block get the checked data set without taking it from the run, so the preflight
+    that counts the encoder cache's entries scans no folder the run scans again."""
+    before, _KEEP_HANDOVER[0] = _KEEP_HANDOVER[0], True
+    try:
+        yield
+    finally:
+        _KEEP_HANDOVER[0] = before
 _KEYED = ("path", "resolution", "center_crop", "missing_caption", "caption_ext", "caption_dropout",
           "shuffle_tags", "keep_tokens", "buckets", "bucket_step", "bucket_min_side", "bucket_max_side", "sets",
           "masks", "demo_prior", "references")

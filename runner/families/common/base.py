@@ -109,6 +109,7 @@ class DiffusersTrainer(CacheKeys, ExampleBatches):
     kohya_lora: bool = True  # whether diffusers reads a kohya-layout LoRA of this family back (runner/export/)
     kohya_base_model_version: str | None = None  # kohya's ss_base_model_version of this family's LoRAs
     comfy_layout: str = "kohya"  # the LoRA key layout ComfyUI maps for this family (runner/export/comfy.py LAYOUTS)
+    lora_default_targets: tuple[str, ...] = ()  # the family's LoRA targets when model.lora_targets is left at its default
     max_references: int = 0  # reference images per target an edit family takes (data.references; 0: not an edit family)
     default_references: int = 0  # data.references unset: how many it trains on (an edit family that needs them: its count)
     # dist=fsdp's sharded load (runner/distributed/loading.py) sets this around build_models: these modules are
@@ -358,7 +359,7 @@ class DiffusersTrainer(CacheKeys, ExampleBatches):
             # come out on the host in the base's dtype, as over a loaded base (runner/families/common/unread.py).
             empty = self.denoiser in self.empty_modules and torch.device(build_on).type != "meta"
             with stand_in_weights(modules[self.denoiser]) if empty else contextlib.nullcontext():
-                attach_lora(modules[self.denoiser], m.lora_rank, lora_alpha(m), list(m.lora_targets), self.train_dtype,
+                attach_lora(modules[self.denoiser], m.lora_rank, lora_alpha(m), self.lora_targets(m), self.train_dtype,
                             dora=bool(m.get("lora_dora", False)), kind=str(m.train), factor=int(m.get("lokr_factor", -1)))
             check_comfy_targets(self.cfg, self.comfy_layout, modules[self.denoiser], self.display_name or type(self).__name__)
             modules[self.denoiser].train()
@@ -438,6 +439,15 @@ class DiffusersTrainer(CacheKeys, ExampleBatches):
         if key in cfg:
             return cfg[key]
         return inspect.signature(self.module_classes()["vae"].__init__).parameters[key].default
+
+    def lora_targets(self, m: Any) -> list[str]:
+        """``model.lora_targets``, or the family's ``lora_default_targets`` where the runner's default is left as
+        it is (a family whose attention names differ from diffusers' usual ones; a preset stays trainer-neutral)."""
+        from runner.config import DEFAULT_LORA_TARGETS
+
+        targets = list(m.lora_targets)
+        return list(self.lora_default_targets) if self.lora_default_targets and targets == list(DEFAULT_LORA_TARGETS) \
+            else targets
 
     def dataset(self) -> Any:
         from runner.data import (

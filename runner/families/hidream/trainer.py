@@ -48,6 +48,8 @@ class HiDreamTrainer(FlowMatchTrainer):
     reference_repo = "HiDream-ai/HiDream-I1-Full"
     default_timestep_shift = "fixed"  # shift 3.0 (loss.shift), the published scheduler's
     kohya_lora = False  # diffusers reads no kohya-layout HiDream LoRA back: the diffusers file and ComfyUI's
+    # HiDream's attention has a plain to_out (no .0) and the text stream's own projections
+    lora_default_targets = ("to_q", "to_k", "to_v", "to_out", "to_q_t", "to_k_t", "to_v_t", "to_out_t")
     comfy_layout = "hidream"  # diffusion_model.<diffusers name>: ComfyUI's HiDream modules carry diffusers' names
     family = "hidream"
 

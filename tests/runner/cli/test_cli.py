@@ -210,8 +210,8 @@ def test_planning_commands_end_without_teardown_with_every_output_complete(tmp_p
     assert plan["fits"] and plan["step_time"]["seconds"] > 0
     assert json.loads((tmp_path / "ok" / "job_summary.json").read_text())["status"] == "ok"
     lines = ok.stdout.rstrip().splitlines()
-    assert lines[-2].startswith("simulated in")  # the table's last line, then the log's last line:
-    assert "plan written to" in lines[-1]  # the log handler was flushed before the exit
+    assert lines[-3].startswith("simulated in")  # the table's last line, then the log's last lines:
+    assert "plan written to" in lines[-2] and "plan.png" in lines[-1]  # the log handler was flushed before the exit
     over = cli("+preset=constrained", "mode=plan", "budget_gb=0.001", f"output_dir={tmp_path / 'over'}")
     assert over.returncode == 3 and "more than budget_gb=0.001" in over.stderr, over.stderr[-2000:]
     assert json.loads((tmp_path / "over" / "plan.json").read_text())["fits"] is False

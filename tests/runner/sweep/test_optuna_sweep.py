@@ -60,6 +60,7 @@ def test_a_grid_sweeps_stop_if_stops_the_diverging_job(tmp_path):
     loss): its held-out loss at step 1 is far above 3 x job 0's, or not finite."""
     r = subprocess.run([sys.executable, "-m", "runner", "-m", "train.steps=3", "train.progress=false",
                         "data.val_fraction=0.25", "val.every=1", "sweep.stop_if=3", "optimizer.lr=1e-4,1e3",
+                        "train.max_weight_growth=0",  # the weight check would stop it first (nonfinite): the sweep's stop here
                         f"hydra.sweep.dir={tmp_path}"], check=False, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]  # a pruned job is not a failure
     with open(tmp_path / "sweep_summary.csv", encoding="utf-8") as f:
@@ -93,7 +94,8 @@ def test_a_trial_with_a_diverging_learning_rate_is_pruned(tmp_path):
     r = subprocess.run([sys.executable, "-m", "runner", "-m", "hydra/sweeper=optuna", f"hydra.sweep.dir={tmp_path}",
                         "hydra.sweeper.n_trials=3", "hydra.sweeper.sampler.seed=6", "optimizer.lr=choice(1e-4,1e3)",
                         "train.steps=4", "val.every=2", "data.val_fraction=0.25", "sweep.objective=val_loss",
-                        "train.progress=false"], check=False, capture_output=True, text=True, timeout=900)
+                        "train.progress=false", "train.max_weight_growth=0"],  # see the grid test: the pruner acts
+                       check=False, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     study = _study(tmp_path)
     assert [(t.params["optimizer.lr"], t.state.name) for t in study.trials] == [
