@@ -9,20 +9,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from runner.families.qwen_image.sampling import QwenImageSampling
 from runner.sampling.pipelines import _text, decode_video
 from runner.trainer import ModelSet
 
 
-class Krea2Sampling:
-    """``Krea2Pipeline`` with the trainer's scheduler (or the folder's own)."""
+class Krea2Sampling(QwenImageSampling):
+    """``Krea2Pipeline``: Qwen-Image's sampling settings (scheduler, latent shape) with Krea 2's text and guidance."""
 
-    factor = 16  # VAE factor 8 times the 2x2 latent packing
     default_guidance = 4.5  # the pipeline's guidance_scale
-    negative_prompt = True
-
-    @staticmethod
-    def denoiser_batch(guidance: float) -> int:
-        return 1  # conditional and unconditional passes are separate calls
 
     @staticmethod
     def default_negative(guidance: float) -> str | None:
@@ -30,19 +25,6 @@ class Krea2Sampling:
 
     def encode(self, trainer: Any, models: ModelSet, prompt: str, device: torch.device) -> dict[str, torch.Tensor]:
         return _text(trainer, models, prompt, device)
-
-    def scheduler(self, trainer: Any) -> Any:
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        if trainer._folder_has("scheduler"):
-            return FlowMatchEulerDiscreteScheduler.from_pretrained(trainer.source[1], subfolder="scheduler",
-                                                                   local_files_only=True)
-        return trainer.inference_scheduler()
-
-    @staticmethod
-    def decode_shape(trainer: Any, resolution: int) -> tuple[int, ...]:
-        side = resolution // 8
-        return (1, int(trainer.component_config("vae").get("z_dim", 16)), 1, side, side)
 
     def generate(self, trainer: Any, modules: Mapping[str, nn.Module], cond: dict[str, torch.Tensor],
                  negative: dict | None, *, steps: int, guidance: float, resolution: int, generator: torch.Generator,

@@ -10,37 +10,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from runner.sampling.pipelines import _text, decode_video
-from runner.trainer import ModelSet
+from runner.families.qwen_image.sampling import QwenImageSampling
+from runner.sampling.pipelines import decode_video
 
 
-class QwenImage21Sampling:
-    """``QwenImage21Pipeline`` with the trainer's scheduler (or the folder's own)."""
+class QwenImage21Sampling(QwenImageSampling):
+    """``QwenImage21Pipeline``: Qwen-Image's sampling settings (text, scheduler) with 2.1's RGBA VAE and guidance."""
 
     factor = 32  # VAE factor 16 times the 2x2 token groups
     default_guidance = 1.0  # the pipeline's true_cfg_scale
-    negative_prompt = True
-
-    @staticmethod
-    def denoiser_batch(guidance: float) -> int:
-        return 1  # conditional and unconditional passes are separate calls
-
-    @staticmethod
-    def default_negative(guidance: float) -> str | None:
-        return " " if guidance > 1 else None  # true CFG needs a negative prompt (the pipeline's empty one is " ")
-
-    def encode(self, trainer: Any, models: ModelSet, prompt: str, device: torch.device) -> dict[str, torch.Tensor]:
-        out = _text(trainer, models, prompt, device)
-        n = int(out["prompt_embeds_mask"][0].sum())
-        return {"prompt_embeds": out["prompt_embeds"][:, :n]}
-
-    def scheduler(self, trainer: Any) -> Any:
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        if trainer._folder_has("scheduler"):
-            return FlowMatchEulerDiscreteScheduler.from_pretrained(trainer.source[1], subfolder="scheduler",
-                                                                   local_files_only=True)
-        return trainer.inference_scheduler()
 
     @staticmethod
     def decode_shape(trainer: Any, resolution: int) -> tuple[int, ...]:
