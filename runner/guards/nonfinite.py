@@ -57,17 +57,19 @@ def likely_causes(lr: float | None, precision: str) -> str:
     return "; ".join(causes)
 
 
-def grad_norm(params: Iterable[torch.nn.Parameter]) -> torch.Tensor | None:
-    """The total 2-norm of the gradients in float32 (None when no parameter has one): one multi-tensor norm
-    kernel per device and dtype, not a cast and a norm per parameter (issue 41: fewer, larger kernels)."""
+def norms_by_group(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Each tensor's 2-norm in float32, grouped by device and dtype: one multi-tensor norm kernel per group,
+    not a cast and a norm per tensor (and no float32 copy of a bf16 tensor)."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
-    if not groups:
-        return None
-    norms = [n for grads in groups.values() for n in foreach_norm(grads, 2.0, dtype=torch.float32)]
-    return torch.linalg.vector_norm(torch.stack(norms))
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return [foreach_norm(ts, 2.0, dtype=torch.float32) for ts in groups.values()]
+
+
+def grad_norm(params: Iterable[torch.nn.Parameter]) -> torch.Tensor | None:
+    """The total 2-norm of the gradients in float32 (None when no parameter has one)."""
+    norms = [n for group in norms_by_group(p.grad for p in params if p.grad is not None) for n in group]
+    return torch.linalg.vector_norm(torch.stack(norms)) if norms else None
 
 
 class NonFiniteGuard:

@@ -23,8 +23,7 @@ from pathlib import Path
 
 import torch
 
-from runner.compat import foreach_norm
-from runner.guards.nonfinite import NonFiniteStop
+from runner.guards.nonfinite import NonFiniteStop, norms_by_group
 
 log = logging.getLogger("runner")
 
@@ -46,15 +45,9 @@ def weight_rms(params: Sequence[torch.Tensor], device: torch.device) -> torch.Te
     dist=fsdp each rank measures its own shards (and every rank stops if one sees a blow-up)."""
     if not params:
         return None
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    count = 0
-    for p in params:
-        t = p.detach()
-        t = t.to_local() if callable(getattr(t, "to_local", None)) else t  # dist=fsdp: this rank's shard
-        groups.setdefault((t.device, t.dtype), []).append(t)
-        count += t.numel()
-    # one multi-tensor norm per device and dtype, in float32 without a float32 copy of the weights
-    squares = [torch.stack(foreach_norm(ts, 2.0, dtype=torch.float32)).square().sum().to(device) for ts in groups.values()]
+    local = [p.detach().to_local() if callable(getattr(p, "to_local", None)) else p.detach() for p in params]  # fsdp: shards
+    squares = [torch.stack(norms).square().sum().to(device) for norms in norms_by_group(local)]
+    count = sum(t.numel() for t in local)
     return (torch.stack(squares).sum() / max(count, 1)).sqrt()
 
 
