@@ -113,7 +113,7 @@ def main() -> None:
         f"For scale, `python -c 'import torch'` alone: median {statistics.median(torch_times):.2f} s, min "
         f"{min(torch_times):.2f} s. Errors that depend on the machine (a CUDA-only option where `train.device=auto` "
         "finds no GPU) and the data folder's contents are checked after torch is imported, still before anything is "
-        "built, planned or created (runner/config/checks.py).",
+        "built, planned or created (runner/checks.py).",
         MARK_END,
     ]
     replace_section("\n".join(lines), MARK_BEGIN, MARK_END)

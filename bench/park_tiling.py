@@ -54,7 +54,7 @@ def train_case(tmp: Path, overrides: list[str]) -> dict:
 
     from runner.build import build_plugins, build_trainer, make_context
     from runner.cli.compose import compose_config
-    from runner.config.checks import validate
+    from runner.checks import validate
     from runner.loop import train
     from runner.session import make_accelerator
 

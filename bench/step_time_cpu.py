@@ -116,7 +116,7 @@ def calibrate_rounds(rounds: list[dict]) -> dict:
 
 def predict_all(cache: Path) -> dict[str, float]:
     from runner.cli.compose import compose_config
-    from runner.config.checks import validate
+    from runner.checks import validate
     from runner.plan import plan_step
 
     out = {}

@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 
 from runner.cli import launch
 from runner.cli.listing import format_plugin_list
-from runner.config.checks import CheckedRun, validate
+from runner.checks import CheckedRun, validate
 from runner.hostmem import passive_openmp
 from runner.output.once import warn_once
 from runner.state.resume import resume_base
@@ -58,7 +58,7 @@ def task(cfg: DictConfig) -> float | None:
             _load_libraries()
     if not opens_output:
         return run_mode(Job(cfg, overrides, checked, writes, None))
-    from runner.build import output_dir
+    from runner.output.config import output_dir
     from runner.output.report import write_run_info
 
     out = output_dir(cfg)

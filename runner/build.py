@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from runner import registry
-from runner.config.adapters import lora_alpha
+from runner.adapters import lora_alpha
 from runner.constants import is_adapter
 from runner.context import RunContext
 from runner.data.checks import EDIT_FAMILIES
@@ -49,7 +49,7 @@ def selected_plugins(cfg: DictConfig, run: ResolvedRun, *, check: bool = True,
                      node_checked: bool = True) -> list[Plugin]:
     """Each selected plugin built from its node and the resolved run, in the config's order. With
     ``check`` its ``validate()`` runs (the checks against the run), and before it the node check its
-    registry entry declares unless ``node_checked`` (runner/config/checks.py:check_config ran it)."""
+    registry entry declares unless ``node_checked`` (runner/checks.py:check_config ran it)."""
     plugins = []
     for kind, name, node in registry.selected(cfg):
         entry = registry.plugin_entry(kind, name)
@@ -136,17 +136,6 @@ def make_context(cfg: Any, run: ResolvedRun, schedule: PluginSchedule, output_di
         parts["compiler"] = build_compiler(cfg.train)
     return RunContext(run=run, schedule=schedule, cfg=cfg, output_dir=output_dir,
                       overrides=None if overrides is None else list(overrides), **parts)
-
-
-def output_dir(cfg: DictConfig) -> Path:
-    if cfg.output_dir:
-        return Path(cfg.output_dir)
-    from hydra.core.hydra_config import HydraConfig
-
-    if HydraConfig.initialized():
-        return Path(HydraConfig.get().runtime.output_dir)
-    raise UserError("output_dir is not set and no Hydra run directory exists; set output_dir=<folder>.")
-
 
 
 def has_adapters(module: nn.Module) -> bool:

@@ -43,7 +43,7 @@ then ``nn.Parameter``: two dispatched ops per tensor, same tensors)
     ``torch._C._get_dispatch_mode`` with ``_TorchDispatchModeKey.FAKE``: the active fake mode
     (:func:`active_fake_mode`; no fallback: an error when called).
 
-The target device's semantics in the planner (runner/plan/semantics.py)
+The target device's semantics in the planner (runner/memory/semantics.py)
     ``torch._C._get_sdp_priority_order``: the order PyTorch tries attention kernels in
     (fallback: PyTorch's documented default, flash, efficient, math, cuDNN).
     ``torch.autograd.graph._engine_run_backward``: backward without the torch-function mode

@@ -14,7 +14,7 @@ NONFINITE_POLICIES = ("skip", "stop")  # train.on_nonfinite (runner/guards/nonfi
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                  "piecewise_constant")
 
-# model.train: ``full`` trains the denoiser's own weights; the others a peft adapter (runner/config/adapters.py).
+# model.train: ``full`` trains the denoiser's own weights; the others a peft adapter (runner/adapters.py).
 ADAPTERS = ("lora", "lokr", "loha")
 TRAIN_MODES = ("full", *ADAPTERS)
 

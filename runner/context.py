@@ -21,22 +21,14 @@ from collections.abc import Collection
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
 from runner.errors import UserError
 from runner.hooks import ModuleHooks
-from runner.plugin import PluginSchedule
 from runner.resolved import ResolvedRun
 from runner.trainer import ModelSet
-
-if TYPE_CHECKING:
-    from runner.compile.regional import NoCompile, RegionalCompile
-    from runner.data.flip import VisitFlip
-    from runner.distributed.runtime import Distribution
-    from runner.ema.average import EMA, NoEMA
-    from runner.output.trackers import Tracking
 
 log = logging.getLogger("runner")
 
@@ -88,10 +80,18 @@ class RunFacts:
         return {c.module for c in self.claims if c.action == action}
 
 
+class Schedule(Protocol):
+    """What the context needs of runner.plugin.PluginSchedule: the plugins and, per phase, their calls in order."""
+
+    plugins: list[Any]
+
+    def run(self, phase: str, ctx: RunContext, *args: Any) -> None: ...
+
+
 @dataclass
 class RunContext:
     run: ResolvedRun
-    schedule: PluginSchedule
+    schedule: Schedule
     cfg: Any = None  # the composed config: for the loop and the trainer; plugins read only their own node
     output_dir: Path | None = None
     overrides: list[str] | None = None  # the command line that composed cfg (saved with checkpoints); None: unknown
@@ -109,16 +109,16 @@ class RunContext:
     # (runner/build.py:make_context, or ``**idle_parts(run)`` for a context built by hand), so this
     # module imports no feature.
     sampler: Any = field(kw_only=True)  # sample.every: runner.sampling.build_sampler
-    # The run's experiment tracker (runner/output/trackers.py): ``ctx.tracking.log_images(step, {name: image})``.
-    tracking: Tracking = field(kw_only=True)
-    # data.random_flip, per visit (runner/data/flip.py): the loop applies it, the encoder cache keys both orientations.
-    flip: VisitFlip = field(kw_only=True)
-    ema: EMA | NoEMA = field(kw_only=True)  # ema.enabled: runner.ema.average.build_ema, after a resume
+    # The run's experiment tracker, runner.output.trackers.Tracking: ``ctx.tracking.log_images(step, {name: image})``.
+    tracking: Any = field(kw_only=True)
+    # data.random_flip, per visit (runner.data.flip.VisitFlip): the loop applies it, the encoder cache keys both.
+    flip: Any = field(kw_only=True)
+    ema: Any = field(kw_only=True)  # ema.enabled: runner.ema.average.EMA (after a resume), else NoEMA
     validation: Any = field(kw_only=True)  # val.*: runner.val.holdout.build_validation
-    # dist=ddp|fsdp across processes (runner/distributed/runtime.py); the no-op Distribution for one process.
-    dist: Distribution = field(kw_only=True)
-    # train.compile (runner/compile/regional.py); a no-op in the planner, which plans the eager step.
-    compiler: RegionalCompile | NoCompile = field(kw_only=True)
+    # dist=ddp|fsdp across processes (runner.distributed.runtime.Distribution); a no-op one for one process.
+    dist: Any = field(kw_only=True)
+    # train.compile (runner.compile.regional.RegionalCompile); NoCompile in the planner, which plans the eager step.
+    compiler: Any = field(kw_only=True)
     # train.device=cuda_sim: the simulated card (runner/memory/cuda_sim.py), entered with the plugins'
     # placement and left at teardown; a no-op object on a real device.
     card: Any = field(kw_only=True)
@@ -211,8 +211,8 @@ class RunContext:
 
     def _read_unread(self) -> None:
         """What of a module built on meta (``ModelSet.unread``) no plugin read as it replaced its layers
-        (runner/families/common/unread.py): read now, before anything is placed."""
-        from runner.families.common.unread import read_unread
+        (runner/meta_weights.py): read now, before anything is placed."""
+        from runner.meta_weights import read_unread
 
         for name in read_unread(self.models):
             log.info("%s: its remaining weights (not quantized) read from its files", name)

@@ -47,11 +47,11 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from torch import nn
 
-from runner.build import output_dir
+from runner.output.config import output_dir
 from runner.cli import launch
 from runner.cli.compose import compose_config
 from runner.config import load_all
-from runner.config.checks import validate
+from runner.checks import validate
 from runner.context import RunContext
 from runner.errors import UserError
 from runner.loop import TrainResult
@@ -144,7 +144,7 @@ class HostedRun:
     """One hosted run: the resolved run, its plugins and its outputs around a loop that stays yours."""
 
     def __init__(self, cfg: DictConfig, output_dir: Path | None = None, overrides: Sequence[str] = ()) -> None:
-        checked = validate(cfg)  # once a job: @hosted's command line checked it already (runner/config/checks.py)
+        checked = validate(cfg)  # once a job: @hosted's command line checked it already (runner/checks.py)
         self.cfg = cfg
         self.overrides = list(overrides)
         self.run = checked.run

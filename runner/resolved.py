@@ -33,8 +33,8 @@ import torch
 
 from runner.accel import SIM_DEVICE, is_simulated_cuda
 from runner.devices import DeviceSpec, device_spec
-from runner.distributed.config import DistSpec, resolve_distribution
 from runner.errors import UserError
+from runner.world import DistSpec, resolve_distribution
 
 log = logging.getLogger("runner")
 
@@ -53,7 +53,7 @@ class ResolvedRun:
     precision: str  # "no" | "bf16" | "fp16": the autocast this run really uses
     frozen_dtype: torch.dtype  # model.dtype: frozen modules and a LoRA's frozen base
     train_dtype: torch.dtype  # trained weights: a fully trained module, or the LoRA adapters
-    train_mode: str  # "full" | "lora" | "lokr" | "loha" (runner/config/adapters.py)
+    train_mode: str  # "full" | "lora" | "lokr" | "loha" (runner/adapters.py)
     budget_bytes: Optional[int]  # device memory budget (budget_gb), None when unset
     batch_size: int  # samples per optimizer step
     grad_accum: int  # micro-batches per optimizer step
@@ -193,10 +193,6 @@ def resolve(cfg: Any, *, target: Optional[str] = None, device: Optional[torch.de
                      precision, frozen_dtype_name, train_dtype_name)
         precision, train_dtype_name, frozen_dtype_name = "no", "float32", "float32"
     budget = cfg.get("budget_gb")
-    from runner.ema.average import (
-        resolve_ema_dtype,  # float32 unless ema.dtype=bfloat16 with bf16 trained weights
-    )
-
     budget_bytes = None if budget is None else int(float(budget) * GiB)
     gpu = device_spec(cfg.get("device")) if target == "cuda" else None
     if gpu is not None:  # a named card: its usable memory is the default budget, and caps a larger one
@@ -220,3 +216,16 @@ def resolve(cfg: Any, *, target: Optional[str] = None, device: Optional[torch.de
         dist=dist,
         fsdp_param_dtype=fsdp_param_dtype_of(dist, precision, DTYPES[train_dtype_name]),
     )
+
+
+def resolve_ema_dtype(ema_cfg: Any, train_dtype: torch.dtype) -> Optional[torch.dtype]:
+    """The EMA copy's dtype for a run whose trained weights are ``train_dtype`` (None: no EMA).
+
+    float32 unless ``ema.dtype=bfloat16`` and the trained weights are bfloat16 (a CPU run trains
+    float32 weights, so its EMA is float32 too).
+    """
+    if ema_cfg is None or not ema_cfg.get("enabled", False):
+        return None
+    if str(ema_cfg.get("dtype", "float32")) == "bfloat16" and train_dtype == torch.bfloat16:
+        return torch.bfloat16
+    return torch.float32

@@ -2,7 +2,7 @@
 
 Both modes go through the same steps, in this order, on one :class:`~runner.context.RunContext`:
 
-1. :func:`open_run`: the resolved run and the plugins the job's checks built (runner/config/checks.py:
+1. :func:`open_run`: the resolved run and the plugins the job's checks built (runner/checks.py:
    one job resolves once and builds each plugin once), the context, the plugins' ``configure_process``
    phase (before anything touches CUDA) and the accelerator;
 2. the plan (:func:`plan_run`) and the runner's own changes to the trainer's models
@@ -27,7 +27,7 @@ import torch
 from accelerate import Accelerator
 
 from runner.build import build_plugins, make_context, prepare_models
-from runner.config.checks import CheckedRun
+from runner.checks import CheckedRun
 from runner.context import RunContext
 from runner.distributed.runtime import accelerator_options
 from runner.ema.average import build_ema
@@ -52,7 +52,7 @@ def open_run(cfg: Any, out: Path, overrides: list[str] | None, checked: CheckedR
              hosted: bool = False) -> RunContext:
     """The context of one run, with its plugins built, ``configure_process`` run and the accelerator.
 
-    ``checked``: what the job's checks built (:func:`runner.config.checks.validate`); None resolves
+    ``checked``: what the job's checks built (:func:`runner.checks.validate`); None resolves
     and builds here (a caller that validated nothing else). ``hosted``: the loop is the user's, so
     the accelerator gets no ``log.tracker`` settings (managed mode starts the tracker; a hosted loop
     logs its own way) and the run line names no batch geometry (the loop's loader makes its batches)."""

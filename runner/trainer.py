@@ -113,7 +113,7 @@ class ModelSet:
     dtypes_applied: bool = False
     # Modules built with their parameters on meta whose weights a quantization plugin reads layer by
     # layer as it replaces them; the runner reads the rest after ``transform_models``
-    # (runner/families/common/unread.py). Name -> UnreadWeights; empty unless the run loads a base that way.
+    # (runner/meta_weights.py). Name -> UnreadWeights; empty unless the run loads a base that way.
     unread: dict[str, Any] = field(default_factory=dict)
 
     def __getitem__(self, name: str) -> nn.Module:

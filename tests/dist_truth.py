@@ -36,7 +36,7 @@ def one(out: Path, overrides: list[str], label: str) -> None:
         prepare_models,
     )
     from runner.cli.compose import compose_config
-    from runner.config.checks import validate
+    from runner.checks import validate
     from runner.distributed.launch import join_process_group
     from runner.loop import forward_backward
     from runner.optim.build import build_optimizer

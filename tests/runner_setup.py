@@ -15,7 +15,7 @@ from accelerate.utils import set_seed
 from runner.build import build_plugins, build_trainer, make_context, prepare_models
 from runner.cli.compose import compose_config
 from runner.cli.launch import run_job
-from runner.config.checks import validate
+from runner.checks import validate
 from runner.context import RunContext
 from runner.resolved import resolve
 from runner.session import make_accelerator

@@ -23,7 +23,7 @@ def _bytes(tensors) -> int:
 def main() -> None:
     from runner.build import build_plugins, build_trainer, make_context, prepare_models
     from runner.cli.compose import compose_config
-    from runner.config.checks import validate
+    from runner.checks import validate
     from runner.distributed.launch import join_process_group
     from runner.distributed.loading import build_models_for_rank
     from runner.memory.live_bytes import LiveBytesTracker

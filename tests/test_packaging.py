@@ -23,7 +23,7 @@ def installed(tmp_path_factory) -> Path:
     assert "runner/conf/config.yaml" in names
     for preset in ("sdxl_24gb", "flux_24gb", "constrained"):
         assert f"runner/conf/preset/{preset}.yaml" in names
-    # hydra/sweeper=runner_lora, and the sweeper class in Hydra's plugin namespace (runner/sweep/hydra.py)
+    # hydra/sweeper=runner_lora, and the sweeper class in Hydra's plugin namespace (hydra_plugins/runner_sweeper/install.py)
     assert "runner/conf/hydra/sweeper/runner_lora.yaml" in names
     assert "hydra_plugins/runner_sweeper/optuna_sweeper.py" in names
     target = tmp / "site"

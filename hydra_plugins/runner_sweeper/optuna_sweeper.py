@@ -2,7 +2,7 @@
 
 Hydra instantiates sweepers only from the ``hydra_plugins`` package, hence this folder. The runner stores
 :class:`RunnerOptunaConf` as ``hydra/sweeper=optuna`` in place of the plugin's own config
-(runner/sweep/hydra.py), so the plugin's name runs this class. What differs from the plugin's sweeper:
+(hydra_plugins/runner_sweeper/install.py), so the plugin's name runs this class. What differs from the plugin's sweeper:
 
 - The objective(s) and their directions come from ``sweep.objective`` / ``sweep.direction`` (the job returns
   a :class:`~runner.sweep.config.TrialOutcome`), unless ``hydra.sweeper.direction`` is set.

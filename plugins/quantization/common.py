@@ -55,7 +55,7 @@ undone): the original weights are freed, which is the point.
 A base still in its files
 -------------------------
 When the run built a module with its weights still in their safetensors files (``ModelSet.unread``:
-a LoRA base from a file, runner/families/common/unread.py), :meth:`LinearQuantization.transform_models`
+a LoRA base from a file, runner/meta_weights.py), :meth:`LinearQuantization.transform_models`
 passes its reader to the twin functions, and :func:`replace_layers` reads each selected layer just
 before replacing it: the host holds the layers quantized so far and one tensor in ``model.dtype``,
 never the whole base. The plugin knows nothing of where the weights are or of the distribution: it
@@ -267,7 +267,7 @@ def replace_layers(
     One at a time, and each original layer is released as soon as it is replaced (the targets
     are consumed from ``sel``), so the peak is the model plus one layer's temporaries, never the
     original and the quantized model side by side. ``read(name, layer)``: for a module built with
-    its weights still in their files (``ModelSet.unread``, runner/families/common/unread.py), reads the
+    its weights still in their files (``ModelSet.unread``, runner/meta_weights.py), reads the
     layer's weights just before it is replaced, so the host never holds more than one of them
     unquantized; the layer is then what a whole load would have given.
     """

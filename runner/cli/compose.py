@@ -2,7 +2,7 @@
 
 The entry point composes once itself (cheap: ~0.1 s) with :func:`runner.compose.compose_config`
 (friendly composition errors), and only then hands over to ``hydra.main`` for the real run,
-``--help``, ``--cfg`` and ``-m``. The checks of a composed config live in runner/config/checks.py;
+``--help``, ``--cfg`` and ``-m``. The checks of a composed config live in runner/checks.py;
 :func:`precheck` runs them on every job of a sweep.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from hydra.errors import OverrideParseException
 from omegaconf import DictConfig
 
 from runner.compose import _unparsable, compose_config  # noqa: F401  (compose_config: its public path here too)
-from runner.config.checks import check_config, check_run, typed_overrides
+from runner.checks import check_config, check_run, typed_overrides
 
 MAX_SWEEP_CHECKS = 64
 

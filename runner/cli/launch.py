@@ -31,7 +31,7 @@ from omegaconf import DictConfig
 from runner.cli.compose import hydra_args, precheck
 from runner.cli.listing import format_plugin_list
 from runner.config import load_all
-from runner.config.checks import check_run, typed_overrides
+from runner.checks import check_run, typed_overrides
 from runner.distributed.launch import agree_on_start
 from runner.errors import Interrupted, UserError, storage_error
 from runner.files import conf_dir

@@ -16,6 +16,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from runner import registry
+from runner.adapters import DEFAULT_LORA_TARGETS
 from runner.devices import DeviceConfig
 from runner.distributed.config import store_dist_schemas
 from runner.distributed.launch import runner_now
@@ -32,14 +33,13 @@ from runner.val.config import ValConfig
 log = logging.getLogger("runner")
 
 
-DEFAULT_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")  # diffusers' attention projections
 
 @dataclass
 class ModelConfig:
     size: str = "tiny"  # tiny | full
     path: Optional[str] = None  # diffusers folder or single-file .safetensors; None = random init
     dtype: str = "float32"  # storage dtype of frozen weights: float32 | bfloat16 | float16
-    train: str = "full"  # full | lora | lokr | loha (peft adapters on the denoiser; runner/config/adapters.py)
+    train: str = "full"  # full | lora | lokr | loha (peft adapters on the denoiser; runner/adapters.py)
     train_dtype: str = "float32"  # dtype of the trained weights (full: the denoiser; lora: the adapters): float32 | bfloat16
     lora_rank: int = 4
     lora_alpha: float = 4.0
@@ -245,7 +245,7 @@ def store_schemas() -> None:
 
     store_optimizer_schemas()
     store_dist_schemas()
-    from runner.sweep.hydra import install_optuna_sweeper
+    from hydra_plugins.runner_sweeper.install import install_optuna_sweeper
 
     install_optuna_sweeper()  # hydra/sweeper=optuna: the runner's sweeper, when hydra-optuna-sweeper is installed
 

@@ -42,7 +42,7 @@ import torch
 from torch.utils.data import Dataset
 
 from runner.data.buckets import BucketSpec, Size
-from runner.data.captions import CaptionRules, caption_rules, check_cache_compatible
+from runner.data.captions import CaptionRules, caption_rules
 from runner.data.checks import (
     _check_bucket_settings,
     _check_caption_ext,
@@ -61,7 +61,7 @@ from runner.data.sets import TrainingData
 from runner.errors import UserError
 
 __all__ = ["BatchOrder", "DemoDataset", "FolderDataset", "StepBatch", "TrainingData", "build_dataset", "build_video_dataset", "refuse_image_only_options",
-           "check_cache_compatible", "check_dataset", "check_options", "collate", "describe_dataset", "planned_size", "visit_samples"]
+           "check_dataset", "check_options", "collate", "describe_dataset", "planned_size", "visit_samples"]
 
 
 @dataclass(frozen=True)

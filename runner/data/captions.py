@@ -20,7 +20,7 @@ The encoder cache (offload=park) and these options: a dropped caption is one mor
 (``""``), encoded once and shared by every dropped visit, so dropout works with cached text
 embeddings. Shuffled tags make a different text almost every visit, which no cache keyed by the
 caption can serve: that combination is refused before the run starts (kohya refuses it too),
-see :func:`check_cache_compatible`.
+see runner/checks.py:check_cache_compatible.
 """
 from __future__ import annotations
 
@@ -112,32 +112,3 @@ def caption_rules(data_cfg: Any) -> CaptionRules:
     if not isinstance(shuffle, bool):
         raise UserError(f"data.shuffle_tags={shuffle!r} is not valid: give true or false.")
     return CaptionRules(float(dropout), shuffle, int(keep))
-
-
-def check_cache_compatible(cfg: Any) -> None:
-    """Refuse ``data.shuffle_tags=true`` with a plugin's text cache on (the setting its schema declares as
-    ``text_cache_setting``: ``offload.park.cache_text=true``), naming both keys.
-
-    A cache keyed by caption text can serve the captions a run can list (each file's caption,
-    plus the empty one for dropout) but not a new tag order every visit; kohya refuses the same
-    pair (``--shuffle_caption`` with ``--cache_text_encoder_outputs``). Encoding the shuffled
-    caption each step means keeping the text encoders, which changes the memory plan, so it is
-    the user's choice, not a silent fallback.
-    """
-    data = cfg.get("data") if hasattr(cfg, "get") else None
-    if data is None or not bool(data.get("shuffle_tags", False)):
-        return
-    from runner import registry
-
-    for kind, name, node in registry.selected(cfg):
-        setting = getattr(registry.plugin_entry(kind, name).config, "text_cache_setting", "")
-        if not setting or not hasattr(node, "get") or "name" not in node:
-            continue
-        if bool(node.get(setting, True)):
-            key = f"{kind}.{name}.{setting}"
-            raise UserError(
-                "data.shuffle_tags=true gives every visit of an image a different caption, so its text embeddings "
-                f"cannot be served from the encoder cache that {key}=true fills once. Set {key}=false (the text "
-                "encoders stay on the host and encode each step; latents can still be cached), or "
-                "data.shuffle_tags=false. data.caption_dropout works with the cache."
-            )

@@ -157,7 +157,7 @@ def describe_references(refs: list[list[Path]]) -> str:
 
 def run_references(cfg: Any) -> int:
     """Reference images per target the run's trainer reads, known before it is built (for the data
-    check of validation, runner/config/checks.py): ``data.references`` when set, else the trainer
+    check of validation, runner/checks.py): ``data.references`` when set, else the trainer
     class's ``default_references`` (runner/trainer.py "Reference images"; 0 when it declares none or
     cannot be imported: that is reported when it is built). Whether the trainer takes that many is
     checked when it is built (:func:`runner.trainer.reference_count`)."""

@@ -53,10 +53,10 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 
 from runner.errors import UserError, valid_list
+from runner.world import CHOICES, DistSpec, dist_node, resolve_distribution  # noqa: F401 (callers take them from here)
 
 log = logging.getLogger("runner")
 
-CHOICES = ("none", "ddp", "fsdp")
 SHARDING_STRATEGIES = ("full_shard", "hybrid_shard")
 # Optimizers whose step runs on FSDP's sharded parameters (DTensors): torch's AdamW. bitsandbytes'
 # 8-bit kernels take plain tensors; transformers' Adafactor mixes DTensors with plain tensors in its
@@ -109,55 +109,6 @@ class FSDPConfig:
 OPTIONS = {"none": NoDistConfig, "ddp": DDPConfig, "fsdp": FSDPConfig}
 
 
-@dataclass(frozen=True)
-class DistSpec:
-    """What the run distributes, decided once (``ResolvedRun.dist``)."""
-
-    name: str = "none"  # none | ddp | fsdp, as configured
-    world_size: int = 1  # processes training together (planned ranks in mode=plan)
-    rank: int = 0  # this process (0 in a plan: every rank plans the same)
-    local_rank: int = 0  # this process's index on its node (its GPU)
-    shard_size: int = 1  # fsdp: ranks one copy of the weights is split over (world_size, or a node's ranks)
-    reshard_after_forward: bool = True
-    cpu_offload: bool = False
-    bucket_mb: float = 25.0
-    mixed_precision: bool = True  # fsdp: MixedPrecisionPolicy when autocast is low-precision (runner/resolved.py)
-    ranks_per_node: int = 1  # GPUs per node: ranks beyond it talk over the inter-node link (runner/plan/comm.py); the plan's host RAM per node (runner/plan/dist.py)
-    interconnect: str = ""  # conf/devices.yaml interconnects row between one node's GPUs; "": the device's link
-    inter_node_interconnect: str = "ib_100"  # the row between nodes
-
-    @property
-    def nodes(self) -> int:
-        """Nodes the ranks span (the last one may be partly used)."""
-        return -(-self.world_size // max(self.ranks_per_node, 1))
-
-    @property
-    def active(self) -> bool:
-        """More than one process and a distribution chosen: collectives run."""
-        return self.world_size > 1 and self.name != "none"
-
-    @property
-    def sharded(self) -> bool:
-        return self.active and self.name == "fsdp"
-
-    @property
-    def is_main(self) -> bool:
-        """The rank that writes the run's files (rank 0)."""
-        return self.rank == 0
-
-    def describe(self) -> str:
-        if not self.active:
-            return "one process"
-        what = {"ddp": "DDP (replicated weights, averaged gradients)",
-                "fsdp": f"FSDP2 (sharded over {self.shard_size} rank{'s' if self.shard_size != 1 else ''}"
-                        + (f", replicated {self.world_size // self.shard_size} times" if self.shard_size < self.world_size
-                           else "")
-                        + (", weights on the host" if self.cpu_offload else "")
-                        + ("" if self.reshard_after_forward else ", gathered weights kept from forward to backward")
-                        + ")"}[self.name]
-        return f"rank {self.rank} of {self.world_size}, {what}"
-
-
 def store_dist_schemas() -> None:
     """``dist=none|ddp|fsdp`` as a Hydra group (package ``dist``)."""
     cs = ConfigStore.instance()
@@ -177,71 +128,6 @@ def describe_options() -> list[str]:
     return lines
 
 
-def _node(cfg: Any) -> Any:
-    node = cfg.get("dist") if hasattr(cfg, "get") else None
-    return node if node is not None else NoDistConfig()
-
-
-def resolve_distribution(cfg: Any, planning: bool) -> DistSpec:
-    """The :class:`DistSpec` of ``cfg`` in this process (see the module docstring). UserError on a
-    mismatch between the config and the launch."""
-    from runner.distributed.launch import process_world
-
-    node = _node(cfg)
-    name = str(node.get("name", "none")) if hasattr(node, "get") else node.name
-    if name not in CHOICES:
-        raise UserError(f"dist={name!r} is not valid. Valid values: {valid_list(name, CHOICES)}.")
-    want = node.get("world_size") if hasattr(node, "get") else node.world_size
-    world = process_world()
-    if want is not None and int(want) < 1:
-        raise UserError(f"dist.world_size={want} is not valid: give the number of processes (>= 1), or leave it unset.")
-    if planning:
-        size = int(want) if want is not None else world.world_size
-        rank, local = 0, 0
-    else:
-        size, rank, local = world.world_size, world.rank, world.local_rank
-        if want is not None and int(want) != size:
-            raise UserError(
-                f"dist.world_size={want}, but this run was launched with {size} process{'es' if size > 1 else ''} "
-                f"({world.describe()}). Launch {want} processes (torchrun --nproc_per_node={want} -m runner ..., or "
-                "accelerate launch --num_processes ...), or drop dist.world_size to take the launcher's.")
-    if name == "none" and size > 1:
-        raise UserError(
-            f"{'dist.world_size=' + str(size) if planning else world.describe()} but dist=none: each process would "
-            "train the whole batch on its own and all would write the same files. Add dist=ddp (replicated weights) "
-            "or dist=fsdp (sharded weights), or run one process.")
-    get = (lambda k, d: node.get(k, d)) if hasattr(node, "get") else (lambda k, d: getattr(node, k, d))
-    shard = size
-    if name == "fsdp" and str(get("sharding_strategy", "full_shard")) == "hybrid_shard":
-        per_node = get("ranks_per_node", None)
-        per_node = int(per_node) if per_node is not None else (None if planning else world.local_world_size)
-        if per_node is None:
-            raise UserError("dist.sharding_strategy=hybrid_shard in mode=plan needs dist.ranks_per_node (the GPUs "
-                            "of one node, which one copy of the weights is sharded over).")
-        if per_node < 1 or size % per_node:
-            raise UserError(f"dist.ranks_per_node={per_node} must divide the world size {size} "
-                            "(hybrid_shard shards within each node and replicates across nodes).")
-        shard = per_node
-    return DistSpec(name=name, world_size=size, rank=rank, local_rank=local, shard_size=shard,
-                    ranks_per_node=_ranks_per_node(get("ranks_per_node", None), size, planning, world),
-                    reshard_after_forward=bool(get("reshard_after_forward", True)),
-                    cpu_offload=bool(get("cpu_offload", False)), bucket_mb=float(get("bucket_mb", 25.0)),
-                    mixed_precision=bool(get("mixed_precision", True)),
-                    interconnect=str(get("interconnect", None) or ""),
-                    inter_node_interconnect=str(get("inter_node_interconnect", "ib_100") or "ib_100"))
-
-
-def _ranks_per_node(given: Any, size: int, planning: bool, world: Any) -> int:
-    """``dist.ranks_per_node``: as given; null: ``min(world_size, 8)`` in a plan (8 GPUs a node), the
-    launcher's ``LOCAL_WORLD_SIZE`` in training. (``hybrid_shard`` takes its shard group from it too,
-    and in a plan refuses to guess it: above.)"""
-    if given is not None:
-        if int(given) < 1:
-            raise UserError(f"dist.ranks_per_node={given} is not valid: give the ranks (GPUs) of one node, >= 1.")
-        return min(int(given), size)
-    return min(size, 8) if planning else max(1, min(size, int(world.local_world_size)))
-
-
 def validate_dist(cfg: Any, spec: DistSpec) -> None:
     """Value checks and refused combinations (module docstring), before anything is built: every
     conflict at once, so a command that breaks three rules is not refused three times."""
@@ -256,7 +142,7 @@ def validate_dist(cfg: Any, spec: DistSpec) -> None:
 def _dist_problems(cfg: Any, spec: DistSpec) -> list[str]:
     """Every refusal of :func:`validate_dist`, in the order they were checked one by one before."""
     problems: list[str] = []
-    node = _node(cfg)
+    node = dist_node(cfg)
     get = (lambda k, d: node.get(k, d)) if hasattr(node, "get") else (lambda k, d: getattr(node, k, d))
     if spec.name == "fsdp":
         strategy = str(get("sharding_strategy", "full_shard"))

@@ -33,59 +33,15 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
+
+from runner.world import ProcessWorld, process_world  # noqa: F401 (callers take them from here)
 
 log = logging.getLogger("runner")
 
 START_TIME_ENV = "RUNNER_START_TIME"
 TIMEOUT_ENV = "RUNNER_DIST_TIMEOUT_MIN"
 DEFAULT_TIMEOUT_MIN = 180.0
-
-
-@dataclass(frozen=True)
-class ProcessWorld:
-    """The processes this one was launched with (1 when launched alone)."""
-
-    world_size: int = 1
-    rank: int = 0
-    local_rank: int = 0
-    local_world_size: int = 1
-    launcher: str = "none"  # torchrun (also accelerate launch) | submitit | none
-
-    def describe(self) -> str:
-        if self.world_size == 1:
-            return "launched as one process"
-        return f"launched by {self.launcher} as {self.world_size} processes ({self.local_world_size} on this node)"
-
-
-def _adopt_submitit() -> None:
-    """A SLURM (or submitit local) job with several tasks: export torch's env:// variables from
-    submitit's job environment, once. Single-task jobs and other processes are left alone."""
-    if "WORLD_SIZE" in os.environ or "SUBMITIT_EXECUTOR" not in os.environ:
-        return
-    try:
-        from submitit import JobEnvironment
-        from submitit.helpers import TorchDistributedEnvironment
-    except ImportError:  # a job environment without submitit importable cannot be a submitit job
-        return
-    if JobEnvironment().num_tasks > 1:
-        # CUDA_VISIBLE_DEVICES is left as SLURM set it: the runner picks cuda:LOCAL_RANK itself.
-        TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
-        os.environ["RUNNER_LAUNCHER"] = "submitit"
-
-
-def process_world() -> ProcessWorld:
-    """This process's place among the processes launched together (from the environment)."""
-    _adopt_submitit()
-    env = os.environ
-    world = int(env.get("WORLD_SIZE", "1") or 1)
-    if world <= 1:
-        return ProcessWorld()
-    launcher = env.get("RUNNER_LAUNCHER") or ("accelerate launch" if "ACCELERATE_DYNAMO_BACKEND" in env
-                                              or "ACCELERATE_MIXED_PRECISION" in env else "torchrun")
-    return ProcessWorld(world_size=world, rank=int(env.get("RANK", "0")), local_rank=int(env.get("LOCAL_RANK", "0")),
-                        local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world))), launcher=launcher)
 
 
 # What gloo and NCCL raise in a collective whose partner process has gone (its own error ended it).

@@ -44,7 +44,7 @@ drawn at random over the loaded base, and only rank 0 draws them as one process 
 A third way, for one process too: ``quantized``. A LoRA over a base that a ``quantization`` plugin
 quantizes, with its weights in safetensors files as stored: every rank (or the one process) builds the
 base on meta, draws the adapters itself as one process does, and the plugin reads each Linear layer
-from the file just before it quantizes it (runner/families/common/unread.py); the quantized weights stay whole
+from the file just before it quantizes it (runner/meta_weights.py); the quantized weights stay whole
 on every rank (runner/distributed/runtime.py ``_unshardable_params``), what FSDP2 can shard (norms, skipped
 layers) is read whole, then sharded. Host peak: the base as quantized plus one tensor in flight, where
 it was the whole base in ``model.dtype``. Not covered (loaded whole, then quantized, on every rank as
@@ -121,7 +121,7 @@ def _named(node: Any) -> list[str]:
 
 
 def streamed_base(trainer: Any, cfg: Any, train_mode: str, quantized: list[str]) -> tuple[bool, str]:
-    """Whether the quantized base is built on meta and read layer by layer (runner/families/common/unread.py),
+    """Whether the quantized base is built on meta and read layer by layer (runner/meta_weights.py),
     and if not, why not."""
     if str(train_mode) != "lora" or bool(cfg.model.get("lora_dora", False)):
         kind = "DoRA" if str(train_mode) == "lora" else f"model.train={train_mode}"
@@ -159,7 +159,7 @@ def rank0_only_modules(cfg: Any, trainer: Any, plugins: list[Any], spec: Any) ->
 
 def build_models_for_rank(ctx: Any) -> ModelSet:
     """The trainer's models on this rank (module docstring); ``ctx.dist.pending`` says what ``_shard`` fills
-    in, ``ModelSet.unread`` what a quantization plugin reads as it quantizes (runner/families/common/unread.py)."""
+    in, ``ModelSet.unread`` what a quantization plugin reads as it quantizes (runner/meta_weights.py)."""
     trainer, spec = ctx.trainer, ctx.run.dist
     mode, why = load_mode(trainer, spec, ctx.run.train_mode, ctx.cfg)
     rank0_only, said = rank0_only_modules(ctx.cfg, trainer, ctx.schedule.plugins, spec)
@@ -211,7 +211,7 @@ def build_models_for_rank(ctx: Any) -> ModelSet:
 def _build_unread(trainer: Any, why: str, skip: frozenset[str] = frozenset()) -> ModelSet:
     """The models with the trained module's base on meta, its weights left in its files (``quantized``);
     ``skip``: modules this rank builds without weights (:func:`rank0_only_modules`)."""
-    from runner.families.common.unread import UnreadWeights
+    from runner.meta_weights import UnreadWeights
 
     name = trainer.denoiser
     generator = torch.get_rng_state()

@@ -73,13 +73,13 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, ContextManager, Optional
+from typing import Any, ContextManager
 
 import torch
 from torch import nn
 
 from runner.compat import foreach_lerp_
-from runner.ema.files import FILE, SHARDED_META, is_sharded_param, local, read_ema_file
+from runner.ema.files import FILE, SHARDED_META, is_sharded_param, local
 from runner.errors import UserError
 
 log = logging.getLogger("runner")
@@ -87,19 +87,6 @@ log = logging.getLogger("runner")
 FORMAT = 1
 CHUNK_BYTES = 64 * 2**20  # EMA bytes averaged per foreach call: bounds the update's temporaries
 CATEGORY = "ema"  # the live-bytes tracker's category of the copy (runner/memory/live_bytes_views.py)
-
-
-def resolve_ema_dtype(ema_cfg: Any, train_dtype: torch.dtype) -> Optional[torch.dtype]:
-    """The EMA copy's dtype for a run whose trained weights are ``train_dtype`` (None: no EMA).
-
-    float32 unless ``ema.dtype=bfloat16`` and the trained weights are bfloat16 (a CPU run trains
-    float32 weights, so its EMA is float32 too). Called once, by runner/resolved.py.
-    """
-    if ema_cfg is None or not ema_cfg.get("enabled", False):
-        return None
-    if str(ema_cfg.get("dtype", "float32")) == "bfloat16" and train_dtype == torch.bfloat16:
-        return torch.bfloat16
-    return torch.float32
 
 
 class NoEMA:

@@ -1,7 +1,7 @@
 """The ``ema.*`` schema and its checks, without torch (runner/ema/average.py is the average itself).
 
 Split from runner/ema/average.py so that composing a run, ``--help`` and a config error never wait for
-torch (runner/config/checks.py fast path).
+torch (runner/checks.py fast path).
 """
 from __future__ import annotations
 

@@ -23,14 +23,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from runner.ema.files import FILE, SHARDED_META, is_sharded_param, local, read_ema_file
-
-if TYPE_CHECKING:
-    from runner.ema.average import EMA
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,7 +41,7 @@ def placed_like(shard: torch.Tensor, param: torch.Tensor) -> Any:
                               stride=param.stride())
 
 
-def write_sharded_meta(ema: EMA, path: Path) -> list[str]:
+def write_sharded_meta(ema: Any, path: Path) -> list[str]:
     """Rank 0's ``ema.json`` of a sharded checkpoint; the files written."""
     shapes = {n: list(p.shape) for n, p in zip(ema.names, ema.params)}
     path.write_text(json.dumps({"metadata": ema.metadata(), "shapes": shapes}, indent=1))
@@ -71,7 +68,7 @@ def read_saved_ema(ckpt: Path) -> tuple[Path, dict[str, tuple[int, ...]], dict[s
 
 
 @torch.no_grad()
-def load_into(ema: EMA, ckpt: Path, meta: dict[str, str], tensors: dict[str, torch.Tensor] | None) -> None:
+def load_into(ema: Any, ckpt: Path, meta: dict[str, str], tensors: dict[str, torch.Tensor] | None) -> None:
     """Copy ``ckpt``'s EMA (checked against ``ema`` already) into ``ema``'s copy: ``tensors`` (of
     ``ema.safetensors``), or the sharded checkpoint's, read now."""
     if tensors is not None:

@@ -24,7 +24,7 @@ from typing import Any
 
 from runner.build import build_trainer, prepare_models
 from runner.compose import compose_config
-from runner.config.checks import validate
+from runner.checks import validate
 from runner.errors import UserError
 from runner.fit.estimate import Anchor, Estimate, Estimator, Inventory, dtype_bytes
 from runner.fit.space import Knobs, Space, base_knobs, offload_knobs, overrides_for

@@ -1,7 +1,7 @@
 """The ``loss.*`` options, their checks and which objective each belongs to, without torch.
 
 Split from runner/loss/objectives.py (the formulas, which need torch) so that composing a run, ``--help``,
-``mode=plugins`` and a config error never import torch (runner/config/checks.py fast path). A
+``mode=plugins`` and a config error never import torch (runner/checks.py fast path). A
 built-in trainer's objective comes from its registration (runner/families/__init__.py), so an
 option of the other objective is refused before any trainer module is imported.
 """

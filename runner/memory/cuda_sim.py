@@ -90,7 +90,7 @@ _COPY_PACKETS = {_aten._to_copy, _aten.copy_}
 # torch modules whose ``.to(device)`` passes the real device of card tensors (a bare ``cpu`` here): on a GPU
 # that is the card, so no move (torch.nn.utils.clip_grad moves the clip coefficient to the gradients' device).
 _REAL_DEVICE_CALLERS = {"torch.nn.utils.clip_grad"}
-_MODE_MODULES = {__name__, "runner.plan.semantics", "torch.overrides", "torch.utils._python_dispatch"}
+_MODE_MODULES = {__name__, "runner.memory.semantics", "torch.overrides", "torch.utils._python_dispatch"}
 
 
 def _caller_module() -> str | None:
@@ -377,7 +377,7 @@ class SimulatedCuda:
     simulates = True
 
     def __init__(self, cap_bytes: int | None, expandable_segments: bool = True, precision: str = "no") -> None:
-        from runner.plan.semantics import DeviceSemantics  # CUDA's autocast and attention choice, as planned
+        from runner.memory.semantics import DeviceSemantics  # CUDA's autocast and attention choice, as planned
 
         self.tracker = PlacementTracker(cap_bytes, expandable_segments)
         self._calls = _PlacementCalls(self.tracker)

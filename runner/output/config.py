@@ -3,6 +3,7 @@ never loads a tracker or torch; runner/output/trackers.py is the code)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 from runner.errors import UserError, valid_list
@@ -51,3 +52,14 @@ def validate_log_config(log_cfg: Any) -> None:
                             "(metrics.jsonl is written in any case).")
     if int(log_cfg.every) < 1:
         raise UserError(f"log.every={log_cfg.every} must be a whole number of steps, 1 or more.")
+
+
+def output_dir(cfg: Any) -> Path:
+    """The run's output folder: ``output_dir``, else Hydra's run directory."""
+    if cfg.output_dir:
+        return Path(cfg.output_dir)
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        return Path(HydraConfig.get().runtime.output_dir)
+    raise UserError("output_dir is not set and no Hydra run directory exists; set output_dir=<folder>.")

@@ -128,7 +128,7 @@ def per_step_counts(rows: list[dict[str, Any]]) -> dict[str, float | None]:
 
 def plot_job(cfg: DictConfig) -> None:
     """``loss.png`` in the job's directory when it trained (runner/output/plots.py); never raises."""
-    from runner.build import output_dir
+    from runner.output.config import output_dir
     from runner.output.plots import LOSS_PNG, safely, write_loss_plot
 
     if str(cfg.get("mode", "train")) != "train":
@@ -143,7 +143,7 @@ def plot_job(cfg: DictConfig) -> None:
 def write_job_summary(cfg: DictConfig, status: str, error: str | None, exit_code: int, num: int | None,
                       overrides: list[str], wall_s: float) -> dict[str, Any] | None:
     """Write the job's job_summary.json (rank 0); the summary, or None where there is no output folder."""
-    from runner.build import output_dir
+    from runner.output.config import output_dir
     from runner.distributed.launch import process_world
 
     if process_world().rank != 0:  # several processes: rank 0 writes the run's files (runner/distributed/launch.py)

@@ -64,14 +64,14 @@ from typing import Any
 
 from runner.build import build_plugins
 from runner.compose import compose_config
-from runner.config.checks import validate
+from runner.checks import validate
 from runner.errors import UserError
 from runner.guards.oom import is_out_of_memory
 from runner.plan.failure import OPT_OUT, planner_failure
 from runner.plan.picture import draw_plan
 from runner.plan.fake import SimulationMode, fake_module, simulation_mode
 from runner.plan.result import PhasePeak, Plan, format_plan, format_size
-from runner.plan.semantics import DeviceSemantics, SimulatedAccelerator
+from runner.memory.semantics import DeviceSemantics, SimulatedAccelerator
 from runner.plan.simulate import plan_step
 from runner.plan.suggest import suggest
 from runner.plan.target import CUDA_WORKSPACE_MARGIN_BYTES, DEVICE, HOST, GiB

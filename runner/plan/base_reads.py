@@ -1,9 +1,9 @@
-"""The planner's side of a base read layer by layer as it is quantized (runner/families/common/unread.py).
+"""The planner's side of a base read layer by layer as it is quantized (runner/meta_weights.py).
 
 When a run loads the trained module's base that way (runner/distributed/loading.py ``load_mode``
 ``quantized``: one process, and every rank under ``dist=fsdp``), the simulation does what the run
 does: the base's parameters stay on plain ``meta`` (not faked, not counted), ``ModelSet.unread``
-carries an :class:`~runner.families.common.unread.UnreadWeights` whose read makes a fake host tensor of the
+carries an :class:`~runner.meta_weights.UnreadWeights` whose read makes a fake host tensor of the
 stored shape and dtype (from the safetensors headers; nothing else of the files is read), and the
 quantization plugin and the runner read through it at the same points as in a run. So the setup's
 host peak is the quantized base plus one tensor in flight (and its conversion to ``model.dtype``),
@@ -41,7 +41,7 @@ def leave_unread(models: Any, trainer: Any, load: tuple[str, str], host: torch.d
     ``models.unread`` set up to make them as fake tensors on ``host`` when read; empty otherwise."""
     if load[0] != "quantized":
         return set()
-    from runner.families.common.unread import UnreadWeights
+    from runner.meta_weights import UnreadWeights
 
     name = trainer.denoiser
     files = trainer.weight_files(name)

@@ -36,7 +36,7 @@ the shard group, bytes exact per parameter)
   the autocast dtype (a float32 unit is gathered at half its size), the unit's unsharded gradients
   too, and the reduce-scatter input in float32; the shards, their gradients and the optimizer state
   stay float32. The weights reach the unit's ops already in bf16, so no op casts them and autocast
-  caches no copy: the simulation's casts of these weights (runner/plan/semantics.py) are neither
+  caches no copy: the simulation's casts of these weights (runner/memory/semantics.py) are neither
   cached nor counted (``LiveBytesTracker.uncounted``), since the gathered copy they stand for is
   the window above, one unit at a time. Without the policy the simulation's autocast casts and
   caches each float32 weight as one process does: a low-precision copy of every block's weights
@@ -158,7 +158,7 @@ def _gathered_bytes(p: torch.Tensor, param_dtype: torch.dtype | None) -> int:
 
 def gathered_params(layout: RankLayout | None, models: Any) -> frozenset[int]:
     """ids of the weights FSDP2 all-gathers in the autocast dtype (none without a MixedPrecisionPolicy):
-    the simulation neither caches nor counts their casts (runner/plan/semantics.py), since the
+    the simulation neither caches nor counts their casts (runner/memory/semantics.py), since the
     layout counts them per unit (module docstring)."""
     from runner.distributed.runtime import _unshardable_params
 

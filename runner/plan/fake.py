@@ -9,7 +9,7 @@ So the simulation keeps that path short without changing a figure: :class:`Simul
 views built without ``FakeTensor.__new__`` or generator context managers), the tracker
 answering the autograd engine's device queries itself, fake parameters made without dispatched
 ops (:func:`fake_module`), gradient clipping with the foreach kernels a GPU run uses
-(runner/plan/semantics.py), and the garbage collector kept off the objects that existed before
+(runner/memory/semantics.py), and the garbage collector kept off the objects that existed before
 the plan (runner/plan/simulate.py).
 """
 from __future__ import annotations

@@ -69,7 +69,7 @@ from runner.plan.prepass import cache_fill_report, simulate_cache_fill
 from runner.plan.process import import_model_classes, old_objects_frozen, one_thread
 from runner.plan.result import PhasePeak, Plan
 from runner.plan.sampling import plan_sampling
-from runner.plan.semantics import DeviceSemantics, SimulatedAccelerator
+from runner.memory.semantics import DeviceSemantics, SimulatedAccelerator
 from runner.plan.speed import StepTime, Target, Trained, gpu_target, predict
 from runner.plan.steady import by_category, optimizer_state_by_module, steady_peaks
 from runner.plan.suggest import suggest

@@ -2,7 +2,7 @@
 
 The simulated accelerator is ``meta`` (:data:`DEVICE`) and the simulated host is fake ``cpu``
 (:data:`HOST`). The *target* is the real device whose autocast and kernels the simulation
-copies (runner/plan/semantics.py): CUDA unless ``train.device=cpu`` (or the preflight of a run
+copies (runner/memory/semantics.py): CUDA unless ``train.device=cpu`` (or the preflight of a run
 that resolved to the CPU).
 
 What is not counted (so ``budget_gb`` should keep some room): the CUDA context and library

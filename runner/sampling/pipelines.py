@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from runner.families.common.loading import pipeline_class
+from runner.diffusers_classes import pipeline_class
 from runner.trainer import ModelSet
 
 VaeOnDevice = Callable[[], AbstractContextManager[None]]

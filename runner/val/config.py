@@ -3,7 +3,7 @@ held-out loss itself).
 
 Split from runner/val/holdout.py so that composing a run, ``--help`` and a config error never wait
 for torch; the scan of a ``data.val_path`` folder (which imports the data code) is
-:func:`check_val_path`, called by runner/config/checks.py's ``check_run`` beside ``data.path``'s.
+:func:`check_val_path`, called by runner/checks.py's ``check_run`` beside ``data.path``'s.
 """
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def check_val_config(cfg: Any) -> None:
 
 def check_val_path(cfg: Any) -> None:
     """``mode=train`` with ``data.val_path``: the folder is scanned and checked now, before any
-    model is built (imports the data code, so runner/config/checks.py calls it in ``check_run``)."""
+    model is built (imports the data code, so runner/checks.py calls it in ``check_run``)."""
     path = val_source(cfg)[1]
     if path is not None and cfg.get("mode") == "train":
         from runner.data import build_dataset

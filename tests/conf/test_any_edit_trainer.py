@@ -27,7 +27,7 @@ from planner_truth import assert_plan_matches_a_real_cpu_step
 
 from runner.__main__ import task
 from runner.cli.compose import compose_config
-from runner.config.checks import validate
+from runner.checks import validate
 from runner.errors import UserError
 from runner.files import conf_dir
 from runner.output.report import read_metrics

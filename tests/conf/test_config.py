@@ -7,7 +7,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from runner.cli.compose import compose_config, expand_sweeps, precheck
-from runner.config.checks import validate
+from runner.checks import validate
 from runner.errors import UserError
 from runner.files import conf_dir
 

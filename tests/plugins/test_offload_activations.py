@@ -15,7 +15,7 @@ from tiny_training import assert_identical_training, fake_unet_inputs, tiny_trai
 from torch import nn
 
 from runner.cli.compose import compose_config
-from runner.config.checks import validate
+from runner.checks import validate
 from runner.errors import UserError
 from runner.memory.live_bytes import LiveBytesTracker
 from runner.plugins.checkpoint import apply_activation_checkpointing

@@ -13,7 +13,7 @@ from diffusers.optimization import get_scheduler
 
 from runner.build import build_trainer
 from runner.cli.compose import compose_config
-from runner.config.checks import validate
+from runner.checks import validate
 from runner.errors import UserError
 from runner.memory.live_bytes import LiveBytesTracker
 from runner.plugins.offload_optimizer import offload_optimizer, torchao_available

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from runner.build import idle_parts
 from runner.cli.compose import compose_config
-from runner.config.checks import validate
+from runner.checks import validate
 from runner.context import RunContext
 from runner.data.demo import demo_image
 from runner.data.images import _to_tensor

@@ -23,7 +23,7 @@ from torch import nn
 
 from runner.build import idle_parts
 from runner.cli.compose import compose_config
-from runner.config.checks import validate
+from runner.checks import validate
 from runner.context import RunContext
 from runner.data.demo_video import demo_frame
 from runner.data.video import frames_to_tensor

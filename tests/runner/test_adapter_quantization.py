@@ -1,4 +1,4 @@
-"""Adapters over quantized bases (runner/config/adapters.py QUANTIZED_BASES): LoKr and LoHa train over
+"""Adapters over quantized bases (runner/adapters.py QUANTIZED_BASES): LoKr and LoHa train over
 the int8 and fp8 layers, planned within the planner tests' 5 % of a real CPU step; the pairs not
 checked (LoKr/LoHa over nf4, DoRA over any quantization) are refused before step 1 naming both keys."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from planner_truth import prepared_step, real_step
 from torch import nn
 
 from runner.cli.compose import compose_config
-from runner.config.checks import check_config, validate
+from runner.checks import check_config, validate
 from runner.errors import UserError
 from runner.plan import plan_step
 

@@ -63,7 +63,7 @@ def test_a_plugins_settings_are_checked_once_per_train_run(counting_plugin, tmp_
 
 
 def test_a_declared_requirement_is_refused_by_the_jobs_checks(counting_plugin, monkeypatch):
-    from runner.config.checks import validate
+    from runner.checks import validate
     from runner.errors import UserError
 
     monkeypatch.setattr(CountingPlugin, "requires", ("checkpoint/blocks",))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from runner.cli.compose import compose_config
-from runner.config.checks import validate
+from runner.checks import validate
 from runner.hostmem import collector_paused, keep_freed_host_memory
 from runner.resolved import resolve
 
@@ -88,7 +88,7 @@ def test_cpu_threads_must_be_positive():
     import pytest
 
     from runner.cli.compose import compose_config
-    from runner.config.checks import check_config
+    from runner.checks import check_config
     from runner.errors import UserError
 
     with pytest.raises(UserError, match=r"train.cpu_threads=0 is not valid: it must be a number > 0"):

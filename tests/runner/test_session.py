@@ -11,7 +11,7 @@ from bad_input import run_main
 from PIL import Image
 
 import runner.cli.compose
-import runner.config.checks
+import runner.checks
 import runner.data
 import runner.resolved
 import runner.session
@@ -39,8 +39,8 @@ def counts(monkeypatch) -> Counter:
             return fn(*args, **kwargs)
         return wrapper
 
-    check = counted("validate", runner.config.checks.check_config)
-    monkeypatch.setattr(runner.config.checks, "check_config", check)
+    check = counted("validate", runner.checks.check_config)
+    monkeypatch.setattr(runner.checks, "check_config", check)
     monkeypatch.setattr(runner.cli.compose, "check_config", check)
     monkeypatch.setattr(runner.data, "FolderDataset", counted("scan", runner.data.FolderDataset))
     resolve = counted("resolve", runner.resolved.resolve)
@@ -91,7 +91,7 @@ def test_a_resume_validates_its_recomposed_config_once_more(tmp_path, counts):
 def test_hosted_mode_validates_and_resolves_once(tmp_path, counts, monkeypatch):
     import runner.hosted
 
-    monkeypatch.setattr(runner.hosted, "validate", runner.config.checks.validate)
+    monkeypatch.setattr(runner.hosted, "validate", runner.checks.validate)
     common = [o for o in COMMON if not o.startswith("train.batch_size")]  # a hosted loop's batches are its own
     run = runner.hosted.session([*common, "offload=[park]"], output_dir=tmp_path / "hosted")
     try:

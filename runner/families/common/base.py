@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from runner.blocks import find_repeated_blocks
-from runner.config.adapters import lora_alpha
+from runner.adapters import DEFAULT_LORA_TARGETS, lora_alpha
 from runner.constants import TRAIN_MODES
 from runner.data.checks import family_references
 from runner.errors import UserError, valid_list
@@ -353,10 +353,10 @@ class DiffusersTrainer(CacheKeys, ExampleBatches):
                 freeze(module)
             modules[name] = module
         if not full:
-            from runner.families.common.unread import stand_in_weights
+            from runner.meta_weights import stand_in_weights
 
             # An empty base (runner/distributed/loading.py) gets CPU stand-ins while the adapters are drawn, so they
-            # come out on the host in the base's dtype, as over a loaded base (runner/families/common/unread.py).
+            # come out on the host in the base's dtype, as over a loaded base (runner/meta_weights.py).
             empty = self.denoiser in self.empty_modules and torch.device(build_on).type != "meta"
             with stand_in_weights(modules[self.denoiser]) if empty else contextlib.nullcontext():
                 attach_lora(modules[self.denoiser], m.lora_rank, lora_alpha(m), self.lora_targets(m), self.train_dtype,
@@ -443,8 +443,6 @@ class DiffusersTrainer(CacheKeys, ExampleBatches):
     def lora_targets(self, m: Any) -> list[str]:
         """``model.lora_targets``, or the family's ``lora_default_targets`` where the runner's default is left as
         it is (a family whose attention names differ from diffusers' usual ones; a preset stays trainer-neutral)."""
-        from runner.config import DEFAULT_LORA_TARGETS
-
         targets = list(m.lora_targets)
         return list(self.lora_default_targets) if self.lora_default_targets and targets == list(DEFAULT_LORA_TARGETS) \
             else targets

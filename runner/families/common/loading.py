@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from runner.diffusers_classes import pipeline_class  # noqa: F401 (the families take it from here)
 from runner.errors import UserError, valid_list
 from runner.float32_rules import is_transformers_model, keep_in_fp32
 
@@ -61,26 +62,6 @@ def _instantiate(cls: type, config: dict[str, Any] | Any) -> nn.Module:
         return cls(cfg)
     return cls.from_config(config)
 
-
-
-@functools.cache
-def pipeline_class(name: str) -> type:
-    """``diffusers.<name>`` (a pipeline class), imported with transformers' logging at error level.
-
-    Why: importing a pipeline makes transformers import the image processors it ships with, and
-    each warns that torchvision is missing and it falls back to PIL; no trainer, export or sample
-    here runs an image processor, so the warning is noise in every run's log.
-    """
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        import diffusers
-
-        return getattr(diffusers, name)
-    finally:
-        hf_logging.set_verbosity(level)
 
 
 def build_module(

@@ -75,7 +75,7 @@ import torch
 from torch import nn
 
 from runner.compat import has_compatible_shallow_copy_type
-from runner.config.adapters import lora_alpha
+from runner.adapters import lora_alpha
 from runner.context import Transfer
 from runner.errors import UserError
 from runner.families.common.loading import attach_lora

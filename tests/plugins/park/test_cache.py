@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from runner.build import build_plugins, build_trainer, make_context, prepare_models
 from runner.cli.compose import compose_config
-from runner.config.checks import validate
+from runner.checks import validate
 from runner.loop import train
 from runner.plugins.park.cache import EncoderCache
 from runner.plugins.park.entry import FORMAT, parse, verify_entry

@@ -8,7 +8,7 @@ import pytest
 from runner_setup import job
 
 from runner.cli.compose import compose_config
-from runner.config.checks import check_config
+from runner.checks import check_config
 from runner.errors import UserError
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -11,7 +11,7 @@ from PIL import Image
 
 from runner.build import build_trainer
 from runner.cli.compose import compose_config
-from runner.config.checks import validate
+from runner.checks import validate
 from runner.plugins.park.cache import EncoderCache, plan_cache
 from runner.resolved import resolve
 

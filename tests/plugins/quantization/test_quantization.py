@@ -21,7 +21,7 @@ from torch import nn
 
 from runner.build import build_plugins, build_trainer, idle_parts, make_context, prepare_models
 from runner.cli.compose import compose_config
-from runner.config.checks import validate
+from runner.checks import validate
 from runner.context import RunContext
 from runner.errors import UserError
 from runner.loop import train

@@ -1,4 +1,4 @@
-"""Issue 29: a LoRA over a quantized base, loaded already quantized (runner/families/common/unread.py).
+"""Issue 29: a LoRA over a quantized base, loaded already quantized (runner/meta_weights.py).
 
 The tiny SDXL U-Net's weights in a safetensors file (diffusers' layout, bfloat16; another seed than
 the run's own init). With ``model.train=lora`` and ``quantization=[nf4]`` (or int8) the U-Net is built
@@ -22,7 +22,7 @@ from accelerate.utils import set_seed
 
 from runner.build import build_plugins, build_trainer, make_context, prepare_models
 from runner.cli.compose import compose_config
-from runner.config.checks import validate
+from runner.checks import validate
 from runner.distributed import loading
 from runner.memory.live_bytes import LiveBytesTracker
 from runner.plugins.quantization.common import storage_bytes, weight_tensors

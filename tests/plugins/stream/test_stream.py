@@ -20,7 +20,7 @@ from torch import nn
 from runner.blocks import find_repeated_blocks
 from runner.build import build_trainer
 from runner.cli.compose import compose_config
-from runner.config.checks import validate
+from runner.checks import validate
 from runner.errors import UserError
 from runner.memory.live_bytes import LiveBytesTracker
 from runner.plugins.checkpoint import apply_activation_checkpointing

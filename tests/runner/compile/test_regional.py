@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from runner.__main__ import task
 from runner.cli.compose import compose_config
 from runner.compile.regional import KIND, NoCompile, RegionalCompile, build_compiler
-from runner.config.checks import validate
+from runner.checks import validate
 from runner.errors import UserError
 from runner.output.report import read_metrics
 

@@ -14,11 +14,11 @@ from PIL import Image
 
 from runner.cli.compose import compose_config
 from runner.config import DataConfig
+from runner.checks import check_cache_compatible
 from runner.data import TrainingData, build_dataset, visit_samples
 from runner.data.captions import (
     CaptionRules,
     caption_rules,
-    check_cache_compatible,
     split_tags,
 )
 from runner.errors import UserError

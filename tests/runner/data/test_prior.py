@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from runner.cli.compose import compose_config
-from runner.config.checks import validate
+from runner.checks import validate
 from runner.data import TrainingData, build_dataset, collate
 from runner.errors import UserError
 

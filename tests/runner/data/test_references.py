@@ -157,7 +157,7 @@ def test_an_unset_count_checks_the_folder_with_the_edit_trainers_own(tmp_path, t
     the data set it hands over is the one the trainer would read, references included."""
     from runner.build import build_trainer
     from runner.cli.compose import compose_config
-    from runner.config.checks import validate
+    from runner.checks import validate
 
     for name in ("a", "b"):
         write(tmp_path, name, size=(64, 64))

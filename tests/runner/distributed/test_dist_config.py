@@ -19,7 +19,7 @@ from runner.cli.listing import format_plugin_list
 from runner.resolved import resolve
 from runner.state.resume import check_unchanged, merge_overrides
 from runner.cli.compose import compose_config
-from runner.config.checks import resolve_for_mode, validate
+from runner.checks import resolve_for_mode, validate
 
 
 @pytest.fixture

@@ -104,7 +104,7 @@ def test_fsdp_lora_broadcasts_rank_0s_base_and_adapters_like_one_process(tmp_pat
 
 def test_fsdp_ranks_each_read_a_quantized_lora_base_layer_by_layer_like_one_process(tmp_path):
     """model.train=lora over an nf4 base from a file: every rank builds the U-Net on meta and reads and
-    quantizes it layer by layer itself (runner/families/common/unread.py; the quantized weights stay whole on
+    quantizes it layer by layer itself (runner/meta_weights.py; the quantized weights stay whole on
     every rank), then FSDP2 shards what it can; the same losses as one process (which reads it the
     same way: tests/plugins/quantization/test_streamed_load.py compares that with loading it whole)."""
     file = tiny_unet_file(tmp_path / "unet.safetensors")

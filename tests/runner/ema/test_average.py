@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from runner.__main__ import task
 from runner.build import build_trainer, prepare_models
 from runner.cli.compose import compose_config
-from runner.config.checks import validate
+from runner.checks import validate
 from runner.ema.average import EMA, FILE, NoEMA, build_ema
 from runner.errors import UserError
 from runner.output.report import read_metrics

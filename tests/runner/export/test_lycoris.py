@@ -17,7 +17,7 @@ from tiny_training import built_as_run
 
 from runner.__main__ import task
 from runner.cli.compose import compose_config
-from runner.config.checks import check_config, validate
+from runner.checks import check_config, validate
 from runner.errors import UserError
 from runner.export.checkpoint import EXPORT_DIR, INFO_FILE
 from runner.export.comfy import COMFY_FILE

@@ -23,7 +23,7 @@ from runner_setup import prepared_context
 from runner.__main__ import task
 from runner.build import build_trainer, prepare_models
 from runner.cli.compose import compose_config
-from runner.config.checks import validate
+from runner.checks import validate
 from runner.data import collate
 from runner.loop import train
 from runner.output.report import read_metrics

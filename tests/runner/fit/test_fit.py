@@ -15,7 +15,7 @@ from bad_input import assert_clean_failure, run_main
 from omegaconf import OmegaConf
 
 from runner.cli.compose import compose_config
-from runner.config.checks import validate
+from runner.checks import validate
 from runner.fit.search import fitted_overrides
 from runner.fit.space import Knobs, overrides_for
 from runner.output.report import read_metrics

@@ -15,7 +15,7 @@ import torch
 from runner.__main__ import task
 from runner.cli.compose import compose_config
 from runner.cli.launch import run_job
-from runner.config.checks import validate
+from runner.checks import validate
 from runner.errors import UserError
 from runner.guards.weights import WeightGuard, WeightsBlewUp, weight_rms
 

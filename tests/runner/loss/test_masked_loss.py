@@ -15,7 +15,7 @@ from accelerate.utils import set_seed
 
 from runner.build import build_trainer, prepare_models
 from runner.cli.compose import compose_config
-from runner.config.checks import validate
+from runner.checks import validate
 from runner.loss.objectives import LossConfig, ddpm_noise, diffusion_loss
 from runner.resolved import resolve
 from runner.trainer import slice_batch

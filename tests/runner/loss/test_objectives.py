@@ -17,7 +17,7 @@ from accelerate.utils import set_seed
 from runner.build import build_trainer, prepare_models
 from runner.cli.compose import compose_config
 from runner.cli.listing import format_plugin_list
-from runner.config.checks import validate
+from runner.checks import validate
 from runner.errors import UserError
 from runner.loss.objectives import (
     LossConfig,

@@ -240,7 +240,7 @@ def test_out_of_memory_on_the_simulated_card_is_recovered_by_splitting_the_batch
     (["optimizer=paged_adamw8bit"], "optimizer=paged_adamw8bit"),
 ])
 def test_what_the_simulated_card_cannot_run_is_refused_before_anything_is_built(tmp_path, overrides, says):
-    from runner.config.checks import check_run
+    from runner.checks import check_run
 
     cfg = compose_config([f"output_dir={tmp_path}", "train.device=cuda_sim", *overrides])
     with pytest.raises(UserError, match=says.replace(".", r"\.")) as err:

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from runner.__main__ import task
 from runner.cli.compose import compose_config
 from runner.cli.launch import run_job
-from runner.config.checks import validate
+from runner.checks import validate
 from runner.errors import UserError
 from runner.memory.live_bytes import LiveBytesTracker
 from runner.optim.fused import FusedBackward, NotFused, fusion_of

@@ -12,7 +12,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from runner.__main__ import task
 from runner.cli.compose import compose_config
-from runner.config.checks import validate
+from runner.checks import validate
 from runner.errors import UserError
 from runner.output.report import read_metrics
 from runner.output.trackers import NoTracking, flat_hparams

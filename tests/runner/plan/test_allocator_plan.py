@@ -6,7 +6,7 @@ from typing import Any
 import pytest
 
 from runner.cli.compose import compose_config
-from runner.config.checks import validate
+from runner.checks import validate
 from runner.plan import GiB, plan_step
 from runner.plan.allocator import AllocationLog, expandable_segments
 

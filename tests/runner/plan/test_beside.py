@@ -88,7 +88,7 @@ import runner.plan.batch as batch
 import runner.plan.simulate as simulate
 from runner.plan import plan_step
 from runner.cli.compose import compose_config
-from runner.config.checks import validate
+from runner.checks import validate
 
 PARTLY = ["offload.park.cache_text=false"]
 out = {"can_fork": __import__("runner.plan.beside", fromlist=["x"]).can_fork()}

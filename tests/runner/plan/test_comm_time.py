@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from runner.cli.compose import compose_config
-from runner.config.checks import validate
+from runner.checks import validate
 from runner.devices import device_table, link_spec, link_table
 from runner.errors import UserError
 from runner.plan import plan_step

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from runner.cli.compose import compose_config
-from runner.config.checks import validate
+from runner.checks import validate
 from runner.plan import plan_step
 from runner.plan.dist import ALL_GATHER, DDP_BUCKETS, REDUCE_SCATTER, shard_bytes
 

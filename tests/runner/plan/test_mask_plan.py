@@ -9,7 +9,7 @@ from planner_truth import assert_plan_matches_a_real_cpu_step
 
 from runner.build import build_trainer
 from runner.cli.compose import compose_config
-from runner.config.checks import validate
+from runner.checks import validate
 from runner.plan import plan_step
 from runner.plan.batch import example_batch
 from runner.resolved import resolve

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from runner.cli.compose import compose_config
-from runner.config.checks import validate
+from runner.checks import validate
 from runner.plan import plan_step
 from runner.plan.picture import draw_plan
 from runner.plan.timeline import LIMIT

@@ -24,7 +24,7 @@ from torch import nn
 
 from runner.build import build_plugins, build_trainer
 from runner.cli.compose import compose_config
-from runner.config.checks import validate
+from runner.checks import validate
 from runner.families.common.loading import build_denoiser
 from runner.files import conf_dir
 from runner.loop import forward_backward

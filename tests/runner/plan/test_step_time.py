@@ -17,7 +17,7 @@ from planner_truth import _Phases, prepared_step
 from torch.utils.flop_counter import FlopCounterMode
 
 from runner.cli.compose import compose_config
-from runner.config.checks import validate
+from runner.checks import validate
 from runner.devices import FIELDS, DeviceSpec, device_spec, device_table
 from runner.errors import UserError
 from runner.loop import forward_backward
@@ -169,7 +169,7 @@ def test_a_named_device_sets_and_caps_the_budget():
 def test_a_budget_above_the_named_card_is_said_once_before_anything_is_built(caplog):
     """budget_gb above the card's usable memory is capped (above) and the user is told, naming the
     key and the largest valid value; a budget within the card says nothing."""
-    from runner.config.checks import check_run
+    from runner.checks import check_run
 
     with caplog.at_level("WARNING", logger="runner"):
         validate(compose_config(["device.name=rtx4080", "budget_gb=24", "mode=plan"]))  # both stages, once

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from runner.__main__ import task
 from runner.cli.compose import compose_config
-from runner.config.checks import validate
+from runner.checks import validate
 from runner.errors import UserError
 from runner.families.sdxl.trainer import SDXLTrainer
 from runner.output.report import read_metrics

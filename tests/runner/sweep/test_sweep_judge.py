@@ -10,8 +10,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from runner.cli.compose import compose_config, expand_sweeps
-from runner.config.adapters import lora_alpha
-from runner.config.checks import check_config
+from runner.adapters import lora_alpha
+from runner.checks import check_config
 from runner.errors import UserError
 from runner.sweep.config import objective_values
 from runner.sweep.report import best_lines, best_rows

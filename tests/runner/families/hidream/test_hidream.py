@@ -20,7 +20,7 @@ from planner_truth import assert_plan_matches_a_real_cpu_step
 from runner.__main__ import task
 from runner.build import build_trainer, prepare_models
 from runner.cli.compose import compose_config
-from runner.config.checks import validate
+from runner.checks import validate
 from runner.errors import UserError
 from runner.export.checkpoint import EXPORT_DIR
 from runner.export.comfy import COMFY_FILE

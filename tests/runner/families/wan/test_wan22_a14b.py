@@ -14,7 +14,7 @@ from accelerate.utils import set_seed
 from runner.__main__ import task
 from runner.build import build_trainer, prepare_models
 from runner.cli.compose import compose_config
-from runner.config.checks import validate
+from runner.checks import validate
 from runner.errors import UserError
 from runner.families.wan.architecture import A14B_BOUNDARY
 from runner.output.report import read_metrics

@@ -293,7 +293,7 @@ def test_checkpointing_and_streaming_keep_the_losses_bit_identical(tmp_path, cap
 def test_wan_24gb_with_the_i2v_variant_plans_more_than_text_to_video_and_fits():
     """wan_24gb at full size with i2v-2.1-14b: the image cross-attention (2.1 B parameters, nf4 on the
     device) and the 36-channel input cost device bytes the text-to-video plan does not hold; it still fits."""
-    from runner.config.checks import validate
+    from runner.checks import validate
     from runner.plan import plan_step
 
     plans = {}

@@ -1,11 +1,10 @@
-"""``hydra/sweeper=optuna`` runs the runner's Optuna sweeper (hydra_plugins/runner_sweeper/optuna_sweeper.py).
+"""``hydra/sweeper=optuna`` runs the runner's Optuna sweeper (optuna_sweeper.py beside this module).
 
 Hydra scans the ``hydra_plugins`` package once per process and re-runs each plugin's module, whose
 configs it stores again; so the scan is done first here, then the runner's config replaces the plugin's
 ``hydra/sweeper=optuna`` entry. The class is registered by hand because an editable install's
 package is not on ``hydra_plugins``' path (an installed wheel's is, and registering twice is harmless).
 """
-from __future__ import annotations
 
 
 def install_optuna_sweeper() -> bool:

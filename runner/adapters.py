@@ -12,6 +12,8 @@ from typing import Any
 from runner.constants import ADAPTERS, TRAIN_MODES, is_adapter  # noqa: F401  (re-exported)
 from runner.errors import UserError
 
+DEFAULT_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")  # model.lora_targets' default: diffusers' attention projections
+
 # Quantized bases each adapter was checked to train over (tests/runner/test_adapter_quantization.py).
 # LoRA: every quantization (its forward adds lora_B(lora_A(x)) to any base layer's output). LoKr and
 # LoHa build their delta and add F.linear(x, delta) to the base's output, which works over the int8
@@ -42,5 +44,5 @@ def check_adapter_quantization(train: str, dora: bool, quantization: list[str]) 
             over = f"quantization={'|'.join(valid)} or none" if valid else "no quantization"
             raise UserError(
                 f"{setting} with quantization={name}: this adapter was not checked to train over a {name} base "
-                f"(runner/config/adapters.py says why), so the run is refused before it starts. Use {over}, or "
+                f"(runner/adapters.py says why), so the run is refused before it starts. Use {over}, or "
                 "model.train=lora (plain LoRA trains over every quantization).")

@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner import registry
 from runner.compile.config import check_compile_config
-from runner.config.adapters import check_adapter_quantization
+from runner.adapters import check_adapter_quantization
 from runner.constants import (
     DTYPES,
     LR_SCHEDULERS,
@@ -180,7 +180,7 @@ def check_run(cfg: DictConfig, keep: bool = True) -> CheckedRun:
     """What depends on this machine and the resolved run, and the data folder's contents (imports
     torch; still before anything is built or planned). ``keep``: hold the result for this config's
     job (:func:`validate` hands it over) rather than only returning it."""
-    from runner.data import check_cache_compatible, check_dataset, check_options, refuse_image_only_options
+    from runner.data import check_dataset, check_options, refuse_image_only_options
     from runner.data.references import run_references
     from runner.data.video import check_video_keys, trainer_attribute, trainer_video_defaults
     from runner.optim.build import validate_optimizer
@@ -402,3 +402,30 @@ def say_tiny_data_shape(cfg: DictConfig) -> None:
     if dropped:
         log.info("model.size=%s: the preset's %s apply at model.size=full; this run takes the tiny model's own "
                  "(type them to keep them).", cfg.model.size, ", ".join(dropped), extra={"once": True})
+
+
+def check_cache_compatible(cfg: Any) -> None:
+    """Refuse ``data.shuffle_tags=true`` with a plugin's text cache on (the setting its schema declares as
+    ``text_cache_setting``: ``offload.park.cache_text=true``), naming both keys.
+
+    A cache keyed by caption text can serve the captions a run can list (each file's caption,
+    plus the empty one for dropout) but not a new tag order every visit; kohya refuses the same
+    pair (``--shuffle_caption`` with ``--cache_text_encoder_outputs``). Encoding the shuffled
+    caption each step means keeping the text encoders, which changes the memory plan, so it is
+    the user's choice, not a silent fallback.
+    """
+    data = cfg.get("data") if hasattr(cfg, "get") else None
+    if data is None or not bool(data.get("shuffle_tags", False)):
+        return
+    for kind, name, node in registry.selected(cfg):
+        setting = getattr(registry.plugin_entry(kind, name).config, "text_cache_setting", "")
+        if not setting or not hasattr(node, "get") or "name" not in node:
+            continue
+        if bool(node.get(setting, True)):
+            key = f"{kind}.{name}.{setting}"
+            raise UserError(
+                "data.shuffle_tags=true gives every visit of an image a different caption, so its text embeddings "
+                f"cannot be served from the encoder cache that {key}=true fills once. Set {key}=false (the text "
+                "encoders stay on the host and encode each step; latents can still be cached), or "
+                "data.shuffle_tags=false. data.caption_dropout works with the cache."
+            )

@@ -26,7 +26,6 @@ from runner.compat import (
     sdp_priority_order,
     unset_fake_temporarily,
 )
-from runner.plan.target import DEVICE
 
 # CUDA autocast policies, from PyTorch's ATen/autocast_mode.h (AT_FORALL_LOWER_PRECISION_FP,
 # AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE, AT_FORALL_PROMOTE), by the name of the Python
@@ -94,7 +93,7 @@ class DeviceSemantics(TorchFunctionMode):
         CUDA would run a fused attention kernel, PyTorch's CPU flash attention runs (the same O(L)
         memory: the output and a float32 log-sum-exp per query), since CUDA's own cannot run there."""
         super().__init__()
-        self.on_device = on_device or (lambda x: x.device.type == DEVICE.type)
+        self.on_device = on_device or (lambda x: x.device.type == "meta")
         self.cpu_kernels = cpu_kernels
         self.target = target
         self.dtype = PRECISION_DTYPES.get(precision)  # None: float32, nothing to cast
@@ -292,7 +291,7 @@ class SimulatedAccelerator:
     def __init__(self, semantics: DeviceSemantics, precision: str) -> None:
         self.semantics = semantics
         self.mixed_precision = precision
-        self.device = DEVICE
+        self.device = torch.device("meta")  # the simulated accelerator
 
     def autocast(self) -> Any:
         return self.semantics.autocast()
