@@ -45,7 +45,7 @@ from runner.distributed import validate_dist
 from runner.ema.config import check_ema_config
 from runner.errors import UserError, valid_list
 from runner.export.config import validate_export
-from runner.fit.config import check_fit_config
+from runner.config.fit import check_fit_config
 from runner.loss.config import check_objective, loss_config, validate_loss
 from runner.optim.config import check_optimizer_config
 from runner.output.config import validate_log_config

@@ -34,7 +34,7 @@ def format_plugin_list() -> str:
 def _other_groups() -> list[str]:
     """Optimizers, the device table and the fit search: groups that are not plugins, with their keys."""
     from runner.devices import DeviceConfig, device_table
-    from runner.fit.config import ALLOW, FitConfig
+    from runner.config.fit import ALLOW, FitConfig
     from runner.optim.config import OPTIMIZER_CONFIGS
 
     lines = ["", "Optimizers (select with optimizer=<name>, runner/optim/build.py):"]

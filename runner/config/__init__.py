@@ -22,7 +22,7 @@ from runner.distributed.config import store_dist_schemas
 from runner.distributed.launch import runner_now
 from runner.ema.config import EMAConfig
 from runner.export.config import ExportConfig
-from runner.fit.config import FitConfig
+from runner.config.fit import FitConfig
 from runner.loss.config import LossConfig
 from runner.output.config import LogConfig
 from runner.plugin import Plugin

@@ -255,7 +255,7 @@ def _streamable(base: Knobs, inv: Inventory) -> bool:
 
 def _what_allow_would_give(result: FitResult, space: Space, estimator: Estimator, base_cfg: Any) -> list[tuple[str, Candidate]]:
     """For each math-changing setting not allowed: the best candidate it would open, if better (estimated)."""
-    from runner.fit.config import ALLOW
+    from runner.config.fit import ALLOW
 
     out = []
     best = result.winner

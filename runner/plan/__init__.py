@@ -58,13 +58,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from runner.build import build_plugins
-from runner.compose import compose_config
-from runner.checks import validate
 from runner.errors import UserError
 from runner.guards.oom import is_out_of_memory
 from runner.plan.failure import OPT_OUT, planner_failure
@@ -81,7 +79,7 @@ __all__ = [
     "CUDA_WORKSPACE_MARGIN_BYTES", "DEVICE", "HOST", "PLAN_FILE", "GiB", "DeviceSemantics", "PhasePeak", "Plan",
     "PlanDoesNotFit", "SimulatedAccelerator", "SimulationMode",
     "fake_module", "format_plan", "plan_command", "plan_step", "preflight",
-    "simulation_mode", "suggest", "verify_suggestions",
+    "simulation_mode", "suggest",
 ]
 
 log = logging.getLogger("runner")
@@ -185,17 +183,3 @@ def _over_budget(plan: Plan, path: Path) -> str:
             f"more than budget_gb={plan.budget_bytes / GiB:.4g}. "
             + (f"The largest estimated saving is {best}; " if best else "")
             + f"see the table above and {path}.")
-
-
-def verify_suggestions(overrides: Sequence[str], plan: Plan, top: int = 3) -> list[dict[str, Any]]:
-    """Re-plan the ``top`` suggestions of ``plan`` (made from ``overrides``): their measured savings.
-
-    Costs one full simulation each. Returns the suggestions with ``measured_saves_bytes``.
-    """
-    out = []
-    for sug in plan.suggestions[:top]:
-        cfg = compose_config([*overrides, sug["override"]])
-        validate(cfg)
-        again = plan_step(cfg, target=plan.target)
-        out.append({**sug, "measured_saves_bytes": plan.peak_bytes - again.peak_bytes, "measured_peak_bytes": again.peak_bytes})
-    return out

@@ -27,6 +27,7 @@ from runner.cli.compose import compose_config
 from runner.checks import validate
 from runner.families.common.loading import build_denoiser
 from runner.files import conf_dir
+from runner.fit.verify import verify_suggestions
 from runner.loop import forward_backward
 from runner.memory.live_bytes import LiveBytesTracker
 from runner.plan import (
@@ -37,7 +38,6 @@ from runner.plan import (
     Plan,
     plan_step,
     simulation_mode,
-    verify_suggestions,
 )
 from runner.plugin import Plugin, PluginSchedule
 from runner.resolved import planned_target, resolve
