@@ -86,7 +86,7 @@ def _plan(job: Job) -> None:
     """Only plan: table + plan.json; exit 3 over budget."""
     from runner.plan import plan_command
 
-    plan_command(job.cfg, job.out)
+    plan_command(job.cfg, job.out, job.checked)
 
 
 def _export(job: Job) -> None:

@@ -73,6 +73,7 @@ from runner.memory.semantics import DeviceSemantics, SimulatedAccelerator
 from runner.plan.simulate import plan_step
 from runner.plan.suggest import suggest
 from runner.plan.target import CUDA_WORKSPACE_MARGIN_BYTES, DEVICE, HOST, GiB
+from runner.plugin import PluginSchedule
 from runner.resolved import ResolvedRun
 
 __all__ = [
@@ -94,10 +95,13 @@ class PlanDoesNotFit(UserError):
 
 
 # ---- entry points for the CLI ------------------------------------------------------------------
-def plan_command(cfg: Any, out: Path) -> Plan:
-    """``mode=plan``: simulate, print the table, write plan.json; PlanDoesNotFit when over budget."""
+def plan_command(cfg: Any, out: Path, checked: Any = None) -> Plan:
+    """``mode=plan``: simulate, print the table, write plan.json; PlanDoesNotFit when over budget.
+    ``checked``: the job's checked run (runner/checks.py ``CheckedRun``), whose resolved run and plugins
+    the plan simulates, so the job resolves once and builds each plugin once; None: resolved here."""
     try:
-        plan = plan_step(cfg)
+        plan = (plan_step(cfg) if checked is None
+                else plan_step(cfg, schedule=PluginSchedule.build(checked.plugins), run=checked.run))
     except (UserError, KeyboardInterrupt):
         raise
     except Exception as e:  # noqa: BLE001 - a trainer's step the planner cannot run: one paragraph

@@ -36,6 +36,10 @@ class CountingPlugin(Plugin):
     name = "counting"
     Config = CountingConfig
 
+    def __init__(self, config: object, run: object) -> None:
+        super().__init__(config, run)
+        CALLS["built"] = CALLS.get("built", 0) + 1
+
     def validate(self) -> None:
         CALLS["validate"] = CALLS.get("validate", 0) + 1
 
@@ -60,6 +64,25 @@ def test_a_plugins_settings_are_checked_once_per_train_run(counting_plugin, tmp_
     task(cfg)
     assert (CALLS["check"], CALLS["validate"]) == (1, 1)
     assert CALLS["steps"] >= 2  # the plugin was in the run's steps (the preflight's simulated step calls it too)
+
+
+def test_mode_plan_resolves_once_and_simulates_the_plugins_its_checks_built(counting_plugin, tmp_path, monkeypatch,
+                                                                            one_thread):
+    """mode=plan: one resolve and one build of each plugin, which the simulated step then runs."""
+    import runner.checks as checks
+
+    resolves = []
+    real = checks.resolve_for_mode
+    monkeypatch.setattr(checks, "resolve_for_mode", lambda cfg: resolves.append(1) or real(cfg))
+    import runner.plan.simulate as simulate
+
+    monkeypatch.setattr(simulate, "resolve", lambda *a, **k: pytest.fail("the plan resolved the run again"))
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "assets"))
+    cfg = compose_config(["trainer=custom", "trainer._target_=custom_trainer.PixelDiffusionTrainer", "data.resolution=16",
+                          "+tiling=counting", "train.device=cpu", "mode=plan", f"output_dir={tmp_path}"])
+    task(cfg)
+    assert (len(resolves), CALLS["check"], CALLS["built"], CALLS["validate"]) == (1, 1, 1, 1)
+    assert CALLS["steps"] == 1  # the plan's one simulated step ran the plugin built by the checks
 
 
 def test_a_declared_requirement_is_refused_by_the_jobs_checks(counting_plugin, monkeypatch):
