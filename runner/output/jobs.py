@@ -21,6 +21,8 @@ it is; ``planned_peak_gb`` (the plan, on any device) and ``host_rss_peak_gb`` si
 ``host_syncs_per_step`` and ``card_ops_per_step`` (``train.device=cuda_sim`` only, else null): what the host did
 per optimizer step on the simulated card (runner/memory/cuda_sim.py), the mean over the steps after the
 first (which creates the optimizer state), as ``s_per_step`` is.
+``clip_score`` / ``dino_score`` and the base model's ``base_clip_score`` / ``base_dino_score`` come from the
+job's scores.json (``val.scores``, runner/val/scores.py); ``score_weights`` says whether they were random test weights.
 ``sweep.png`` plots every job's loss and its planned and measured peak (runner/output/plots.py).
 """
 from __future__ import annotations
@@ -48,7 +50,12 @@ SWEEP_CSV = "sweep_summary.csv"
 STATUSES = ("ok", "pruned", "does_not_fit", "oom", "failed", "interrupted", "nonfinite", "io_error")
 
 
-COLUMNS = ("job", "status", "overrides", "steps_done", "final_loss", "final_loss_steps", "val_loss", "s_per_step", "peak_memory_gb",
+# val.scores (runner/val/scores.py): the last samples' scores and the base model's (step 0) beside them
+SCORE_COLUMNS = ("clip_score", "base_clip_score", "dino_score", "base_dino_score", "score_weights")
+
+
+COLUMNS = ("job", "status", "overrides", "steps_done", "final_loss", "final_loss_steps", "val_loss", *SCORE_COLUMNS,
+           "s_per_step", "peak_memory_gb",
            "peak_memory_source", "planned_peak_gb", "host_rss_peak_gb", "micro_batch_size", "nonfinite_skips", "exit_code",
            "error", "dir")
 
@@ -115,6 +122,19 @@ def summarize_metrics(out: Path) -> dict[str, Any]:
             "nonfinite_skips": rows[-1].get("nonfinite_skips"), **per_step_counts(rows)}
 
 
+def read_scores(out: Path) -> dict[str, Any]:
+    """The SCORE_COLUMNS of the run's scores.json (``val.scores``), all None when it has none.
+    ``score_weights``: ``given`` (val.score_models.* folders) or which scores came from random test weights."""
+    from runner.val.config import SCORES_JSON
+
+    path = out / SCORES_JSON
+    data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    row: dict[str, Any] = {c: data.get(c) for c in SCORE_COLUMNS[:-1]}
+    random = data.get("random_weights")
+    row["score_weights"] = None if not data else (f"random: {'+'.join(random)} (plumbing only)" if random else "given")
+    return row
+
+
 def per_step_counts(rows: list[dict[str, Any]]) -> dict[str, float | None]:
     """``host_syncs_per_step`` and ``card_ops_per_step``: the mean of the metrics' per-step counts over the
     steps after the first (the first creates the optimizer state); None where the run counted none."""
@@ -155,7 +175,7 @@ def write_job_summary(cfg: DictConfig, status: str, error: str | None, exit_code
     from runner.output.report import json_text, write_text_atomic
 
     out.mkdir(parents=True, exist_ok=True)
-    summary = {"job": num, "status": status, "overrides": overrides, **summarize_metrics(out),
+    summary = {"job": num, "status": status, "overrides": overrides, **summarize_metrics(out), **read_scores(out),
                "exit_code": exit_code, "error": error, "dir": str(out), "wall_s": round(wall_s, 3)}
     path = out / JOB_SUMMARY
     write_text_atomic(path, json_text(summary, indent=2) + "\n")  # valid JSON even for a NaN loss, never torn
