@@ -3,6 +3,7 @@
 Every job (a single run too) writes ``job_summary.json`` in its directory, atomically and as
 strict JSON (a NaN loss is ``null``): its overrides, status (``ok``; ``pruned``: stopped early by the sweep,
 runner/sweep/watch.py; ``does_not_fit``: train.auto_fit found no setting within budget_gb, exit 3, nothing ran;
+``killed``: an Optuna trial a killed sweep left unfinished, written by the resumed sweep (:func:`mark_killed`);
 ``failed``: bad input, exit 2;
 ``oom``: exit 3; ``nonfinite``: NaN/inf loss or gradients, exit 4; ``io_error``: a full, read-only
 or vanished folder, exit 5; ``interrupted``: 128 + the signal), steps done, final loss, s/step, peak memory and
@@ -47,7 +48,7 @@ JOB_SUMMARY = "job_summary.json"
 SWEEP_CSV = "sweep_summary.csv"
 
 
-STATUSES = ("ok", "pruned", "does_not_fit", "oom", "failed", "interrupted", "nonfinite", "io_error")
+STATUSES = ("ok", "pruned", "does_not_fit", "killed", "oom", "failed", "interrupted", "nonfinite", "io_error")
 
 
 # val.scores (runner/val/scores.py): the last samples' scores and the base model's (step 0) beside them
@@ -183,6 +184,28 @@ def write_job_summary(cfg: DictConfig, status: str, error: str | None, exit_code
 
 
 # ---- the sweep ---------------------------------------------------------------------------------
+def job_dirs(sweep_dir: Path, num: int) -> list[Path]:
+    """The folders of job ``num`` in the sweep (named ``<num>`` or ``<num>_<swept values>``)."""
+    return [d for d in sweep_dir.iterdir() if d.is_dir() and d.name.split("_", 1)[0] == str(num)]
+
+
+def mark_killed(sweep_dir: Path, num: int) -> None:
+    """Job ``num`` ran when its sweep was killed: its job_summary.json says ``killed`` (with the steps it did),
+    so the resumed sweep's table shows it, and it does not count as a failure of the sweep that replaced it."""
+    from omegaconf import OmegaConf
+
+    from runner.output.report import json_text, write_text_atomic
+
+    for d in job_dirs(sweep_dir, num):
+        if (d / JOB_SUMMARY).is_file() or not (d / ".hydra" / "overrides.yaml").is_file():
+            continue
+        summary = {"job": num, "status": "killed", "overrides": list(OmegaConf.load(d / ".hydra" / "overrides.yaml")),
+                   **summarize_metrics(d), **read_scores(d), "exit_code": None,
+                   "error": "the sweep was killed while this job ran; the resumed sweep marked its trial failed and ran "
+                            "another in its place", "dir": str(d), "wall_s": None}
+        write_text_atomic(d / JOB_SUMMARY, json_text(summary, indent=2) + "\n")
+
+
 def collect(sweep_dir: Path) -> list[dict[str, Any]]:
     """One row per job directory of the sweep (a directory with Hydra's ``.hydra/``), by job number.
 
