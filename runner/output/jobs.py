@@ -246,14 +246,16 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     """The sweep as a text table; overrides shared by every job are listed once above it."""
     lists = [r.get("overrides") or [] for r in rows]
     common = [o for o in lists[0] if all(o in other for other in lists[1:])] if len(lists) > 1 else []
-    header = ("job", "status", "overrides", "steps", "loss (last 10%)", "val_loss", "s/step", "peak GiB", "planned GiB", "micro",
-              "error")
+    scored = [n for n in ("clip", "dino") if any(r.get(f"{n}_score") is not None for r in rows)]  # val.scores
+    header = ("job", "status", "overrides", "steps", "loss (last 10%)", "val_loss", *(f"{n} (base)" for n in scored),
+              "s/step", "peak GiB", "planned GiB", "micro", "error")
     body = []
     for r, overrides in zip(rows, lists):
         error = (r.get("error") or "").replace("\n", " ")
         own = " ".join(o for o in overrides if o not in common) or "-"
         body.append((_fmt(r.get("job")), r.get("status", "?"), own,
                      _fmt(r.get("steps_done")), _fmt(r.get("final_loss"), ".4f"), _fmt(r.get("val_loss"), ".4f"),
+                     *(f"{_fmt(r.get(f'{n}_score'), '.4f')} ({_fmt(r.get(f'base_{n}_score'), '.4f')})" for n in scored),
                      _fmt(r.get("s_per_step"), ".3f"),
                      _fmt(r.get("peak_memory_gb"), ".2f"), _fmt(r.get("planned_peak_gb"), ".2f"),
                      _fmt(r.get("micro_batch_size")),

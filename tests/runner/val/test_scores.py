@@ -18,18 +18,18 @@ from runner.val.scores import clip_score, dino_embeddings, dino_score, load_scor
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-SAMPLES = ["sample.every=2", "sample.prompts=[a cat,a red car]", "sample.steps=2", "sample.resolution=32"]
+SAMPLES = ["sample.every=1", "sample.prompts=[a cat,a red car]", "sample.steps=1", "sample.resolution=32"]
 SCORES = ("clip_score", "base_clip_score", "dino_score", "base_dino_score")
 
 
 def test_scores_of_the_trained_and_base_samples_in_the_job_summary_and_the_csv(tmp_path):
-    r = run_main(["-m", f"hydra.sweep.dir={tmp_path}", "model.train=lora", "train.steps=2", "train.progress=false",
+    r = run_main(["-m", f"hydra.sweep.dir={tmp_path}", "model.train=lora", "train.steps=1", "train.progress=false", "data.demo_size=4",
                   "optimizer.lr=1e-2", *SAMPLES, "val.scores=[clip,dino]"])
     assert r.code == 0, r.text[-3000:]
     job = tmp_path / "0"
     summary = json.loads((job / "job_summary.json").read_text())
     scores = json.loads((job / "scores.json").read_text())
-    assert (scores["step"], scores["base_step"], scores["random_weights"]) == (2, 0, ["clip", "dino"])
+    assert (scores["step"], scores["base_step"], scores["random_weights"]) == (1, 0, ["clip", "dino"])
     for key in SCORES:
         assert isinstance(summary[key], float) and summary[key] == scores[key]
         assert -1.0 <= summary[key] <= 1.0
@@ -40,6 +40,7 @@ def test_scores_of_the_trained_and_base_samples_in_the_job_summary_and_the_csv(t
     with open(tmp_path / "sweep_summary.csv", encoding="utf-8") as f:
         (row,) = list(csv.DictReader(f))
     assert {k: float(row[k]) for k in SCORES} == {k: summary[k] for k in SCORES}
+    assert f"{summary['clip_score']:.4f} ({summary['base_clip_score']:.4f})" in r.out  # the printed table
 
 
 def _images(n: int, seed: int) -> list[Image.Image]:
