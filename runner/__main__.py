@@ -74,7 +74,7 @@ def _load_libraries() -> None:
 
     for module in ("accelerate.utils", "runner.build", "runner.distributed.loading", "runner.export.checkpoint",
                    "runner.fit.output", "runner.loop", "runner.output.report", "runner.plan", "runner.sampling",
-                   "runner.session", "runner.val.holdout"):
+                   "runner.session", "runner.val.holdout", "runner.val.scores"):
         importlib.import_module(module)
 
 
@@ -116,6 +116,7 @@ def _train(job: Job) -> float | None:
     from runner.sampling import build_sampler
     from runner.session import open_run, plan_run, take_models
     from runner.val.holdout import build_validation
+    from runner.val.scores import score_run
 
     cfg, overrides, checked, writes, out = job.cfg, job.overrides, job.checked, job.writes, job.out
     if cfg.train.auto_fit:                                      # train.auto_fit: the fit search, then train with the winner
@@ -138,6 +139,7 @@ def _train(job: Job) -> float | None:
     if writes:
         export_after_training(ctx, result)                      # LoRA / diffusers files beside the final checkpoint
         print_summary(result, out)                              # report: stdout and __main__.log (loss.png: launch.run_job)
+        score_run(ctx)                                          # val.scores: CLIP / DINO of the samples, scores.json
     if result.interrupted_by is not None:
         sys.exit(128 + result.interrupted_by)
     if result.stopped_early:                                    # pruned by the sweep: status pruned (runner/cli/launch.py)

@@ -8,9 +8,12 @@ Hydra instantiates sweepers only from the ``hydra_plugins`` package, hence this 
   a :class:`~runner.sweep.config.TrialOutcome`), unless ``hydra.sweeper.direction`` is set.
 - The study resumes: ``hydra.sweeper.n_trials`` is the study's total, so a killed sweep run again with the
   same ``hydra.sweep.dir`` (its SQLite storage) runs only the trials still missing; a trial the kill left
-  ``RUNNING`` is marked failed (user attribute ``runner_killed``) and not counted.
+  ``RUNNING`` is marked failed (user attribute ``runner_killed``; its job ``killed`` in the summary) and not
+  counted. A seeded sampler draws from seed + the trials already there, not the first run's draws again.
 - A job number is its trial number, so a job can find its own trial in the storage and report to the
   pruner (runner/sweep/watch.py): the plugin's sweeper keeps the trial object to itself.
+- ``hydra/sweeper=optuna`` with no search space and ``model.train=lora`` searches runner_lora's space
+  (conf/hydra/sweeper/runner_lora.yaml); any ``hydra.sweeper.params`` or range on the command line replaces it.
 - A failed job (status failed / oom / ...) is a failed trial and the sweep goes on; a pruned job is a pruned
   trial. (The plugin's ``max_failure_rate`` still applies: 1.0 in the runner's preset.)
 
@@ -20,6 +23,7 @@ Hydra's plugin scan runs this module without registering it in ``sys.modules``, 
 import functools
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hydra_plugins.hydra_optuna_sweeper.config import OptunaSweeperConf
@@ -72,6 +76,12 @@ class RunnerOptunaSweeper(OptunaSweeper):
         space, fixed = create_params_from_overrides(impl._parse_sweeper_params_config() + list(arguments))
         for name in fixed:
             space.pop(name, None)
+        if not space and impl.config.model.get("train") == "lora":
+            space, fixed = create_params_from_overrides(_lora_space() + list(arguments))
+            for name in fixed:
+                space.pop(name, None)
+            log.info("optuna: no search space given, so model.train=lora searches hydra/sweeper=runner_lora's: %s",
+                     ", ".join(f"{k} {d}" for k, d in space.items()))
         if not space:
             log.warning("optuna: no search space, so every trial runs the same settings: use "
                         "hydra/sweeper=runner_lora, or give ranges ('optimizer.lr=tag(log,interval(1e-5,1e-3))', "
@@ -79,7 +89,8 @@ class RunnerOptunaSweeper(OptunaSweeper):
         dirs = impl._get_directions() if impl.direction is not None else directions(impl.config)
         study = optuna.create_study(study_name=impl.study_name, storage=impl.storage, sampler=impl.sampler,
                                     directions=dirs, load_if_exists=True)
-        done = _close_killed(study)
+        _reseed_on_resume(study, impl.config.hydra.sweeper.get("sampler"))
+        done = _close_killed(study, Path(str(impl.config.hydra.sweep.dir)))
         to_go = impl.n_trials - done
         log.info("optuna: study %r in %s, %s; %d of %d trials done, %d to run", study.study_name, impl.storage,
                  "/".join(dirs), done, impl.n_trials, max(to_go, 0))
@@ -93,13 +104,36 @@ class RunnerOptunaSweeper(OptunaSweeper):
         _save_results(study, len(dirs), f"{impl.config.hydra.sweep.dir}/optimization_results.yaml")
 
 
-def _close_killed(study: "optuna.Study") -> int:
-    """Mark the trials a killed sweep left RUNNING as failed; the number of trials that count as done."""
+def _lora_space() -> list[str]:
+    """The search space of conf/hydra/sweeper/runner_lora.yaml as overrides (``optimizer.lr=tag(log,...)``)."""
+    from runner.files import conf_dir
+
+    params = OmegaConf.load(conf_dir() / "hydra" / "sweeper" / "runner_lora.yaml").params
+    return [f"{k}={v}" for k, v in params.items()]
+
+
+def _reseed_on_resume(study: "optuna.Study", sampler: Any) -> None:
+    """A resumed study with a seeded sampler draws from seed + its trial count: the same seed again would repeat
+    the first run's random draws (TPE's first trials), spending trials on settings already tried."""
+    n = len(study.trials)
+    if n and sampler is not None and sampler.get("seed") is not None:
+        from hydra.utils import instantiate
+
+        study.sampler = instantiate(sampler, seed=int(sampler.seed) + n)
+        log.info("optuna: resumed study of %d trials: sampler seed %d + %d", n, int(sampler.seed), n)
+
+
+def _close_killed(study: "optuna.Study", sweep_dir: Path) -> int:
+    """Mark the trials a killed sweep left RUNNING as failed (their job folders ``killed``: runner/output/jobs.py);
+    the number of trials that count as done."""
     from optuna.trial import TrialState
+
+    from runner.output.jobs import mark_killed
 
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING)):
         study._storage.set_trial_user_attr(t._trial_id, KILLED, True)
         study.tell(t.number, state=TrialState.FAIL)
+        mark_killed(sweep_dir, t.number)
         log.info("optuna: trial %d was left running by an earlier sweep that stopped: marked failed", t.number)
     return sum(1 for t in study.get_trials(deepcopy=False) if not t.user_attrs.get(KILLED))
 

@@ -209,8 +209,10 @@ class SweepSummary(Callback):
 
         pruned = sum(r.get("status") == "pruned" for r in rows)
         unfit = sum(r.get("status") == "does_not_fit" for r in rows)
-        print(f"\nsweep: {len(rows)} jobs, {len(rows) - len(bad) - pruned - unfit} ok, {pruned} pruned, "
-              + (f"{unfit} do not fit, " if unfit else "") + f"{len(bad)} not ok  "
+        killed = sum(r.get("status") == "killed" for r in rows)  # by an earlier run of a resumed Optuna study
+        print(f"\nsweep: {len(rows)} jobs, {len(rows) - len(bad) - pruned - unfit - killed} ok, {pruned} pruned, "
+              + (f"{unfit} do not fit, " if unfit else "") + (f"{killed} killed and replaced, " if killed else "")
+              + f"{len(bad)} not ok  "
               f"({sweep_dir / SWEEP_CSV})\n{format_table(rows)}\n" + "\n".join(best_lines(rows, config)))
         _last_sweep = rows
 

@@ -3,6 +3,7 @@
 Every job (a single run too) writes ``job_summary.json`` in its directory, atomically and as
 strict JSON (a NaN loss is ``null``): its overrides, status (``ok``; ``pruned``: stopped early by the sweep,
 runner/sweep/watch.py; ``does_not_fit``: train.auto_fit found no setting within budget_gb, exit 3, nothing ran;
+``killed``: an Optuna trial a killed sweep left unfinished, written by the resumed sweep (:func:`mark_killed`);
 ``failed``: bad input, exit 2;
 ``oom``: exit 3; ``nonfinite``: NaN/inf loss or gradients, exit 4; ``io_error``: a full, read-only
 or vanished folder, exit 5; ``interrupted``: 128 + the signal), steps done, final loss, s/step, peak memory and
@@ -21,6 +22,8 @@ it is; ``planned_peak_gb`` (the plan, on any device) and ``host_rss_peak_gb`` si
 ``host_syncs_per_step`` and ``card_ops_per_step`` (``train.device=cuda_sim`` only, else null): what the host did
 per optimizer step on the simulated card (runner/memory/cuda_sim.py), the mean over the steps after the
 first (which creates the optimizer state), as ``s_per_step`` is.
+``clip_score`` / ``dino_score`` and the base model's ``base_clip_score`` / ``base_dino_score`` come from the
+job's scores.json (``val.scores``, runner/val/scores.py); ``score_weights`` says whether they were random test weights.
 ``sweep.png`` plots every job's loss and its planned and measured peak (runner/output/plots.py).
 """
 from __future__ import annotations
@@ -45,10 +48,15 @@ JOB_SUMMARY = "job_summary.json"
 SWEEP_CSV = "sweep_summary.csv"
 
 
-STATUSES = ("ok", "pruned", "does_not_fit", "oom", "failed", "interrupted", "nonfinite", "io_error")
+STATUSES = ("ok", "pruned", "does_not_fit", "killed", "oom", "failed", "interrupted", "nonfinite", "io_error")
 
 
-COLUMNS = ("job", "status", "overrides", "steps_done", "final_loss", "final_loss_steps", "val_loss", "s_per_step", "peak_memory_gb",
+# val.scores (runner/val/scores.py): the last samples' scores and the base model's (step 0) beside them
+SCORE_COLUMNS = ("clip_score", "base_clip_score", "dino_score", "base_dino_score", "score_weights")
+
+
+COLUMNS = ("job", "status", "overrides", "steps_done", "final_loss", "final_loss_steps", "val_loss", *SCORE_COLUMNS,
+           "s_per_step", "peak_memory_gb",
            "peak_memory_source", "planned_peak_gb", "host_rss_peak_gb", "micro_batch_size", "nonfinite_skips", "exit_code",
            "error", "dir")
 
@@ -115,6 +123,19 @@ def summarize_metrics(out: Path) -> dict[str, Any]:
             "nonfinite_skips": rows[-1].get("nonfinite_skips"), **per_step_counts(rows)}
 
 
+def read_scores(out: Path) -> dict[str, Any]:
+    """The SCORE_COLUMNS of the run's scores.json (``val.scores``), all None when it has none.
+    ``score_weights``: ``given`` (val.score_models.* folders) or which scores came from random test weights."""
+    from runner.val.config import SCORES_JSON
+
+    path = out / SCORES_JSON
+    data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    row: dict[str, Any] = {c: data.get(c) for c in SCORE_COLUMNS[:-1]}
+    random = data.get("random_weights")
+    row["score_weights"] = None if not data else (f"random: {'+'.join(random)} (plumbing only)" if random else "given")
+    return row
+
+
 def per_step_counts(rows: list[dict[str, Any]]) -> dict[str, float | None]:
     """``host_syncs_per_step`` and ``card_ops_per_step``: the mean of the metrics' per-step counts over the
     steps after the first (the first creates the optimizer state); None where the run counted none."""
@@ -155,7 +176,7 @@ def write_job_summary(cfg: DictConfig, status: str, error: str | None, exit_code
     from runner.output.report import json_text, write_text_atomic
 
     out.mkdir(parents=True, exist_ok=True)
-    summary = {"job": num, "status": status, "overrides": overrides, **summarize_metrics(out),
+    summary = {"job": num, "status": status, "overrides": overrides, **summarize_metrics(out), **read_scores(out),
                "exit_code": exit_code, "error": error, "dir": str(out), "wall_s": round(wall_s, 3)}
     path = out / JOB_SUMMARY
     write_text_atomic(path, json_text(summary, indent=2) + "\n")  # valid JSON even for a NaN loss, never torn
@@ -163,6 +184,28 @@ def write_job_summary(cfg: DictConfig, status: str, error: str | None, exit_code
 
 
 # ---- the sweep ---------------------------------------------------------------------------------
+def job_dirs(sweep_dir: Path, num: int) -> list[Path]:
+    """The folders of job ``num`` in the sweep (named ``<num>`` or ``<num>_<swept values>``)."""
+    return [d for d in sweep_dir.iterdir() if d.is_dir() and d.name.split("_", 1)[0] == str(num)]
+
+
+def mark_killed(sweep_dir: Path, num: int) -> None:
+    """Job ``num`` ran when its sweep was killed: its job_summary.json says ``killed`` (with the steps it did),
+    so the resumed sweep's table shows it, and it does not count as a failure of the sweep that replaced it."""
+    from omegaconf import OmegaConf
+
+    from runner.output.report import json_text, write_text_atomic
+
+    for d in job_dirs(sweep_dir, num):
+        if (d / JOB_SUMMARY).is_file() or not (d / ".hydra" / "overrides.yaml").is_file():
+            continue
+        summary = {"job": num, "status": "killed", "overrides": list(OmegaConf.load(d / ".hydra" / "overrides.yaml")),
+                   **summarize_metrics(d), **read_scores(d), "exit_code": None,
+                   "error": "the sweep was killed while this job ran; the resumed sweep marked its trial failed and ran "
+                            "another in its place", "dir": str(d), "wall_s": None}
+        write_text_atomic(d / JOB_SUMMARY, json_text(summary, indent=2) + "\n")
+
+
 def collect(sweep_dir: Path) -> list[dict[str, Any]]:
     """One row per job directory of the sweep (a directory with Hydra's ``.hydra/``), by job number.
 
@@ -203,14 +246,16 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     """The sweep as a text table; overrides shared by every job are listed once above it."""
     lists = [r.get("overrides") or [] for r in rows]
     common = [o for o in lists[0] if all(o in other for other in lists[1:])] if len(lists) > 1 else []
-    header = ("job", "status", "overrides", "steps", "loss (last 10%)", "val_loss", "s/step", "peak GiB", "planned GiB", "micro",
-              "error")
+    scored = [n for n in ("clip", "dino") if any(r.get(f"{n}_score") is not None for r in rows)]  # val.scores
+    header = ("job", "status", "overrides", "steps", "loss (last 10%)", "val_loss", *(f"{n} (base)" for n in scored),
+              "s/step", "peak GiB", "planned GiB", "micro", "error")
     body = []
     for r, overrides in zip(rows, lists):
         error = (r.get("error") or "").replace("\n", " ")
         own = " ".join(o for o in overrides if o not in common) or "-"
         body.append((_fmt(r.get("job")), r.get("status", "?"), own,
                      _fmt(r.get("steps_done")), _fmt(r.get("final_loss"), ".4f"), _fmt(r.get("val_loss"), ".4f"),
+                     *(f"{_fmt(r.get(f'{n}_score'), '.4f')} ({_fmt(r.get(f'base_{n}_score'), '.4f')})" for n in scored),
                      _fmt(r.get("s_per_step"), ".3f"),
                      _fmt(r.get("peak_memory_gb"), ".2f"), _fmt(r.get("planned_peak_gb"), ".2f"),
                      _fmt(r.get("micro_batch_size")),

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from runner.errors import UserError, valid_list
+from runner.val.config import score_names
 
 # sweep.objective -> (the job summary's key, its default direction)
 OBJECTIVES: dict[str, tuple[str, str]] = {
@@ -19,18 +20,21 @@ OBJECTIVES: dict[str, tuple[str, str]] = {
     "val_loss": ("val_loss", "minimize"),          # the last held-out loss (data.val_fraction / data.val_path)
     "s_per_step": ("s_per_step", "minimize"),
     "peak_memory_gb": ("peak_memory_gb", "minimize"),
+    "clip_score": ("clip_score", "maximize"),      # the last samples' image-prompt cosine (val.scores=[clip])
+    "dino_score": ("dino_score", "maximize"),      # the last samples' cosine to the training images (val.scores=[dino])
 }
 DIRECTIONS = ("minimize", "maximize")
 # A sweep with only these ended well (exit status 0): does_not_fit is train.auto_fit's answer for a trial that no
-# setting fits in budget_gb (runner/fit/output.py NothingFits), reported, not run.
-OK_STATUSES = ("ok", "pruned", "does_not_fit")
+# setting fits in budget_gb (runner/fit/output.py NothingFits), reported, not run; killed: a trial an earlier, killed
+# run of the same Optuna study left unfinished, which the resumed study failed and replaced by another trial.
+OK_STATUSES = ("ok", "pruned", "does_not_fit", "killed")
 
 
 @dataclass
 class SweepConfig:
     """``sweep.*``: the trial's objective(s), their direction(s), and the grid sweep's early stop."""
 
-    objective: Any = "loss"  # loss | val_loss | s_per_step | peak_memory_gb, or a list for several objectives
+    objective: Any = "loss"  # loss | val_loss | s_per_step | peak_memory_gb | clip_score | dino_score, or a list
     direction: Any = None  # minimize | maximize (or a list, one per objective); default: each objective's own
     stop_if: float | None = None  # k: stop a job whose val_loss is above k x the best sibling's at that step
 
@@ -107,6 +111,11 @@ def check_sweep_config(cfg: Any) -> None:
     if len(dirs) != len(names):
         raise UserError(f"sweep.direction has {len(dirs)} entries but sweep.objective names {len(names)} "
                         f"({', '.join(names)}): give one direction for each, or one for all.")
+    for name in names:
+        score = name.removesuffix("_score")
+        if name.endswith("_score") and score not in score_names(cfg):
+            raise UserError(f"sweep.objective={name} needs the {score} score of the samples: add val.scores=[{score}] "
+                            "(and sample.every=<steps> with sample.prompts=[...]).")
     stop = s.get("stop_if")
     if stop is not None and not (isinstance(stop, (int, float)) and stop > 1):
         raise UserError(f"sweep.stop_if={stop!r} is not valid: give k > 1 to stop a job whose val_loss is above k x "
