@@ -12,7 +12,7 @@ from bad_input import assert_clean_failure, run_main
 from PIL import Image
 
 from runner.cli.compose import compose_config
-from runner.config.checks import check_config
+from runner.checks import check_config
 from runner.errors import UserError
 from runner.val.scores import clip_score, dino_embeddings, dino_score, load_score_model, tiny_score_model
 
