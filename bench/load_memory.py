@@ -44,7 +44,7 @@ CHILD = r'''
 import json, sys, threading, time
 sys.path.insert(0, sys.argv[1])
 import torch
-from runner.build import build_trainer
+from runner.parts import build_trainer
 from runner.cli.compose import compose_config
 
 def status():
@@ -103,7 +103,7 @@ def write_file(path: Path, file_dtype: str) -> int:
     import torch
     from original_layouts import sdxl_original, write_sparse_safetensors
 
-    from runner.build import build_trainer
+    from runner.parts import build_trainer
     from runner.cli.compose import compose_config
     from runner.families.sdxl.architecture import sdxl_configs
 
@@ -118,7 +118,7 @@ def tokenizer_cache(root: Path) -> Path:
     single file needs; here the runner's generated ones stand in for the real ones (a few KB, no download)."""
     from original_layouts import hub_cache
 
-    from runner.build import build_trainer
+    from runner.parts import build_trainer
     from runner.cli.compose import compose_config
 
     tiny = build_trainer(compose_config(["trainer=sdxl"]))

@@ -52,7 +52,7 @@ def _peak(device: torch.device) -> int | None:
 def train_case(tmp: Path, overrides: list[str]) -> dict:
     from accelerate.utils import set_seed
 
-    from runner.build import build_plugins, build_trainer, make_context
+    from runner.parts import build_plugins, build_trainer, make_context
     from runner.cli.compose import compose_config
     from runner.checks import validate
     from runner.loop import train

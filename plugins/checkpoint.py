@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from runner.blocks import find_repeated_blocks
-from runner.hooks import mark, marked, unmark
+from runner.module_changes import mark, marked, unmark
 from runner.plugin import ClaimsModules
 from runner.plugins.schemas import CHECKPOINT_MODES as MODES  # noqa: F401
 from runner.plugins.schemas import CheckpointConfig, check_checkpoint
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("runner")
 
-MARK = "checkpoint"  # runner.hooks mark on wrapped blocks: (the forward they had before, or None,)
+MARK = "checkpoint"  # runner.module_changes mark on wrapped blocks: (the forward they had before, or None,)
 
 
 # ---- the twin functions ------------------------------------------------------------------------

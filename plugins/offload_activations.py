@@ -42,10 +42,10 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 import torch
 from torch import nn
 
-from runner.accel import cuda_like, is_real_accelerator, record_stream, stream_api
+from runner.side_streams import cuda_like, is_real_accelerator, record_stream, stream_api
 from runner.compat import current_graph_task_id, is_fake, queue_engine_callback
 from runner.context import Transfer
-from runner.hooks import composable
+from runner.module_changes import composable
 from runner.plugin import Plugin
 from runner.plugins.schemas import ActivationOffloadConfig, check_activation_offload
 from runner.registry import register_plugin
@@ -136,7 +136,7 @@ class ActivationOffloader:
         self.always_copy = always_copy
         self.stats = ActivationStats()
         self._skip = {id(t) for t in skip}
-        # The stream API of the target (runner/accel.py): the GPU's, the in-order simulation of a CUDA
+        # The stream API of the target (runner/side_streams.py): the GPU's, the in-order simulation of a CUDA
         # target on meta or the CPU (the planner, tests), or None for the synchronous path.
         api = stream_api(self.device, cuda_like=False) if streams is DEFAULT_STREAMS else streams
         self.pin = bool(pin_memory) and cuda_like(self.device)
@@ -333,7 +333,7 @@ def offload_activations(device: torch.device | str, host: torch.device | str = "
 
     ``skip_modules``: their buffers are never offloaded (they are not activations).
     ``always_copy`` makes a CPU run copy saved tensors anyway (tests exercise the paths).
-    ``streams``: the stream API (runner/accel.py:stream_api); by default the device's own, so
+    ``streams``: the stream API (runner/side_streams.py:stream_api); by default the device's own, so
     ``meta`` and the CPU take the synchronous path unless a CUDA target's simulation is passed.
     """
     skip = [b for m in skip_modules for b in m.buffers()]

@@ -34,7 +34,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from runner.accel import cuda_like, is_simulated_cuda, record_stream, stream_api
+from runner.side_streams import cuda_like, is_simulated_cuda, record_stream, stream_api
 from runner.compat import is_fake
 from runner.optim.build import ForwardsToInner
 from runner.plugins.host_buffers import HostRegion, host_copy, tensor_bytes

@@ -72,8 +72,8 @@ def _load_libraries() -> None:
     while the garbage collector is paused; the tasks' own imports then find them loaded."""
     import importlib
 
-    for module in ("accelerate.utils", "runner.build", "runner.distributed.loading", "runner.export.checkpoint",
-                   "runner.fit.output", "runner.loop", "runner.output.report", "runner.plan", "runner.sampling",
+    for module in ("accelerate.utils", "runner.parts", "runner.distributed.loading", "runner.export.checkpoint",
+                   "runner.fit.command", "runner.loop", "runner.output.report", "runner.plan", "runner.sampling",
                    "runner.session", "runner.val.holdout", "runner.val.scores"):
         importlib.import_module(module)
 
@@ -98,7 +98,7 @@ def _export(job: Job) -> None:
 
 def _fit(job: Job) -> None:
     """The fastest settings that fit: table, fit.yaml (runner/fit/)."""
-    from runner.fit.output import command_line, fit_command
+    from runner.fit.command import command_line, fit_command
 
     fit_command(job.cfg, command_line(job.overrides), job.out)
 
@@ -107,10 +107,10 @@ def _train(job: Job) -> float | None:
     """Open the run, build, plan, apply the plugins, train, export and report."""
     from accelerate.utils import set_seed
 
-    from runner.build import build_trainer
+    from runner.parts import build_trainer
     from runner.distributed.loading import build_models_for_rank
     from runner.export.checkpoint import export_after_training
-    from runner.fit.output import auto_fit, command_line
+    from runner.fit.command import auto_fit, command_line
     from runner.loop import train
     from runner.output.report import print_summary, write_run_info
     from runner.sampling import build_sampler
@@ -154,7 +154,7 @@ def _cache(job: Job) -> None:
     run with the same settings reads it and plans no pre-pass."""
     from accelerate.utils import set_seed
 
-    from runner.build import build_trainer
+    from runner.parts import build_trainer
     from runner.distributed.loading import build_models_for_rank
     from runner.session import cache_fillers, fill_caches, open_run, take_models
 

@@ -326,7 +326,7 @@ def validate_plugins(cfg: DictConfig, run: ResolvedRun, *, check: bool = True) -
     ``check`` its own ``validate()`` (the checks against the run; its settings' own checks ran in
     :func:`check_config`). ``check=False``: a job whose plugins :func:`check_run` validated already
     (the planner's preflight builds them again for the simulated run)."""
-    from runner.build import selected_plugins
+    from runner.parts import selected_plugins
 
     return selected_plugins(cfg, run, check=check)
 

@@ -19,7 +19,7 @@ Fake tensors (no fallback: importing this module fails with :class:`MissingTorch
     ``torch.utils._python_dispatch.TorchDispatchMode``: the base class of the live-bytes tracker;
     ``_disable_current_modes`` (as ``without_dispatch_modes``): work inside a plan that must run
     as if outside it (runner/plan/simulate.py).
-    ``torch.utils._pytree``: ``tree_flatten`` and ``tree_map`` (the planner's known values, runner/plan/values.py; offload=stream finds a block's output tensors,
+    ``torch.utils._pytree``: ``tree_flatten`` and ``tree_map`` (the planner's known values, runner/plan/known_values.py; offload=stream finds a block's output tensors,
     including diffusers' output classes, which register themselves as pytree nodes) and
     ``tree_iter`` (the tracker's per-op walk; fallback: iterate ``tree_flatten``'s leaves).
 

@@ -11,7 +11,7 @@ What plugins know about each other goes through typed fields, never string keys:
 * ``facts`` -- :class:`RunFacts`, what the plugins did (parked, dropped, streamed, quantized,
   checkpointed modules; cached encode parts; pinned host bytes), which the planner, the loop and
   the other plugins read;
-* ``hooks`` -- the :class:`~runner.hooks.ModuleHooks` registry of every module change, undone
+* ``hooks`` -- the :class:`~runner.module_changes.ModuleHooks` registry of every module change, undone
   in one place by :meth:`RunContext.teardown`, which the runner calls in a ``finally``.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from runner.errors import UserError
-from runner.hooks import ModuleHooks
+from runner.module_changes import ModuleHooks
 from runner.resolved import ResolvedRun
 from runner.trainer import ModelSet
 
@@ -106,7 +106,7 @@ class RunContext:
     # Lines for the run report and plan.json ("optimizer state bytes": 1234): shown, never read back.
     notes: dict[str, Any] = field(default_factory=dict)
     # The features' objects, each a no-op unless its settings switch it on. The session injects them
-    # (runner/build.py:make_context, or ``**idle_parts(run)`` for a context built by hand), so this
+    # (runner/parts.py:make_context, or ``**idle_parts(run)`` for a context built by hand), so this
     # module imports no feature.
     sampler: Any = field(kw_only=True)  # sample.every: runner.sampling.build_sampler
     # The run's experiment tracker, runner.output.trackers.Tracking: ``ctx.tracking.log_images(step, {name: image})``.

@@ -17,7 +17,7 @@ What ``prepare`` gives the loop, exactly as managed mode does (the shared code i
 
 * the resolved run (runner/resolved.py): device, precision, dtypes, budget;
 * ``model.dtype``/``model.train_dtype`` and ``model.train=lora`` on the modules
-  (runner/build.py);
+  (runner/parts.py);
 * a preflight plan (runner/plan/) from the prepared modules and one example batch, when
   ``loss_fn`` and ``example_batch`` are given: over ``budget_gb`` the run stops there;
 * every configured plugin, through the same phases and the same RunContext;

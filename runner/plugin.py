@@ -119,7 +119,7 @@ class Plugin:
     def validate(self) -> None:
         """Check this plugin's settings against ``self.run``; raise UserError naming the key. What its
         settings decide alone is the registry's node check (``declare_plugin(check=...)``), which runs
-        once before this (runner/checks.py:check_config, or runner/build.py:build_plugins)."""
+        once before this (runner/checks.py:check_config, or runner/parts.py:build_plugins)."""
 
     def encoder_signature(self, modules: frozenset[str] | None = None) -> dict[str, Any] | None:
         """Settings of this plugin that change what the frozen ``modules`` compute (cache keys);

@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 import torch
 
-from runner.accel import SIM_DEVICE, is_simulated_cuda
+from runner.side_streams import SIM_DEVICE, is_simulated_cuda
 from runner.devices import DeviceSpec, device_spec
 from runner.errors import UserError
 from runner.world import DistSpec, resolve_distribution

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from runner.build import build_plugins, make_context, prepare_models
+from runner.parts import build_plugins, make_context, prepare_models
 from runner.checks import CheckedRun
 from runner.context import RunContext
 from runner.distributed.runtime import accelerator_options

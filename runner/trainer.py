@@ -101,7 +101,7 @@ class ModelSet:
     its outputs are cached. ``blocks`` optionally names, per module, the repeated blocks that
     checkpointing and offload plugins should operate on (default: runner.blocks finds them).
     With ``model.train=lora`` the runner attaches LoRA to the trained modules unless the trainer
-    did (runner/build.py).
+    did (runner/parts.py).
     """
 
     modules: dict[str, nn.Module]
@@ -109,7 +109,7 @@ class ModelSet:
     blocks: dict[str, list[nn.Module]] = field(default_factory=dict)
     # True when the trainer built every module in the run's dtypes itself (the built-in trainers
     # convert on load); otherwise the runner casts frozen modules to model.dtype and trained ones
-    # to model.train_dtype (runner/build.py).
+    # to model.train_dtype (runner/parts.py).
     dtypes_applied: bool = False
     # Modules built with their parameters on meta whose weights a quantization plugin reads layer by
     # layer as it replaces them; the runner reads the rest after ``transform_models``

@@ -29,7 +29,7 @@ def main() -> None:
 def one(out: Path, overrides: list[str], label: str) -> None:
     from planner_truth import tracked_steps  # tests/ is on the path (PYTHONPATH=tests)
 
-    from runner.build import (
+    from runner.parts import (
         build_plugins,
         build_trainer,
         make_context,

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from runner.build import build_plugins, build_trainer, make_context, prepare_models
+from runner.parts import build_plugins, build_trainer, make_context, prepare_models
 from runner.loop import forward_backward
 from runner.memory.live_bytes import LiveBytesTracker
 from runner.optim.build import build_optimizer

@@ -12,7 +12,7 @@ from typing import Any
 
 from accelerate.utils import set_seed
 
-from runner.build import build_plugins, build_trainer, make_context, prepare_models
+from runner.parts import build_plugins, build_trainer, make_context, prepare_models
 from runner.cli.compose import compose_config
 from runner.cli.launch import run_job
 from runner.checks import validate

@@ -21,7 +21,7 @@ def _bytes(tensors) -> int:
 
 
 def main() -> None:
-    from runner.build import build_plugins, build_trainer, make_context, prepare_models
+    from runner.parts import build_plugins, build_trainer, make_context, prepare_models
     from runner.cli.compose import compose_config
     from runner.checks import validate
     from runner.distributed.launch import join_process_group

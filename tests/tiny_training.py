@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from runner.build import build_trainer
+from runner.parts import build_trainer
 from runner.cli.compose import compose_config
 
 
@@ -19,7 +19,7 @@ def built_as_run(overrides: list[str]) -> tuple[Any, Any]:
     the run's seed set first: the weights a run of those overrides starts from."""
     from accelerate.utils import set_seed
 
-    from runner.build import prepare_models
+    from runner.parts import prepare_models
     from runner.resolved import resolve
 
     cfg = compose_config(overrides)

@@ -8,13 +8,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from runner.accel import cuda_like
+from runner.side_streams import cuda_like
 from runner.compat import has_compatible_shallow_copy_type
-from runner.hooks import mark, marked, unmark
+from runner.module_changes import mark, marked, unmark
 from runner.plugins.park.align import first_device, outputs_for, report_device, send_to
 
 PARK_METHODS = ("forward", "encode", "decode")
-MARK = "park"  # runner.hooks mark: the module's ParkedModule
+MARK = "park"  # runner.module_changes mark: the module's ParkedModule
 
 
 def _bytes(tensors: Any) -> int:

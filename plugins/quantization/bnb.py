@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runner.accel import cuda_like
+from runner.side_streams import cuda_like
 from runner.plugins.quantization.common import (
     DEFAULT_SKIP,
     LinearQuantization,
@@ -265,7 +265,7 @@ def dequantized_weight(layer: nn.Module) -> torch.Tensor:
 # ---- the plugins ---------------------------------------------------------------------------------
 def quantize_device(ctx: RunContext) -> torch.device | None:
     """Quantize on the training GPU when there is one (fast; one layer's weights there at a time); on
-    the layer's own device otherwise. The simulated card takes the GPU's branch (runner/accel.py)."""
+    the layer's own device otherwise. The simulated card takes the GPU's branch (runner/side_streams.py)."""
     return ctx.device if cuda_like(ctx.device) else None
 
 

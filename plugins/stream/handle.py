@@ -25,10 +25,10 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from runner.accel import cuda_like as on_card
-from runner.accel import is_real_accelerator, record_stream, stream_api
+from runner.side_streams import cuda_like as on_card
+from runner.side_streams import is_real_accelerator, record_stream, stream_api
 from runner.compat import has_compatible_shallow_copy_type
-from runner.hooks import mark, marked, unmark
+from runner.module_changes import mark, marked, unmark
 from runner.plugins.host_buffers import HostRegion, host_copy
 from runner.plugins.stream.hooks import _StreamHooks
 from runner.plugins.stream.schedule import (
@@ -47,7 +47,7 @@ from runner.plugins.stream.state import (
     _Slot,
 )
 
-MARK = "stream"  # runner.hooks mark on a streamed module: its StreamHandle
+MARK = "stream"  # runner.module_changes mark on a streamed module: its StreamHandle
 
 
 class StreamHandle(_StreamHooks):
@@ -66,7 +66,7 @@ class StreamHandle(_StreamHooks):
         self.stats = StreamStats()
         self.regions: list[HostRegion] = []
         self._hooks: list[Any] = []
-        # The side-stream branch runs wherever the target is CUDA-like (runner/accel.py): on the GPU
+        # The side-stream branch runs wherever the target is CUDA-like (runner/side_streams.py): on the GPU
         # with its streams, in the planner (meta) and on the CPU with simulated ones, so what the
         # plan counts is what the GPU keeps (the copy stream's own allocator pool included).
         cuda_like = device.type == "cuda" if cuda_like is None else cuda_like

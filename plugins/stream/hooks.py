@@ -45,14 +45,14 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from runner.accel import is_simulated_cuda, record_stream
+from runner.side_streams import is_simulated_cuda, record_stream
 from runner.compat import (
     current_graph_task_id,
     outer_saved_tensors_hooks,
     queue_engine_callback,
     tree_flatten,
 )
-from runner.hooks import composable, is_composable
+from runner.module_changes import composable, is_composable
 from runner.plugins.host_buffers import HostRegion, tensor_bytes
 from runner.plugins.stream.state import RELEASED, _Block, _Slot
 
@@ -78,7 +78,7 @@ class _Delegated:
 
 
 def _composable(fn: Callable) -> Callable:
-    return composable(fn)  # saved-tensor hooks of ours: nest with each other (runner.hooks)
+    return composable(fn)  # saved-tensor hooks of ours: nest with each other (runner.module_changes)
 
 
 def _in_backward() -> bool:

@@ -397,7 +397,7 @@ def mixed_precision_policy(param_dtype: torch.dtype | None) -> Any:
 def cpu_offload_policy(device: torch.device) -> Any:
     """FSDP2's ``CPUOffloadPolicy`` for ``dist.cpu_offload=true`` with the compute device ``device``.
 
-    Host shards are pinned only for a CUDA-like target (:func:`runner.accel.cuda_like`): pinned memory
+    Host shards are pinned only for a CUDA-like target (:func:`runner.side_streams.cuda_like`): pinned memory
     makes FSDP's host-to-device copies of each unit asynchronous, but pinning needs CUDA's host
     allocator, and a CPU-only torch raises "Cannot access accelerator device" for it (FSDP2 pins by
     default). On a CPU run the compute device is the host itself, so FSDP's "offload" moves nothing and
@@ -406,7 +406,7 @@ def cpu_offload_policy(device: torch.device) -> Any:
     """
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    from runner.accel import cuda_like
+    from runner.side_streams import cuda_like
 
     return CPUOffloadPolicy(pin_memory=cuda_like(device))
 

@@ -198,7 +198,7 @@ def export_checkpoint(cfg: Any, ckpt: Path, run: Any = None, trainer: Any = None
     trained weights into them and export. Host RAM: one copy of the models, as at the run's start."""
     from accelerate.utils import set_seed
 
-    from runner.build import build_trainer, prepare_models
+    from runner.parts import build_trainer, prepare_models
     from runner.resolved import resolve
     from runner.state.checkpoint import load_trainable_weights
 

@@ -26,7 +26,7 @@ device). A torch-function mode makes the rest of the CUDA semantics hold:
   ``.cpu()`` of a card tensor copies to the host;
 * ``pin_memory()`` / ``pin_memory=True`` give host tensors that :meth:`Tensor.is_pinned` reports
   as pinned (a CPU-only torch has no pinned allocator), and their bytes are counted;
-* side streams and events are :mod:`runner.accel`'s simulated ones: work runs in order, so a
+* side streams and events are :mod:`runner.side_streams`'s simulated ones: work runs in order, so a
   tensor used on a side stream lives exactly as long as the plugin keeps a reference to it
   (its stash or prefetch window), which is what the caching allocator would keep.
 
@@ -58,7 +58,7 @@ from typing import Any
 
 import torch
 
-from runner.accel import SIM_DEVICE, SYNC_OBSERVERS, is_simulated_cuda
+from runner.side_streams import SIM_DEVICE, SYNC_OBSERVERS, is_simulated_cuda
 from runner.compat import TorchFunctionMode, engine_run_backward, parse_to, tree_iter
 from runner.memory.caching_allocator import CachingAllocatorModel
 from runner.memory.live_bytes import LiveBytesTracker, _storage_of

@@ -176,7 +176,7 @@ class DeviceSemantics(TorchFunctionMode):
             # A tensor made from Python data on the host holds real values (seeds, sizes, ids)
             # that code reads back with tolist(): keep it real. It is a few bytes. Made on the
             # simulated device, it is that real tensor moved there (a move keeps its value:
-            # runner/plan/values.py).
+            # runner/plan/known_values.py).
             device = kwargs.get("device")
             with unset_fake_temporarily():
                 real = func(*args, **{**kwargs, "device": "cpu"})

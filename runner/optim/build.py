@@ -74,7 +74,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from runner.accel import cuda_like
+from runner.side_streams import cuda_like
 from runner.compat import DTensor, dtensor_local
 from runner.errors import UserError, valid_list
 from runner.optim.config import (  # noqa: F401  (the schemas: re-exported)

@@ -62,7 +62,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from runner.build import build_plugins
+from runner.parts import build_plugins
 from runner.errors import UserError
 from runner.guards.oom import is_out_of_memory
 from runner.plan.failure import OPT_OUT, planner_failure

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 
 from runner.compat import unset_fake_temporarily
-from runner.plan.beside import Beside
+from runner.plan.second_core import Beside
 from runner.plan.target import DEVICE
-from runner.plan.values import known_values
+from runner.plan.known_values import known_values
 
 BOOKKEEPING_KEYS = ("sample_seed", "index")  # per-sample ints the protocol reads with tolist()
 
@@ -70,7 +70,7 @@ def encode_part_shapes(trainer: Any, models: Any, micro: int) -> dict[str, dict[
         return {}
     raw = trainer.example_raw_batch(micro, DEVICE)
     shapes: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]] = {}
-    with torch.no_grad(), known_values():  # token ids and masks keep their values (runner/plan/values.py)
+    with torch.no_grad(), known_values():  # token ids and masks keep their values (runner/plan/known_values.py)
         for part in trainer.encode_parts():
             out = trainer.encode_part(models, part, raw)
             shapes[part] = {k: (tuple(v.shape), v.dtype) for k, v in out.items() if isinstance(v, torch.Tensor)}
@@ -84,7 +84,7 @@ def start_encode_part_shapes(trainer: Any, models: Any, micro: int, redo: Any) -
     """:func:`encode_part_shapes`, computed beside the plan's setup where the encoders are large.
 
     The meta run of the encoders only reads the models as built, and setup only needs its result
-    at the first forward, so on a second core it costs the plan nothing (runner/plan/beside.py).
+    at the first forward, so on a second core it costs the plan nothing (runner/plan/second_core.py).
     ``redo``: the same result computed in place from freshly built models, for when the child
     fails (the parent's models have changed by then); it raises what the in-place call raises.
     """
@@ -125,7 +125,7 @@ def encode_batch(trainer: Any, models: Any, batch: dict[str, Any], cached: set[s
                  shapes: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]]) -> dict[str, Any]:
     """``trainer.encode``, with cached parts arriving on the device as a cache read gives them.
 
-    Token ids and masks keep their values through the encoders (runner/plan/values.py), so an
+    Token ids and masks keep their values through the encoders (runner/plan/known_values.py), so an
     encoder that reads one (transformers' masking) runs as it does for real."""
     with known_values():
         return _encode(trainer, models, batch, cached, shapes)

@@ -54,7 +54,7 @@ rebuilds its buckets in the order gradients arrived, copying every gradient once
 Host RAM at setup (:func:`host_setup`, :func:`host_per_node`). ``dist=ddp``, and ``dist=fsdp`` when
 the ranks load the trained module whole (LoRA, a user's trainer: runner/distributed/loading.py
 ``load_mode``) or read a quantized base layer by layer (``quantized``, which the simulation itself
-runs: runner/plan/base_reads.py): every rank's host peak is one process's. ``dist=fsdp`` loading by slices or by
+runs: runner/plan/quantized_reads.py): every rank's host peak is one process's. ``dist=fsdp`` loading by slices or by
 broadcast: a rank holds the frozen modules as one process does, and of the trained module only one
 tensor (or slice) in flight: its shards are made on the device (with ``dist.cpu_offload`` on the host),
 filled after the plugins' setup; rank 0, when it broadcasts, holds the whole module (less the units

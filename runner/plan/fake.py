@@ -237,7 +237,7 @@ def fake_module(module: nn.Module, device: torch.device, memo: dict[int, torch.T
     Same shape, dtype, stride and ``requires_grad``; tied tensors stay tied (``memo`` is shared
     across the modules of one ModelSet). Call inside the simulation mode. The fakes are made
     without dispatching an op (no dispatch mode sees them born): pass them to the tracker.
-    ``leave``: ids of tensors left as they are (a base read later, runner/plan/base_reads.py).
+    ``leave``: ids of tensors left as they are (a base read later, runner/plan/quantized_reads.py).
     """
     mode = active_fake_mode()
     if mode is None:

@@ -17,7 +17,7 @@ import torch
 from runner.compat import FAKE_VALUE_ERRORS, unset_fake_temporarily
 from runner.plan.batch import example_batch, fake_batch, move_batch
 from runner.plan.target import DEVICE, HOST
-from runner.plan.values import known_values
+from runner.plan.known_values import known_values
 
 
 def simulate_cache_fill(sim: Any, parts: list[str], batch_size: int) -> None:

@@ -244,7 +244,7 @@ def format_plan(plan: Plan) -> str:
     lines += _host_ram_lines(plan.host_peak_bytes)
     if plan.host_ranks:
         lines.append(_host_ranks_line(plan.host_ranks))
-    elif plan.notes.get("base load"):  # one process: how a quantized LoRA base is loaded (runner/plan/base_reads.py)
+    elif plan.notes.get("base load"):  # one process: how a quantized LoRA base is loaded (runner/plan/quantized_reads.py)
         lines.append(f"  {plan.notes['base load']}")
     if plan.notes.get("parked on the host"):  # a trained module the trainer keeps on the host (Wan 2.2 A14B's other expert)
         lines.append(f"  {plan.notes['parked on the host']}")

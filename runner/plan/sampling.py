@@ -78,14 +78,14 @@ class SamplingPlan:
         # runner.plan would be circular when this module is imported first.
         from runner.plan.batch import example_batch, fake_batch, move_batch
         from runner.plan.target import DEVICE, HOST
-        from runner.plan.values import known_values
+        from runner.plan.known_values import known_values
 
         sim = self.sim
         tracker, ctx = sim.tracker, sim.ctx
         trainer = self._trainer_at_resolution()
         tracker.reset_peaks()  # from what lives between steps: the optimizer step's gradients are freed now
         self.between_steps = tracker.current_bytes(DEVICE.type)
-        with known_values():  # masks keep their values from the move to the loss (runner/plan/values.py)
+        with known_values():  # masks keep their values from the move to the loss (runner/plan/known_values.py)
             batch = move_batch(fake_batch(example_batch(trainer, False, self.batch), HOST), DEVICE)
             tracker.track(batch, "other", module="(batch)")
             with tracker.phase(PHASE, category="activations"), torch.no_grad(), ctx.accelerator.autocast():

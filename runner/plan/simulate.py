@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from runner import registry
-from runner.build import build_plugins, build_trainer, idle_parts, prepare_models
+from runner.parts import build_plugins, build_trainer, idle_parts, prepare_models
 from runner.compat import without_dispatch_modes
 from runner.context import RunContext
 from runner.data import planned_size
@@ -48,7 +48,7 @@ from runner.optim.build import build_optimizer
 from runner.optim.fused import FusedBackward, fuse_into_backward
 from runner.plan.adapters import lycoris_draws_skipped
 from runner.plan.allocator import AllocationLog, plan_reserved
-from runner.plan.base_reads import leave_unread, load_note
+from runner.plan.quantized_reads import leave_unread, load_note
 from runner.plan.batch import (
     cached_parts,
     encode_batch,
@@ -66,7 +66,7 @@ from runner.plan.dist import measure as measure_rank
 from runner.plan.ema import plan_ema
 from runner.plan.fake import fake_module, simulation_mode, weights_left_uninitialised
 from runner.plan.prepass import cache_fill_report, simulate_cache_fill
-from runner.plan.process import import_model_classes, old_objects_frozen, one_thread
+from runner.plan.quick_process import import_model_classes, old_objects_frozen, one_thread
 from runner.plan.result import PhasePeak, Plan
 from runner.plan.sampling import plan_sampling
 from runner.memory.semantics import DeviceSemantics, SimulatedAccelerator
@@ -76,7 +76,7 @@ from runner.plan.suggest import suggest
 from runner.plan.target import CUDA_WORKSPACE_MARGIN_BYTES, DEVICE, HOST
 from runner.plan.timeline import Timeline, chain
 from runner.plan.val import plan_validation
-from runner.plan.values import known_values
+from runner.plan.known_values import known_values
 from runner.resolved import ResolvedRun, planned_target, resolve
 
 log = logging.getLogger("runner")
@@ -265,7 +265,7 @@ class _Simulation:
         self.fused = False  # optimizer.fused_backward: the optimizer steps inside backward (runner/optim/fused.py)
         self.rank_layout: Any = None
         # Last: the encoders' output shapes, from the models as built, on the second core while
-        # setup runs (runner/plan/beside.py); needed from the first forward (self.part_shapes).
+        # setup runs (runner/plan/second_core.py); needed from the first forward (self.part_shapes).
         self.part_shapes_job = start_encode_part_shapes(trainer, self.models, self.micro,
                                                         redo=self._part_shapes_in_place)
 
@@ -359,7 +359,7 @@ class _Simulation:
             self.alloc_log.step_started()
         host_batch = fake_batch(example_batch(trainer, self.raw, self.micro), HOST)
         tracker.track(host_batch, "other", module="(batch)")
-        with known_values():  # masks keep their values from the move to the loss (runner/plan/values.py)
+        with known_values():  # masks keep their values from the move to the loss (runner/plan/known_values.py)
             batch = move_batch(host_batch, DEVICE)
             tracker.track(batch, "other", module="(batch)")
             with tracker.phase("forward"), ctx.step_context(), ctx.accelerator.autocast(), \

@@ -71,7 +71,7 @@ class ValidationPlan:
             move_batch,
         )
         from runner.plan.target import DEVICE, HOST
-        from runner.plan.values import known_values
+        from runner.plan.known_values import known_values
 
         sim = self.sim
         tracker, ctx, trainer = sim.tracker, sim.ctx, sim.trainer
@@ -79,7 +79,7 @@ class ValidationPlan:
         self.between_steps = tracker.current_bytes(DEVICE.type)
         shapes = {part: {k: ((self.batch, *shape[1:]), dtype) for k, (shape, dtype) in per.items()}
                   for part, per in sim.part_shapes.items()}  # cached parts at the validation batch
-        with known_values():  # masks keep their values from the move to the loss (runner/plan/values.py)
+        with known_values():  # masks keep their values from the move to the loss (runner/plan/known_values.py)
             batch = move_batch(fake_batch(example_batch(trainer, sim.raw, self.batch), HOST), DEVICE)
             tracker.track(batch, "other", module="(batch)")
             with tracker.phase(PHASE, category="activations"), torch.no_grad(), ctx.step_context(), \

@@ -25,7 +25,7 @@ OBJECTIVES: dict[str, tuple[str, str]] = {
 }
 DIRECTIONS = ("minimize", "maximize")
 # A sweep with only these ended well (exit status 0): does_not_fit is train.auto_fit's answer for a trial that no
-# setting fits in budget_gb (runner/fit/output.py NothingFits), reported, not run; killed: a trial an earlier, killed
+# setting fits in budget_gb (runner/fit/command.py NothingFits), reported, not run; killed: a trial an earlier, killed
 # run of the same Optuna study left unfinished, which the resumed study failed and replaced by another trial.
 OK_STATUSES = ("ok", "pruned", "does_not_fit", "killed")
 

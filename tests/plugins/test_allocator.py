@@ -10,7 +10,7 @@ import pytest
 import torch
 from hydra.core.config_store import ConfigStore
 
-from runner.build import idle_parts
+from runner.parts import idle_parts
 from runner.cli.compose import compose_config
 from runner.context import RunContext
 from runner.errors import UserError

@@ -16,11 +16,11 @@ from hydra.core.config_store import ConfigStore
 from torch import nn
 
 from runner.blocks import find_repeated_blocks
-from runner.build import idle_parts
+from runner.parts import idle_parts
 from runner.cli.compose import compose_config
 from runner.context import RunContext
 from runner.errors import UserError
-from runner.hooks import marked
+from runner.module_changes import marked
 from runner.memory.live_bytes import LiveBytesTracker
 from runner.plugin import PluginSchedule
 from runner.plugins.checkpoint import (

@@ -185,7 +185,7 @@ def test_plugin_on_a_cpu_target_is_a_no_op_and_the_cpu_plan_equals_the_run(tmp_p
     import json
 
     from runner.__main__ import task as run_main
-    from runner.build import (
+    from runner.parts import (
         build_plugins,
         build_trainer,
         make_context,
@@ -265,7 +265,7 @@ def test_cuda_activation_offload_with_streams_lowers_the_peak():
     assert peak_b < 0.8 * peak_a
 
 
-# ---- the GPU's branch (side stream, stash, prefetch), run in order on the CPU (runner/accel.py) ------
+# ---- the GPU's branch (side stream, stash, prefetch), run in order on the CPU (runner/side_streams.py) ------
 def deep_blocks(n: int = 16, width: int = 64) -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(n)])
@@ -285,7 +285,7 @@ def stream_step(model: nn.Module, offloader, x: torch.Tensor):
 def test_prefetch_window_is_bounded_on_the_stream_branch(prefetch):
     """16 blocks, the side-stream branch: at every unpack at most ``prefetch`` regions are prefetched
     (in flight or ready) beyond the one in use; the old window grew by one region per unpack."""
-    from runner.accel import SIMULATED
+    from runner.side_streams import SIMULATED
 
     model, x = deep_blocks(), torch.randn(8, 64)
     want_loss, want_grads = stream_step(model, None, x)
@@ -314,7 +314,7 @@ def test_the_planner_counts_the_stream_branchs_stash_and_window():
     """On fake tensors (device ``meta``) with the CUDA target's simulated streams, the forward stash
     and the backward prefetch window hold device bytes the synchronous path frees at once: the
     planner's tracker counts them. At every unpack the window adds at most ``prefetch`` regions."""
-    from runner.accel import SIMULATED
+    from runner.side_streams import SIMULATED
     from runner.plan import fake_module, simulation_mode
 
     width, rows = 256, 64

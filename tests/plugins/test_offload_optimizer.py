@@ -11,7 +11,7 @@ import pytest
 import torch
 from diffusers.optimization import get_scheduler
 
-from runner.build import build_trainer
+from runner.parts import build_trainer
 from runner.cli.compose import compose_config
 from runner.checks import validate
 from runner.errors import UserError

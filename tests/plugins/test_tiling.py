@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from runner.build import idle_parts
+from runner.parts import idle_parts
 from runner.cli.compose import compose_config
 from runner.checks import validate
 from runner.context import RunContext

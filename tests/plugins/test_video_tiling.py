@@ -21,7 +21,7 @@ import torch
 from planner_truth import assert_plan_matches_a_real_cpu_step
 from torch import nn
 
-from runner.build import idle_parts
+from runner.parts import idle_parts
 from runner.cli.compose import compose_config
 from runner.checks import validate
 from runner.context import RunContext

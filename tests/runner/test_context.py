@@ -11,7 +11,7 @@ import torch
 from runner.__main__ import task
 from runner.cli.compose import compose_config
 from runner.errors import UserError
-from runner.hooks import marked
+from runner.module_changes import marked
 from runner.plan import plan_step
 
 ROOT = Path(__file__).resolve().parents[2]

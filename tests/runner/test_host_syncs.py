@@ -51,7 +51,7 @@ def job(out: Path, *overrides: str) -> dict:
 
 
 def test_what_counts_as_a_host_sync_on_the_simulated_card():
-    from runner.accel import SIM_DEVICE, SIMULATED
+    from runner.side_streams import SIM_DEVICE, SIMULATED
 
     with SimulatedCuda(None) as card:
         t = card.tracker
@@ -153,7 +153,7 @@ def test_bitsandbytes_own_step_syncs_once_per_parameter_on_the_card_and_ours_nev
     import bitsandbytes as bnb
     import bitsandbytes.optim.optimizer as bnb_optimizer
 
-    from runner.accel import SIM_DEVICE, SIMULATED
+    from runner.side_streams import SIM_DEVICE, SIMULATED
     from runner.optim.eight_bit import without_per_parameter_sync
 
     monkeypatch.setattr(bnb_optimizer, "sync_gpu", lambda t: SIMULATED.synchronize())  # a GPU's sync_gpu
@@ -176,7 +176,7 @@ def test_fused_backward_clips_on_the_card_and_reads_the_flags_once(build):
     clipping each gradient by its own norm and stepping, and one host sync for the whole backward."""
     import bitsandbytes as bnb
 
-    from runner.accel import SIM_DEVICE
+    from runner.side_streams import SIM_DEVICE
     from runner.optim.eight_bit import without_per_parameter_sync
 
     def make(params):

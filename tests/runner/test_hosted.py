@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from runner.errors import UserError
-from runner.hooks import marked
+from runner.module_changes import marked
 from runner.hosted import session
 from runner.plan import PlanDoesNotFit
 

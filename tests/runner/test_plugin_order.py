@@ -110,7 +110,7 @@ def test_describe():
 
 def test_kind_none_selects_no_plugin():
     # `<kind>=none` used to build a do-nothing "none" plugin; it now selects no plugin at all.
-    from runner.build import build_plugins
+    from runner.parts import build_plugins
 
     cfg = compose_config([f"{kind}=none" for kind in KINDS] + ["train.device=cpu"])
     sched = build_plugins(cfg, resolve(cfg))
@@ -158,7 +158,7 @@ def test_a_declared_requirement_is_checked_when_the_schedule_is_built():
 
 
 def test_a_conflict_is_read_from_either_plugins_declaration():
-    from runner.build import idle_parts
+    from runner.parts import idle_parts
     from runner.context import RunContext
 
     why = "the two cannot share a module"

@@ -97,7 +97,7 @@ def vision_layout(encoder: Any, grid: torch.Tensor) -> dict[str, Any]:
     Why: the model computes them from the grid on the device, reading values back (``tolist``) and
     making index tensors there; computed from the host's grid, they are the same numbers without a
     device sync, and the planner, whose device tensors have no values, runs the same call (the
-    moved host tensors keep theirs, runner/plan/values.py)."""
+    moved host tensors keep theirs, runner/plan/known_values.py)."""
     from transformers.utils.generic import get_max_seqlen
     from transformers.vision_utils import get_vision_attention_seqlens, get_vision_position_ids, get_vision_window_index
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import CLIPTextConfig, CLIPTextModel
 
-from runner.accel import SIM_DEVICE
+from runner.side_streams import SIM_DEVICE
 from runner.memory.cuda_sim import DEVICE_KEY, HOST_KEY, SimulatedCuda
 from runner.plugins.park import park_module, unpark_module
 

@@ -23,7 +23,7 @@ from accelerate.utils import set_seed
 from faults import faults_supported, with_faults
 from safetensors.torch import load_file, save_file
 
-from runner.build import build_plugins, build_trainer, make_context, prepare_models
+from runner.parts import build_plugins, build_trainer, make_context, prepare_models
 from runner.cli.compose import compose_config
 from runner.checks import validate
 from runner.loop import train

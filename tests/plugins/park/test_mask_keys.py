@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from runner.build import build_trainer
+from runner.parts import build_trainer
 from runner.cli.compose import compose_config
 from runner.checks import validate
 from runner.plugins.park.cache import EncoderCache, plan_cache

@@ -18,14 +18,14 @@ from accelerate.utils import set_seed
 from test_swap import module_bytes, tiny_vae  # tests/plugins/park/test_swap.py
 from torch import nn
 
-from runner.build import build_plugins, build_trainer, idle_parts, make_context, prepare_models
+from runner.parts import build_plugins, build_trainer, idle_parts, make_context, prepare_models
 from runner.cli.compose import compose_config
 from runner.checks import validate
 from runner.context import RunContext
 from runner.data import FolderDataset, collate
 from runner.data.order import SampleOrder
 from runner.errors import UserError
-from runner.hooks import marked
+from runner.module_changes import marked
 from runner.loop import train
 from runner.memory.live_bytes import LiveBytesTracker
 from runner.plugin import PluginSchedule

@@ -78,7 +78,7 @@ def test_an_nf4_filled_cache_is_never_read_as_bf16(tmp_path, monkeypatch):
 
 def test_the_cache_keys_hold_the_encoders_dtype():
     # model.dtype is the frozen encoders' dtype (a CPU run keeps float32, so resolved for a CUDA target).
-    from runner.build import build_trainer
+    from runner.parts import build_trainer
     from runner.cli.compose import compose_config
     from runner.plan.target import DEVICE
     from runner.resolved import resolve

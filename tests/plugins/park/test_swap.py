@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from runner.hooks import marked
+from runner.module_changes import marked
 from runner.memory.live_bytes import LiveBytesTracker
 from runner.plugins.park import park_module, unpark_module
 

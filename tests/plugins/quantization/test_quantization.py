@@ -19,7 +19,7 @@ import torch
 from accelerate.utils import set_seed
 from torch import nn
 
-from runner.build import build_plugins, build_trainer, idle_parts, make_context, prepare_models
+from runner.parts import build_plugins, build_trainer, idle_parts, make_context, prepare_models
 from runner.cli.compose import compose_config
 from runner.checks import validate
 from runner.context import RunContext

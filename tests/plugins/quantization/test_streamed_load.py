@@ -20,7 +20,7 @@ import pytest
 import torch
 from accelerate.utils import set_seed
 
-from runner.build import build_plugins, build_trainer, make_context, prepare_models
+from runner.parts import build_plugins, build_trainer, make_context, prepare_models
 from runner.cli.compose import compose_config
 from runner.checks import validate
 from runner.distributed import loading
@@ -139,7 +139,7 @@ def test_random_init_and_dora_are_loaded_whole_and_say_why(unet_file):
 
 
 def test_the_plan_simulates_the_streamed_load_and_its_host_peak_is_the_real_one(tmp_path, unet_file, monkeypatch):
-    """The planner runs the same read (runner/plan/base_reads.py: fake tensors of the file's shapes and
+    """The planner runs the same read (runner/plan/quantized_reads.py: fake tensors of the file's shapes and
     dtypes, read where the run reads): its setup's host peak is the tracker's in a real setup within
     5 %, streamed and whole, and the streamed one is the lower."""
     from runner.plan import plan_step

@@ -18,7 +18,7 @@ from tiny_training import assert_identical_training, fake_unet_inputs, tiny_trai
 from torch import nn
 
 from runner.blocks import find_repeated_blocks
-from runner.build import build_trainer
+from runner.parts import build_trainer
 from runner.cli.compose import compose_config
 from runner.checks import validate
 from runner.errors import UserError
@@ -298,7 +298,7 @@ def fake_step(family: str, train: str, stream: bool, ckpt: bool, cuda_like: bool
 
 def test_the_side_stream_branch_keeps_the_same_bytes_as_the_synchronous_one():
     """A CUDA target takes the side-stream branch in the planner too (simulated streams, in order:
-    runner/accel.py), and the live bytes on the device, at the peak and after the step, are those
+    runner/side_streams.py), and the live bytes on the device, at the peak and after the step, are those
     of the synchronous branch: what stays is decided by the handle's window in both."""
     _, sync, h_sync = fake_step("sdxl", "full", stream=True, ckpt=True, cuda_like=False)
     _, side, h_side = fake_step("sdxl", "full", stream=True, ckpt=True, cuda_like=True)

@@ -73,7 +73,7 @@ def test_teardown_restores_each_blocks_forward(tmp_path) -> None:
 def test_off_by_default_and_never_in_the_planner() -> None:
     cfg = compose_config([])
     assert isinstance(build_compiler(cfg.train), NoCompile)
-    from runner.build import idle_parts
+    from runner.parts import idle_parts
     from runner.resolved import resolve
 
     assert isinstance(idle_parts(resolve(cfg))["compiler"], NoCompile)  # what the planner's context gets

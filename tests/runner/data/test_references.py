@@ -155,7 +155,7 @@ def test_an_unset_count_checks_the_folder_with_the_edit_trainers_own(tmp_path, t
     """The edit presets leave data.references unset (the trainer's own: 1). Validation reads the folder with
     that count, so control/ images are references (not captionless samples, which refused the run), and
     the data set it hands over is the one the trainer would read, references included."""
-    from runner.build import build_trainer
+    from runner.parts import build_trainer
     from runner.cli.compose import compose_config
     from runner.checks import validate
 

@@ -140,7 +140,7 @@ def test_the_issue_29_command_learns_batch_stream_and_adafactor_from_one_refusal
 def test_fsdp_cpu_offload_pins_the_host_shards_only_for_a_cuda_like_target():
     """``dist.cpu_offload=true``: FSDP2 pins host shards by default, which a CPU-only torch cannot do
     (a traceback before step 1 on a CPU run). The policy pins for a CUDA-like device only, as park does."""
-    from runner.accel import SIM_DEVICE
+    from runner.side_streams import SIM_DEVICE
 
     assert cpu_offload_policy(torch.device("cpu")).pin_memory is False
     assert cpu_offload_policy(SIM_DEVICE).pin_memory is True  # the simulated card: pinning is simulated
@@ -242,7 +242,7 @@ def test_zz_no_launch_environment_leaks_out_of_these_tests():
 
 
 def _rank0_only(*extra: str) -> tuple[frozenset[str], str]:
-    from runner.build import build_trainer
+    from runner.parts import build_trainer
     from runner.distributed.loading import rank0_only_modules
 
     cfg = compose_config(["mode=plan", "dist=ddp", "dist.world_size=2", "train.batch_size=4", *extra])

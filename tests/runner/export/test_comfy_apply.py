@@ -20,7 +20,7 @@ from accelerate.utils import set_seed
 from peft.tuners.lora import LoraLayer
 from safetensors.torch import load_file
 
-from runner.build import build_trainer, prepare_models
+from runner.parts import build_trainer, prepare_models
 from runner.cli.compose import compose_config
 from runner.errors import UserError
 from runner.export.comfy import COMFY_FILE

@@ -27,7 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
-from runner.build import build_trainer, prepare_models
+from runner.parts import build_trainer, prepare_models
 from runner.cli.compose import compose_config
 from runner.errors import UserError
 from runner.export.comfy import COMFY_FILE, LAYOUTS, check_comfy_targets, comfy_state_dict, unmapped_modules

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from tiny_training import built_as_run
 
 from runner.__main__ import task
-from runner.build import build_trainer
+from runner.parts import build_trainer
 from runner.cli.compose import compose_config
 from runner.ema.average import FILE as EMA_FILE
 from runner.errors import UserError

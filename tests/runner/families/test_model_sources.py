@@ -25,7 +25,7 @@ from original_layouts import (
 )
 from safetensors.torch import save_file
 
-from runner.build import build_trainer
+from runner.parts import build_trainer
 from runner.cli.compose import compose_config
 from runner.errors import UserError
 

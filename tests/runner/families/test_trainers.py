@@ -145,7 +145,7 @@ def test_example_batch_matches_encode_and_runs(full_setup):
 
 
 # Not lumina2 nor qwen_image21: their transformers read their masks' token counts (mask.sum(dim=1).tolist()),
-# which plain meta tensors cannot answer; the planner gives masks their values (runner/plan/values.py), and
+# which plain meta tensors cannot answer; the planner gives masks their values (runner/plan/known_values.py), and
 # each family's own tests plan it (lumina2 against real CPU steps).
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f not in ("lumina2", "qwen_image21")])
 def test_example_batch_on_meta_models(family):
@@ -238,7 +238,7 @@ def test_full_size_configs_on_meta():
     ("chroma", {"transformer": 8.9e9, "text_encoder": 4.76e9}),  # Chroma1-HD, T5-XXL encoder
 ])
 def test_new_families_build_their_published_sizes_on_meta(family, published):
-    from runner.build import build_trainer
+    from runner.parts import build_trainer
     from runner.cli.compose import compose_config
 
     cls, _, variant = FAMILIES[family]

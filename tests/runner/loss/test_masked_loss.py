@@ -13,7 +13,7 @@ import pytest
 import torch
 from accelerate.utils import set_seed
 
-from runner.build import build_trainer, prepare_models
+from runner.parts import build_trainer, prepare_models
 from runner.cli.compose import compose_config
 from runner.checks import validate
 from runner.loss.objectives import LossConfig, ddpm_noise, diffusion_loss

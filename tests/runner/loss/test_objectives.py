@@ -14,7 +14,7 @@ import pytest
 import torch
 from accelerate.utils import set_seed
 
-from runner.build import build_trainer, prepare_models
+from runner.parts import build_trainer, prepare_models
 from runner.cli.compose import compose_config
 from runner.cli.listing import format_plugin_list
 from runner.checks import validate

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from runner.__main__ import task
-from runner.accel import SIM_DEVICE, cuda_like, is_simulated_cuda
+from runner.side_streams import SIM_DEVICE, cuda_like, is_simulated_cuda
 from runner.cli.compose import compose_config
 from runner.cli.launch import run_job
 from runner.errors import UserError

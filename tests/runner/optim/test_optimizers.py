@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from runner.build import build_trainer
+from runner.parts import build_trainer
 from runner.cli.compose import compose_config
 from runner.checks import validate
 from runner.errors import UserError
@@ -464,7 +464,7 @@ def test_schedulefree_modes_evaluated_weights_and_exact_return():
 def test_adamw_on_a_card_is_torchs_fused_kernel_and_steps_as_the_per_parameter_loop():
     """On a card (here the simulated one) AdamW is torch's fused multi-tensor kernel (no temporaries); on the
     host the per-parameter loop (foreach=False). Same state tensors, and the same update within float rounding."""
-    from runner.accel import SIM_DEVICE
+    from runner.side_streams import SIM_DEVICE
     from runner.memory.cuda_sim import SimulatedCuda
 
     host = tiny_model()

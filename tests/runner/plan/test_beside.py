@@ -1,4 +1,4 @@
-"""Work beside the plan's main line (runner/plan/beside.py): the encoders' shapes on a second core.
+"""Work beside the plan's main line (runner/plan/second_core.py): the encoders' shapes on a second core.
 
 A forked child computes them while setup runs. These tests check the child's result is what the
 in-place call gives, that a failing child leaves the parent to redo the work (and to raise what
@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-import runner.plan.beside as beside
-from runner.plan.beside import Beside, usable_cores
+import runner.plan.second_core as beside
+from runner.plan.second_core import Beside, usable_cores
 
 needs_fork = pytest.mark.skipif(not hasattr(os, "fork") or usable_cores() < 2, reason="no os.fork or one core")
 
@@ -91,7 +91,7 @@ from runner.cli.compose import compose_config
 from runner.checks import validate
 
 PARTLY = ["offload.park.cache_text=false"]
-out = {"can_fork": __import__("runner.plan.beside", fromlist=["x"]).can_fork()}
+out = {"can_fork": __import__("runner.plan.second_core", fromlist=["x"]).can_fork()}
 
 def plan(*overrides):
     cfg = compose_config(["+preset=constrained", *overrides])

@@ -31,7 +31,7 @@ def plan(*overrides: str):
 @functools.cache
 def unet_and_blocks():
     from runner.blocks import find_repeated_blocks
-    from runner.build import build_trainer, prepare_models
+    from runner.parts import build_trainer, prepare_models
     from runner.plan.target import DEVICE
     from runner.resolved import resolve
 

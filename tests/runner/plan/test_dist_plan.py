@@ -74,7 +74,7 @@ def test_fsdp_mixed_precision_plan_is_within_5_percent_of_its_real_step(tmp_path
 
 @pytest.fixture(scope="module")
 def unet_params():
-    from runner.build import build_trainer, prepare_models
+    from runner.parts import build_trainer, prepare_models
     from runner.plan.target import DEVICE
     from runner.resolved import resolve
 
@@ -140,7 +140,7 @@ def test_fsdp_mixed_precision_plans_bf16_units_and_no_cast_cache_of_the_weights(
     from torch import nn
 
     from runner.blocks import find_repeated_blocks
-    from runner.build import build_trainer, prepare_models
+    from runner.parts import build_trainer, prepare_models
     from runner.plan.target import DEVICE
     from runner.resolved import resolve
 
@@ -184,7 +184,7 @@ def test_plan_reports_host_ram_per_rank_and_per_node_as_the_ranks_load_the_train
     From a safetensors file every rank reads its rows: rank 0 holds no more than the others."""
     from safetensors.torch import save_file
 
-    from runner.build import build_trainer, prepare_models
+    from runner.parts import build_trainer, prepare_models
     from runner.resolved import resolve
 
     full = ("model.train=full", "dist.world_size=4")
@@ -221,7 +221,7 @@ def test_ranks_other_than_0_plan_their_setup_without_the_modules_only_rank_0_loa
     """Issue 29: under offload=park on one node only rank 0 loads the modules whose outputs it caches
     (runner/distributed/loading.py), so the other ranks' host peak at setup lacks their parameters; rank 0's
     is the plan where every rank loads them (two nodes of one rank: a node may fill its own cache)."""
-    from runner.build import build_trainer
+    from runner.parts import build_trainer
 
     one_node = plan("dist=ddp", "dist.world_size=2", "offload=park").host_ranks
     every_rank = plan("dist=ddp", "dist.world_size=2", "offload=park", "dist.ranks_per_node=1").host_ranks

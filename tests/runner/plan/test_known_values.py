@@ -1,4 +1,4 @@
-"""The planner keeps the values of token ids and masks (runner/plan/values.py), so a trainer whose
+"""The planner keeps the values of token ids and masks (runner/plan/known_values.py), so a trainer whose
 T5/CLIP encoder takes an attention mask plans and trains on every preset with its plan checked; a
 value the planner cannot know is one paragraph naming the call and the trainer's line."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 from runner.__main__ import task
 from runner.cli.compose import compose_config
 from runner.files import conf_dir
-from runner.plan.values import known_values, value_of
+from runner.plan.known_values import known_values, value_of
 
 ROOT = Path(__file__).resolve().parents[3]
 ASSETS = ROOT / "tests" / "assets"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from planner_truth import assert_plan_matches_a_real_cpu_step
 
-from runner.build import build_trainer
+from runner.parts import build_trainer
 from runner.cli.compose import compose_config
 from runner.checks import validate
 from runner.plan import plan_step

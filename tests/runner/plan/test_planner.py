@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from planner_truth import assert_plan_matches_a_real_cpu_step, prepared_step
 from torch import nn
 
-from runner.build import build_plugins, build_trainer
+from runner.parts import build_plugins, build_trainer
 from runner.cli.compose import compose_config
 from runner.checks import validate
 from runner.families.common.loading import build_denoiser
@@ -464,7 +464,7 @@ def test_planning_leaves_the_garbage_collector_as_it_found_it():
     """Plans freeze the objects that existed before them (speed), and unfreeze only what they froze."""
     import gc
 
-    from runner.plan.process import old_objects_frozen
+    from runner.plan.quick_process import old_objects_frozen
 
     assert gc.get_freeze_count() == 0
     with old_objects_frozen():

@@ -21,7 +21,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from runner.__main__ import task
-from runner.build import build_trainer, prepare_models
+from runner.parts import build_trainer, prepare_models
 from runner.cli.compose import compose_config
 from runner.data import FolderDataset, build_dataset, collate
 from runner.data.order import SampleOrder

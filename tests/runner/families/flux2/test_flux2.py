@@ -22,7 +22,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from runner.__main__ import task
-from runner.build import build_trainer, prepare_models
+from runner.parts import build_trainer, prepare_models
 from runner.cli.compose import compose_config
 from runner.data import collate
 from runner.data.demo import demo_reference

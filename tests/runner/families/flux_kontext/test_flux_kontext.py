@@ -20,7 +20,7 @@ from PIL import Image
 from runner_setup import prepared_context
 
 from runner.__main__ import task
-from runner.build import build_trainer, prepare_models
+from runner.parts import build_trainer, prepare_models
 from runner.cli.compose import compose_config
 from runner.data import collate
 from runner.data.demo import demo_reference

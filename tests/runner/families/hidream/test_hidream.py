@@ -18,7 +18,7 @@ from peft.tuners.lora import LoraLayer
 from planner_truth import assert_plan_matches_a_real_cpu_step
 
 from runner.__main__ import task
-from runner.build import build_trainer, prepare_models
+from runner.parts import build_trainer, prepare_models
 from runner.cli.compose import compose_config
 from runner.checks import validate
 from runner.errors import UserError

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from runner_setup import prepared_context
 
 from runner.__main__ import task
-from runner.build import build_trainer, prepare_models
+from runner.parts import build_trainer, prepare_models
 from runner.cli.compose import compose_config
 from runner.errors import UserError
 from runner.loop import train as train_loop

@@ -23,7 +23,7 @@ from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus_m
 from PIL import Image
 
 from runner.__main__ import task
-from runner.build import build_trainer, prepare_models
+from runner.parts import build_trainer, prepare_models
 from runner.cli.compose import compose_config
 from runner.data import collate
 from runner.data.demo import demo_reference

@@ -12,7 +12,7 @@ import torch
 from accelerate.utils import set_seed
 
 from runner.__main__ import task
-from runner.build import build_trainer, prepare_models
+from runner.parts import build_trainer, prepare_models
 from runner.cli.compose import compose_config
 from runner.checks import validate
 from runner.errors import UserError

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from runner.__main__ import task
-from runner.build import build_trainer, idle_parts, prepare_models
+from runner.parts import build_trainer, idle_parts, prepare_models
 from runner.cli.compose import compose_config
 from runner.context import RunContext
 from runner.errors import UserError

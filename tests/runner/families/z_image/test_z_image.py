@@ -20,7 +20,7 @@ from accelerate.utils import set_seed
 from planner_truth import assert_plan_matches_a_real_cpu_step
 
 from runner.__main__ import task
-from runner.build import build_trainer, prepare_models
+from runner.parts import build_trainer, prepare_models
 from runner.cli.compose import compose_config
 from runner.checks import validate
 from runner.errors import UserError

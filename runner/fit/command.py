@@ -217,7 +217,7 @@ def command_line(overrides: Sequence[str] | None) -> list[str]:
     """The run's command line, which the search varies; it is unknown outside ``python -m runner``."""
     if overrides is None:
         raise UserError("mode=fit and train.auto_fit vary the run's command line, which is unknown here (a config "
-                        "composed in Python). Run them through python -m runner, or call runner.fit.output.fit_command "
+                        "composed in Python). Run them through python -m runner, or call runner.fit.command.fit_command "
                         "with the overrides.")
     return list(overrides)
 

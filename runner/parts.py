@@ -1,7 +1,7 @@
 """The parts of a run, each built on its own: plugins, trainer, context, and the runner's own
 changes to any trainer's models (dtypes and LoRA).
 
-runner/build.py opens a run from these parts, and the planner (runner/plan/simulate.py) builds
+runner/parts.py opens a run from these parts, and the planner (runner/plan/simulate.py) builds
 the same parts on fake tensors, so both run the same code. What the runner does to a trainer's
 models: a user's trainer builds plain modules; the runner, not the trainer, applies
 ``model.dtype``, ``model.train_dtype`` (as resolved for the target device) and
