@@ -17,13 +17,18 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate.utils import set_seed
+from safetensors.torch import load_file
 
 from runner.__main__ import task
 from runner.build import build_trainer, prepare_models
 from runner.cli.compose import compose_config
+from runner.export.checkpoint import EXPORT_DIR
+from runner.export.comfy import COMFY_FILE
+from runner.export.lora import DIFFUSERS_FILE
 from runner.families.hunyuan_video15.trainer import HunyuanVideo15Trainer
 from runner.output.report import read_metrics
 from runner.resolved import resolve
+from runner.state.checkpoint import load_trainable_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -119,10 +124,39 @@ def test_latents_and_loss(built):
     assert loss.ndim == 0 and math.isfinite(float(loss))
 
 
-def test_two_steps_train(tmp_path):
-    rows = train(tmp_path, "train.steps=2", "optimizer.lr=0.01", "train.batch_size=1", "model.train=lora",
-                 "model.lora_rank=4", "export.enabled=false")
+def test_two_steps_train_and_the_lora_loads_into_diffusers_with_the_runners_weights(tmp_path):
+    """HunyuanVideo15Pipeline has no load_lora_weights in diffusers 0.42.1: the file is read as a transformer-only
+    pipeline's loader reads it (``lora_state_dict`` with its adapter metadata, then the transformer's own
+    ``load_lora_adapter``), then fused (``fuse_lora``)."""
+    from diffusers.loaders.lora_pipeline import HunyuanVideoLoraLoaderMixin
+
+    lora = ["model.train=lora", "model.lora_rank=4", "model.lora_alpha=8"]
+    rows = train(tmp_path, "train.steps=2", "optimizer.lr=0.01", "train.batch_size=1", *lora)
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
+    step = tmp_path / "checkpoints" / "step-00000002"
+    trainer, trained = fresh(*lora, frozen=False)
+    load_trainable_weights(step, trained)
+    batch = trainer.example_batch(1, "cpu")
+    t = torch.tensor([0.5])
+
+    def denoise(transformer):
+        with torch.no_grad():
+            return trainer.predict({"transformer": transformer}, batch["latents"], t, batch)
+
+    expected = denoise(trained["transformer"])
+    _, base = fresh()
+    transformer = base["transformer"]
+    before = denoise(transformer)
+    state, metadata = HunyuanVideoLoraLoaderMixin.lora_state_dict(str(step / EXPORT_DIR / DIFFUSERS_FILE),
+                                                                   return_lora_metadata=True)
+    transformer.load_lora_adapter(state, prefix="transformer", metadata=metadata)
+    after = denoise(transformer)
+    assert (after - before).abs().max() > 1e-4
+    torch.testing.assert_close(after, expected, rtol=1e-4, atol=1e-5)
+    transformer.fuse_lora()
+    torch.testing.assert_close(denoise(transformer), expected, rtol=1e-4, atol=1e-5)
+    comfy = load_file(str(step / EXPORT_DIR / COMFY_FILE))
+    assert "diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight" in comfy  # q/k/v fused (test_comfy_apply.py)
 
 
 @pytest.mark.parametrize("override,match", [("data.frames=6", "data.frames=6 is not usable"),
