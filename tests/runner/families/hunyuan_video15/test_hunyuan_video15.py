@@ -167,3 +167,24 @@ def test_bad_settings_are_user_errors(override, match):
 
     with pytest.raises(UserError, match=match):
         build_trainer(compose_config([*COMMON, override]))
+
+
+def test_tiling_vae_tiles_the_hunyuan_video15_vae(built):
+    """tiling=vae sets HunyuanVideo 1.5's own tiling attributes (tile sides, latent twins, overlap factor); the tiled
+    encode gives the whole encode's shape, and restore puts the VAE back."""
+    from runner.plugins.tiling import apply_vae_tiling, is_tileable_vae
+
+    vae = built[1]["vae"]
+    assert is_tileable_vae(vae)
+    pixels = torch.rand(1, 3, 5, 64, 64) * 2 - 1
+    with torch.no_grad():
+        whole = vae.encode(pixels).latent_dist.mean
+        restore = apply_vae_tiling(vae, tile_size=32, overlap=16)
+        try:
+            assert (vae.use_tiling, vae.tile_sample_min_height, vae.tile_latent_min_width) == (True, 32, 2)
+            assert vae.tile_overlap_factor == 0.5
+            tiled = vae.encode(pixels).latent_dist.mean
+        finally:
+            restore()
+    assert tiled.shape == whole.shape and not torch.equal(tiled, whole)  # tiles normalise on their own
+    assert not vae.use_tiling and vae.tile_sample_min_height == 256
