@@ -23,6 +23,7 @@ class HunyuanVideo15Sampling:
 
     default_guidance = GUIDANCE  # the published guider's guidance_scale
     negative_prompt = True
+    factor = 16  # pixels per latent (the VAE's 16x; 1x1 patches): sample.resolution is refused anyway (the trainer)
 
     @staticmethod
     def denoiser_batch(guidance: float) -> int:

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from runner.compat import is_fake
+from runner.compat import is_fake, without_dispatch_modes
 from runner.errors import UserError
 from runner.families.common.flow import FlowMatchTrainer
 from runner.families.common.loading import compute_dtype, pipeline_class
@@ -183,10 +183,7 @@ class HunyuanVideo15Trainer(FlowMatchTrainer):
         if not self._folder_has("tokenizer") and not self.file_provides("text_encoder"):
             from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import format_text_input
 
-            import inspect
-
-            system = inspect.signature(self.pipeline_class()._get_mllm_prompt_embeds).parameters["system_message"].default
-            text = tok.apply_chat_template(format_text_input(["\x00"], system)[0], tokenize=False,
+            text = tok.apply_chat_template(format_text_input(["\x00"], self.system_message())[0], tokenize=False,
                                            add_generation_prompt=True)
             return len(tok(text[:text.index("\x00")]).input_ids)
         return hv_configs.CROP_START
@@ -198,16 +195,63 @@ class HunyuanVideo15Trainer(FlowMatchTrainer):
     @torch.no_grad()
     def encode_part(self, models: ModelSet, part: str, batch: Batch) -> dict[str, torch.Tensor]:
         """The VAE posterior of the clips, or both text encoders' states with their masks (the pipeline's helpers)."""
-        if part == "latents":
-            return self.encode_latents(models, batch)
-        device, pipe, captions = batch_device(batch), self.pipeline_class(), list(batch["caption"])
-        embeds, mask = pipe._get_mllm_prompt_embeds(models["text_encoder"], self.tokenizer("tokenizer"), captions,
-                                                    device, tokenizer_max_length=self.max_sequence_length,
-                                                    crop_start=self.crop_start())
-        embeds_2, mask_2 = pipe._get_byt5_prompt_embeds(self.tokenizer("tokenizer_2"), models["text_encoder_2"],
-                                                        captions, device, hv_configs.BYT5_MAX_LENGTH)
-        return {"prompt_embeds": embeds, "prompt_embeds_mask": mask.bool(),
-                "prompt_embeds_2": embeds_2, "prompt_embeds_mask_2": mask_2.bool()}
+        if part == "latents":  # one clip at a time: the VAE's mid-block causal mask is (B, L, L), which SDPA
+            # broadcasts against (B, 1, L, L) queries only for B = 1 (diffusers 0.42.1); its own use_slicing does so too
+            n = int(batch["pixel_values"].shape[0])
+            parts = [self.encode_latents(models, {k: v[i:i + 1] if isinstance(v, torch.Tensor) and v.shape[:1] == (n,)
+                                                  else v for k, v in batch.items()}) for i in range(n)]
+            return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        device, captions = batch_device(batch), list(batch["caption"])
+        embeds, mask = self.encode_mllm(models["text_encoder"], captions, device)
+        rows = [self.encode_glyphs(models["text_encoder_2"], caption, device) for caption in captions]
+        return {"prompt_embeds": embeds, "prompt_embeds_mask": mask,
+                "prompt_embeds_2": torch.cat([r[0] for r in rows]), "prompt_embeds_mask_2": torch.cat([r[1] for r in rows])}
+
+    def encode_glyphs(self, text_encoder: Any, caption: str, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """``HunyuanVideo15Pipeline._get_byt5_prompt_embeds`` for one caption: ByT5's last state of its quoted text
+        (``Text "..."``) padded to 256 bytes with the mask, or zeros and an all-false mask when it quotes nothing."""
+        from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import extract_glyph_texts
+
+        length, glyphs = hv_configs.BYT5_MAX_LENGTH, extract_glyph_texts(caption)
+        if glyphs is None:
+            width = int(text_encoder.config.d_model)
+            return (torch.zeros((1, length, width), device=device, dtype=text_encoder.dtype),
+                    torch.zeros((1, length), device=device, dtype=torch.bool))
+        with without_dispatch_modes():
+            tokens = self.tokenizer("tokenizer_2")(glyphs, padding="max_length", max_length=length, truncation=True,
+                                                   add_special_tokens=True, return_tensors="pt")
+        mask = tokens.attention_mask.to(device)
+        # unmasked in the planner's simulation, as the Qwen encoder (encode_mllm)
+        out = text_encoder(input_ids=tokens.input_ids.to(device),
+                           attention_mask=None if simulated(mask) else mask.float())[0]
+        return out, mask.bool()
+
+    def encode_mllm(self, text_encoder: Any, captions: list[str], device: torch.device) -> tuple[torch.Tensor, ...]:
+        """``HunyuanVideo15Pipeline._get_mllm_prompt_embeds``: the chat template padded to the template's tokens plus
+        the caption length, the third-last hidden state, the template's tokens dropped. The mask goes in as booleans
+        (the model makes them so itself): the planner keeps a boolean mask's values (runner/plan/batch.py), which
+        transformers' causal-mask shortcut reads."""
+        from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import format_text_input
+
+        crop = self.crop_start()
+        with without_dispatch_modes():  # real CPU ids and mask also inside the planner's simulation (their values kept)
+            text = self.tokenizer("tokenizer").apply_chat_template(
+                format_text_input(captions, self.system_message()), add_generation_prompt=True, tokenize=True,
+                return_dict=True, padding="max_length", max_length=self.max_sequence_length + crop, truncation=True,
+                return_tensors="pt")
+        mask = text.attention_mask.to(device).bool()
+        # In the planner's simulation the mask reaches transformers' causal-mask shortcut without its values (a read
+        # it cannot answer): the encoder is planned unmasked there, which moves only the L x L mask of a 1,108-token
+        # prompt (and the text encoder's pass is not the plan's peak).
+        hidden = text_encoder(input_ids=text.input_ids.to(device), attention_mask=None if simulated(mask) else mask,
+                              output_hidden_states=True).hidden_states[-3]
+        return hidden[:, crop:], mask[:, crop:]
+
+    def system_message(self) -> str:
+        """The pipeline's system prompt (its ``_get_mllm_prompt_embeds`` default, which ``encode_prompt`` passes)."""
+        import inspect
+
+        return inspect.signature(self.pipeline_class()._get_mllm_prompt_embeds).parameters["system_message"].default
 
     def normalize_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """``z * scaling_factor``: the VAE has no shift (the pipeline decodes ``latents / scaling_factor``)."""

@@ -188,3 +188,13 @@ def test_tiling_vae_tiles_the_hunyuan_video15_vae(built):
             restore()
     assert tiled.shape == whole.shape and not torch.equal(tiled, whole)  # tiles normalise on their own
     assert not vae.use_tiling and vae.tile_sample_min_height == 256
+
+
+def test_samples_during_training(tmp_path):
+    train(tmp_path, "sample.every=1", "sample.steps=2", 'sample.prompts=["a sign that reads \\"hi\\""]', "train.steps=1",
+          "export.enabled=false")
+    from PIL import Image
+
+    png = next((tmp_path / "samples" / "step-1").glob("*.png"))
+    with Image.open(png) as im, Image.open(png.with_suffix(".gif")) as gif:
+        assert im.size == (64, 64) and gif.n_frames == 5  # the training clip's size and frames
