@@ -198,3 +198,12 @@ def test_samples_during_training(tmp_path):
     png = next((tmp_path / "samples" / "step-1").glob("*.png"))
     with Image.open(png) as im, Image.open(png.with_suffix(".gif")) as gif:
         assert im.size == (64, 64) and gif.n_frames == 5  # the training clip's size and frames
+
+
+def test_the_preset_trains_two_tiny_steps(tmp_path):
+    """hunyuan_video15_24gb at model.size=tiny (its clip shape is full-size only): nf4 base, park, offloaded block
+    inputs, block checkpointing and the tiled VAE together, 2 steps."""
+    task(compose_config(["+preset=hunyuan_video15_24gb", "train.device=cpu", "train.progress=false", "train.steps=2",
+                         "data.demo_size=2", f"output_dir={tmp_path}"]))
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
