@@ -29,7 +29,8 @@ layout ComfyUI maps for it, with ``.alpha``:
   block-diagonal, rank the sum, ``.alpha`` scaled by the same factor so alpha / rank is the run's.
   Exact: ``B A`` is the three updates stacked, the rows of an unadapted part zero.
 * **hunyuan_video15** (HunyuanVideo 1.5): ``diffusion_model.<ComfyUI HunyuanVideo name>``, q/k/v fused into
-  ``img_attn.qkv``/``txt_attn.qkv``/the refiner's ``self_attn.qkv`` as Lumina 2's (runner/families/hunyuan_video15/comfy.py).
+  ``img_attn.qkv``/``txt_attn.qkv``/the refiner's ``self_attn.qkv`` as Lumina 2's
+  (runner/families/hunyuan_video15/comfy.py).
 * **wan** (Wan 2.1/2.2): ``diffusion_model.<original Wan name>.lora_A/lora_B`` + ``.alpha``:
   ComfyUI knows only the original module names (``blocks.N.self_attn.q``, ``cross_attn.o``,
   ``ffn.0`` ...), so diffusers' names are renamed by :data:`WAN_RENAMES` (the inverse of

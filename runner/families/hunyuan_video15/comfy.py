@@ -5,7 +5,8 @@ ComfyUI loads HunyuanVideo 1.5 as its HunyuanVideo model (comfy/model_detection.
 Flux's ``DoubleStreamBlock`` (comfy/ldm/flux/layers.py): one fused ``img_attn.qkv``/``txt_attn.qkv`` linear,
 ``*_attn.proj``, ``*_mlp.0``/``.2`` and ``*_mod.lin``; its token refiner's blocks have a fused ``self_attn.qkv``,
 ``self_attn.proj``, ``mlp.0``/``.2`` and ``adaLN_modulation.1``. comfy/lora.py maps ``diffusion_model.<that model's
-name>`` (its generic keys), so the file is keyed so, the q/k/v LoRAs fused into one (runner/export/comfy.py ``fuse_group``). Modulation rows need no
+name>`` (its generic keys), so the file is keyed so, the q/k/v LoRAs fused into one (runner/export/comfy.py
+``fuse_group``). Modulation rows need no
 reordering: diffusers' converter copies ``img_mod.linear`` into ``norm1.linear`` as it is.
 """
 from __future__ import annotations

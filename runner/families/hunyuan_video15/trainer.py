@@ -4,7 +4,8 @@ Data are clips (runner/data/video.py): ``data.frames`` frames at ``data.fps`` an
 The VAE compresses 4x in time after the first frame (``data.frames`` is ``4k + 1``: 1, 5, ... 61, ... 121) and
 16x in space; the transformer's patches are 1x1, so a frame side is a multiple of 16 pixels.
 
-Conditioning as ``HunyuanVideo15Pipeline.encode_prompt`` computes it (its own static helpers run here):
+Conditioning as ``HunyuanVideo15Pipeline.encode_prompt`` computes it (its ``format_text_input`` and
+``extract_glyph_texts`` run here; the encoder calls are its helpers', the masks passed as booleans):
 
 * Qwen2.5-VL: the caption in the pipeline's system/user chat template, padded to the template's tokens plus
   ``trainer.max_sequence_length`` (the pipeline's 1000), the third-last hidden state, the template's tokens
@@ -57,7 +58,8 @@ class _ZeroImageAnswer(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if getattr(func, "__name__", "") == "all" and len(args) == 1 and not kwargs and tuple(args[0].shape) == self.shape:
+        name = getattr(func, "__name__", "")
+        if name == "all" and len(args) == 1 and not kwargs and tuple(args[0].shape) == self.shape:
             return True  # a Python bool: a tensor made here would be one of the simulation's, without a value
         return func(*args, **kwargs)
 
@@ -205,7 +207,8 @@ class HunyuanVideo15Trainer(FlowMatchTrainer):
         embeds, mask = self.encode_mllm(models["text_encoder"], captions, device)
         rows = [self.encode_glyphs(models["text_encoder_2"], caption, device) for caption in captions]
         return {"prompt_embeds": embeds, "prompt_embeds_mask": mask,
-                "prompt_embeds_2": torch.cat([r[0] for r in rows]), "prompt_embeds_mask_2": torch.cat([r[1] for r in rows])}
+                "prompt_embeds_2": torch.cat([r[0] for r in rows]),
+                "prompt_embeds_mask_2": torch.cat([r[1] for r in rows])}
 
     def encode_glyphs(self, text_encoder: Any, caption: str, device: torch.device) -> tuple[torch.Tensor, ...]:
         """``HunyuanVideo15Pipeline._get_byt5_prompt_embeds`` for one caption: ByT5's last state of its quoted text

@@ -76,7 +76,8 @@ def test_text_conditioning_is_the_pipelines(built):
     assert embeds.shape == (2, trainer.max_sequence_length, 32) and embeds_2.shape == (2, 256, 32)
     for key, theirs in (("prompt_embeds", embeds), ("prompt_embeds_2", embeds_2)):
         torch.testing.assert_close(ours[key], theirs, rtol=0, atol=0)
-    assert torch.equal(ours["prompt_embeds_mask"], mask.bool()) and torch.equal(ours["prompt_embeds_mask_2"], mask_2.bool())
+    assert torch.equal(ours["prompt_embeds_mask"], mask.bool())
+    assert torch.equal(ours["prompt_embeds_mask_2"], mask_2.bool())
     counts = mask.sum(dim=1).tolist()
     assert 0 < counts[0] < counts[1] < trainer.max_sequence_length
     glyphs = mask_2.sum(dim=1).tolist()  # ByT5 reads only quoted text: none in the first caption
@@ -116,7 +117,7 @@ def test_latents_and_loss(built):
     batch = {"pixel_values": pixels, "caption": CAPTIONS[:1], "sample_seed": torch.tensor([3])}
     encoded = trainer.encode(models, batch)
     dist = models["vae"].encode(pixels).latent_dist
-    assert encoded["latents"].shape == (1, 4, 2, 2, 3) == tuple(trainer.example_latents(1, "meta").shape[:2]) + (2, 2, 3)
+    assert encoded["latents"].shape == (1, 4, 2, 2, 3)
     torch.testing.assert_close(encoded["latents"] / 1.03682, dist.mean, rtol=0, atol=float(dist.std.max()) * 6)
     t = trainer.timesteps(torch.arange(4096))  # logit-normal, then the fixed shift s t / (1 + (s - 1) t), s = 3
     assert 0.5 < float(t.median()) < 0.9
@@ -191,7 +192,8 @@ def test_tiling_vae_tiles_the_hunyuan_video15_vae(built):
 
 
 def test_samples_during_training(tmp_path):
-    train(tmp_path, "sample.every=1", "sample.steps=2", 'sample.prompts=["a sign that reads \\"hi\\""]', "train.steps=1",
+    train(tmp_path, "sample.every=1", "sample.steps=2", 'sample.prompts=["a sign that reads \\"hi\\""]',
+          "train.steps=1",
           "export.enabled=false")
     from PIL import Image
 
