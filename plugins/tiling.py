@@ -116,16 +116,19 @@ def check_cuda_backend(backend: str, device: torch.device) -> None:
 
 
 # ---- tiled VAE: twin function ----------------------------------------------------------------
-# Two tiling APIs in diffusers: AutoencoderKL's (square tiles: tile_sample_min_size, its latent
-# twin and an overlap factor) and the causal-3D video VAEs' (AutoencoderKLWan and
-# AutoencoderKLQwenImage: tile height/width and strides in pixels). Both blend the overlap.
+# Three tiling APIs in diffusers: AutoencoderKL's (square tiles: tile_sample_min_size, its latent
+# twin and an overlap factor), the causal-3D video VAEs' (AutoencoderKLWan and
+# AutoencoderKLQwenImage: tile height/width and strides in pixels) and HunyuanVideo 1.5's (tile
+# height/width, their latent twins and an overlap factor). All blend the overlap.
 _CLASSIC_TILING = ("enable_tiling", "tile_sample_min_size", "tile_latent_min_size", "tile_overlap_factor", "use_tiling")
 _STRIDED_TILING = ("enable_tiling", "tile_sample_min_height", "tile_sample_min_width", "tile_sample_stride_height",
                    "tile_sample_stride_width", "use_tiling")
+_FACTOR_HW_TILING = ("enable_tiling", "tile_sample_min_height", "tile_sample_min_width", "tile_latent_min_height",
+                     "tile_latent_min_width", "tile_overlap_factor", "use_tiling")
 
 
 def is_tileable_vae(module: nn.Module) -> bool:
-    return all(hasattr(module, a) for a in _CLASSIC_TILING) or all(hasattr(module, a) for a in _STRIDED_TILING)
+    return any(all(hasattr(module, a) for a in api) for api in (_CLASSIC_TILING, _STRIDED_TILING, _FACTOR_HW_TILING))
 
 
 def vae_downsampling(vae: nn.Module) -> int:
@@ -152,9 +155,15 @@ def apply_vae_tiling(vae: nn.Module, tile_size: int = 512, overlap: int = 128, s
             f"be multiples of its factor {factor} and the overlap smaller than the tile."
         )
     strided = all(hasattr(vae, a) for a in _STRIDED_TILING)
-    names = (_STRIDED_TILING if strided else _CLASSIC_TILING)[1:] + ("use_slicing",)
-    saved = {a: getattr(vae, a) for a in names}
-    if strided:
+    factor_hw = not strided and all(hasattr(vae, a) for a in _FACTOR_HW_TILING)
+    api = _STRIDED_TILING if strided else _FACTOR_HW_TILING if factor_hw else _CLASSIC_TILING
+    saved = {a: getattr(vae, a) for a in api[1:] + ("use_slicing",)}
+    if factor_hw:  # set as attributes: enable_tiling's ``x or default`` would turn an overlap of 0 into 0.25
+        vae.tile_sample_min_height = vae.tile_sample_min_width = int(tile_size)
+        vae.tile_latent_min_height = vae.tile_latent_min_width = int(tile_size) // factor
+        vae.tile_overlap_factor = overlap / tile_size
+        vae.enable_tiling()
+    elif strided:
         vae.enable_tiling(tile_sample_min_height=int(tile_size), tile_sample_min_width=int(tile_size),
                           tile_sample_stride_height=int(tile_size) - int(overlap),
                           tile_sample_stride_width=int(tile_size) - int(overlap))

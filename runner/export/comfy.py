@@ -28,6 +28,9 @@ layout ComfyUI maps for it, with ``.alpha``:
   written as one (:data:`LUMINA2_FUSED`, :func:`fuse_group`): down weights stacked, up weights
   block-diagonal, rank the sum, ``.alpha`` scaled by the same factor so alpha / rank is the run's.
   Exact: ``B A`` is the three updates stacked, the rows of an unadapted part zero.
+* **hunyuan_video15** (HunyuanVideo 1.5): ``diffusion_model.<ComfyUI HunyuanVideo name>``, q/k/v fused into
+  ``img_attn.qkv``/``txt_attn.qkv``/the refiner's ``self_attn.qkv`` as Lumina 2's
+  (runner/families/hunyuan_video15/comfy.py).
 * **wan** (Wan 2.1/2.2): ``diffusion_model.<original Wan name>.lora_A/lora_B`` + ``.alpha``:
   ComfyUI knows only the original module names (``blocks.N.self_attn.q``, ``cross_attn.o``,
   ``ffn.0`` ...), so diffusers' names are renamed by :data:`WAN_RENAMES` (the inverse of
@@ -48,6 +51,7 @@ from torch import nn
 from runner.errors import UserError
 from runner.export.config import export_config
 from runner.families.flux2.comfy import FLUX2_NAMES
+from runner.families.hunyuan_video15 import comfy as hv15
 
 COMFY_FILE = "lora_comfy.safetensors"
 COMFY_EMA_FILE = "lora_comfy_ema.safetensors"
@@ -156,6 +160,9 @@ KREA2_RENAMES: tuple[tuple[str, str], ...] = (
     (r"text_fusion\.projector", "txtfusion.projector"),
 )
 
+# HunyuanVideo 1.5: ComfyUI's HunyuanVideo (Flux-style) names, q/k/v fused (runner/families/hunyuan_video15/comfy.py).
+HV15_FUSED = tuple(FusedGroup(*g) for g in hv15.FUSED)
+
 # Trainer.comfy_layout -> its layout (see the module docstring).
 LAYOUTS: dict[str, ComfyLayout] = {
     "kohya": ComfyLayout("kohya", "", separate=False),  # the prefix is the kohya file's (runner/export/lora.py)
@@ -166,6 +173,7 @@ LAYOUTS: dict[str, ComfyLayout] = {
     "hidream": ComfyLayout("dotted", "diffusion_model"),  # ComfyUI's HiDream modules carry diffusers' names
     "lumina2": ComfyLayout("dotted", "diffusion_model", LUMINA2_RENAMES, fused=LUMINA2_FUSED),
     "krea2": ComfyLayout("dotted", "diffusion_model", KREA2_RENAMES, scale_in_b=True),
+    "hunyuan_video15": ComfyLayout("dotted", "diffusion_model", hv15.RENAMES, fused=HV15_FUSED),
     # BFL's names, q/k/v fused and the scale in B: written by runner/families/flux2/comfy.py, not comfy_state_dict
     "flux2": ComfyLayout("flux2", "diffusion_model", FLUX2_NAMES),
 }

@@ -111,7 +111,12 @@ def write_diffusers_lora(pipeline_class: type, denoiser: str, module: nn.Module,
     """``folder/pytorch_lora_weights.safetensors`` via ``pipeline_class.save_lora_weights``
     (a classmethod: no pipeline, so no frozen module, is needed); ``info`` as in :func:`lora_metadata`."""
     config = adapter_config(module)
-    pipeline_class.save_lora_weights(
+    saver = pipeline_class
+    if not hasattr(saver, "save_lora_weights"):  # a pipeline without a LoRA loader (HunyuanVideo 1.5 in 0.42.1):
+        # the transformer-only layout every such loader writes (transformer.<peft key>, the adapter config in the
+        # metadata), which the denoiser's own load_lora_adapter(prefix="transformer") reads
+        from diffusers.loaders.lora_pipeline import HunyuanVideoLoraLoaderMixin as saver
+    saver.save_lora_weights(
         str(folder),
         **{f"{denoiser}_lora_layers": lora_state_dict(module),
            f"{denoiser}_lora_adapter_metadata": config.to_dict()},

@@ -272,6 +272,8 @@ class DeviceSemantics(TorchFunctionMode):
                 q, k, v, mask, dropout, causal, scale=scale)[0]
         if not same_heads:
             return func(*args, **kwargs)
+        if isinstance(mask, torch.Tensor) and mask.dim() == 3:  # SDPA broadcasts it as (1, ...); the CPU kernel
+            mask = mask.unsqueeze(0)  # takes 2 or 4 dims (HunyuanVideo 1.5's VAE passes a (B, L, L) causal mask)
         if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:  # as SDPA's own entry converts it
             mask = _additive_mask(mask, q.dtype)
         elif isinstance(mask, torch.Tensor) and mask.dtype != q.dtype:

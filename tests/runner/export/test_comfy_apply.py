@@ -1,6 +1,6 @@
 """The ComfyUI LoRA file applied as ComfyUI's loader applies it gives the runner's fused weights.
 
-Families: Lumina 2 (q/k/v fused into NextDiT's qkv), HiDream-I1, Wan 2.2 TI2V-5B and I2V A14B, FLUX.2 klein
+Families: Lumina 2 (q/k/v fused into NextDiT's qkv), HunyuanVideo 1.5 (q/k/v fused into its qkv), HiDream-I1, Wan 2.2 TI2V-5B and I2V A14B, FLUX.2 klein
 (BFL's fused qkv), Qwen-Image-Edit, Flux.1 Kontext and Chroma (the kohya file, patching slices of BFL's
 fused qkv / linear1 as ComfyUI's flux_to_diffusers maps them). For each family, ComfyUI's own model (its weight names and which diffusers rows each holds, below as
 data from ComfyUI's model code) is built from the tiny diffusers denoiser's weights; the exported
@@ -132,6 +132,39 @@ def flux_keys(module) -> dict:
     return keys
 
 
+# ComfyUI's HunyuanVideo model as it loads HunyuanVideo 1.5 (comfy/ldm/hunyuan_video/model.py: Flux's DoubleStreamBlock,
+# one qkv linear per stream, rows q, k, v; its token refiner's SelfAttentionRef.qkv likewise; the rest one linear each).
+_HB, _HT = r"double_blocks\.(?P<i>\d+)", "transformer_blocks.{i}"
+_HR, _HD = r"txt_in\.individual_token_refiner\.blocks\.(?P<i>\d+)", "context_embedder.token_refiner.refiner_blocks.{i}"
+HUNYUAN_VIDEO = (
+    (_HB + r"\.img_attn\.qkv", tuple(f"{_HT}.attn.to_{p}" for p in "qkv")),
+    (_HB + r"\.txt_attn\.qkv", tuple(f"{_HT}.attn.add_{p}_proj" for p in "qkv")),
+    (_HB + r"\.img_attn\.proj", (f"{_HT}.attn.to_out.0",)),
+    (_HB + r"\.txt_attn\.proj", (f"{_HT}.attn.to_add_out",)),
+    (_HB + r"\.img_mlp\.0", (f"{_HT}.ff.net.0.proj",)),
+    (_HB + r"\.img_mlp\.2", (f"{_HT}.ff.net.2",)),
+    (_HB + r"\.txt_mlp\.0", (f"{_HT}.ff_context.net.0.proj",)),
+    (_HB + r"\.txt_mlp\.2", (f"{_HT}.ff_context.net.2",)),
+    (_HB + r"\.img_mod\.lin", (f"{_HT}.norm1.linear",)),
+    (_HB + r"\.txt_mod\.lin", (f"{_HT}.norm1_context.linear",)),
+    (_HR + r"\.self_attn\.qkv", tuple(f"{_HD}.attn.to_{p}" for p in "qkv")),
+    (_HR + r"\.self_attn\.proj", (f"{_HD}.attn.to_out.0",)),
+    (_HR + r"\.mlp\.0", (f"{_HD}.ff.net.0.proj",)),
+    (_HR + r"\.mlp\.2", (f"{_HD}.ff.net.2",)),
+    (_HR + r"\.adaLN_modulation\.1", (f"{_HD}.norm_out.linear",)),
+)
+HV15_TARGETS = "[to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out,ff.net.0.proj,ff.net.2,norm1.linear]"
+
+
+def hunyuan_video_names(module) -> list[str]:
+    double = [f"double_blocks.{i}.{s}_{w}" for i in range(len(module.transformer_blocks)) for s in ("img", "txt")
+              for w in ("attn.qkv", "attn.proj", "mlp.0", "mlp.2", "mod.lin")]
+    refiner = [f"txt_in.individual_token_refiner.blocks.{i}.{w}"
+               for i in range(len(module.context_embedder.token_refiner.refiner_blocks))
+               for w in ("self_attn.qkv", "self_attn.proj", "mlp.0", "mlp.2", "adaLN_modulation.1")]
+    return double + refiner
+
+
 # case -> (run overrides, ComfyUI's model table, its weight names: a list, a function of the diffusers
 # denoiser, or None = every linear of the diffusers model)
 CASES = {
@@ -152,6 +185,9 @@ CASES = {
     # Flux.1 Kontext and Chroma: the kohya file (lora_kohya.safetensors) is their ComfyUI file
     "flux_kontext": (["trainer=flux_kontext", "data.references=1"], FLUX, flux_names, flux_keys),
     "chroma": (["trainer=chroma"], FLUX, flux_names, flux_keys),
+    # HunyuanVideo 1.5: both streams' q/k/v fused into ComfyUI's qkv, the MLPs and modulations of blocks and refiner
+    "hunyuan_video15": (["trainer=hunyuan_video15", f"model.lora_targets={HV15_TARGETS}"], HUNYUAN_VIDEO,
+                        hunyuan_video_names),
 }
 
 
