@@ -20,7 +20,7 @@ from accelerate.utils import set_seed
 from safetensors.torch import load_file
 
 from runner.__main__ import task
-from runner.build import build_trainer, prepare_models
+from runner.parts import build_trainer, prepare_models
 from runner.cli.compose import compose_config
 from runner.export.checkpoint import EXPORT_DIR
 from runner.export.comfy import COMFY_FILE
