@@ -1,9 +1,8 @@
 """A frozen base built with its parameters on ``meta`` and read from its safetensors files later,
 layer by layer, by whoever replaces its layers (the quantization plugins), the rest by the runner.
 
-Why. A LoRA over a quantized base used to be loaded whole in ``model.dtype`` and only then
-quantized: for Flux 22 GiB of bfloat16 on the host (on every rank under ``dist=fsdp``) to keep
-5.9 GiB of nf4. When a quantization plugin will quantize the trained module's base and its weights
+Why: loading the base whole in ``model.dtype`` and quantizing after would hold the whole bf16 base on
+the host (Flux: 22 GiB on every rank under ``dist=fsdp``) to keep 5.9 GiB of nf4. When a quantization plugin will quantize the trained module's base and its weights
 lie in safetensors files as stored (``DiffusersTrainer.weight_files``), the module is built empty
 (runner/distributed/loading.py ``load_mode`` ``quantized``) and carries an :class:`UnreadWeights` in
 ``ModelSet.unread``. The plugin reads each layer it replaces just before replacing it

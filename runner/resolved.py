@@ -142,7 +142,7 @@ def fsdp_param_dtype_of(dist: DistSpec, precision: str, train_dtype: torch.dtype
     activations (float32 ops such as norms and softmax, inputs of the matmuls); a weight that arrives in the
     autocast dtype is never cast or cached. Trade-off: the unit's matmuls see bf16 weights, as under autocast.
     None otherwise: one process, dist=ddp, no autocast, trained weights already stored in bf16/fp16, or
-    ``dist.mixed_precision=false`` (float32 gathers; autocast casts and caches, as before issue 29).
+    ``dist.mixed_precision=false`` (float32 gathers; autocast casts and caches them).
     """
     if dist.name != "fsdp" or not dist.active or not dist.mixed_precision or train_dtype != torch.float32:
         return None

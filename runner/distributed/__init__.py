@@ -1,4 +1,4 @@
-"""Several processes training one run: ``dist=none|ddp|fsdp`` (issue 17).
+"""Several processes training one run: ``dist=none|ddp|fsdp``.
 
 The engines are torch.distributed's (DDP, FSDP2's ``fully_shard``, ``torch.distributed.checkpoint``)
 driven through accelerate's state, and the launchers are the ecosystem's (``torchrun``,

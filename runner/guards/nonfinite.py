@@ -1,8 +1,8 @@
 """A NaN or inf loss or gradient: skip the update, or stop with a clear reason (``train.on_nonfinite``).
 
 Why a guard at all: one non-finite gradient turns every trained weight into NaN at the next
-optimizer step, and from then on the run trains nothing while looking busy (it used to exit 0
-with status ``ok`` and save a checkpoint in which every tensor was NaN). The guard looks at
+optimizer step, and from then on the run trains nothing while looking busy (and would end ``ok``
+with a checkpoint in which every tensor is NaN). The guard looks at
 the step's loss and its gradient norm before the optimizer steps:
 
 * ``skip`` (the default): the update is not applied; the step still counts (its samples are

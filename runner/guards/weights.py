@@ -3,7 +3,7 @@ non-finite step (``train.max_weight_growth``).
 
 Why: a finite loss does not mean finite progress. After ``optimizer.lr=1e30`` step 1's loss is
 finite and its update is applied, so the weights reach ~1e30 and stay finite in float32; the loss
-turns NaN steps later, and the checkpoint the stop used to advise held those weights. So after each
+turns NaN steps later, and a checkpoint saved meanwhile holds those weights. So after each
 update the loop measures the trained weights' RMS (their 2-norm over the root of their count) on
 the card and reads that one number per step. The update blew the weights up when the RMS is not
 finite or grew more than ``max_weight_growth``-fold in one step, measured from at least

@@ -88,7 +88,7 @@ from runner.optim.config import (  # noqa: F401  (the schemas: re-exported)
     PagedAdamW8bitConfig,
     ProdigyConfig,
     check_optimizer_config,
-    store_optimizer_schemas,  # runner/config/__init__.py used to take it from here
+    store_optimizer_schemas,
 )
 from runner.optim.coupled import PRODIGY_COUPLES, SCHEDULEFREE_COUPLES, build_prodigy, build_schedulefree
 from runner.optim.eight_bit import without_per_parameter_sync
