@@ -43,7 +43,7 @@ def _draw(plan: dict[str, Any], timeline: dict[str, Any], points: list[list[Any]
     peak = max(in_phase, key=lambda i: totals[i])
     height = (int(plan.get("peak_bytes") or totals[peak]) + margin) / scale
     module = points[peak][4] or _largest_holder(plan)
-    ax.annotate(f"peak {height:.2f} {unit} (workspaces included)\nin {points[peak][3]}, {module}",
+    ax.annotate(f"peak {height:.2f} {unit} (workspaces included)\nin {points[peak][3]};\n{module}",
                 xy=(x[peak], height), xytext=(0.02, 0.80), textcoords="axes fraction",
                 va="top", fontsize=8, arrowprops={"arrowstyle": "->", "color": "black"})
     _phase_edges(ax, points)
