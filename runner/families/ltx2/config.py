@@ -8,7 +8,7 @@ from typing import Optional
 from runner.loss.config import FLOW
 from runner.registry import TrainerEntry
 
-LTX2_NATIVE_RESOLUTION = 512  # px at model.size=full: the short side of LTX-2's 768x512
+LTX2_NATIVE_RESOLUTION = {"": 512}  # px at model.size=full: the short side of LTX-2's 768x512
 
 
 @dataclass

@@ -285,7 +285,8 @@ class LTX2Trainer(LossParts, FlowMatchTrainer):
 
     def predict_av(self, models: ModelSet, video: torch.Tensor, audio: torch.Tensor, t: torch.Tensor, batch: Batch,
                    audio_t: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The transformer's (video, audio) velocities as ``LTX2Pipeline`` calls it (positions from its ropes)."""
+        """The transformer's (video, audio) velocities as ``LTX2Pipeline`` calls it (positions from its ropes, computed
+        on the host and copied: the ropes build a small tensor without a device, the same values on every device)."""
         tr = models["transformer"]
         dt = compute_dtype(tr)
         b, _, f, h, w = video.shape
@@ -300,8 +301,8 @@ class LTX2Trainer(LossParts, FlowMatchTrainer):
                   encoder_attention_mask=batch["prompt_attention_mask"],
                   audio_encoder_attention_mask=batch["prompt_attention_mask"],
                   num_frames=f, height=h, width=w, fps=fps, audio_num_frames=frames,
-                  video_coords=tr.rope.prepare_video_coords(b, f, h, w, video.device, fps=fps),
-                  audio_coords=tr.audio_rope.prepare_audio_coords(b, frames, video.device),
+                  video_coords=tr.rope.prepare_video_coords(b, f, h, w, "cpu", fps=fps).to(video.device),
+                  audio_coords=tr.audio_rope.prepare_audio_coords(b, frames, "cpu").to(video.device),
                   use_cross_timestep=True, return_dict=False)
 
     def silent_audio(self, seeds: torch.Tensor, device: torch.device) -> torch.Tensor:
