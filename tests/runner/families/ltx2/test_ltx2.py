@@ -26,14 +26,14 @@ CAPTIONS = ["a cat", "a red bicycle leaning on a wall, oil painting"]
 COMMON = ["trainer=ltx2", "train.device=cpu", "train.progress=false", "data.demo_size=2"]
 
 
-def fresh(*overrides: str):
+def fresh(*overrides: str, frozen: bool = True):
     cfg = compose_config([*COMMON, *overrides])
     run = resolve(cfg)
     trainer = build_trainer(cfg, run)
     assert isinstance(trainer, LTX2Trainer)
     set_seed(run.seed)
     models = prepare_models(trainer.build_models("cpu"), cfg.model, run)
-    for m in models.modules.values():
+    for m in models.modules.values() if frozen else ():
         m.requires_grad_(False)
     return trainer, models
 
