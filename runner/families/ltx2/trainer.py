@@ -140,7 +140,7 @@ class LTX2Trainer(LossParts, FlowMatchTrainer):
     def sampling_family(self) -> Any:
         from runner.families.ltx2.sampling import LTX2Sampling
 
-        return LTX2Sampling()
+        return LTX2Sampling(self.spatial_factor())
 
     def spatial_factor(self) -> int:
         return self._vae_ratio("spatial")

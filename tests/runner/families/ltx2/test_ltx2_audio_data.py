@@ -116,3 +116,19 @@ def test_two_tiny_steps_train_with_the_audio_of_a_clip(clips, tmp_path, monkeypa
     for r in rows:
         assert math.isfinite(r["audio_loss"]) and r["audio_loss"] > 0
         assert r["loss"] == pytest.approx(r["video_loss"] + r["audio_loss"], rel=1e-5)
+
+
+def test_samples_during_training_are_a_clip_and_its_audio(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    task(compose_config(["trainer=ltx2", "train.device=cpu", "train.progress=false", "data.demo_size=2",
+                         "train.steps=1", "sample.every=1", "sample.steps=2", "sample.prompts=[a red circle]",
+                         "export.enabled=false", "train.preflight=false", f"output_dir={tmp_path}"]))
+    step = tmp_path / "samples" / "step-1"
+    with Image.open(step / "00-a-red-circle.png") as im:
+        assert im.size == (64, 64)
+    with Image.open(step / "00-a-red-circle.gif") as im:
+        assert im.n_frames == 9
+    with av.open(str(step / "00-a-red-circle.wav")) as wav:
+        stream = wav.streams.audio[0]
+        assert stream.channels == 2 and stream.rate == 16000  # the tiny vocoder's rate
+        assert sum(f.samples for f in wav.decode(stream)) > 0
