@@ -17,6 +17,9 @@ class LTX2TrainerConfig:
     # Gemma tokens per caption (left-padded, as LTX2Pipeline's max_sequence_length). null: the pipeline's 1024
     # (64 for the random tiny model).
     max_sequence_length: Optional[int] = None
+    # Image-to-video as LTX2ImageToVideoPipeline conditions: the share of samples (0 to 1, drawn per sample from its
+    # seed) whose first latent frame is kept clean (its tokens at timestep 0) and left out of the video loss.
+    first_frame_p: float = 0.0
 
 
 # The trainer options this family registers (runner/families/__init__.py: register_family).

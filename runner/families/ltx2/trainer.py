@@ -17,6 +17,8 @@ Loss: one t per sample for both streams, ``x_t = (1 - t) x0 + t noise``, velocit
 MSE plus ``loss.audio_weight`` times the audio MSE; ``audio_loss`` and ``video_loss`` are columns of the metrics.
 t is logit-normal, shifted as the pipeline's scheduler shifts it for the clip's video tokens (``mu`` linear from
 0.95 at 1024 tokens to 2.05 at 4096, exponential shift); ``loss.timestep_shift`` set: the generic shifts instead.
+``trainer.first_frame_p``: that share of samples is trained as image-to-video the way ``LTX2ImageToVideoPipeline``
+conditions (the first latent frame clean, its tokens at timestep 0, and out of the video loss).
 ``data.audio=false``: video only; the audio stream is fed pure noise at t = 1 (what the model sees of an audio track
 it generates from nothing) and has no loss. The transformer takes ``1000 t`` as ``timestep`` and ``sigma``.
 """
@@ -42,7 +44,7 @@ from runner.trainer import Batch, EncodePart, ModelSet, batch_device, per_sample
 DEFAULT_FRAMES = {"tiny": 9, "full": 121}  # data.frames unset: LTX-2's 121 frames (5 s at 24 fps)
 DEFAULT_FPS = 24.0  # LTX2Pipeline's frame_rate
 AUDIO_RATE = 16000  # LTX-2's audio VAE sample rate (both tables)
-AUDIO_VAE_SALT, AUDIO_NOISE_SALT = 7, 8  # per-sample draws independent of the video's (runner.trainer.salted)
+AUDIO_VAE_SALT, AUDIO_NOISE_SALT, FIRST_FRAME_SALT = 7, 8, 9  # per-sample draws independent of the video's
 MAX_SEQUENCE_LENGTH = 4096  # a bound for the option
 # LTX2Pipeline's dynamic shift (calculate_shift with its scheduler's defaults).
 BASE_SEQ, MAX_SEQ, BASE_SHIFT, MAX_SHIFT = 1024, 4096, 0.95, 2.05
@@ -72,6 +74,7 @@ class LTX2Trainer(LossParts, FlowMatchTrainer):
         if not 1 <= self.max_sequence_length <= MAX_SEQUENCE_LENGTH:
             raise UserError(f"trainer.max_sequence_length={length!r} is not valid: it must be a whole number from 1 to "
                             f"{MAX_SEQUENCE_LENGTH}, or null for {default}.")
+        self.first_frame_p = first_frame_share(cfg.trainer.get("first_frame_p", 0.0))
         self.audio = audio_enabled(cfg)
         if not self.audio and float(self.loss_options.audio_weight) != 1.0:
             raise UserError(f"loss.audio_weight={self.loss_options.audio_weight!r} weighs the audio loss, and "
@@ -284,7 +287,8 @@ class LTX2Trainer(LossParts, FlowMatchTrainer):
         return self.pipeline_class()._pack_latents(latents, 1, 1)
 
     def predict_av(self, models: ModelSet, video: torch.Tensor, audio: torch.Tensor, t: torch.Tensor, batch: Batch,
-                   audio_t: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   audio_t: torch.Tensor | None = None,
+                   clean: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The transformer's (video, audio) velocities as ``LTX2Pipeline`` calls it (positions from its ropes, computed
         on the host and copied: the ropes build a small tensor without a device, the same values on every device)."""
         tr = models["transformer"]
@@ -294,10 +298,13 @@ class LTX2Trainer(LossParts, FlowMatchTrainer):
         frames = audio.shape[1]
         step = t.to(video.device).float() * 1000
         astep = step if audio_t is None else audio_t.to(video.device).float() * 1000
+        # image-to-video (``clean``: 1 on the kept first frame's tokens): per-token video timesteps, as
+        # LTX2ImageToVideoPipeline's ``timestep * (1 - conditioning_mask)``
+        vstep = step if clean is None else step.unsqueeze(-1) * (1 - clean.to(video.device, step.dtype))
         return tr(hidden_states=self.pack(video).to(dt), audio_hidden_states=audio.to(dt),
                   encoder_hidden_states=batch["prompt_embeds"].to(dt),
                   audio_encoder_hidden_states=batch["audio_prompt_embeds"].to(dt),
-                  timestep=step, audio_timestep=astep, sigma=step, audio_sigma=astep,
+                  timestep=vstep, audio_timestep=astep, sigma=step, audio_sigma=astep,
                   encoder_attention_mask=batch["prompt_attention_mask"],
                   audio_encoder_attention_mask=batch["prompt_attention_mask"],
                   num_frames=f, height=h, width=w, fps=fps, audio_num_frames=frames,
@@ -314,6 +321,16 @@ class LTX2Trainer(LossParts, FlowMatchTrainer):
         audio = self.silent_audio(batch["sample_seed"], noisy.device)
         return self.predict_av(models, noisy, audio, timesteps, batch, torch.ones_like(timesteps))[0]
 
+    def first_frame_mask(self, seeds: torch.Tensor, latents: torch.Tensor) -> torch.Tensor | None:
+        """``(B, 1, F, 1, 1)``: 1 on the first latent frame of the samples trained as image-to-video
+        (``trainer.first_frame_p``, drawn per sample from its seed); None when the option is off."""
+        if self.first_frame_p <= 0:
+            return None
+        chosen = (per_sample_rand(seeds, FIRST_FRAME_SALT, "cpu") < self.first_frame_p).float().to(latents.device)
+        mask = torch.zeros((latents.shape[0], 1, latents.shape[2], 1, 1), device=latents.device)
+        mask[:, 0, 0] = chosen.view(-1, 1, 1)
+        return mask
+
     def loss(self, models: ModelSet, batch: Batch) -> torch.Tensor:
         """Video flow-matching loss plus ``loss.audio_weight`` times the audio one (module docstring)."""
         x0 = batch["latents"].float()
@@ -321,17 +338,24 @@ class LTX2Trainer(LossParts, FlowMatchTrainer):
         noise = per_sample_randn(seeds, tuple(x0.shape[1:]), device, torch.float32)
         t = self.timesteps(seeds, self.image_seq_len(x0)).to(device)
         tt = t.view(b, 1, 1, 1, 1)
+        frame = self.first_frame_mask(seeds, x0)
+        x_t = (1.0 - tt) * x0 + tt * noise
+        clean = keep = None
+        if frame is not None:  # the kept first frame: clean latents, timestep 0, no loss (the i2v pipeline's mask)
+            x_t = frame * x0 + (1 - frame) * x_t
+            clean = self.pack(frame.expand(-1, -1, -1, *x0.shape[3:]).contiguous()).squeeze(-1)
+            keep = (1 - clean).unsqueeze(-1).expand(-1, -1, self.pack(x0).shape[-1]).contiguous()
         weights = prior_weights(batch, self.loss_options, device)
         a0 = batch.get("audio_latents")
         if a0 is None:
-            pred_v, _ = self.predict_av(models, (1.0 - tt) * x0 + tt * noise, self.silent_audio(seeds, device), t,
-                                        batch, torch.ones_like(t))
-            return diffusion_loss(pred_v, self.pack(noise - x0), self.loss_options, weights)
+            pred_v, _ = self.predict_av(models, x_t, self.silent_audio(seeds, device), t, batch, torch.ones_like(t),
+                                        clean)
+            return diffusion_loss(pred_v, self.pack(noise - x0), self.loss_options, weights, keep)
         a0 = a0.float()
         anoise = per_sample_randn(salted(seeds, AUDIO_NOISE_SALT), tuple(a0.shape[1:]), device, torch.float32)
         ta = t.view(b, 1, 1)
-        pred_v, pred_a = self.predict_av(models, (1.0 - tt) * x0 + tt * noise, (1.0 - ta) * a0 + ta * anoise, t, batch)
-        video_loss = diffusion_loss(pred_v, self.pack(noise - x0), self.loss_options, weights)
+        pred_v, pred_a = self.predict_av(models, x_t, (1.0 - ta) * a0 + ta * anoise, t, batch, None, clean)
+        video_loss = diffusion_loss(pred_v, self.pack(noise - x0), self.loss_options, weights, keep)
         audio_loss = diffusion_loss(pred_a, anoise - a0, self.loss_options, weights)
         self.add_loss_parts(b, video_loss=video_loss, audio_loss=audio_loss)
         return video_loss + float(self.loss_options.audio_weight) * audio_loss
@@ -380,6 +404,15 @@ class LTX2Trainer(LossParts, FlowMatchTrainer):
         if self.audio:
             out["audio"] = self.example_tensor((batch_size, 2, self.audio_samples()), device, torch.float32, 4)
         return out
+
+
+def first_frame_share(value: Any) -> float:
+    """``trainer.first_frame_p``, checked: a number from 0 to 1."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= float(value) <= 1.0
+    if not ok:
+        raise UserError(f"trainer.first_frame_p={value!r} is not valid: it is the share of samples trained as "
+                        "image-to-video (first frame kept clean), a number from 0 to 1 (e.g. 0.5; 0 turns it off).")
+    return float(value)
 
 
 def audio_enabled(cfg: Any) -> bool:

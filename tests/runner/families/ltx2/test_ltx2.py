@@ -127,6 +127,61 @@ def test_predict_is_the_pipelines_transformer_call(built):
     assert cond["prompt_embeds"].shape[-1] == kw["encoder_hidden_states"].shape[-1]
 
 
+def capture_second_call(models, pipe, **kw):
+    """The transformer's kwargs and output at the pipeline's second step (unshifted scheduler: t = 0.5)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    seen = {}
+
+    def capture(module, args, kwargs, out):
+        seen.update(kwargs=kwargs, out=out)
+
+    handle = models["transformer"].register_forward_hook(capture, with_kwargs=True)
+    scheduler, pipe.scheduler = pipe.scheduler, FlowMatchEulerDiscreteScheduler()
+    try:
+        with torch.no_grad():
+            pipe(prompt_embeds=torch.zeros(1, 4, 96), prompt_attention_mask=torch.ones(1, 4, dtype=torch.int64),
+                 guidance_scale=1.0, audio_guidance_scale=1.0, stg_scale=0.0, audio_stg_scale=0.0,
+                 modality_scale=1.0, audio_modality_scale=1.0, num_inference_steps=2, height=64, width=64,
+                 num_frames=9, frame_rate=24.0, output_type="latent", generator=torch.Generator().manual_seed(0), **kw)
+    finally:
+        handle.remove()
+        pipe.scheduler = scheduler
+    return seen["kwargs"], seen["out"]
+
+
+def test_image_to_video_is_the_condition_pipelines_transformer_call(built):
+    from PIL import Image
+
+    from runner.families.common.loading import pipeline_class
+
+    trainer, models, pipe = built
+    i2v = pipeline_class("LTX2ImageToVideoPipeline")(**pipe.components)
+    kw, out = capture_second_call(models, i2v, image=Image.new("RGB", (64, 64), (200, 30, 30)))
+    batch = {"prompt_embeds": kw["encoder_hidden_states"], "audio_prompt_embeds": kw["audio_encoder_hidden_states"],
+             "prompt_attention_mask": kw["encoder_attention_mask"], "sample_seed": torch.zeros(1, dtype=torch.int64)}
+    video = i2v._unpack_latents(kw["hidden_states"], kw["num_frames"], kw["height"], kw["width"])
+    frame = torch.zeros(1, 1, video.shape[2], 1, 1)
+    frame[:, :, 0] = 1
+    clean = trainer.pack(frame.expand(-1, -1, -1, *video.shape[3:]).contiguous()).squeeze(-1)
+    assert torch.equal(kw["timestep"], 500.0 * (1 - clean))  # the first frame's tokens at 0, the rest at t
+    with torch.no_grad():
+        v, a = trainer.predict_av(models, video, kw["audio_hidden_states"], torch.tensor([0.5]), batch, None, clean)
+    assert torch.equal(v, out[0]) and torch.equal(a, out[1])
+
+
+def test_image_to_video_training_keeps_the_first_frame_out_of_the_loss(built):
+    trainer, models, _ = built
+    i2v = fresh("trainer.first_frame_p=1.0")[0]
+    enc = trainer.encode(models, raw_batch(trainer))
+    mask = i2v.first_frame_mask(enc["sample_seed"], enc["latents"])
+    assert mask[:, 0, 0].eq(1).all() and mask[:, 0, 1:].eq(0).all()
+    with torch.enable_grad():
+        plain, cond = trainer.loss(models, enc), i2v.loss(models, enc)
+        trainer.take_loss_parts(), i2v.take_loss_parts()
+    assert torch.isfinite(cond) and float(cond) != float(plain)
+
+
 def test_loss_is_video_plus_weighted_audio(built):
     trainer, models, _ = built
     enc = trainer.encode(models, raw_batch(trainer))
@@ -143,6 +198,7 @@ def test_loss_is_video_plus_weighted_audio(built):
     (["loss.audio_weight=-1"], r"loss.audio_weight=-1.0 is not valid: it must be a number > 0"),
     (["loss.audio_weight=2", "data.audio=false"], r"data.audio=false trains video only"),
     (["data.frames=8"], r"data.frames=8 is not usable for LTX-2"),
+    (["trainer.first_frame_p=2"], r"trainer.first_frame_p=2.0 is not valid: it is the share of samples"),
     (["trainer=wan", "data.audio=true"], r"data.audio=true: Wan has no audio stream"),
     (["trainer=wan", "loss.audio_weight=0.5"], r"loss.audio_weight=0.5: Wan has no audio loss"),
 ])
