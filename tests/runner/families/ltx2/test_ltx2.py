@@ -210,3 +210,16 @@ def test_bad_keys_are_one_line_user_errors(overrides, match):
         check_config(cfg)
         build_trainer(cfg, resolve(cfg))
     assert "\n" not in str(err.value)
+
+
+def test_data_audio_false_trains_video_only(built):
+    trainer, models, _ = built
+    video_only = fresh("data.audio=false")[0]
+    assert "audio" not in video_only.encode_parts() and "audio" not in video_only.example_raw_batch(1, "cpu")
+    batch = raw_batch(trainer)
+    del batch["audio"]
+    enc = video_only.encode(models, batch)
+    assert "audio_latents" not in enc
+    with torch.enable_grad():
+        loss = video_only.loss(models, enc)
+    assert torch.isfinite(loss) and video_only.take_loss_parts() == {}  # no audio_loss column
