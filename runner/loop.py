@@ -307,6 +307,9 @@ class Loop:
                "oom_retries": self.recovery.retries_this_step, "nonfinite_skips": self.guard.total, **counts, **mem}
         if self.weights.rms is not None:
             row["weight_rms"] = self.weights.rms  # read by the weight check (train.max_weight_growth)
+        take = getattr(self.ctx.trainer, "take_loss_parts", None)  # a loss of several terms: each one's column
+        if callable(take):
+            row.update(take())
         row.update(self.ctx.validation.maybe_evaluate(step))  # val_loss every val.every steps
         self.val_loss = row.get("val_loss")
         row.update(optimizer_columns(self.ctx.optimizer))  # optimizer=prodigy: its step-size estimate

@@ -95,6 +95,9 @@ class DataConfig:
     frame_sampling: str = "start"  # start | middle | random (per-sample offset) | slide (every window a sample)
     width: Optional[int] = None  # video frame width in px (multiple of 8); null = data.resolution
     height: Optional[int] = None  # video frame height in px (multiple of 8); null = data.resolution
+    # An audio-video trainer (trainer=ltx2): null/true reads each clip's audio track, else the .wav beside it
+    # (runner/data/audio.py); false trains video only. Any other trainer refuses true.
+    audio: Optional[bool] = None
 
 
 @dataclass

@@ -193,10 +193,11 @@ def check_dataset(data_cfg: Any, video: Any = None, references: int | None = Non
         _CHECKED[_folder_key(data_cfg, references=count)] = build_dataset(data_cfg, references=count)
 
 
-def build_video_dataset(data_cfg: Any, default_frames: int, default_fps: float | None) -> Dataset:
+def build_video_dataset(data_cfg: Any, default_frames: int, default_fps: float | None,
+                        audio_rate: int | None = None) -> Dataset:
     """The clips of ``cfg.data`` for a video trainer (runner/data/video.py): ``data.path``'s clips,
     or the built-in moving shapes. ``default_frames``/``default_fps``: the trainer's values for an
-    unset ``data.frames``/``data.fps``."""
+    unset ``data.frames``/``data.fps``; ``audio_rate``: an audio-video trainer's rate (each sample gets its audio)."""
     from runner.data.demo_video import DemoClips
     from runner.data.video import ClipFolderDataset, check_video_keys, clip_settings
 
@@ -204,7 +205,7 @@ def build_video_dataset(data_cfg: Any, default_frames: int, default_fps: float |
     _check_resolution(_get(data_cfg, "resolution", 64))
     refuse_image_only_options(data_cfg)
     rules = caption_rules(data_cfg)
-    settings = clip_settings(data_cfg, default_frames, default_fps)
+    settings = clip_settings(data_cfg, default_frames, default_fps, audio_rate)
     path = _get(data_cfg, "path", None)
     if path is None:
         demo_size = _get(data_cfg, "demo_size", 16)

@@ -93,7 +93,13 @@ class DemoClips(Dataset):
     def __getitem__(self, index: int) -> dict[str, Any]:
         index = check_index(index, self.size, "demo clips")
         t = cached_copy(self._cache, index, self._draw)
-        return {"pixel_values": t, "caption": self.caption(index), "index": index}
+        out = {"pixel_values": t, "caption": self.caption(index), "index": index}
+        s = self.settings
+        if s.audio_rate:  # an audio-video trainer: a tone per clip (runner/data/audio.py)
+            from runner.data.audio import demo_audio
+
+            out["audio"] = demo_audio(index, s.audio_samples(), s.audio_rate)
+        return out
 
     def _draw(self, index: int) -> torch.Tensor:
         s = self.settings

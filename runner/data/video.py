@@ -69,15 +69,23 @@ class ClipSettings:
     height: int
     sampling: str = "start"
     center_crop: bool = True
+    audio_rate: int | None = None  # an audio-video trainer's sample rate: each sample has "audio" (runner/data/audio.py)
 
     def signature(self) -> dict[str, Any]:
-        """What changes a sample's pixels, for encoder-cache keys."""
-        return {"frames": self.frames, "fps": self.fps, "width": self.width, "height": self.height,
-                "sampling": self.sampling, "center_crop": self.center_crop,
-                "pipeline": VIDEO_PIPELINE_VERSION}
+        """What changes a sample's pixels (and audio), for encoder-cache keys."""
+        sig = {"frames": self.frames, "fps": self.fps, "width": self.width, "height": self.height,
+               "sampling": self.sampling, "center_crop": self.center_crop, "pipeline": VIDEO_PIPELINE_VERSION}
+        if self.audio_rate is not None:
+            sig["audio_rate"] = self.audio_rate
+        return sig
+
+    def audio_samples(self) -> int:
+        """Waveform samples of one window: its duration at ``audio_rate``."""
+        return round(self.frames / float(self.fps or 24.0) * int(self.audio_rate or 0))
 
 
-def clip_settings(data_cfg: Any, default_frames: int, default_fps: float | None) -> ClipSettings:
+def clip_settings(data_cfg: Any, default_frames: int, default_fps: float | None,
+                  audio_rate: int | None = None) -> ClipSettings:
     """The run's clip settings: ``data.frames``/``data.fps`` default to the trainer's values."""
     frames = _get(data_cfg, "frames", None)
     fps = _get(data_cfg, "fps", None)
@@ -89,6 +97,7 @@ def clip_settings(data_cfg: Any, default_frames: int, default_fps: float | None)
         height=int(_get(data_cfg, "height", None) or res),
         sampling=str(_get(data_cfg, "frame_sampling", "start")),
         center_crop=bool(_get(data_cfg, "center_crop", True)),
+        audio_rate=audio_rate,
     )
 
 
@@ -212,6 +221,7 @@ class ClipFolderDataset(Dataset):
             self.clips.append(clip)
             self.samples += [(len(self.clips) - 1, w) for w in wins]
         self.too_short = len(too_short)
+        self.audio_files = self._find_audio() if settings.audio_rate else []
         if not self.samples:
             longest = max(too_short, key=lambda c: c.length)
             raise UserError(
@@ -237,7 +247,25 @@ class ClipFolderDataset(Dataset):
         clip, s = self.clips[clip_i], self.settings
         frames = fit_frames(decode_frames(clip, frame_indices, self._shown), s.width, s.height, s.center_crop, index)
         pixels = frames_to_tensor(frames, False)
-        return {"pixel_values": pixels, "caption": clip.caption, "index": index}
+        out = {"pixel_values": pixels, "caption": clip.caption, "index": index}
+        if s.audio_rate:
+            from runner.data.audio import decode_audio
+
+            start = frame_indices[0] / float(clip.fps or s.fps or 24.0)  # a frames folder is at data.fps
+            out["audio"] = decode_audio(self.audio_files[clip_i], s.audio_rate, start, s.audio_samples(), self._shown)
+        return out
+
+    def _find_audio(self) -> list[Path]:
+        """Each kept clip's audio source, checked before step 1: a clip without one is an error naming it."""
+        from runner.data.audio import audio_source, missing_audio
+
+        found = []
+        for clip in self.clips:
+            source = audio_source(clip.kind, clip.path)
+            if source is None:
+                raise missing_audio(clip.path, self._shown)
+            found.append(source)
+        return found
 
     def fingerprint(self, index: int) -> dict[str, Any]:
         """What sample ``index``'s pixels depend on, without decoding them (encoder-cache keys): the
@@ -289,7 +317,7 @@ def trainer_attribute(cfg: Any, name: str, default: Any) -> tuple[str, Any]:
     return ("the trainer", default) if cls is None else (cls.__name__, getattr(cls, name, default))
 
 
-def trainer_video_defaults(cfg: Any) -> tuple[int, float | None] | None:
+def trainer_video_defaults(cfg: Any) -> tuple[Any, ...] | None:
     """``(frames, fps)`` defaults of the run's trainer when it trains on video (its class has
     ``video_defaults(cfg)``), else None: then ``data.path`` is read as images."""
     cls = trainer_class(cfg)

@@ -31,6 +31,9 @@ layout ComfyUI maps for it, with ``.alpha``:
 * **hunyuan_video15** (HunyuanVideo 1.5): ``diffusion_model.<ComfyUI HunyuanVideo name>``, q/k/v fused into
   ``img_attn.qkv``/``txt_attn.qkv``/the refiner's ``self_attn.qkv`` as Lumina 2's
   (runner/families/hunyuan_video15/comfy.py).
+* **ltx2** (LTX-2): ``diffusion_model.<original LTX-2 name>.lora_A/lora_B``, the scale in B (diffusers' reader of
+  that layout keeps no ``.alpha``): block modules keep diffusers' names, the top-level ones are renamed by
+  :data:`LTX2_RENAMES` (``proj_in`` -> ``patchify_proj``, ``time_embed`` -> ``adaln_single`` ...).
 * **wan** (Wan 2.1/2.2): ``diffusion_model.<original Wan name>.lora_A/lora_B`` + ``.alpha``:
   ComfyUI knows only the original module names (``blocks.N.self_attn.q``, ``cross_attn.o``,
   ``ffn.0`` ...), so diffusers' names are renamed by :data:`WAN_RENAMES` (the inverse of
@@ -162,6 +165,20 @@ KREA2_RENAMES: tuple[tuple[str, str], ...] = (
 
 # HunyuanVideo 1.5: ComfyUI's HunyuanVideo (Flux-style) names, q/k/v fused (runner/families/hunyuan_video15/comfy.py).
 HV15_FUSED = tuple(FusedGroup(*g) for g in hv15.FUSED)
+# LTX-2: diffusers' LTX2VideoTransformer3DModel module -> the original LTX-2 (ltx-core) module, which ComfyUI's LTX-2
+# model and the reference trainer's files key under diffusion_model. (the inverse of diffusers'
+# _convert_non_diffusers_ltx2_lora_to_diffusers, which reads the file back and keeps no .alpha). Block modules
+# (attn1/attn2, audio_attn1/2, audio_to_video_attn, video_to_audio_attn, ff, audio_ff) carry the same names.
+LTX2_RENAMES: tuple[tuple[str, str], ...] = (
+    (r"proj_in", "patchify_proj"),
+    (r"audio_proj_in", "audio_patchify_proj"),
+    (r"(audio_)?time_embed\.(.+)", r"\1adaln_single.\2"),
+    (r"av_cross_attn_video_scale_shift\.(.+)", r"av_ca_video_scale_shift_adaln_single.\1"),
+    (r"av_cross_attn_video_a2v_gate\.(.+)", r"av_ca_a2v_gate_adaln_single.\1"),
+    (r"av_cross_attn_audio_scale_shift\.(.+)", r"av_ca_audio_scale_shift_adaln_single.\1"),
+    (r"av_cross_attn_audio_v2a_gate\.(.+)", r"av_ca_v2a_gate_adaln_single.\1"),
+    (r"((?:audio_)?(?:caption_projection|proj_out)(?:\..+)?|transformer_blocks\.\d+\..+)", r"\1"),
+)
 
 # Trainer.comfy_layout -> its layout (see the module docstring).
 LAYOUTS: dict[str, ComfyLayout] = {
@@ -174,6 +191,7 @@ LAYOUTS: dict[str, ComfyLayout] = {
     "lumina2": ComfyLayout("dotted", "diffusion_model", LUMINA2_RENAMES, fused=LUMINA2_FUSED),
     "krea2": ComfyLayout("dotted", "diffusion_model", KREA2_RENAMES, scale_in_b=True),
     "hunyuan_video15": ComfyLayout("dotted", "diffusion_model", hv15.RENAMES, fused=HV15_FUSED),
+    "ltx2": ComfyLayout("dotted", "diffusion_model", LTX2_RENAMES, scale_in_b=True),
     # BFL's names, q/k/v fused and the scale in B: written by runner/families/flux2/comfy.py, not comfy_state_dict
     "flux2": ComfyLayout("flux2", "diffusion_model", FLUX2_NAMES),
 }

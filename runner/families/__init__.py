@@ -1,7 +1,7 @@
 """Built-in trainers. Importing this package registers ``trainer=sdxl``, ``flux``, ``flux_kontext``, ``flux2`` (and ``flux2_klein``),
 ``chroma``, ``sd15``, ``sd35``, ``qwen_image``, ``qwen_image_edit``, ``wan`` (and its Wan 2.2 options ``wan22_a14b``,
-``wan22_5b``), ``z_image``, ``lumina2``, ``hidream``, ``qwen_image21``, ``krea2`` and ``hunyuan_video15``
-(HunyuanVideo 1.5 text-to-video).
+``wan22_5b``), ``z_image``, ``lumina2``, ``hidream``, ``qwen_image21``, ``krea2``, ``hunyuan_video15``
+(HunyuanVideo 1.5 text-to-video) and ``ltx2`` (LTX-2, audio and video).
 
 Each family is a folder, ``runner/families/<family>/``, whose ``config.py`` holds its option schema and its
 ``OPTIONS`` (name, class path, description, loss objective, native resolution); one ``register_family`` line
@@ -35,3 +35,4 @@ register_family("hidream")
 register_family("qwen_image21")
 register_family("krea2")
 register_family("hunyuan_video15")
+register_family("ltx2")

@@ -41,6 +41,7 @@ class LossConfig:
     shift: float = 3.0  # timestep_shift=fixed: s of t' = s t / (1 + (s-1) t) (SD3's 3.0)
     base_shift: float = 0.5  # timestep_shift=resolution: mu at 256 image tokens (Flux's 0.5)
     max_shift: float = 1.15  # timestep_shift=resolution: mu at 4096 image tokens (Flux's 1.15)
+    audio_weight: float = 1.0  # an audio-video trainer (trainer=ltx2): its audio loss x this, added to the video's
     prior_weight: float = 1.0  # samples of a data.sets role: prior set (or data.demo_prior): their loss x this (DreamBooth)
 
 
@@ -85,12 +86,18 @@ def validate_loss(cfg: Any) -> None:
         _number(key, value, "finite", math.isfinite(value), "Flux uses 0.5 and 1.15")
     _number("loss.prior_weight", c.prior_weight, "> 0", math.isfinite(c.prior_weight) and c.prior_weight > 0,
             "DreamBooth's 1.0")
+    _number("loss.audio_weight", c.audio_weight, "> 0", _finite_positive(c.audio_weight),
+            "1.0 weighs audio and video alike; data.audio=false trains video only")
     if c.prior_weight != 1.0 and not has_prior_set(cfg):
         raise UserError(
             f"loss.prior_weight={c.prior_weight!r} weighs the samples of a prior (class) set, and this run has none. "
             "Give a regularization set with role: prior in data.sets (e.g. data.sets='[{path: /data/dog}, {path: "
             "/data/dogs_class, role: prior}]'), or data.demo_prior=N beside the demo set, or leave loss.prior_weight "
             "at 1.0.")
+
+
+def _finite_positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 def has_prior_set(cfg: Any) -> bool:

@@ -125,7 +125,9 @@ class Sampler:
             self._encode_prompts()
             if getattr(self.family, "takes_references", False):
                 self._encode_references()
-            self.kept = {"vae": ctx.models["vae"]}  # kept on the host even if offload=park drops it
+            # kept on the host even if offload=park drops them: the VAE, and what else the family decodes with
+            self.kept = {name: ctx.models[name] for name in getattr(self.family, "kept_modules", ("vae",))
+                         if name in ctx.models}
 
     # ---- setup -------------------------------------------------------------------------------
     def _check_family(self) -> None:

@@ -31,6 +31,7 @@ from torch import nn
 from runner.blocks import find_repeated_blocks
 from runner.adapters import DEFAULT_LORA_TARGETS, lora_alpha
 from runner.constants import TRAIN_MODES
+from runner.data.audio import refuse_audio_keys
 from runner.data.checks import family_references
 from runner.errors import UserError, valid_list
 from runner.export.comfy import check_comfy_targets
@@ -110,6 +111,7 @@ class DiffusersTrainer(CacheKeys, ExampleBatches):
     kohya_base_model_version: str | None = None  # kohya's ss_base_model_version of this family's LoRAs
     comfy_layout: str = "kohya"  # the LoRA key layout ComfyUI maps for this family (runner/export/comfy.py LAYOUTS)
     lora_default_targets: tuple[str, ...] = ()  # the family's LoRA targets when model.lora_targets is left at its default
+    audio_trainer: bool = False  # trains an audio stream beside the video (data.audio, loss.audio_weight): LTX-2
     max_references: int = 0  # reference images per target an edit family takes (data.references; 0: not an edit family)
     default_references: int = 0  # data.references unset: how many it trains on (an edit family that needs them: its count)
     # dist=fsdp's sharded load (runner/distributed/loading.py) sets this around build_models: these modules are
@@ -150,6 +152,8 @@ class DiffusersTrainer(CacheKeys, ExampleBatches):
         self.references = family_references(data, self.max_references, name, self.default_references)
         if self.objective is not None:
             check_objective(self.loss_options, self.objective, f"trainer {name}")
+        if not self.audio_trainer:
+            refuse_audio_keys(cfg, name)
         export = cfg.get("export") if hasattr(cfg, "get") else None
         if export is not None and str(export.get("lora_format", "both")) == "kohya" and not self.kohya_lora:
             raise UserError(f"export.lora_format=kohya: diffusers cannot read a kohya-layout {name} LoRA back, so the "

@@ -1,6 +1,7 @@
 """The ComfyUI LoRA file applied as ComfyUI's loader applies it gives the runner's fused weights.
 
-Families: Lumina 2 (q/k/v fused into NextDiT's qkv), HunyuanVideo 1.5 (q/k/v fused into its qkv), HiDream-I1, Wan 2.2 TI2V-5B and I2V A14B, FLUX.2 klein
+Families: Lumina 2 (q/k/v fused into NextDiT's qkv), HunyuanVideo 1.5 (q/k/v fused into its qkv), HiDream-I1, LTX-2,
+Wan 2.2 TI2V-5B and I2V A14B, FLUX.2 klein
 (BFL's fused qkv), Qwen-Image-Edit, Flux.1 Kontext and Chroma (the kohya file, patching slices of BFL's
 fused qkv / linear1 as ComfyUI's flux_to_diffusers maps them). For each family, ComfyUI's own model (its weight names and which diffusers rows each holds, below as
 data from ComfyUI's model code) is built from the tiny diffusers denoiser's weights; the exported
@@ -163,6 +164,19 @@ def hunyuan_video_names(module) -> list[str]:
                for i in range(len(module.context_embedder.token_refiner.refiner_blocks))
                for w in ("self_attn.qkv", "self_attn.proj", "mlp.0", "mlp.2", "adaLN_modulation.1")]
     return double + refiner
+# ComfyUI's LTX-2 model (the original ltx-core names; diffusers' _convert_non_diffusers_ltx2_lora_to_diffusers is
+# the inverse): the block linears carry diffusers' names, the top-level ones below are renamed.
+LTX2 = (
+    (r"patchify_proj", ("proj_in",)),
+    (r"audio_patchify_proj", ("audio_proj_in",)),
+    (r"(?P<a>audio_)?adaln_single\.(?P<r>.+)", ("{a}time_embed.{r}",)),
+    (r"(?P<n>.+)", ("{n}",)),
+)
+
+
+def ltx2_names(module) -> list[str]:
+    """ComfyUI's names of the tiny LTX-2 transformer's block linears, attention and feed-forward of both streams."""
+    return sorted(n for n in weights(module, False) if n.startswith("transformer_blocks."))
 
 
 # case -> (run overrides, ComfyUI's model table, its weight names: a list, a function of the diffusers
@@ -180,6 +194,9 @@ CASES = {
                        wan_names),
     # FLUX.2 klein: q/k/v fused into BFL's qkv, the scale folded into B and no .alpha (ComfyUI applies it as stored)
     "flux2_klein": (["trainer=flux2_klein"], FLUX2, flux2_names),
+    # LTX-2: LoRAs on every attention of both streams and the audio-video cross attentions, the scale in B
+    "ltx2": (["trainer=ltx2", "model.lora_targets=[to_q,to_k,to_v,to_out.0,proj_in,audio_proj_in]"], LTX2,
+             lambda m: ltx2_names(m) + ["patchify_proj", "audio_patchify_proj"]),
     # Qwen-Image-Edit: ComfyUI loads it as its Qwen-Image model, whose modules carry diffusers' names
     "qwen_image_edit": (["trainer=qwen_image_edit", "data.references=1"], IDENTITY, lambda m: sorted(weights(m, False))),
     # Flux.1 Kontext and Chroma: the kohya file (lora_kohya.safetensors) is their ComfyUI file

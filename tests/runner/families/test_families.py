@@ -36,6 +36,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 FAMILIES = ["sd15", "sd35", "chroma", "flux_kontext", "z_image", "lumina2", "flux2", "qwen_image_edit", "hidream"]
 FAMILIES += ["qwen_image21"]
 FAMILIES += ["krea2"]
+FAMILIES += ["ltx2"]  # audio and video: the audio latents are a cached part too
 EDIT = {"flux_kontext": ["data.references=1"], "qwen_image_edit": ["data.references=1"]}  # an edit family trains on the paired demo set (a reference per target)
 COMMON = ["train.device=cpu", "train.progress=false", "data.demo_size=4", "export.enabled=false"]
 
@@ -126,7 +127,8 @@ def test_cached_and_uncached_losses_are_equal(tmp_path, family):
     first = losses(tmp_path / "first", family, *park)  # fills the cache, then trains from it
     second = losses(tmp_path / "second", family, *park)  # every entry read back
     assert base == first == second, (base, first, second)
-    assert len(list((tmp_path / "cache").rglob("*.safetensors"))) == 8  # 4 latents + 4 captions
+    parts = 3 if family == "ltx2" else 2  # latents and captions (LTX-2: and the audio) of each of the 4 samples
+    assert len(list((tmp_path / "cache").rglob("*.safetensors"))) == 4 * parts
 
 
 # The tiny SD3.5 transformer has two blocks (Chroma three): with no prefetch one of them can be streamed.
@@ -141,6 +143,7 @@ STREAM = {"sd15": ["offload.stream.device_fraction=0.3"],
           "hidream": ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"]}  # 2 double + 2 single tiny blocks
 STREAM["qwen_image21"] = ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"]  # 3 tiny blocks
 STREAM["krea2"] = ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"]  # 3 tiny blocks
+STREAM["ltx2"] = ["offload.stream.device_fraction=0.9", "offload.stream.prefetch=0"]  # 3 tiny blocks
 
 
 @pytest.mark.parametrize("family", FAMILIES)
