@@ -213,7 +213,7 @@ def park_and_cache(
     ``random_flip`` (``data.random_flip``): image parts are cached in both orientations and each
     batch reads the one its ``flip`` asks for (runner/data/flip.py). ``count_cached``: see :func:`prepass_parts`.
     ``fill_on_host`` (``offload.park.fill=host``): the pre-pass runs the encoders on ``host`` under
-    ``host_autocast``, not parked on the device (the planner plans no device bytes for it).
+    ``host_autocast``, not parked on the device (the planner plans it on the host: no device bytes).
     """
     result = ParkResult()
 
@@ -231,9 +231,10 @@ def park_and_cache(
     result.cached_parts = list(parts)
     if simulate:
         todo = prepass_parts(result, trainer, parts, count_cached, cache_dir, extra_signature, random_flip)
-        if simulated_fill is not None and todo and not fill_on_host:  # the pre-pass, encoders parked as below
-            park_frozen()
-            simulated_fill(todo, encode_batch_size)
+        if simulated_fill is not None and todo:  # the pre-pass: encoders parked as below, or on the host
+            if not fill_on_host:
+                park_frozen()
+            simulated_fill(todo, encode_batch_size, fill_on_host)
         _drop_modules(models, droppable, result)
         park_frozen()
         return result

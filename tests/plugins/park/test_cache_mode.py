@@ -27,6 +27,7 @@ def test_mode_cache_fills_on_the_host_and_the_next_run_plans_and_runs_no_pre_pas
     assert s["status"] == "ok" and s["steps_done"] == 2
     plan = json.loads((tmp_path / "train" / "plan.json").read_text())["cache_fill"]
     assert plan["entries"] == {"latents": [4, 4], "text": [4, 4]} and plan["parts"] == []  # no pre-pass planned
+    assert plan["host_parts"] == [] and plan["fill"] is None  # nor timed
     assert {p: p.stat().st_mtime_ns for p in cache.rglob("*.safetensors")} == filled  # none run: nothing rewritten
     assert 0.97 <= s["peak_memory_gb"] / s["planned_peak_gb"] <= 1.03
 
@@ -60,4 +61,8 @@ def test_a_run_that_fills_on_the_host_plans_no_device_bytes_for_its_pre_pass(tmp
     fill = plan["cache_fill"]
     assert fill["parts"] == [] and fill["host_parts"] == ["latents", "text"] and fill["run_peak"] == "training"
     assert plan["peak_bytes"] == fill["training_peak_bytes"] and "cache fill" not in plan["peak_phase"]
-    assert "pre-pass (latents, text) on the host: no device bytes" in capsys.readouterr().out
+    assert fill["fill"]["on"] == "host" and fill["fill"]["entries"] == {"latents": 16, "text": 16}
+    out = capsys.readouterr().out
+    assert "pre-pass (latents, text) on the host: no device bytes" in out
+    assert "planned fill time on the host CPU (200 GFLOP/s, 20 GB/s assumed): " in out
+    assert "for 16 latents + 16 text entries (per batch of 2: latents " in out
