@@ -64,9 +64,10 @@ def fill_time(sim: Any, report: dict[str, Any] | None, target: Target) -> dict[s
         per_batch[part], bound[part] = batch_seconds(cost, target)
     total = None if entries is None else sum(math.ceil(entries[p] / batch) * s for p, s in per_batch.items())
     slowest = max(per_batch, key=lambda p: per_batch[p])
+    streamed = bool(sim.ctx.notes.get("cache fill streamed"))  # offload.park.fill=stream: block by block
     where = ("the host CPU" + ("" if target.serial else f" ({HOST_GFLOPS:g} GFLOP/s, {HOST_GBPS:g} GB/s assumed)")
-             if on_host else target.label)
-    return {"on": "host" if on_host else "device", "where": where, "batch_size": batch, "entries": entries,
+             if on_host else target.label + (", block by block" if streamed else ""))
+    return {"on": "host" if on_host else "stream" if streamed else "device", "where": where, "batch_size": batch, "entries": entries,
             "seconds_per_batch": {p: round(s, 6) for p, s in per_batch.items()},
             "flops_per_batch": {p: c.flops + c.host_flops for p, c in fill["costs"].items()},
             "h2d_bytes_per_batch": {p: int(c.h2d_bytes) for p, c in fill["costs"].items()},
