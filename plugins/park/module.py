@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from runner.accel import cuda_like
-from runner.blocks import find_repeated_blocks
+from runner.blocks import outermost
 from runner.compat import has_compatible_shallow_copy_type
 from runner.hooks import mark, marked, unmark
 from runner.plugins.park.align import first_device, outputs_for, report_device, send_to
@@ -183,10 +183,13 @@ def park_module(
 
 def park_in_blocks(module: nn.Module, device: torch.device | str, host: torch.device | str = "cpu",
                    pin_memory: bool = True) -> list[ParkedModule]:
-    """``offload.park.fill=stream``: ``module``'s repeated blocks (runner/blocks.py) each parked on its own, so
-    one block's weights are on the device at a time, and the rest (embeddings, norms) for the whole call.
-    Undo with :meth:`ParkedModule.remove` on each (blocks first in the list, the module last)."""
-    blocks = find_repeated_blocks(module)
+    """``offload.park.fill=stream``: ``module``'s blocks each parked on its own, so one block's weights are on
+    the device at a time, and the rest (embeddings, norms) for the whole call. Its blocks: the outermost
+    children of its ``nn.ModuleList``s (T5's ``encoder.block``, Mistral's and its vision tower's ``layers``, a
+    VAE's ``down_blocks``); not runner/blocks.py's denoiser rules, which take Mistral 3's declared block class,
+    its vision tower's. Undo with :meth:`ParkedModule.remove` on each (blocks first in the list, the module last)."""
+    in_lists = {id(child) for m in module.modules() if isinstance(m, nn.ModuleList) for child in m}
+    blocks = outermost(module, lambda m: id(m) in in_lists)
     parked = [park_module(b, device, host, pin_memory) for b in blocks]
     skip = frozenset(id(m) for b in blocks for m in b.modules())
     return parked + [park_module(module, device, host, pin_memory, skip)]
