@@ -277,6 +277,7 @@ class ParkConfig(PluginConfig):
     description: ClassVar[str] = ("frozen modules (VAE, text encoders) on the host, on the device only per call; "
                                   "latents/embeddings cached to disk, encoders dropped once cached")
     text_cache_setting: ClassVar[str] = "cache_text"
+    prepass_by_block_setting: ClassVar[str] = "fill=stream"
     name: str = "park"
     cache_latents: bool = True  # cache VAE posteriors (mean, std); drop the VAE once all are cached
     cache_text: bool = True  # cache text embeddings; drop the text encoders once all are cached

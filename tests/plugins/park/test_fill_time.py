@@ -39,3 +39,15 @@ def test_flipped_views_and_a_data_folder_change_the_entries_timed(tmp_path):
     assert fill["entries"] is None and fill["seconds"] is None
     assert fill["seconds_per_sample"] == pytest.approx(sum(fill["seconds_per_batch"].values()) / 2, abs=1e-5)
     assert "per sample (the data folder is not read: x its samples)" in format_plan(plan)
+
+
+def test_a_plan_over_budget_in_the_pre_pass_suggests_filling_block_by_block():
+    # chroma_16gb's tiny first run peaks in T5's pre-pass (1.06 MiB; training 0.81): at 0.12 GiB with the
+    # 128 MiB of workspaces it does not fit, and park's declared setting is suggested, saving up to the excess.
+    plan = _plan("budget_gb=0.12")
+    fill = plan.cache_fill
+    suggested = {s["override"]: s for s in plan.suggestions}
+    assert suggested["offload.park.fill=stream"]["saves_bytes"] == fill["peak_bytes"] - fill["training_peak_bytes"]
+    streamed = _plan("budget_gb=0.12", "offload.park.fill=stream")
+    assert streamed.cache_fill["peak_bytes"] < fill["peak_bytes"] and streamed.cache_fill["fill"]["on"] == "stream"
+    assert "offload.park.fill=stream" not in {s["override"] for s in streamed.suggestions}
