@@ -220,9 +220,8 @@ def park_and_cache(
     or fail verification (then it must be writable, else a UserError naming ``cache_setting``).
     ``random_flip`` (``data.random_flip``): image parts are cached in both orientations and each
     batch reads the one its ``flip`` asks for (runner/data/flip.py). ``count_cached``: see :func:`prepass_parts`.
-    ``fill`` (``offload.park.fill``): the pre-pass runs the encoders parked on the device (``device``), their
-    blocks parked one by one (``stream``: one block's weights on the device at a time) or on ``host`` under
-    ``host_autocast`` (``host``: the planner plans it there, no device bytes).
+    ``fill`` (``offload.park.fill``): the pre-pass's encoders parked (``device``), block by block (``stream``)
+    or on ``host`` under ``host_autocast`` (``host``), see :func:`_park_for_fill`.
     """
     result = ParkResult()
 
@@ -265,12 +264,10 @@ def park_and_cache(
         with cache.filling() as waited:  # another run filling the same cache: wait, then encode what it did not
             if waited:
                 plan = result.plan = plan_cache(trainer, dataset, parts, cache, extra_signature, random_flip)
-            on_host = fill == "host"
             result.encoded = fill_cache(trainer, models, dataset, plan, cache, encode_batch_size,
-                                        host if on_host else device, host_autocast if on_host else autocast)
+                                        *((host, host_autocast) if fill == "host" else (device, autocast)))
         _unpark(streamed)
-    # A complete cache: the modules that only compute cached parts are freed before they are
-    # ever parked (no pinned copy of weights that will not be used).
+    # A complete cache: the modules that only compute cached parts are freed before they are ever parked.
     _drop_modules(models, droppable, result)
     park_frozen()
 
