@@ -277,6 +277,7 @@ class ParkConfig(PluginConfig):
     description: ClassVar[str] = ("frozen modules (VAE, text encoders) on the host, on the device only per call; "
                                   "latents/embeddings cached to disk, encoders dropped once cached")
     text_cache_setting: ClassVar[str] = "cache_text"
+    prepass_by_block_setting: ClassVar[str] = "fill=stream"
     name: str = "park"
     cache_latents: bool = True  # cache VAE posteriors (mean, std); drop the VAE once all are cached
     cache_text: bool = True  # cache text embeddings; drop the text encoders once all are cached
@@ -284,18 +285,18 @@ class ParkConfig(PluginConfig):
     encode_batch_size: Optional[int] = None  # pre-pass batch; default: the run's micro-batch (bitwise-equal results)
     pin_memory: bool = True  # pinned host copies of parked weights on CUDA (async copies in)
     # Where the encoders run to fill the cache: device (parked, one on the device per call: the pre-pass of a
-    # training run) or host (on the CPU, for mode=cache on a card that cannot hold the encoder).
+    # training run), stream (each encoder's blocks parked apart: one block's weights on the device at a time,
+    # for an encoder the card cannot hold whole) or host (on the CPU, e.g. for mode=cache on another machine).
     fill: str = "device"
 
 
-PARK_FILLS = ("device", "host")  # offload.park.fill ("stream", the encoder's blocks streamed, is not built)
+PARK_FILLS = ("device", "stream", "host")  # offload.park.fill
 
 
 def check_park(c: Any, key: str = "offload.park") -> None:
     fill = c.fill
     if fill not in PARK_FILLS:
-        why = (" (streaming the encoder's blocks through the card is not built yet)" if fill == "stream" else "")
-        raise UserError(f"{key}.fill={fill!r} is not valid{why}. Valid values: {valid_list(str(fill), PARK_FILLS)}.")
+        raise UserError(f"{key}.fill={fill!r} is not valid. Valid values: {valid_list(str(fill), PARK_FILLS)}.")
     if c.encode_batch_size is not None and int(c.encode_batch_size) < 1:
         raise UserError(
             f"{key}.encode_batch_size={c.encode_batch_size!r} is not valid: give a whole number >= 1 "

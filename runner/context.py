@@ -123,9 +123,9 @@ class RunContext:
     # placement and left at teardown; a no-op object on a real device.
     card: Any = field(kw_only=True)
     # Inside the planner: runs one batch of each named encode part with the encoders as a plugin left
-    # them (``(parts, batch_size)``), so a plugin's encoding pre-pass in setup (park's cache fill) is
-    # planned; None in a real run.
-    simulated_encode: Callable[[list[str], int], None] | None = None
+    # them (``(parts, batch_size, on_host)``; ``on_host``: the encoders and the batch stay on the host), so a
+    # plugin's encoding pre-pass in setup (park's cache fill) is planned, bytes and time; None in a real run.
+    simulated_encode: Callable[[list[str], int, bool], None] | None = None
     # Inside the planner's preflight: runs a function outside the simulation (real tensors), for a plugin
     # that reads its cache folder to plan only the pre-pass this run does; None for ``mode=plan``, which
     # reads no data and assumes a cold cache.

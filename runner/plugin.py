@@ -62,6 +62,10 @@ class PluginConfig:
     # The boolean setting (a field of this schema) that serves text embeddings from a cache filled once,
     # so the captions may not change between visits (data.shuffle_tags is refused with it); "": none.
     text_cache_setting: ClassVar[str] = ""
+    # The setting (``field=value`` of this schema) that runs the plugin's encoder pre-pass one block of each
+    # encoder on the device at a time, which the planner suggests when a plan over budget peaks in that
+    # pre-pass (runner/plan/suggest.py); "": none.
+    prepass_by_block_setting: ClassVar[str] = ""
 
 
 class Plugin:

@@ -95,7 +95,15 @@ from runner.plugins.park.cache import (
 )
 from runner.plugins.park.encode import CachedEncode, IndexSamples
 from runner.plugins.park.loaded import require_loaded
-from runner.plugins.park.module import MARK, PARK_METHODS, ParkedModule, _bytes, park_module, unpark_module  # noqa: F401 (public)
+from runner.plugins.park.module import (  # noqa: F401 (public)
+    MARK,
+    PARK_METHODS,
+    ParkedModule,
+    _bytes,
+    park_in_blocks,
+    park_module,
+    unpark_module,
+)
 from runner.plugins.schemas import ParkConfig
 from runner.registry import register_plugin
 from runner.trainer import ModelSet
@@ -199,9 +207,9 @@ def park_and_cache(
     simulate: bool = False,
     cache_setting: str = "offload.park.cache_dir",
     random_flip: bool = False,
-    simulated_fill: Callable[[list[str], int], None] | None = None,
+    simulated_fill: Callable[[list[str], int, bool], None] | None = None,
     count_cached: Callable[[Callable[[], Any]], Any] | None = None,
-    fill_on_host: bool = False,
+    fill: str = "device",
     host_autocast: Callable[[], Any] | None = None,
 ) -> ParkResult:
     """Park every frozen module of ``models``; fill and use the encoder cache for ``trainer``.
@@ -212,8 +220,8 @@ def park_and_cache(
     or fail verification (then it must be writable, else a UserError naming ``cache_setting``).
     ``random_flip`` (``data.random_flip``): image parts are cached in both orientations and each
     batch reads the one its ``flip`` asks for (runner/data/flip.py). ``count_cached``: see :func:`prepass_parts`.
-    ``fill_on_host`` (``offload.park.fill=host``): the pre-pass runs the encoders on ``host`` under
-    ``host_autocast``, not parked on the device (the planner plans no device bytes for it).
+    ``fill`` (``offload.park.fill``): the pre-pass's encoders parked (``device``), block by block (``stream``)
+    or on ``host`` under ``host_autocast`` (``host``), see :func:`_park_for_fill`.
     """
     result = ParkResult()
 
@@ -231,9 +239,10 @@ def park_and_cache(
     result.cached_parts = list(parts)
     if simulate:
         todo = prepass_parts(result, trainer, parts, count_cached, cache_dir, extra_signature, random_flip)
-        if simulated_fill is not None and todo and not fill_on_host:  # the pre-pass, encoders parked as below
-            park_frozen()
-            simulated_fill(todo, encode_batch_size)
+        if simulated_fill is not None and todo:  # the pre-pass: encoders parked as below, or on the host
+            streamed = _park_for_fill(fill, models, park_frozen, device, host, pin_memory)
+            simulated_fill(todo, encode_batch_size, fill == "host")
+            _unpark(streamed)
         _drop_modules(models, droppable, result)
         park_frozen()
         return result
@@ -251,20 +260,36 @@ def park_and_cache(
                     "it" if len(plan.bad) == 1 else "them")
     if plan.missing_count():
         require_loaded(models, specs, plan, cache.root, cache_setting)  # a rank built without the encoders
-        if not fill_on_host:
-            park_frozen()  # the pre-pass runs the encoders parked: one on the device at a time
+        streamed = _park_for_fill(fill, models, park_frozen, device, host, pin_memory)
         with cache.filling() as waited:  # another run filling the same cache: wait, then encode what it did not
             if waited:
                 plan = result.plan = plan_cache(trainer, dataset, parts, cache, extra_signature, random_flip)
             result.encoded = fill_cache(trainer, models, dataset, plan, cache, encode_batch_size,
-                                        host if fill_on_host else device, host_autocast if fill_on_host else autocast)
-    # A complete cache: the modules that only compute cached parts are freed before they are
-    # ever parked (no pinned copy of weights that will not be used).
+                                        *((host, host_autocast) if fill == "host" else (device, autocast)))
+        _unpark(streamed)
+    # A complete cache: the modules that only compute cached parts are freed before they are ever parked.
     _drop_modules(models, droppable, result)
     park_frozen()
 
     _read_from_cache(trainer, dataset, cache, plan, parts, result)
     return result
+
+
+def _park_for_fill(fill: str, models: ModelSet, park_frozen: Callable[[], None], device: torch.device | str,
+                   host: torch.device | str, pin_memory: bool) -> list[ParkedModule]:
+    """The encoders placed for the pre-pass: parked (device: one on the device per call), each one's blocks
+    parked apart (stream: those returned, undone after it by :func:`_unpark`), or left on the host (host)."""
+    if fill == "device":
+        park_frozen()  # the pre-pass runs the encoders parked: one on the device at a time
+    if fill != "stream":
+        return []
+    return [p for m in models.frozen().values() for p in park_in_blocks(m, device, host, pin_memory)]
+
+
+def _unpark(streamed: list[ParkedModule]) -> None:
+    """Undo :func:`_park_for_fill`'s block parking (weights stay on the host; the module is parked whole after)."""
+    for parked in streamed:
+        parked.remove()
 
 
 def _read_from_cache(trainer: Any, dataset: Any, cache: EncoderCache, plan: CachePlan, parts: list[str],
@@ -368,6 +393,8 @@ class Park(Plugin):
             )
         if self.config.fill == "host" and parts and ctx.simulate:
             ctx.notes["cache fill on the host"] = "offload.park.fill=host: the pre-pass holds no device bytes"
+        if self.config.fill == "stream" and parts and ctx.simulate:
+            ctx.notes["cache fill streamed"] = "offload.park.fill=stream: one encoder block on the device at a time"
         self.result = result
         for name, parked in result.parked.items():
             ctx.hooks.add(models[name], MARK, self.key, handle=parked, undo=parked.remove)
@@ -395,7 +422,7 @@ class Park(Plugin):
     def _host_fill(self) -> dict[str, Any]:
         """``fill=host``: the pre-pass on the CPU under the run's autocast dtype (none without one)."""
         dtype = self.run.autocast_dtype
-        return {"fill_on_host": self.config.fill == "host",
+        return {"fill": self.config.fill,
                 "host_autocast": (lambda: torch.autocast("cpu", dtype=dtype)) if dtype is not None else None}
 
     def fill_cache(self, ctx: RunContext) -> int | None:
@@ -421,7 +448,8 @@ class Park(Plugin):
         for parked in result.parked.values():
             parked.remove()
         log.info("park: encoder cache %s filled on the %s: %d entries encoded", result.cache.root,
-                 "host" if on_host else f"device ({ctx.device})", result.encoded)
+                 "host" if on_host else f"device ({ctx.device}{', block by block' if c.fill == 'stream' else ''})",
+                 result.encoded)
         return result.encoded
 
     def _loads(self) -> dict[str, int]:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from runner.side_streams import cuda_like
+from runner.blocks import outermost
 from runner.compat import has_compatible_shallow_copy_type
 from runner.module_changes import mark, marked, unmark
 from runner.plugins.park.align import first_device, outputs_for, report_device, send_to
@@ -31,7 +32,9 @@ class ParkedModule:
     reads the host between calls (the weights really are there) and ``device`` during one.
     """
 
-    def __init__(self, module: nn.Module, device: torch.device, host: torch.device, pin_memory: bool) -> None:
+    def __init__(self, module: nn.Module, device: torch.device, host: torch.device, pin_memory: bool,
+                 skip: frozenset[int] = frozenset()) -> None:
+        """``skip``: ids of submodules left out (their weights and calls are another ParkedModule's)."""
         self.module_ref = weakref.ref(module)
         self.device, self.host = torch.device(device), torch.device(host)
         self.pinned = bool(pin_memory) and cuda_like(self.device)
@@ -41,6 +44,8 @@ class ParkedModule:
         self.moved: list[nn.Module] = []  # leaf modules with quantized parameter types: Module.to
         seen: set[int] = set()  # tied weights (T5's shared embedding) are one tensor: swap it once
         for sub in module.modules():
+            if id(sub) in skip:
+                continue
             own_params = list(sub.parameters(recurse=False))
             if any(type(p) is not nn.Parameter for p in own_params):
                 self.moved.append(sub)
@@ -70,7 +75,7 @@ class ParkedModule:
                 self.wrapped[name] = module.__dict__.get(name)
                 setattr(module, name, self._wrapper(name, self.wrapped[name]))
         self._callers: list[torch.device | None] = []  # per outermost call: where its inputs were
-        self.hooks = [h for sub in list(module.modules())[1:]
+        self.hooks = [h for sub in list(module.modules())[1:] if id(sub) not in skip
                       for h in (sub.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
                                 sub.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True))]
         self.own_class = report_device(module, self.device)  # the class to restore, None if unchanged
@@ -160,7 +165,8 @@ class ParkedModule:
 
 
 def park_module(
-    module: nn.Module, device: torch.device | str, host: torch.device | str = "cpu", pin_memory: bool = True
+    module: nn.Module, device: torch.device | str, host: torch.device | str = "cpu", pin_memory: bool = True,
+    skip: frozenset[int] = frozenset(),
 ) -> ParkedModule:
     """Keep ``module``'s weights on ``host`` and move them to ``device`` for each call.
 
@@ -172,7 +178,21 @@ def park_module(
         raise ValueError("park_module() is for frozen modules; this one has parameters with requires_grad=True")
     if marked(module, MARK) is not None:
         return marked(module, MARK)
-    return ParkedModule(module, torch.device(device), torch.device(host), pin_memory)
+    return ParkedModule(module, torch.device(device), torch.device(host), pin_memory, skip)
+
+
+def park_in_blocks(module: nn.Module, device: torch.device | str, host: torch.device | str = "cpu",
+                   pin_memory: bool = True) -> list[ParkedModule]:
+    """``offload.park.fill=stream``: ``module``'s blocks each parked on its own, so one block's weights are on
+    the device at a time, and the rest (embeddings, norms) for the whole call. Its blocks: the outermost
+    children of its ``nn.ModuleList``s (T5's ``encoder.block``, Mistral's and its vision tower's ``layers``, a
+    VAE's ``down_blocks``); not runner/blocks.py's denoiser rules, which take Mistral 3's declared block class,
+    its vision tower's. Undo with :meth:`ParkedModule.remove` on each (blocks first in the list, the module last)."""
+    in_lists = {id(child) for m in module.modules() if isinstance(m, nn.ModuleList) for child in m}
+    blocks = outermost(module, lambda m: id(m) in in_lists)
+    parked = [park_module(b, device, host, pin_memory) for b in blocks]
+    skip = frozenset(id(m) for b in blocks for m in b.modules())
+    return parked + [park_module(module, device, host, pin_memory, skip)]
 
 
 def unpark_module(module: nn.Module) -> None:

@@ -115,6 +115,7 @@ class PhaseCost:
     copies: int = 0  # copy ops between host and device (each a cudaMemcpyAsync the host issues)
     host_ops: int = 0  # ops on host tensors during the step (host-side work of offload plugins)
     host_bytes: float = 0.0
+    host_flops: float = 0.0  # FLOPs of ops on host tensors (the encoders of a pre-pass on the host)
     host_s: float = 0.0  # their roofline time on the host
 
     def add(self, other: PhaseCost) -> None:
@@ -123,6 +124,10 @@ class PhaseCost:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+
+    def minus(self, other: PhaseCost) -> PhaseCost:
+        """What was counted since ``other`` (an earlier snapshot of the same phase)."""
+        return PhaseCost(**{k: v - getattr(other, k) for k, v in asdict(self).items()})
 
 
 @dataclass(frozen=True)
@@ -245,7 +250,12 @@ class CostCounter:
         else:
             c.host_ops += 1
             c.host_bytes += nbytes
+            c.host_flops += flops
             c.host_s += self.host.op_seconds(flops, nbytes, dtype, conv)
+
+    def snapshot(self, phase: str) -> PhaseCost:
+        """A copy of ``phase``'s counts so far (zeros before its first op)."""
+        return PhaseCost(**asdict(self.phases.get(phase, PhaseCost())))
 
     def total(self, names: tuple[str, ...] | None = None) -> PhaseCost:
         out = PhaseCost()

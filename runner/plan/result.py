@@ -163,7 +163,9 @@ def _host_ram_lines(peak: int) -> list[str]:
 
 def _cache_fill_line(c: dict[str, Any] | None, unit: tuple[float, str]) -> list[str]:
     """The encoder cache's pre-pass: what was read (or that a cold cache is assumed), its peak and the run's."""
-    return [] if c is None else [_cache_fill_text(c, unit)]
+    if c is None:
+        return []
+    return [_cache_fill_text(c, unit)] + ([_fill_time_text(c["fill"])] if c.get("fill") else [])
 
 
 def _cache_fill_text(c: dict[str, Any], unit: tuple[float, str]) -> str:
@@ -178,6 +180,25 @@ def _cache_fill_text(c: dict[str, Any], unit: tuple[float, str]) -> str:
         return f"  {seen}; no pre-pass: the run's peak is training's"
     return (f"  {seen}; pre-pass ({', '.join(c['parts'])}): peak {format_size(c['peak_bytes'], unit)}, training "
             f"{format_size(c['training_peak_bytes'], unit)}: the run's peak is the {c['run_peak']}'s")
+
+
+def _fill_time_text(f: dict[str, Any]) -> str:
+    """The console line of runner/plan/fill_time.py:fill_time's result."""
+    each = ", ".join(f"{p} {s:.3g} s" for p, s in f["seconds_per_batch"].items())
+    head = f"  planned fill time on {f['where']}: "
+    if f["seconds"] is None:
+        head += f"{_duration(f['seconds_per_sample'])} per sample (the data folder is not read: x its samples)"
+    else:
+        head += f"{_duration(f['seconds'])} for " + " + ".join(f"{n:,} {p}" for p, n in f["entries"].items()) + " entries"
+    untimed = f"; not timed: {', '.join(f['untimed'])}" if f["untimed"] else ""
+    return f"{head} (per batch of {f['batch_size']}: {each}; {f['bound']}){untimed}"
+
+
+def _duration(seconds: float) -> str:
+    """``0.412 s``, ``12.3 min``, ``4.1 h``."""
+    if seconds < 60:
+        return f"{seconds:.3g} s"
+    return f"{seconds / 60:.3g} min" if seconds < 3600 else f"{seconds / 3600:.3g} h"
 
 
 def format_plan(plan: Plan) -> str:

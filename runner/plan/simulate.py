@@ -65,7 +65,8 @@ from runner.plan.dist import gathered_params, host_per_node, rank0_only_params, 
 from runner.plan.dist import measure as measure_rank
 from runner.plan.ema import plan_ema
 from runner.plan.fake import fake_module, simulation_mode, weights_left_uninitialised
-from runner.plan.prepass import cache_fill_report, simulate_cache_fill
+from runner.plan.fill_time import fill_time
+from runner.plan.prepass import FILL_PHASE, cache_fill_report, simulate_cache_fill
 from runner.plan.quick_process import import_model_classes, old_objects_frozen, one_thread
 from runner.plan.result import PhasePeak, Plan
 from runner.plan.sampling import plan_sampling
@@ -167,7 +168,8 @@ def plan_step(
         if reads_cache:
             sim.ctx.simulated_read = sim.outside
         with contextlib.closing(sim.part_shapes_job):  # no child left running if the plan fails
-            counter = timing.counter()
+            counter = sim.counter = timing.counter()
+            counter.counted |= {FILL_PHASE}  # the pre-pass's ops, for its time (runner/plan/fill_time.py)
             timeline = Timeline(sim.tracker)  # memory after every op: plan.png (runner/plan/picture.py)
             sim.tracker.op_observer = chain(counter.observe, timeline.observe)  # and FLOPs, bytes, copies (plan/cost.py)
             sampling = plan_sampling(sim)  # sample.every: keeps the VAE as the sampler does; a no-op when off
@@ -186,6 +188,8 @@ def plan_step(
                     sim.ctx.teardown()
     plan = _assemble(sim, time.perf_counter() - started)
     plan.step_time = _step_time(sim, counter, timing).to_dict()
+    if plan.cache_fill is not None:
+        plan.cache_fill["fill"] = fill_time(sim, plan.cache_fill, timing)
     plan.timeline = timeline.to_dict()
     if calibrated_s > 0.05:
         plan.notes["timings_s"]["cpu calibration"] = round(calibrated_s, 2)
@@ -261,6 +265,7 @@ class _Simulation:
         self.state_by_dev: dict[str, dict[str, dict[str, int]]] = {}
         self.host_steady = 0
         self.cache_fill: dict[str, Any] | None = None  # the encoders' pre-pass, when planned (runner/plan/prepass.py)
+        self.counter: CostCounter | None = None  # the plan's op counts (plan/cost.py), set by simulate()
         self.ema = plan_ema(self)  # ema.enabled: the copy, counted where it lives (runner/plan/ema.py); else a no-op
         self.fused = False  # optimizer.fused_backward: the optimizer steps inside backward (runner/optim/fused.py)
         self.rank_layout: Any = None
@@ -308,7 +313,7 @@ class _Simulation:
         memo.clear()  # a module a plugin drops must be freed, as in a real run
         ctx.models = self.models
         rank0_only = rank0_only_params(self.cfg, self.trainer, ctx.schedule.plugins, self.run.dist, self.models)
-        ctx.simulated_encode = lambda parts, batch: simulate_cache_fill(self, parts, batch)
+        ctx.simulated_encode = lambda parts, batch, on_host=False: simulate_cache_fill(self, parts, batch, on_host)
         with tracker.phase("setup", category="weights"):
             ctx.apply_setup_phases()
         ctx.simulated_encode = None

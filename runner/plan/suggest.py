@@ -130,6 +130,20 @@ class _Estimates:
             self.add("ema.device=cpu", ema, "the EMA copy of the trained weights at the peak moves to host RAM; each "
                      "update then copies the weights to the host (ema.every spaces the updates)")
 
+    def prepass(self) -> None:
+        """A plan that peaks in an encoder pre-pass run with each encoder whole on the device: the setting of
+        the plugin that runs it block by block (offload.park.fill=stream), saving up to the pre-pass's excess
+        over training's peak (the pre-pass then holds one block of each encoder's weights)."""
+        fill = self.plan.cache_fill or {}
+        if fill.get("run_peak") != "pre-pass" or "cache fill streamed" in self.plan.notes:
+            return
+        for kind, name in self.chosen:
+            setting = getattr(registry.plugin_entry(kind, name).config, "prepass_by_block_setting", "")
+            if setting:
+                self.add(f"{kind}.{name}.{setting}", fill["peak_bytes"] - fill["training_peak_bytes"],
+                         "the encoder pre-pass peaks above training; block by block it holds one block of each "
+                         "encoder's weights on the device (the same bytes cross to it, a little slower)", upper_bound=True)
+
     def micro_batch(self) -> None:
         run = self.plan.run
         micro = int(run["micro_batch_size"])
@@ -152,6 +166,7 @@ def suggest(plan: Plan, cfg: Any) -> list[dict[str, Any]]:
     est.optimizer()
     est.quantization()
     est.offload()
+    est.prepass()
     est.micro_batch()
     est.out.sort(key=lambda s: -s["saves_bytes"])
     return est.out

@@ -135,8 +135,8 @@ def test_builtin_schedule_orders_real_plugins():
 
 
 def test_an_optional_module_name_is_taken_when_built_and_skipped_when_not():
-    # "name?" lets a preset name a module only some trainers build (flux2_24gb quantizes its text encoder
-    # and must still compose with a trainer that has none); a plain unknown name stays an error.
+    # "name?" lets a preset name a module only some trainers build (a preset quantizing its text encoder
+    # must still compose with a trainer that has none); a plain unknown name stays an error.
     from torch import nn
 
     from runner.trainer import ModelSet

@@ -30,6 +30,9 @@ def test_the_card_peaks_where_its_plan_says_on_a_fresh_and_on_a_filled_cache(pre
     assert all(n == 0 < m for n, m in fresh["cache_fill"]["entries"].values())
     assert all(n == m > 0 for n, m in filled["cache_fill"]["entries"].values())
     assert fresh["cache_fill"]["parts"] == list(fresh["cache_fill"]["entries"]) and filled["cache_fill"]["parts"] == []
+    # the fill time is planned for the entries the preflight counted missing, none for the filled cache
+    assert fresh["cache_fill"]["fill"]["entries"] == {p: m for p, (_, m) in fresh["cache_fill"]["entries"].items()}
+    assert fresh["cache_fill"]["fill"]["seconds"] > 0 and filled["cache_fill"]["fill"] is None
     in_fill = fresh["peak_phase"] == "setup, in cache fill"  # chroma: T5's pre-pass; flux: its VAE encodes in training
     assert in_fill == (preset == "chroma_16gb") and fresh["cache_fill"]["run_peak"] == ("pre-pass" if in_fill else "training")
     assert filled["cache_fill"]["run_peak"] == "training"
