@@ -174,7 +174,7 @@ class Estimator:
         if k.quantization and not b.quantization:  # the LoRA base's Linear weights, packed
             per = NF4_BYTES if k.quantization == "nf4" else FP8_BYTES
             trained_w = max(trained_w - int(inv.frozen_linear_elements * (self.frozen_dtype_bytes - per)), 0)
-        host = float(a.plan.host_steady_bytes)  # host RAM during training: the anchor's, plus what moves there
+        host = float(a.plan.host_training_bytes)  # host RAM during training: the anchor's, plus what moves there
         if k.stream_gb is not None and k.stream_gb >= 0 and k.stream_gb != b.stream_gb:
             streamed = self._streamed(k, trained_w)
             host += streamed

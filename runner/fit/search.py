@@ -65,8 +65,8 @@ class Candidate:
 
     @property
     def host_bytes(self) -> int:
-        """Host RAM during training (offloaded weights, state, activations)."""
-        return self.plan.host_steady_bytes if self.plan is not None else int(self.estimate.parts.get("host", 0))
+        """Host RAM during training (offloaded weights, state, activations), at its highest in the step."""
+        return self.plan.host_training_bytes if self.plan is not None else int(self.estimate.parts.get("host", 0))
 
     def fits(self, limit: int, host_limit: int) -> bool:
         # A confirmed plan also needs the caching allocator, capped at the budget, to serve every

@@ -53,6 +53,9 @@ class Plan:
     cache_fill: dict[str, Any] | None = None
     reserved: dict[str, Any] | None = None  # a CUDA target: what the caching allocator reserves (runner/plan/allocator.py)
     timeline: dict[str, Any] | None = None  # memory over the simulated step, thinned: plan.png (runner/plan/timeline.py)
+    # Host tensors at their highest in the step's training phases (forward, backward, optimizer) or after it: what
+    # offloaded activations and streamed weights hold while training, beside host_steady_bytes between steps.
+    host_training_bytes: int = 0
 
     @property
     def seconds_per_step(self) -> float | None:

@@ -72,7 +72,7 @@ from runner.plan.result import PhasePeak, Plan
 from runner.plan.sampling import plan_sampling
 from runner.memory.semantics import DeviceSemantics, SimulatedAccelerator
 from runner.plan.speed import StepTime, Target, Trained, gpu_target, predict
-from runner.plan.steady import by_category, optimizer_state_by_module, steady_peaks
+from runner.plan.steady import by_category, host_in_training, optimizer_state_by_module, steady_peaks
 from runner.plan.suggest import suggest
 from runner.plan.target import CUDA_WORKSPACE_MARGIN_BYTES, DEVICE, HOST
 from runner.plan.timeline import Timeline, chain
@@ -477,6 +477,7 @@ def _assemble(sim: _Simulation, seconds: float) -> Plan:
         host_peak_phase=host_peak.name,
         host_steady_bytes=sim.host_steady - sim.ema.host_excess(),  # dist=fsdp: one rank's share of a host EMA
         host_pinned_bytes=ctx.facts.pinned_host_bytes,
+        host_training_bytes=max(host_in_training(sim), sim.host_steady) - sim.ema.host_excess(),
         host_ranks=host_per_node(sim.rank_layout, host_peak.peak_bytes),
         optimizer_state_bytes=rank_state_bytes(sim.rank_layout, {dev: sum(v.values()) for dev, v in state.items()}),
         run=_run_description(sim),

@@ -7,7 +7,7 @@ from typing import Any
 from runner.memory.live_bytes_views import CATEGORIES, OPTIONAL_CATEGORIES
 from runner.plan.dist import rank_phase
 from runner.plan.result import PhasePeak
-from runner.plan.target import DEVICE
+from runner.plan.target import DEVICE, HOST
 
 
 def optimizer_state_by_module(sim: Any) -> dict[str, dict[str, int]]:
@@ -20,6 +20,15 @@ def optimizer_state_by_module(sim: Any) -> dict[str, dict[str, int]]:
                 per = state.setdefault(dev, {})
                 per[sim.recorder.top(label)] = per.get(sim.recorder.top(label), 0) + n
     return state
+
+
+TRAINING_PHASES = ("forward", "backward", "optimizer")
+
+
+def host_in_training(sim: Any) -> int:
+    """The host's highest live bytes in the step's training phases (offloaded activations wait there)."""
+    return max((per_dev[HOST.type].peak_bytes for name, per_dev in sim.recorder.phases
+                if name.startswith(TRAINING_PHASES) and HOST.type in per_dev), default=0)
 
 
 def steady_peaks(sim: Any, state: dict[str, dict[str, int]]) -> tuple[dict[str, PhasePeak], dict[str, int]]:

@@ -135,3 +135,17 @@ def test_fused_backward_is_searched_only_for_optimizers_that_update_each_paramet
         if k.fused:
             validate(compose_config([f"optimizer={optimizer}", "optimizer.fused_backward=true", "mode=plan"]))
             break
+
+
+def test_host_ram_while_training_counts_the_offloaded_activations():
+    """Offloaded activations wait on the host during forward and backward, not between steps: the plan's
+    host_training_bytes holds them (and fit's host check reads it), host_steady_bytes does not."""
+    from runner.fit.search import Candidate
+
+    plan = plan_step(compose_config(["+preset=sdxl_24gb", "offload=[park,activations]", "checkpoint=none", "mode=plan"]))
+    assert plan.host_pinned_bytes > 0
+    assert plan.host_training_bytes >= plan.host_steady_bytes + plan.host_pinned_bytes
+    cand = Candidate(knobs=None, overrides=[], estimate=None, plan=plan)
+    assert cand.host_bytes == plan.host_training_bytes
+    assert not cand.fits(limit=plan.required_bytes, host_limit=plan.host_training_bytes - 1)
+    assert cand.fits(limit=plan.required_bytes, host_limit=plan.host_training_bytes)
