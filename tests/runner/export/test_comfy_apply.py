@@ -1,8 +1,8 @@
 """The ComfyUI LoRA file applied as ComfyUI's loader applies it gives the runner's fused weights.
 
-Families: Lumina 2 (q/k/v fused into NextDiT's qkv), Z-Image (diffusers' names, ComfyUI's z_image_to_diffusers key map), HunyuanVideo 1.5 (q/k/v fused into its qkv), HiDream-I1, LTX-2,
-Wan 2.2 TI2V-5B and I2V A14B, FLUX.2 klein
-(BFL's fused qkv), Qwen-Image-Edit, Flux.1 Kontext and Chroma (the kohya file, patching slices of BFL's
+Families: Lumina 2 (q/k/v fused into NextDiT's qkv), Z-Image (diffusers' names, ComfyUI's z_image_to_diffusers
+key map), HunyuanVideo 1.5 (q/k/v fused into its qkv), HiDream-I1, LTX-2, Wan 2.2 TI2V-5B, T2V A14B and I2V A14B,
+FLUX.2 dev and klein (BFL's fused qkv), Qwen-Image-Edit, Flux.1 Kontext and Chroma (the kohya file, patching slices of BFL's
 fused qkv / linear1 as ComfyUI's flux_to_diffusers maps them). For each family, ComfyUI's own model (its weight names and which diffusers rows each holds, below as
 data from ComfyUI's model code) is built from the tiny diffusers denoiser's weights; the exported
 ``lora_comfy.safetensors`` is then applied by ComfyUI's rule (``comfy/lora.py`` ``model_lora_keys_unet``:
@@ -234,8 +234,11 @@ CASES = {
     "wan22_5b": (["trainer=wan", "trainer.variant=2.2-5b"], WAN, wan_names),
     "wan22_i2v_a14b": (["trainer=wan", "trainer.variant=i2v-2.2-a14b", "trainer.experts=high", "data.frames=5"], WAN,
                        wan_names),
-    # FLUX.2 klein: q/k/v fused into BFL's qkv, the scale folded into B and no .alpha (ComfyUI applies it as stored)
+    # Wan 2.2 T2V A14B, one expert (the low-noise one; each expert's file is one of these)
+    "wan22_a14b": (["trainer=wan", "trainer.variant=2.2-a14b", "trainer.experts=low"], WAN, wan_names),
+    # FLUX.2 dev and klein: q/k/v fused into BFL's qkv, the scale folded into B and no .alpha (ComfyUI applies it as stored)
     "flux2_klein": (["trainer=flux2_klein"], FLUX2, flux2_names),
+    "flux2": (["trainer=flux2"], FLUX2, flux2_names),
     # LTX-2: LoRAs on every attention of both streams and the audio-video cross attentions, the scale in B
     "ltx2": (["trainer=ltx2", "model.lora_targets=[to_q,to_k,to_v,to_out.0,proj_in,audio_proj_in]"], LTX2,
              lambda m: ltx2_names(m) + ["patchify_proj", "audio_patchify_proj"]),
