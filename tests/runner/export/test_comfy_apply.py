@@ -206,6 +206,35 @@ def z_image_keys(module) -> dict:
     return keys
 
 
+# ComfyUI's Krea 2 model (the original krea-ai/krea-2 names; comfy/utils.py krea2_to_diffusers maps diffusers' onto them):
+# one linear each.
+_KA = {"wq": "to_q", "wk": "to_k", "wv": "to_v", "wo": "to_out.0", "gate": "to_gate"}
+KREA2 = (
+    *((rf"blocks\.(?P<i>\d+)\.attn\.{c}", (f"transformer_blocks.{{i}}.attn.{d}",)) for c, d in _KA.items()),
+    (r"blocks\.(?P<i>\d+)\.mlp\.(?P<p>gate|up|down)", ("transformer_blocks.{i}.ff.{p}",)),
+    *((rf"txtfusion\.(?P<k>\w+_blocks)\.(?P<i>\d+)\.attn\.{c}", (f"text_fusion.{{k}}.{{i}}.attn.{d}",))
+      for c, d in _KA.items()),
+    (r"txtfusion\.(?P<k>\w+_blocks)\.(?P<i>\d+)\.mlp\.(?P<p>gate|up|down)", ("text_fusion.{k}.{i}.ff.{p}",)),
+)
+
+
+def krea2_names(module) -> list[str]:
+    blocks = [f"blocks.{i}" for i in range(len(module.transformer_blocks))] + [
+        f"txtfusion.{k}.{i}" for k in ("layerwise_blocks", "refiner_blocks")
+        for i in range(len(getattr(module.text_fusion, k)))]
+    return [f"{b}.{w}" for b in blocks for w in (*(f"attn.{c}" for c in _KA), "mlp.gate", "mlp.up", "mlp.down")]
+
+
+# ComfyUI's Qwen-Image 2.1 model: diffusers' names, but each block's gate_layer and proj are one img_mlp.gate_up
+# (rows gate, then up); comfy/lora.py model_lora_keys_unet maps LoRA keys for the halves onto its row slices.
+QWEN21 = ((r"(?P<b>transformer_blocks\.\d+)\.img_mlp\.gate_up", ("{b}.img_mlp.gate_layer", "{b}.img_mlp.proj")),
+          *IDENTITY)
+
+
+def qwen21_names(module) -> list[str]:
+    return [n.replace(".gate_layer", ".gate_up") for n in sorted(weights(module, False)) if not n.endswith(".img_mlp.proj")]
+
+
 # ComfyUI's LTX-2 model (the original ltx-core names; diffusers' _convert_non_diffusers_ltx2_lora_to_diffusers is
 # the inverse): the block linears carry diffusers' names, the top-level ones below are renamed.
 LTX2 = (
@@ -250,6 +279,12 @@ CASES = {
     # HunyuanVideo 1.5: both streams' q/k/v fused into ComfyUI's qkv, the MLPs and modulations of blocks and refiner
     "hunyuan_video15": (["trainer=hunyuan_video15", f"model.lora_targets={HV15_TARGETS}"], HUNYUAN_VIDEO,
                         hunyuan_video_names),
+    # Krea 2: the original krea-2 names, the scale in B; every attention of the blocks and the text fusion's
+    "krea2": (["trainer=krea2"], KREA2, krea2_names),
+    # Qwen-Image 2.1: the default targets (attention), then the MLP ComfyUI fuses (gate_layer and proj into gate_up)
+    "qwen_image21": (["trainer=qwen_image21"], QWEN21, qwen21_names),
+    "qwen_image21_mlp": (["trainer=qwen_image21", "model.lora_targets=[to_q,gate_layer,proj,img_mlp.out]"], QWEN21,
+                         qwen21_names),
     # Z-Image: diffusers' names, which ComfyUI maps onto its NextDiT (q/k/v onto slices of the fused qkv)
     "z_image": (["trainer=z_image"], Z_IMAGE, z_image_names, z_image_keys),
     # k and out (q, v rows stay zero), feed-forward, modulations, embedders and the final layer (the final layer's
