@@ -166,8 +166,8 @@ KREA2_RENAMES: tuple[tuple[str, str], ...] = (
     (r"text_fusion\.projector", "txtfusion.projector"),
 )
 
-# Qwen-Image 2.1: ComfyUI's model has each block's gate_layer and proj as one img_mlp.gate_up (rows gate, then up), and
-# maps diffusion_model.<name> keys only onto its own weights (comfy/lora.py model_lora_keys_unet), so the two are one LoRA.
+# Qwen-Image 2.1: ComfyUI's model has each block's gate_layer and proj as one img_mlp.gate_up (rows gate, then up),
+# and maps diffusion_model.<name> keys only onto its own weights (comfy/lora.py model_lora_keys_unet): one LoRA.
 QWEN21_FUSED = (FusedGroup(r"(?P<block>transformer_blocks\.\d+)\.img_mlp\.(?P<part>gate_layer|proj)",
                            r"\g<block>.img_mlp.gate_up", "{block}.img_mlp.{part}", ("gate_layer", "proj")),)
 # HunyuanVideo 1.5: ComfyUI's HunyuanVideo (Flux-style) names, q/k/v fused (runner/families/hunyuan_video15/comfy.py).

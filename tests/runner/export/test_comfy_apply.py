@@ -2,8 +2,9 @@
 
 Families: Lumina 2 (q/k/v fused into NextDiT's qkv), Z-Image (diffusers' names, ComfyUI's z_image_to_diffusers
 key map), HunyuanVideo 1.5 (q/k/v fused into its qkv), HiDream-I1, LTX-2, Wan 2.2 TI2V-5B, T2V A14B and I2V A14B,
-FLUX.2 dev and klein (BFL's fused qkv), Qwen-Image-Edit, Flux.1 Kontext and Chroma (the kohya file, patching slices of BFL's
-fused qkv / linear1 as ComfyUI's flux_to_diffusers maps them). For each family, ComfyUI's own model (its weight names and which diffusers rows each holds, below as
+FLUX.2 dev and klein (BFL's fused qkv), Krea 2, Qwen-Image 2.1 (gate_layer + proj fused into gate_up), Qwen-Image-Edit,
+Flux.1 Kontext and Chroma (the kohya file, patching slices of BFL's fused qkv / linear1 as ComfyUI's flux_to_diffusers
+maps them). For each family, ComfyUI's own model (its weight names and which diffusers rows each holds, below as
 data from ComfyUI's model code) is built from the tiny diffusers denoiser's weights; the exported
 ``lora_comfy.safetensors`` is then applied by ComfyUI's rule (``comfy/lora.py`` ``model_lora_keys_unet``:
 ``diffusion_model.<weight name less .weight>`` is the key; ``comfy/weight_adapter/lora.py``: ``W +=
@@ -175,8 +176,8 @@ Z_IMAGE = (
     (r"(?P<n>.+)", ("{n}",)),
 )
 _Z_TOP = {"final_layer.linear": "all_final_layer.2-1.linear", "x_embedder": "all_x_embedder.2-1",
-          "final_layer.adaLN_modulation.1": "all_final_layer.2-1.adaLN_modulation.1", "cap_embedder.1": "cap_embedder.1",
-          "t_embedder.mlp.0": "t_embedder.mlp.0", "t_embedder.mlp.2": "t_embedder.mlp.2"}
+          "final_layer.adaLN_modulation.1": "all_final_layer.2-1.adaLN_modulation.1",
+          **{n: n for n in ("cap_embedder.1", "t_embedder.mlp.0", "t_embedder.mlp.2")}}
 
 
 def z_image_blocks(module) -> list[tuple[str, bool]]:
@@ -194,7 +195,8 @@ def z_image_names(module) -> list[str]:
 
 def z_image_keys(module) -> dict:
     """ComfyUI's keys for a Z-Image LoRA (comfy/lora.py model_lora_keys_unet, its Lumina2 branch over comfy/utils.py
-    z_image_to_diffusers): ``diffusion_model.<diffusers name>``; to_q/to_k/to_v patch slices (dim 0, j x dim, dim) of qkv."""
+    z_image_to_diffusers): ``diffusion_model.<diffusers name>``; to_q/to_k/to_v patch row slices (0, j x dim, dim) of
+    qkv."""
     h, d = module.config.dim, "diffusion_model"
     keys: dict = {f"{d}.{diff}": f"{d}.{comfy}.weight" for comfy, diff in _Z_TOP.items()}
     for b, ada in z_image_blocks(module):
@@ -206,8 +208,8 @@ def z_image_keys(module) -> dict:
     return keys
 
 
-# ComfyUI's Krea 2 model (the original krea-ai/krea-2 names; comfy/utils.py krea2_to_diffusers maps diffusers' onto them):
-# one linear each.
+# ComfyUI's Krea 2 model (the original krea-ai/krea-2 names; comfy/utils.py krea2_to_diffusers maps diffusers' onto
+# them): one linear each.
 _KA = {"wq": "to_q", "wk": "to_k", "wv": "to_v", "wo": "to_out.0", "gate": "to_gate"}
 KREA2 = (
     *((rf"blocks\.(?P<i>\d+)\.attn\.{c}", (f"transformer_blocks.{{i}}.attn.{d}",)) for c, d in _KA.items()),
@@ -232,7 +234,8 @@ QWEN21 = ((r"(?P<b>transformer_blocks\.\d+)\.img_mlp\.gate_up", ("{b}.img_mlp.ga
 
 
 def qwen21_names(module) -> list[str]:
-    return [n.replace(".gate_layer", ".gate_up") for n in sorted(weights(module, False)) if not n.endswith(".img_mlp.proj")]
+    return [n.replace(".gate_layer", ".gate_up") for n in sorted(weights(module, False))
+            if not n.endswith(".img_mlp.proj")]
 
 
 # ComfyUI's LTX-2 model (the original ltx-core names; diffusers' _convert_non_diffusers_ltx2_lora_to_diffusers is
@@ -265,7 +268,7 @@ CASES = {
                        wan_names),
     # Wan 2.2 T2V A14B, one expert (the low-noise one; each expert's file is one of these)
     "wan22_a14b": (["trainer=wan", "trainer.variant=2.2-a14b", "trainer.experts=low"], WAN, wan_names),
-    # FLUX.2 dev and klein: q/k/v fused into BFL's qkv, the scale folded into B and no .alpha (ComfyUI applies it as stored)
+    # FLUX.2 dev and klein: q/k/v fused into BFL's qkv, the scale in B and no .alpha (ComfyUI applies it as stored)
     "flux2_klein": (["trainer=flux2_klein"], FLUX2, flux2_names),
     "flux2": (["trainer=flux2"], FLUX2, flux2_names),
     # LTX-2: LoRAs on every attention of both streams and the audio-video cross attentions, the scale in B
