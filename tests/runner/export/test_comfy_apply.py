@@ -198,7 +198,8 @@ def z_image_keys(module) -> dict:
     z_image_to_diffusers): ``diffusion_model.<diffusers name>``; to_q/to_k/to_v patch row slices (0, j x dim, dim) of
     qkv."""
     h, d = module.config.dim, "diffusion_model"
-    keys: dict = {f"{d}.{diff}": f"{d}.{comfy}.weight" for comfy, diff in _Z_TOP.items()}
+    keys: dict = {f"{d}.{n}": f"{d}.{n}.weight" for n in z_image_names(module)}  # its generic keys, and the branch's:
+    keys |= {f"{d}.{diff}": f"{d}.{comfy}.weight" for comfy, diff in _Z_TOP.items()}
     for b, ada in z_image_blocks(module):
         for j, p in enumerate("qkv"):
             keys[f"{d}.{b}.attention.to_{p}"] = (f"{d}.{b}.attention.qkv.weight", (0, j * h, h))
