@@ -17,6 +17,9 @@ layout ComfyUI maps for it, with ``.alpha``:
 * **qwen_image** (Qwen-Image): ``diffusion_model.<name>.lora_A/lora_B`` + ``.alpha``; ComfyUI's
   Qwen-Image modules carry diffusers' names (its generic ``diffusion_model.*`` mapping), and
   diffusers reads the file back (``_convert_non_diffusers_qwen_lora_to_diffusers``).
+* **qwen_image21** (Qwen-Image 2.1): the same, but ComfyUI's model holds each block's ``img_mlp.gate_layer`` and
+  ``img_mlp.proj`` as one ``img_mlp.gate_up`` (rows gate, then up), so those two LoRAs are written as one
+  (:data:`QWEN21_FUSED`, as Lumina 2's q/k/v below).
 * **z_image** (Z-Image): the same dotted ``diffusion_model.<diffusers name>`` layout. ComfyUI loads
   Z-Image as its Lumina 2 NextDiT (fused ``attention.qkv``, ``attention.out``) and maps diffusers'
   names onto it (``comfy/utils.py`` ``z_image_to_diffusers``: ``to_q``/``to_k``/``to_v`` onto slices
@@ -163,6 +166,10 @@ KREA2_RENAMES: tuple[tuple[str, str], ...] = (
     (r"text_fusion\.projector", "txtfusion.projector"),
 )
 
+# Qwen-Image 2.1: ComfyUI's model has each block's gate_layer and proj as one img_mlp.gate_up (rows gate, then up),
+# and maps diffusion_model.<name> keys only onto its own weights (comfy/lora.py model_lora_keys_unet): one LoRA.
+QWEN21_FUSED = (FusedGroup(r"(?P<block>transformer_blocks\.\d+)\.img_mlp\.(?P<part>gate_layer|proj)",
+                           r"\g<block>.img_mlp.gate_up", "{block}.img_mlp.{part}", ("gate_layer", "proj")),)
 # HunyuanVideo 1.5: ComfyUI's HunyuanVideo (Flux-style) names, q/k/v fused (runner/families/hunyuan_video15/comfy.py).
 HV15_FUSED = tuple(FusedGroup(*g) for g in hv15.FUSED)
 # LTX-2: diffusers' LTX2VideoTransformer3DModel module -> the original LTX-2 (ltx-core) module, which ComfyUI's LTX-2
@@ -185,6 +192,7 @@ LAYOUTS: dict[str, ComfyLayout] = {
     "kohya": ComfyLayout("kohya", "", separate=False),  # the prefix is the kohya file's (runner/export/lora.py)
     "sd3": ComfyLayout("kohya", "lora_transformer"),
     "qwen_image": ComfyLayout("dotted", "diffusion_model"),
+    "qwen_image21": ComfyLayout("dotted", "diffusion_model", fused=QWEN21_FUSED),
     "wan": ComfyLayout("dotted", "diffusion_model", WAN_RENAMES),
     "z_image": ComfyLayout("dotted", "diffusion_model"),
     "hidream": ComfyLayout("dotted", "diffusion_model"),  # ComfyUI's HiDream modules carry diffusers' names

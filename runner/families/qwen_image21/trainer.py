@@ -70,7 +70,7 @@ class QwenImage21Trainer(FlowMatchTrainer):
     reference_repo = "Qwen/Qwen-Image-2.1"
     resolution_multiple = 32  # VAE factor 16 times the 2x2 token groups of an image slot
     kohya_lora = False  # no kohya layout: the diffusers file, and the ComfyUI one (runner/export/comfy.py)
-    comfy_layout = "qwen_image"  # diffusion_model.<diffusers name>, as Qwen-Image's
+    comfy_layout = "qwen_image21"  # diffusion_model.<diffusers name>, gate_layer + proj fused (runner/export/comfy.py)
     family = "qwen_image21"
 
     def __init__(self, cfg: Any, run: Any = None) -> None:

@@ -1,9 +1,10 @@
 """The ComfyUI LoRA file applied as ComfyUI's loader applies it gives the runner's fused weights.
 
-Families: Lumina 2 (q/k/v fused into NextDiT's qkv), HunyuanVideo 1.5 (q/k/v fused into its qkv), HiDream-I1, LTX-2,
-Wan 2.2 TI2V-5B and I2V A14B, FLUX.2 klein
-(BFL's fused qkv), Qwen-Image-Edit, Flux.1 Kontext and Chroma (the kohya file, patching slices of BFL's
-fused qkv / linear1 as ComfyUI's flux_to_diffusers maps them). For each family, ComfyUI's own model (its weight names and which diffusers rows each holds, below as
+Families: Lumina 2 (q/k/v fused into NextDiT's qkv), Z-Image (diffusers' names, ComfyUI's z_image_to_diffusers
+key map), HunyuanVideo 1.5 (q/k/v fused into its qkv), HiDream-I1, LTX-2, Wan 2.2 TI2V-5B, T2V A14B and I2V A14B,
+FLUX.2 dev and klein (BFL's fused qkv), Krea 2, Qwen-Image 2.1 (gate_layer + proj fused into gate_up), Qwen-Image-Edit,
+Flux.1 Kontext and Chroma (the kohya file, patching slices of BFL's fused qkv / linear1 as ComfyUI's flux_to_diffusers
+maps them). For each family, ComfyUI's own model (its weight names and which diffusers rows each holds, below as
 data from ComfyUI's model code) is built from the tiny diffusers denoiser's weights; the exported
 ``lora_comfy.safetensors`` is then applied by ComfyUI's rule (``comfy/lora.py`` ``model_lora_keys_unet``:
 ``diffusion_model.<weight name less .weight>`` is the key; ``comfy/weight_adapter/lora.py``: ``W +=
@@ -164,6 +165,80 @@ def hunyuan_video_names(module) -> list[str]:
                for i in range(len(module.context_embedder.token_refiner.refiner_blocks))
                for w in ("self_attn.qkv", "self_attn.proj", "mlp.0", "mlp.2", "adaLN_modulation.1")]
     return double + refiner
+# ComfyUI's Z-Image model (its Lumina 2 NextDiT, comfy/ldm/lumina/model.py): q/k/v are one attention.qkv (rows q, k, v,
+# each dim wide), to_out.0 is attention.out, the grouped embedder / final layer drop diffusers' "all_"/"2-1" names.
+_ZB = r"(?P<b>(?:layers|noise_refiner|context_refiner)\.\d+)"
+Z_IMAGE = (
+    (_ZB + r"\.attention\.qkv", tuple(f"{{b}}.attention.to_{p}" for p in "qkv")),
+    (_ZB + r"\.attention\.out", ("{b}.attention.to_out.0",)),
+    (r"final_layer\.(?P<r>.+)", ("all_final_layer.2-1.{r}",)),
+    (r"x_embedder", ("all_x_embedder.2-1",)),
+    (r"(?P<n>.+)", ("{n}",)),
+)
+_Z_TOP = {"final_layer.linear": "all_final_layer.2-1.linear", "x_embedder": "all_x_embedder.2-1",
+          "final_layer.adaLN_modulation.1": "all_final_layer.2-1.adaLN_modulation.1",
+          **{n: n for n in ("cap_embedder.1", "t_embedder.mlp.0", "t_embedder.mlp.2")}}
+
+
+def z_image_blocks(module) -> list[tuple[str, bool]]:
+    """(block, has adaLN modulation): the context refiner has none."""
+    return ([(f"layers.{i}", True) for i in range(len(module.layers))]
+            + [(f"noise_refiner.{i}", True) for i in range(len(module.noise_refiner))]
+            + [(f"context_refiner.{i}", False) for i in range(len(module.context_refiner))])
+
+
+def z_image_names(module) -> list[str]:
+    return [f"{b}.{w}" for b, ada in z_image_blocks(module)
+            for w in ("attention.qkv", "attention.out", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3",
+                      *(("adaLN_modulation.0",) if ada else ()))] + list(_Z_TOP)
+
+
+def z_image_keys(module) -> dict:
+    """ComfyUI's keys for a Z-Image LoRA (comfy/lora.py model_lora_keys_unet, its Lumina2 branch over comfy/utils.py
+    z_image_to_diffusers): ``diffusion_model.<diffusers name>``; to_q/to_k/to_v patch row slices (0, j x dim, dim) of
+    qkv."""
+    h, d = module.config.dim, "diffusion_model"
+    keys: dict = {f"{d}.{n}": f"{d}.{n}.weight" for n in z_image_names(module)}  # its generic keys, and the branch's:
+    keys |= {f"{d}.{diff}": f"{d}.{comfy}.weight" for comfy, diff in _Z_TOP.items()}
+    for b, ada in z_image_blocks(module):
+        for j, p in enumerate("qkv"):
+            keys[f"{d}.{b}.attention.to_{p}"] = (f"{d}.{b}.attention.qkv.weight", (0, j * h, h))
+        keys[f"{d}.{b}.attention.to_out.0"] = f"{d}.{b}.attention.out.weight"
+        for w in ("feed_forward.w1", "feed_forward.w2", "feed_forward.w3", *(("adaLN_modulation.0",) if ada else ())):
+            keys[f"{d}.{b}.{w}"] = f"{d}.{b}.{w}.weight"
+    return keys
+
+
+# ComfyUI's Krea 2 model (the original krea-ai/krea-2 names; comfy/utils.py krea2_to_diffusers maps diffusers' onto
+# them): one linear each.
+_KA = {"wq": "to_q", "wk": "to_k", "wv": "to_v", "wo": "to_out.0", "gate": "to_gate"}
+KREA2 = (
+    *((rf"blocks\.(?P<i>\d+)\.attn\.{c}", (f"transformer_blocks.{{i}}.attn.{d}",)) for c, d in _KA.items()),
+    (r"blocks\.(?P<i>\d+)\.mlp\.(?P<p>gate|up|down)", ("transformer_blocks.{i}.ff.{p}",)),
+    *((rf"txtfusion\.(?P<k>\w+_blocks)\.(?P<i>\d+)\.attn\.{c}", (f"text_fusion.{{k}}.{{i}}.attn.{d}",))
+      for c, d in _KA.items()),
+    (r"txtfusion\.(?P<k>\w+_blocks)\.(?P<i>\d+)\.mlp\.(?P<p>gate|up|down)", ("text_fusion.{k}.{i}.ff.{p}",)),
+)
+
+
+def krea2_names(module) -> list[str]:
+    blocks = [f"blocks.{i}" for i in range(len(module.transformer_blocks))] + [
+        f"txtfusion.{k}.{i}" for k in ("layerwise_blocks", "refiner_blocks")
+        for i in range(len(getattr(module.text_fusion, k)))]
+    return [f"{b}.{w}" for b in blocks for w in (*(f"attn.{c}" for c in _KA), "mlp.gate", "mlp.up", "mlp.down")]
+
+
+# ComfyUI's Qwen-Image 2.1 model: diffusers' names, but each block's gate_layer and proj are one img_mlp.gate_up
+# (rows gate, then up); comfy/lora.py model_lora_keys_unet maps LoRA keys for the halves onto its row slices.
+QWEN21 = ((r"(?P<b>transformer_blocks\.\d+)\.img_mlp\.gate_up", ("{b}.img_mlp.gate_layer", "{b}.img_mlp.proj")),
+          *IDENTITY)
+
+
+def qwen21_names(module) -> list[str]:
+    return [n.replace(".gate_layer", ".gate_up") for n in sorted(weights(module, False))
+            if not n.endswith(".img_mlp.proj")]
+
+
 # ComfyUI's LTX-2 model (the original ltx-core names; diffusers' _convert_non_diffusers_ltx2_lora_to_diffusers is
 # the inverse): the block linears carry diffusers' names, the top-level ones below are renamed.
 LTX2 = (
@@ -180,7 +255,7 @@ def ltx2_names(module) -> list[str]:
 
 
 # case -> (run overrides, ComfyUI's model table, its weight names: a list, a function of the diffusers
-# denoiser, or None = every linear of the diffusers model)
+# denoiser, or None = every linear of the diffusers model[, ComfyUI's LoRA key map of the denoiser[, the file]])
 CASES = {
     # the default targets (q, k, v, out): one fused qkv LoRA per block
     "lumina2": (["trainer=lumina2"], NEXTDIT, NEXTDIT_NAMES),
@@ -192,19 +267,36 @@ CASES = {
     "wan22_5b": (["trainer=wan", "trainer.variant=2.2-5b"], WAN, wan_names),
     "wan22_i2v_a14b": (["trainer=wan", "trainer.variant=i2v-2.2-a14b", "trainer.experts=high", "data.frames=5"], WAN,
                        wan_names),
-    # FLUX.2 klein: q/k/v fused into BFL's qkv, the scale folded into B and no .alpha (ComfyUI applies it as stored)
+    # Wan 2.2 T2V A14B, one expert (the low-noise one; each expert's file is one of these)
+    "wan22_a14b": (["trainer=wan", "trainer.variant=2.2-a14b", "trainer.experts=low"], WAN, wan_names),
+    # FLUX.2 dev and klein: q/k/v fused into BFL's qkv, the scale in B and no .alpha (ComfyUI applies it as stored)
     "flux2_klein": (["trainer=flux2_klein"], FLUX2, flux2_names),
+    "flux2": (["trainer=flux2"], FLUX2, flux2_names),
     # LTX-2: LoRAs on every attention of both streams and the audio-video cross attentions, the scale in B
     "ltx2": (["trainer=ltx2", "model.lora_targets=[to_q,to_k,to_v,to_out.0,proj_in,audio_proj_in]"], LTX2,
              lambda m: ltx2_names(m) + ["patchify_proj", "audio_patchify_proj"]),
     # Qwen-Image-Edit: ComfyUI loads it as its Qwen-Image model, whose modules carry diffusers' names
     "qwen_image_edit": (["trainer=qwen_image_edit", "data.references=1"], IDENTITY, lambda m: sorted(weights(m, False))),
     # Flux.1 Kontext and Chroma: the kohya file (lora_kohya.safetensors) is their ComfyUI file
-    "flux_kontext": (["trainer=flux_kontext", "data.references=1"], FLUX, flux_names, flux_keys),
-    "chroma": (["trainer=chroma"], FLUX, flux_names, flux_keys),
+    "flux_kontext": (["trainer=flux_kontext", "data.references=1"], FLUX, flux_names, flux_keys, KOHYA_FILE),
+    "chroma": (["trainer=chroma"], FLUX, flux_names, flux_keys, KOHYA_FILE),
     # HunyuanVideo 1.5: both streams' q/k/v fused into ComfyUI's qkv, the MLPs and modulations of blocks and refiner
     "hunyuan_video15": (["trainer=hunyuan_video15", f"model.lora_targets={HV15_TARGETS}"], HUNYUAN_VIDEO,
                         hunyuan_video_names),
+    # Krea 2: the original krea-2 names, the scale in B; every attention of the blocks and the text fusion's
+    "krea2": (["trainer=krea2"], KREA2, krea2_names),
+    # Qwen-Image 2.1: the default targets (attention), then the MLP ComfyUI fuses (gate_layer and proj into gate_up)
+    "qwen_image21": (["trainer=qwen_image21"], QWEN21, qwen21_names),
+    "qwen_image21_mlp": (["trainer=qwen_image21", "model.lora_targets=[to_q,gate_layer,proj,img_mlp.out]"], QWEN21,
+                         qwen21_names),
+    # Z-Image: diffusers' names, which ComfyUI maps onto its NextDiT (q/k/v onto slices of the fused qkv)
+    "z_image": (["trainer=z_image"], Z_IMAGE, z_image_names, z_image_keys),
+    # k and out (q, v rows stay zero), feed-forward, modulations, embedders and the final layer (the final layer's
+    # adaLN_modulation.0 is a SiLU, so the blocks' are named whole)
+    "z_image_ffn": (["trainer=z_image", "model.lora_targets=[to_k,to_out.0,w2,layers.1.adaLN_modulation.0,"
+                     "noise_refiner.0.adaLN_modulation.0,all_x_embedder.2-1,all_final_layer.2-1.linear,"
+                     "all_final_layer.2-1.adaLN_modulation.1,cap_embedder.1,t_embedder.mlp.2]"],
+                    Z_IMAGE, z_image_names, z_image_keys),
 }
 
 
@@ -267,10 +359,10 @@ def weights(module: torch.nn.Module, merged: bool) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("case", list(CASES))
 def test_comfyui_applies_the_file_at_the_trained_strength(tmp_path, case):
     overrides, table, names, *keys = CASES[case]
+    comfy_file = keys[1] if len(keys) > 1 else COMFY_FILE
     trainer, module = adapted(overrides)
     files = write_lora_files(trainer, trainer.pipeline_class(), trainer.denoiser, module, tmp_path, {"step": 1},
                              ExportConfig())
-    comfy_file = KOHYA_FILE if keys else COMFY_FILE
     assert files == [DIFFUSERS_FILE, comfy_file]
     lora = load_file(str(tmp_path / comfy_file))
     key_map = keys[0](module) if keys else None
