@@ -254,11 +254,8 @@ PRESETS = sorted(p.stem for p in (Path(__file__).resolve().parents[3] / "conf" /
 VIDEO = {"wan_24gb": 5, "wan22_5b_16gb": 5, "wan22_a14b_24gb": 5}
 
 
-# Known gaps (strict: the test says when they close). hunyuan_video15_24gb: the card peaks at 0.674 of the plan
-# (10.3 of 15.3 MB, measured 2026-12-07); the plan's peak is the forward (16.4 MB). A real CPU step of the tiny LoRA
-# (no preset) peaks 1.31x its plan in the forward instead: both point at the attention kernel chosen for the
-# 1,113-token joint sequence with its (B, 1, L, L) boolean mask (2 heads x L^2 scores are 5-10 MB), not yet checked.
-KNOWN_GAPS = {"hunyuan_video15_24gb": "the tiny card peak is 0.674 of the plan (forward over-planned)"}
+# Known gaps (strict: the test says when they close): preset -> why its ratio is off the bar. None now.
+KNOWN_GAPS: dict[str, str] = {}
 
 
 @pytest.mark.slow
