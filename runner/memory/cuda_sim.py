@@ -89,7 +89,8 @@ _SYNC_OPS = {_aten._local_scalar_dense.default}
 _COPY_PACKETS = {_aten._to_copy, _aten.copy_}
 # bitsandbytes' 4-bit matmul: on CUDA, past its custom kernel's range of rows (all but a few tokens), it
 # dequantizes the whole weight to the input's dtype and runs F.linear; the CPU kernel's own temporaries are
-# invisible to the tracker, so the card allocates that weight around the op, as the planner does (plugins/quantization/bnb.py).
+# invisible to the tracker, so the card allocates that weight around the op, as the planner does
+# (plugins/quantization/bnb.py).
 _DEQUANT_MATMULS = frozenset({"bitsandbytes::gemm_4bit"})
 # torch modules whose ``.to(device)`` passes the real device of card tensors (a bare ``cpu`` here): on a GPU
 # that is the card, so no move (torch.nn.utils.clip_grad moves the clip coefficient to the gradients' device).
