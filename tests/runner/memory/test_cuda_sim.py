@@ -190,6 +190,22 @@ def test_bitsandbytes_4bit_weights_move_to_the_card_and_back():
         assert card.tracker.place_of(layer.weight) == HOST_KEY
 
 
+def test_the_4bit_matmul_holds_the_dequantized_weight_on_the_card_as_cuda_does():
+    # CUDA's gemm_4bit dequantizes the weight to the input's dtype past a few rows; the CPU kernel hides it.
+    bnb = pytest.importorskip("bitsandbytes")
+    with SimulatedCuda(None) as card:
+        layer = bnb.nn.Linear4bit(256, 512, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4")
+        layer = layer.to(SIM_DEVICE)
+        x = torch.randn(64, 256, device=SIM_DEVICE, dtype=torch.bfloat16)
+        before = card.tracker.current[DEVICE_KEY]
+        card.tracker.peak[DEVICE_KEY] = before  # the peak from here on
+        with torch.no_grad():
+            y = layer(x)
+        assert card.tracker.peak[DEVICE_KEY] - before == 512 * 256 * 2 + y.numel() * 2  # weight in bf16 + output
+        torch.empty(0, device=SIM_DEVICE)  # the next op counts the frees since the last one
+        assert card.tracker.current[DEVICE_KEY] - before == y.numel() * 2  # the weight went with the op
+
+
 # ---- whole runs on the simulated card ----------------------------------------------------------
 
 
