@@ -111,7 +111,9 @@ class _SimulatedQuantMatmul(torch.autograd.Function):
         if layer.method == "nf4":
             cdt = layer.compute_dtype
             dequantized = empty_like_device(x, (out_f, in_f), cdt)  # what gemm_4bit materialises
-            y = F.linear(x.to(cdt), dequantized, None if bias is None else bias.to(cdt)).to(x.dtype)
+            y = F.linear(x.to(cdt), dequantized, None if bias is None else bias.to(cdt))
+            del dequantized  # freed inside gemm_4bit, before Linear4bit casts its output back to the input's dtype
+            y = y.to(x.dtype)
             ctx.save_for_backward(weight)  # MatMul4Bit keeps only the packed weight
         else:
             rows = x.numel() // x.shape[-1]

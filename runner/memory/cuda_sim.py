@@ -87,6 +87,11 @@ _CROSSING_OPS = {_aten._to_copy, _aten.copy_, _aten.copy, _aten._copy_from, _ate
 _SYNC_OPS = {_aten._local_scalar_dense.default}
 # Copies: one from the card into host memory that is not non_blocking is a host sync.
 _COPY_PACKETS = {_aten._to_copy, _aten.copy_}
+# bitsandbytes' 4-bit matmul: on CUDA, past its custom kernel's range of rows (all but a few tokens), it
+# dequantizes the whole weight to the input's dtype and runs F.linear; the CPU kernel's own temporaries are
+# invisible to the tracker, so the card allocates that weight around the op, as the planner does
+# (plugins/quantization/bnb.py).
+_DEQUANT_MATMULS = frozenset({"bitsandbytes::gemm_4bit"})
 # torch modules whose ``.to(device)`` passes the real device of card tensors (a bare ``cpu`` here): on a GPU
 # that is the card, so no move (torch.nn.utils.clip_grad moves the clip coefficient to the gradients' device).
 _REAL_DEVICE_CALLERS = {"torch.nn.utils.clip_grad"}
@@ -217,7 +222,9 @@ class PlacementTracker(LiveBytesTracker):
         self._op_key = self._placement(kwargs or {}, args)
         self._count(func, args, kwargs or {})
         self.alloc_observer.failed = None
+        dequantized = self._dequantized_weight(func, types, args)  # alive while the op's output is allocated
         out = super().__torch_dispatch__(func, types, args, kwargs)
+        del dequantized
         if self._pinning:
             for t in tree_iter(out):
                 if isinstance(t, torch.Tensor) and (s := _storage_of(t)) is not None:
@@ -225,6 +232,15 @@ class PlacementTracker(LiveBytesTracker):
         if self.alloc_observer.failed is not None:
             raise torch.OutOfMemoryError(self._oom_message(func, self.alloc_observer.failed))
         return out
+
+    def _dequantized_weight(self, func: Any, types: Any, args: tuple) -> torch.Tensor | None:
+        """The compute-dtype weight CUDA's 4-bit matmul materialises (``_DEQUANT_MATMULS``), on the card."""
+        if getattr(func, "namespace", None) != "bitsandbytes" or func.name() not in _DEQUANT_MATMULS \
+                or self._op_key != DEVICE_KEY:
+            return None
+        a, shape_b = args[0], args[2]  # gemm_4bit(A, B, shapeB, absmax, ...): the weight is shapeB = (N, K)
+        return super().__torch_dispatch__(_aten.empty.memory_format, types, (tuple(int(n) for n in shape_b),),
+                                          {"dtype": a.dtype, "device": a.device})
 
     def _oom_message(self, func: Any, nbytes: int) -> str:
         a = self.allocator

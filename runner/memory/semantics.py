@@ -222,6 +222,8 @@ class DeviceSemantics(TorchFunctionMode):
         ops = torch.ops.aten
         if self.target == "cpu":
             if torch.backends.cuda.flash_sdp_enabled() and same_heads:
+                if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:  # converted at SDPA's entry on the
+                    mask = _additive_mask(mask, dtype)  # CPU too: the kernel saves the float mask for backward
                 return ops._scaled_dot_product_flash_attention_for_cpu(
                     q, k, v, dropout, causal, attn_mask=mask, scale=scale)[0]
             return func(*args, **kwargs)

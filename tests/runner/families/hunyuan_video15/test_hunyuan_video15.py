@@ -209,3 +209,13 @@ def test_the_preset_trains_two_tiny_steps(tmp_path):
                          "data.demo_size=2", f"output_dir={tmp_path}"]))
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
+
+
+def test_planned_peak_of_the_tiny_lora_matches_a_real_cpu_step():
+    """The joint attention's (B, 1, L, L) boolean mask reaches the CPU's flash kernel as the float mask SDPA's entry
+    makes of it, kept for backward in each block (runner/memory/semantics.py): planned as a boolean one, the plan
+    was 1.5x under the real step."""
+    from planner_truth import assert_plan_matches_a_real_cpu_step
+
+    assert_plan_matches_a_real_cpu_step(compose_config(["trainer=hunyuan_video15", "model.train=lora",
+                                                        "train.device=cpu"]))
