@@ -19,12 +19,13 @@ and a zero mask channel (65 channels), a zero SigLIP image embedding (which the 
 timestep in the transformer's dtype.
 
 Loss: the flow-matching family's, ``t`` logit-normal shifted by ``loss.shift`` (``loss.timestep_shift=fixed`` by
-default; the preset sets 5.0, the 480p model's sampling shift); the target is the velocity ``noise - x0``, as the
+default, at 5.0, the 480p model's sampling shift, unless ``loss.shift`` is given); the target is the velocity ``noise - x0``, as the
 pipeline's Euler scheduler steps ``x + (sigma_next - sigma) v``.
 """
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from contextlib import contextmanager
 from typing import Any
 
@@ -37,6 +38,7 @@ from runner.families.common.loading import compute_dtype, pipeline_class
 from runner.families.common.tokenizers import qwen3_tokenizer, t5_tokenizer
 from runner.families.hunyuan_video15 import architecture as hv_configs
 from runner.families.hunyuan_video15.config import HunyuanVideo15TrainerConfig
+from runner.loss.config import LossConfig
 from runner.trainer import Batch, EncodePart, ModelSet, batch_device
 
 DEFAULT_FRAMES = {"tiny": 5, "full": 121}  # data.frames unset: 121 is the pipeline's 5 s at 24 fps
@@ -85,6 +87,8 @@ class HunyuanVideo15Trainer(FlowMatchTrainer):
 
     def __init__(self, cfg: Any, run: Any = None) -> None:
         super().__init__(cfg, run)
+        if self.loss_options.shift == LossConfig.shift:  # loss.shift left at the schema's 3.0: the family's own 5.0
+            self.loss_options = replace(self.loss_options, shift=hv_configs.FLOW_SHIFT)
         length = cfg.trainer.get("max_sequence_length")
         self.table = "full" if self.source is not None else self.size
         default = hv_configs.MAX_SEQUENCE_LENGTH[self.table]

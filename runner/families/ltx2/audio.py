@@ -7,7 +7,6 @@ diffusers' ``LTX2Pipeline`` only decodes audio, so this is the encode side of it
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -27,9 +26,9 @@ def _mel_to_hz(m: torch.Tensor) -> torch.Tensor:
     return torch.where(m >= min_log_mel, _MIN_LOG_HZ * torch.exp(_LOG_STEP * (m - min_log_mel)), _F_SP * m)
 
 
-@functools.cache
 def slaney_filterbank(n_fft: int, n_mels: int, sample_rate: int) -> torch.Tensor:
-    """``(n_fft // 2 + 1, n_mels)`` triangular filters on the Slaney mel scale, area-normalised (float64 math)."""
+    """``(n_fft // 2 + 1, n_mels)`` triangular filters on the Slaney mel scale, area-normalised (float64 math).
+    Not cached: a tensor made inside the planner is fake, and a cache would hand it to later real calls."""
     freqs = torch.linspace(0, sample_rate // 2, n_fft // 2 + 1, dtype=torch.float64)
     edges = _mel_to_hz(torch.linspace(float(_hz_to_mel(torch.tensor(0.0, dtype=torch.float64))),
                                       float(_hz_to_mel(torch.tensor(sample_rate / 2, dtype=torch.float64))),

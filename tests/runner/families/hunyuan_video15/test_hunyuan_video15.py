@@ -119,7 +119,8 @@ def test_latents_and_loss(built):
     dist = models["vae"].encode(pixels).latent_dist
     assert encoded["latents"].shape == (1, 4, 2, 2, 3)
     torch.testing.assert_close(encoded["latents"] / 1.03682, dist.mean, rtol=0, atol=float(dist.std.max()) * 6)
-    t = trainer.timesteps(torch.arange(4096))  # logit-normal, then the fixed shift s t / (1 + (s - 1) t), s = 3
+    assert trainer.loss_options.shift == 5.0  # loss.shift left unset: the 480p model's shift, not the schema's 3.0
+    t = trainer.timesteps(torch.arange(4096))  # logit-normal, then the fixed shift s t / (1 + (s - 1) t), s = 5
     assert 0.5 < float(t.median()) < 0.9
     loss = trainer.loss(models, encoded)
     assert loss.ndim == 0 and math.isfinite(float(loss))
