@@ -34,6 +34,7 @@ import torch
 from runner.compat import is_fake, without_dispatch_modes
 from runner.errors import UserError
 from runner.families.common.flow import FlowMatchTrainer
+from runner.families.common.clips import ClipData
 from runner.families.common.loading import compute_dtype, pipeline_class
 from runner.families.common.tokenizers import qwen3_tokenizer, t5_tokenizer
 from runner.families.hunyuan_video15 import architecture as hv_configs
@@ -75,7 +76,7 @@ def answered_zero_image(embeds: torch.Tensor) -> Iterator[None]:
         yield
 
 
-class HunyuanVideo15Trainer(FlowMatchTrainer):
+class HunyuanVideo15Trainer(ClipData, FlowMatchTrainer):
     """HunyuanVideo 1.5 text-to-video transformer, rectified-flow matching loss."""
 
     Config = HunyuanVideo15TrainerConfig
@@ -165,21 +166,6 @@ class HunyuanVideo15Trainer(FlowMatchTrainer):
 
     def temporal_factor(self) -> int:
         return int(self.component_config("vae").get("temporal_compression_ratio") or 4)
-
-    # -- data ------------------------------------------------------------------------------------
-    def dataset(self) -> Any:
-        from runner.data import build_video_dataset
-        from runner.data.video import check_frame_counts
-
-        ds = build_video_dataset(self.cfg.data, *self.video_defaults(self.cfg))
-        check_frame_counts(ds, int(self.cfg.train.batch_size))
-        return ds
-
-    def cache_signature(self, part: str) -> dict[str, Any]:
-        sig = super().cache_signature(part)
-        if "data" in sig:
-            sig["data"]["clips"] = self.clips.signature()
-        return sig
 
     # -- encoding --------------------------------------------------------------------------------
     def crop_start(self) -> int:

@@ -32,6 +32,7 @@ import torch
 from runner.errors import UserError
 from runner.families.common.flow import FlowMatchTrainer
 from runner.families.common.latents import TIMESTEP_SALT, VAE_SALT, LatentMoments, sample_latents
+from runner.families.common.clips import ClipData
 from runner.families.common.loading import compute_dtype, pipeline_class
 from runner.families.common.tokenizers import qwen2_tokenizer
 from runner.families.ltx2 import architecture as ltx2_configs
@@ -50,7 +51,7 @@ MAX_SEQUENCE_LENGTH = 4096  # a bound for the option
 BASE_SEQ, MAX_SEQ, BASE_SHIFT, MAX_SHIFT = 1024, 4096, 0.95, 2.05
 
 
-class LTX2Trainer(LossParts, FlowMatchTrainer):
+class LTX2Trainer(LossParts, ClipData, FlowMatchTrainer):
     """LTX-2 audio-video transformer, rectified-flow matching loss over video and audio."""
 
     Config = LTX2TrainerConfig
@@ -179,21 +180,6 @@ class LTX2Trainer(LossParts, FlowMatchTrainer):
     def audio_samples(self) -> int:
         """Waveform samples of one clip's window at the audio VAE's rate."""
         return round(self.clips.frames / float(self.clips.fps or DEFAULT_FPS) * int(self.audio_setting("sample_rate")))
-
-    # -- data ------------------------------------------------------------------------------------
-    def dataset(self) -> Any:
-        from runner.data import build_video_dataset
-        from runner.data.video import check_frame_counts
-
-        ds = build_video_dataset(self.cfg.data, *self.video_defaults(self.cfg))
-        check_frame_counts(ds, int(self.cfg.train.batch_size))
-        return ds
-
-    def cache_signature(self, part: str) -> dict[str, Any]:
-        sig = super().cache_signature(part)
-        if "data" in sig:
-            sig["data"]["clips"] = self.clips.signature()
-        return sig
 
     # -- encoding --------------------------------------------------------------------------------
     def encode_parts(self) -> dict[str, EncodePart]:

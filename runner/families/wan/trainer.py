@@ -42,6 +42,7 @@ from hydra.utils import get_class
 
 from runner.errors import UserError
 from runner.families.common.flow import FlowMatchTrainer
+from runner.families.common.clips import ClipData
 from runner.families.common.loading import compute_dtype, pipeline_class
 from runner.families.common.tokenizers import t5_tokenizer
 from runner.families.qwen_image.trainer import latent_factor, normalize_per_channel
@@ -56,7 +57,7 @@ DEFAULT_FRAMES = {"tiny": 9, "full": 81}  # data.frames unset: 81 is Wan's nativ
 
 
 
-class WanTrainer(FlowMatchTrainer):
+class WanTrainer(ClipData, FlowMatchTrainer):
     """Wan 2.1/2.2 text-to-video transformer, rectified-flow matching loss."""
 
     Config = WanTrainerConfig
@@ -174,21 +175,6 @@ class WanTrainer(FlowMatchTrainer):
 
     def temporal_factor(self) -> int:
         return int(self.component_config("vae").get("scale_factor_temporal") or 4)
-
-    # -- data ------------------------------------------------------------------------------------
-    def dataset(self) -> Any:
-        from runner.data import build_video_dataset
-        from runner.data.video import check_frame_counts
-
-        ds = build_video_dataset(self.cfg.data, *self.video_defaults(self.cfg))
-        check_frame_counts(ds, int(self.cfg.train.batch_size))
-        return ds
-
-    def cache_signature(self, part: str) -> dict[str, Any]:
-        sig = super().cache_signature(part)
-        if "data" in sig:
-            sig["data"]["clips"] = self.clips.signature()
-        return sig
 
     # -- encoding --------------------------------------------------------------------------------
     def encode_parts(self) -> dict[str, EncodePart]:
