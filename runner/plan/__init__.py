@@ -172,8 +172,10 @@ def preflight(cfg: Any, run: ResolvedRun, trainer: Any, out: Path) -> Plan | Non
             raise
         raise planner_failure(e, trainer, "the preflight") from None
     path = plan.write_json(out / PLAN_FILE) if run.dist.is_main else out / PLAN_FILE  # rank 0 writes it
-    log.info("preflight: predicted peak %s on %s in %s (%.1f s to plan)%s; %s", format_size(plan.required_bytes),
+    imported = plan.notes.get("timings_s", {}).get("model classes import")
+    log.info("preflight: predicted peak %s on %s in %s (%.1f s to plan%s)%s; %s", format_size(plan.required_bytes),
              plan.target, plan.peak_phase, plan.seconds,
+             "" if imported is None else f", after {imported:.1f} s importing the model classes the run builds",
              "" if plan.budget_bytes is None else f", budget_gb {plan.budget_bytes / GiB:g}", path)
     if not plan.fits:
         print(plan.format_table())

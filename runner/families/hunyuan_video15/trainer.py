@@ -39,6 +39,7 @@ from runner.families.common.loading import compute_dtype, pipeline_class
 from runner.families.common.tokenizers import qwen3_tokenizer, t5_tokenizer
 from runner.families.hunyuan_video15 import architecture as hv_configs
 from runner.families.hunyuan_video15.config import HunyuanVideo15TrainerConfig
+from runner.families.hunyuan_video15.vae_mask import use_frame_causal_masks
 from runner.loss.config import LossConfig
 from runner.trainer import Batch, EncodePart, ModelSet, batch_device
 
@@ -130,6 +131,12 @@ class HunyuanVideo15Trainer(ClipData, FlowMatchTrainer):
 
     def size_configs(self) -> dict[str, dict[str, Any]]:
         return hv_configs.hunyuan_video15_configs(self.size)
+
+    def build_models(self, device: str | torch.device = "cpu") -> ModelSet:
+        """The base's models, the VAE building its causal masks a frame at a time (runner/families/hunyuan_video15/vae_mask.py)."""
+        models = super().build_models(device)
+        use_frame_causal_masks(models["vae"])
+        return models
 
     def default_tokenizer(self, name: str) -> Any:
         """Offline stand-ins: Qwen's byte-level vocabulary with the chat template; ByT5's bytes."""

@@ -26,6 +26,7 @@ from runner.export.checkpoint import EXPORT_DIR
 from runner.export.comfy import COMFY_FILE
 from runner.export.lora import DIFFUSERS_FILE
 from runner.families.hunyuan_video15.trainer import HunyuanVideo15Trainer
+from runner.families.hunyuan_video15.vae_mask import frame_causal_mask, use_frame_causal_masks
 from runner.output.report import read_metrics
 from runner.resolved import resolve
 from runner.state.checkpoint import load_trainable_weights
@@ -124,6 +125,33 @@ def test_latents_and_loss(built):
     assert 0.5 < float(t.median()) < 0.9
     loss = trainer.loss(models, encoded)
     assert loss.ndim == 0 and math.isfinite(float(loss))
+
+
+@pytest.mark.parametrize("n_frame,n_hw,batch", [(1, 6, None), (2, 5, 2), (4, 12, None)])
+def test_the_frame_causal_mask_is_diffusers_mask(n_frame, n_hw, batch):
+    from diffusers.models.autoencoders.autoencoder_kl_hunyuanvideo15 import HunyuanVideo15AttnBlock
+
+    ours = frame_causal_mask(n_frame, n_hw, torch.bfloat16, "cpu", batch)
+    theirs = HunyuanVideo15AttnBlock.prepare_causal_attention_mask(n_frame, n_hw, torch.bfloat16, "cpu", batch)
+    assert torch.equal(ours, theirs) and ours.stride() == theirs.stride()
+
+
+def test_the_built_vae_uses_it_and_encodes_as_diffusers_class_does(built):
+    """Every attention block of the built VAE makes its mask a frame at a time; the posterior is bit for bit the
+    one the class's own per-row mask gives."""
+    _, models = built
+    vae = models["vae"]
+    blocks = [m for m in vae.modules() if hasattr(type(m), "prepare_causal_attention_mask")]
+    assert blocks and all(m.prepare_causal_attention_mask is frame_causal_mask for m in blocks)
+    pixels = torch.rand(1, 3, 5, 32, 32) * 2 - 1
+    ours = vae.encode(pixels).latent_dist.mean
+    for m in blocks:
+        del m.prepare_causal_attention_mask
+    try:
+        theirs = vae.encode(pixels).latent_dist.mean
+    finally:
+        use_frame_causal_masks(vae)
+    assert torch.equal(ours, theirs)
 
 
 def test_two_steps_train_and_the_lora_loads_into_diffusers_with_the_runners_weights(tmp_path):
