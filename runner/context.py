@@ -105,6 +105,8 @@ class RunContext:
     step_contexts: list[Callable[[], Any]] = field(default_factory=list)
     # Lines for the run report and plan.json ("optimizer state bytes": 1234): shown, never read back.
     notes: dict[str, Any] = field(default_factory=dict)
+    # The same plugins built for the simulated run, which the preflight plans (runner/session.py:open_run).
+    plan_schedule: Schedule | None = None
     # The features' objects, each a no-op unless its settings switch it on. The session injects them
     # (runner/parts.py:make_context, or ``**idle_parts(run)`` for a context built by hand), so this
     # module imports no feature.

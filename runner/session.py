@@ -63,6 +63,8 @@ def open_run(cfg: Any, out: Path, overrides: list[str] | None, checked: CheckedR
     schedule = PluginSchedule.build(checked.plugins) if checked is not None else build_plugins(cfg, run)
     log.info("plugin order:\n%s", schedule.describe())
     ctx = make_context(cfg, run, schedule, out, overrides)
+    if bool(cfg.train.get("preflight", True)):  # what the preflight plans: the run's plugins, for the simulated run
+        ctx.plan_schedule = build_plugins(cfg, run.simulated(), check=False)
     ctx.card = simulated_card(cfg, run)  # train.device=cuda_sim: the card the run's steps are placed on
     ctx.run_phase("configure_process")  # before anything touches CUDA
     ctx.accelerator = make_accelerator(run, **({} if hosted else accelerator_kwargs(cfg.log, out)))
@@ -102,7 +104,7 @@ def make_accelerator(run: ResolvedRun, **tracking: Any) -> Accelerator:
 def plan_run(ctx: RunContext, planned: Any) -> None:
     """Preflight: the planner simulates one full step of ``planned`` (a trainer, or a hosted loop's
     protocol view) with this run's plugins; over ``budget_gb`` the run stops here (exit 3)."""
-    preflight(ctx.cfg, ctx.run, planned, ctx.output_dir)
+    preflight(ctx.cfg, ctx.run, planned, ctx.plan_schedule, ctx.output_dir)
 
 
 def cache_fillers(ctx: RunContext) -> list[Any]:

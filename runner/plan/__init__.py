@@ -62,7 +62,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from runner.parts import build_plugins
 from runner.errors import UserError
 from runner.guards.oom import is_out_of_memory
 from runner.plan.failure import OPT_OUT, planner_failure
@@ -70,7 +69,7 @@ from runner.plan.picture import draw_plan
 from runner.plan.fake import SimulationMode, fake_module, simulation_mode
 from runner.plan.result import PhasePeak, Plan, format_plan, format_size
 from runner.memory.semantics import DeviceSemantics, SimulatedAccelerator
-from runner.plan.simulate import plan_step
+from runner.plan.simulate import plan_step, simulate_step
 from runner.plan.suggest import suggest
 from runner.plan.target import CUDA_WORKSPACE_MARGIN_BYTES, DEVICE, HOST, GiB
 from runner.plugin import PluginSchedule
@@ -79,7 +78,7 @@ from runner.resolved import ResolvedRun
 __all__ = [
     "CUDA_WORKSPACE_MARGIN_BYTES", "DEVICE", "HOST", "PLAN_FILE", "GiB", "DeviceSemantics", "PhasePeak", "Plan",
     "PlanDoesNotFit", "SimulatedAccelerator", "SimulationMode",
-    "fake_module", "format_plan", "plan_command", "plan_step", "preflight",
+    "fake_module", "format_plan", "plan_command", "plan_step", "preflight", "simulate_step",
     "simulation_mode", "suggest",
 ]
 
@@ -144,8 +143,9 @@ def _said_by_the_run() -> Iterator[None]:
         log.removeFilter(quiet)
 
 
-def preflight(cfg: Any, run: ResolvedRun, trainer: Any, out: Path) -> Plan | None:
-    """Plan the run about to start (``run``, as resolved), at its configured size.
+def preflight(cfg: Any, run: ResolvedRun, trainer: Any, schedule: Any, out: Path) -> Plan | None:
+    """Plan the run about to start (``run``, as resolved, with ``trainer`` and its plugins built for the simulated
+    run in ``schedule``: runner/session.py builds them), at its configured size.
 
     Refuses (PlanDoesNotFit, exit 3) when the plan is over ``budget_gb``; without a budget it
     only logs the predicted peak. ``train.preflight=false`` skips it. A step the planner cannot
@@ -158,8 +158,7 @@ def preflight(cfg: Any, run: ResolvedRun, trainer: Any, out: Path) -> Plan | Non
         return None
     try:
         with _said_by_the_run():
-            # the plugins as the job's checks built and validated them, built again for the simulated run
-            plan = plan_step(cfg, trainer, build_plugins(cfg, run.simulated(), check=False), run=run, reads_cache=True)
+            plan = simulate_step(cfg, run, trainer, schedule, reads_cache=True)
     except (UserError, KeyboardInterrupt):
         raise
     except Exception as e:  # noqa: BLE001 - see the docstring

@@ -144,29 +144,40 @@ def plan_step(
     target: str | None = None,
     reads_cache: bool = False,
 ) -> Plan:
-    """Simulate one training step of ``cfg`` (with ``trainer`` and plugin ``schedule`` if given).
+    """Plan ``cfg`` as composed: what is not given is resolved and built here, then :func:`simulate_step`.
 
-    ``cfg``: the composed run config (``runner.compose.compose_config``); ``run``: the resolved
-    run to plan (a training run's own, for its preflight; default: ``cfg`` resolved for
-    ``target``, itself by default CUDA unless ``train.device=cpu``); ``trainer``: any object
-    following the trainer protocol (default: built from ``cfg.trainer``); ``schedule``: a
-    :class:`~runner.plugin.PluginSchedule` (default: the plugins ``cfg`` names, built for the
-    simulated run). Nothing real is allocated. ``reads_cache``: plugins may read their encoder cache to
-    plan only the pre-pass this run does (the preflight); otherwise a cold cache is assumed.
+    For callers without a prepared run (``mode=fit``'s candidates, benchmarks, tests). ``run``: the
+    resolved run (default: ``cfg`` resolved for ``target``, itself by default CUDA unless
+    ``train.device=cpu``); ``trainer``: any object following the trainer protocol (default: built from
+    ``cfg.trainer``); ``schedule``: a :class:`~runner.plugin.PluginSchedule` (default: the plugins
+    ``cfg`` names, built for the simulated run).
     """
     if run is None:
         run = resolve(cfg, target=target or planned_target(cfg), device=DEVICE)
+    simulated = run.simulated()
+    trainer = trainer if trainer is not None else build_trainer(cfg, simulated)
+    schedule = schedule if schedule is not None else build_plugins(cfg, simulated)
+    return simulate_step(cfg, run, trainer, schedule, reads_cache=reads_cache)
+
+
+def simulate_step(cfg: Any, run: ResolvedRun, trainer: Any, schedule: Any, *, reads_cache: bool = False) -> Plan:
+    """Simulate one training step of the run ``run`` with ``trainer`` and the plugin ``schedule`` it is given.
+
+    ``cfg``: the composed run config; ``schedule``: the plugins built for ``run.simulated()``. Nothing
+    real is allocated. ``reads_cache``: plugins may read their encoder cache to plan only the pre-pass
+    this run does (the preflight); otherwise a cold cache is assumed.
+    """
     run = run.simulated()
     t0 = time.perf_counter()
     timing = step_time_target(run)  # before one_thread: a CPU is measured with the run's own threads
     calibrated_s = time.perf_counter() - t0
     started = time.perf_counter()
-    trainer = _isolated(trainer if trainer is not None else build_trainer(cfg, run))
+    trainer = _isolated(trainer)
     t0 = time.perf_counter()
     import_model_classes(trainer)  # before the freeze: see the function
     imported_s = time.perf_counter() - t0  # paid by the process once, and by a run for its own build: not the plan's
     with one_thread(), old_objects_frozen():
-        sim = _Simulation(cfg, run, trainer, schedule if schedule is not None else build_plugins(cfg, run))
+        sim = _Simulation(cfg, run, trainer, schedule)
         if reads_cache:
             sim.ctx.simulated_read = sim.outside
         with contextlib.closing(sim.part_shapes_job):  # no child left running if the plan fails
