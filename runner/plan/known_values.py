@@ -72,6 +72,19 @@ def _simulated(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and (t.device.type == "meta" or is_fake(t))
 
 
+def _leaves(tree: Any) -> Iterator[Any]:
+    """The leaves of an op's arguments or outputs (tuples, lists and dicts of them), as ``tree_flatten`` gives them:
+    this runs for every op while a value is alive, where pytree's generic walk was most of the mode's cost."""
+    if isinstance(tree, (tuple, list)):
+        for item in tree:
+            yield from _leaves(item)
+    elif type(tree) is dict:
+        for item in tree.values():
+            yield from _leaves(item)
+    else:
+        yield tree
+
+
 class KnownValues(TorchDispatchMode):
     """The mode of the module docstring: values of small tensors kept through the simulated ops."""
 
@@ -153,11 +166,12 @@ class KnownValues(TorchDispatchMode):
 
     def _follow(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         """Give ``out`` values computed from the inputs' (or forget a stale one, in place)."""
-        outs = [o for o in tree_flatten(out)[0] if _simulated(o)]
+        outs = [o for o in _leaves(out) if _simulated(o)]
         if not outs:
             return
         values = None
-        if all(o.numel() <= LIMIT for o in outs) and torch.Tag.nondeterministic_seeded not in func.tags:
+        if (all(o.numel() <= LIMIT for o in outs) and torch.Tag.nondeterministic_seeded not in func.tags
+                and all(value_of(a) is not None for a in _leaves((args, kwargs)) if isinstance(a, torch.Tensor))):
             values = self._values(args, kwargs)
         if values is None:
             for o in outs:  # an in-place op with an unknown input: the old value is stale
