@@ -101,18 +101,19 @@ def section(rows: list[dict], load: float, repeats: int) -> str:
         "Each preset is planned with its own command, shown in the table: at `model.size=full` the plan is of the",
         "presets' stated targets, 1024 px (data.resolution's default at full size) and the default batch of 2.",
         "*wall* is the whole command (interpreter, imports of torch/diffusers/transformers, Hydra, the plan);",
-        "*planner* is `plan_step` alone (in plan.json),",
-        "of which *build* includes importing the model classes.",
+        "*import* is the trainer's model classes (diffusers' model packages, transformers' encoders: the process",
+        "pays it once, and a training run for its own build); *planner* is the simulation after it (`seconds` in plan.json).",
         "",
-        "| preset | wall (s) | planner (s) | build / setup / fwd+bwd / optimizer (s) | predicted peak | needed (+ workspaces) | budget | fits | host RAM peak / during training |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| preset | wall (s) | import (s) | planner (s) | build / setup / fwd+bwd / optimizer (s) | predicted peak | needed (+ workspaces) | budget | fits | host RAM peak / during training |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         p, t = r["plan"], r["timings"]
         split = " / ".join(f"{t.get(k, 0):.1f}" for k in ("build", "setup", "forward+backward", "optimizer"))
         budget = f"{p['budget_bytes'] / GiB:g} GiB" if p["budget_bytes"] is not None else "-"
         lines.append(
-            f"| `{r['preset']}` | {', '.join(map(str, r['wall_s']))} | {', '.join(map(str, r['plan_s']))} | {split} | "
+            f"| `{r['preset']}` | {', '.join(map(str, r['wall_s']))} | {t.get('model classes import', 0):.1f} | "
+            f"{', '.join(map(str, r['plan_s']))} | {split} | "
             f"{p['peak_bytes'] / GiB:.2f} GiB ({p['peak_phase']}) | {p['required_bytes'] / GiB:.2f} GiB | {budget} | "
             f"{'yes' if p['fits'] else '**no**'} | {p['host_peak_bytes'] / GiB:.2f} / {p['host_steady_bytes'] / GiB:.2f} GiB |"
         )
