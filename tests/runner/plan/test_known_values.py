@@ -72,15 +72,13 @@ def test_a_trainer_with_masked_text_encoders_plans_at_full_size(tmp_path):
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_a_trainer_with_masked_text_encoders_plans_and_trains_on_every_preset(tmp_path, preset):
-    """Planned for the preset's GPU (tiny), then trained on the CPU with its preflight plan made and checked."""
-    common = [*MASKED, f"+preset={preset}", "data.demo_size=4", "train.batch_size=2",
-              "train.grad_accum=1"]
-    assert task(compose_config([*common, "mode=plan", f"output_dir={tmp_path / 'plan'}"])) is None
-    assert json.loads((tmp_path / "plan" / "plan.json").read_text())["fits"]
+    """Trained on the simulated card: its preflight plans the preset's GPU (tiny) and checks the fit first."""
     out = tmp_path / "run"
-    task(compose_config([*common, "train.device=cpu", "train.steps=2", "train.progress=false", "sample.every=0",
+    task(compose_config([*MASKED, f"+preset={preset}", "data.demo_size=4", "train.batch_size=2", "train.grad_accum=1",
+                         "train.device=cuda_sim", "train.steps=2", "train.progress=false", "sample.every=0",
                          f"output_dir={out}"]))
-    assert (out / "plan.json").is_file()  # the preflight planned it (a failure would have stopped the run)
+    plan = json.loads((out / "plan.json").read_text())  # the preflight planned it (a failure would have stopped the run)
+    assert plan["target"].startswith("cuda") and plan["fits"]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all(r["loss"] > 0 for r in rows)
 
