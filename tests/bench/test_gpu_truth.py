@@ -36,7 +36,7 @@ from gpu_truth_table import BEGIN, END, section  # noqa: E402
 GIB = 2**30
 # The rows the dry run runs: one of each kind of row, the presets they compare with, and a video preset.
 DRY_ROWS = ["sdxl_24gb", "sdxl_24gb__fused_backward", "sdxl_24gb__fused_noclip", "sd35_24gb", "sd35_24gb__stream",
-            "sd15_8gb", "sd15_8gb__oom_recovery", "sdxl_24gb__compile", "wan22_5b_16gb"]
+            "sd15_8gb__oom_recovery", "sdxl_24gb__compile", "wan22_5b_16gb"]
 
 
 def _env() -> dict[str, str]:
