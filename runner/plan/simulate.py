@@ -1,4 +1,4 @@
-"""One training step, simulated: :func:`plan_step`.
+"""One training step, simulated: :func:`simulate_step` (:func:`plan_step` from a config alone).
 
 How a step is simulated
 -----------------------
@@ -144,14 +144,9 @@ def plan_step(
     target: str | None = None,
     reads_cache: bool = False,
 ) -> Plan:
-    """Plan ``cfg`` as composed: what is not given is resolved and built here, then :func:`simulate_step`.
-
-    For callers without a prepared run (``mode=fit``'s candidates, benchmarks, tests). ``run``: the
-    resolved run (default: ``cfg`` resolved for ``target``, itself by default CUDA unless
-    ``train.device=cpu``); ``trainer``: any object following the trainer protocol (default: built from
-    ``cfg.trainer``); ``schedule``: a :class:`~runner.plugin.PluginSchedule` (default: the plugins
-    ``cfg`` names, built for the simulated run).
-    """
+    """Plan ``cfg`` for a caller with no prepared run (fit candidates, benchmarks, tests): ``run`` (default: ``cfg``
+    resolved for ``target``, CUDA unless ``train.device=cpu``), ``trainer`` and ``schedule`` (default: built from
+    ``cfg`` for the simulated run) are made here when not given, then :func:`simulate_step`."""
     if run is None:
         run = resolve(cfg, target=target or planned_target(cfg), device=DEVICE)
     simulated = run.simulated()
@@ -161,12 +156,9 @@ def plan_step(
 
 
 def simulate_step(cfg: Any, run: ResolvedRun, trainer: Any, schedule: Any, *, reads_cache: bool = False) -> Plan:
-    """Simulate one training step of the run ``run`` with ``trainer`` and the plugin ``schedule`` it is given.
-
-    ``cfg``: the composed run config; ``schedule``: the plugins built for ``run.simulated()``. Nothing
-    real is allocated. ``reads_cache``: plugins may read their encoder cache to plan only the pre-pass
-    this run does (the preflight); otherwise a cold cache is assumed.
-    """
+    """Simulate one training step of ``run`` with the ``trainer`` and plugin ``schedule`` (built for
+    ``run.simulated()``) it is given; nothing real is allocated. ``reads_cache``: plugins may read their encoder
+    cache to plan only the pre-pass this run does (the preflight); otherwise a cold cache is assumed."""
     run = run.simulated()
     t0 = time.perf_counter()
     timing = step_time_target(run)  # before one_thread: a CPU is measured with the run's own threads
